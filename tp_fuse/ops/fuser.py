@@ -1,0 +1,293 @@
+"""The operation fuser: runs a group of ops as one autograd function.
+
+Fusion decisions are made at the first call and cached; they are made again
+when the FP8 recipe in force changes (fused kernels differ per recipe).
+Forward and backward are fused independently, so a basic op may belong to one
+fused op in the forward pass and another in the backward pass.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, Optional
+
+import torch
+
+from . import fusion as fusion_registry
+from .explain import FuserExplanation
+from .fusion import FusionLog
+from .op import (
+    BasicOperation,
+    FusibleOperation,
+    OperationContext,
+    check_sequence_length,
+    count_params,
+)
+
+# Fused ops as stored by the fuser: the op and the indices of its basic ops.
+OpRun = tuple[FusibleOperation, list[int]]
+
+
+def _fusion_key() -> Any:
+    """What the fusion decisions depend on: the FP8 recipe in force (or none)."""
+    from ..quantization import active_autocast
+
+    state = active_autocast()
+    if state is None:
+        return None
+    # repr: a recipe mutated in place, or an equal new one, is detected too.
+    return (type(state.recipe).__name__, repr(state.recipe))
+
+
+def _current_recipe() -> Any:
+    from ..quantization import active_autocast
+
+    state = active_autocast()
+    return None if state is None else state.recipe
+
+
+class _OperationFuserAutogradFunction(torch.autograd.Function):
+    """Forward and backward of a fused op group, as one autograd node.
+
+    Inputs: ``input_`` (the main input), the fuser, per-op kwargs, whether
+    gradients are needed (ops skip saving tensors otherwise), then every
+    basic op's parameters (flattened, so autograd tracks them), then the
+    extra inputs of all basic ops (flattened in op order).
+
+    Outputs: the main output, then the extra outputs of all basic ops.
+
+    Backward returns the main input's gradient, each parameter's gradient as
+    produced by its op's (possibly fused) backward, and each extra input's
+    gradient.
+    """
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        func_ctx: Any,
+        input_: torch.Tensor,
+        fuser: "OperationFuser",
+        basic_op_kwargs: list[dict[str, Any]],
+        requires_grad: bool,
+        *params_and_extra_inputs: torch.Tensor,
+    ) -> tuple[torch.Tensor, ...]:
+        basic_ops = fuser.basic_ops
+        num_params = fuser.num_params
+        extra_inputs = params_and_extra_inputs[num_params:]
+        basic_op_extra_inputs = fuser.split_extra_inputs(extra_inputs)
+        basic_op_ctxs = [OperationContext() for _ in basic_ops]
+        for ctx in basic_op_ctxs:
+            ctx.requires_grad = requires_grad
+
+        x = input_
+        extra_outputs: list[Optional[tuple[torch.Tensor, ...]]] = [None] * len(basic_ops)
+        for op, idxs in fuser.forward_ops:
+            x, fused_extra_outputs = op.fuser_forward(
+                [basic_op_ctxs[i] for i in idxs],
+                x,
+                basic_op_extra_inputs=[basic_op_extra_inputs[i] for i in idxs],
+                basic_op_kwargs=[basic_op_kwargs[i] for i in idxs],
+            )
+            fused_extra_outputs = list(fused_extra_outputs)
+            check_sequence_length(op, "extra-output tuples", fused_extra_outputs, len(idxs))
+            for i, outs in zip(idxs, fused_extra_outputs):
+                outs = tuple(outs)
+                check_sequence_length(
+                    basic_ops[i], "extra outputs", outs, basic_ops[i].num_extra_outputs
+                )
+                extra_outputs[i] = outs
+
+        # Route saved tensors through autograd's ctx (version-counter checks).
+        to_save: list[Optional[torch.Tensor]] = []
+        ranges: list[tuple[int, int]] = []
+        for ctx in basic_op_ctxs:
+            start = len(to_save)
+            if requires_grad and ctx.to_save is not None:
+                to_save.extend(ctx.to_save)
+            ranges.append((start, len(to_save)))
+            ctx.to_save = None
+        func_ctx.save_for_backward(*to_save)
+        func_ctx.saved_ranges = ranges
+        func_ctx.fuser = fuser
+        func_ctx.basic_op_ctxs = basic_op_ctxs
+        func_ctx.num_extra_inputs = len(extra_inputs)
+
+        outputs = [x] + [t for outs in extra_outputs for t in (outs or ())]
+        # A tensor returned twice (or an input returned as-is) would get only
+        # one grad_fn slot and silently lose a gradient: return aliases.
+        seen = {id(t) for t in (input_, *params_and_extra_inputs) if isinstance(t, torch.Tensor)}
+        for k, t in enumerate(outputs):
+            if id(t) in seen:
+                outputs[k] = t.view_as(t)
+            seen.add(id(outputs[k]))
+        return tuple(outputs)
+
+    @staticmethod
+    def backward(func_ctx: Any, grad_output: torch.Tensor, *grad_extra_outputs: torch.Tensor):
+        fuser: OperationFuser = func_ctx.fuser
+        basic_ops = fuser.basic_ops
+        basic_op_ctxs: list[OperationContext] = func_ctx.basic_op_ctxs
+        saved = func_ctx.saved_tensors
+        for ctx, (start, end) in zip(basic_op_ctxs, func_ctx.saved_ranges):
+            ctx.saved_tensors = tuple(saved[start:end])
+
+        grad_extra_per_op: list[tuple[torch.Tensor, ...]] = []
+        offset = 0
+        for op in basic_ops:
+            n = op.num_extra_outputs
+            grad_extra_per_op.append(tuple(grad_extra_outputs[offset : offset + n]))
+            offset += n
+
+        grad_params: list[Optional[list[Optional[torch.Tensor]]]] = [None] * len(basic_ops)
+        grad_extra_inputs: list[Optional[tuple]] = [None] * len(basic_ops)
+        dx: Optional[torch.Tensor] = grad_output
+        for op, idxs in reversed(fuser.backward_ops):
+            dx, fused_grad_params, fused_grad_extra_inputs = op.fuser_backward(
+                [basic_op_ctxs[i] for i in idxs],
+                dx,
+                basic_op_grad_extra_outputs=[grad_extra_per_op[i] for i in idxs],
+            )
+            fused_grad_params = list(fused_grad_params)
+            fused_grad_extra_inputs = list(fused_grad_extra_inputs)
+            check_sequence_length(op, "param-grad lists", fused_grad_params, len(idxs))
+            check_sequence_length(op, "extra-input-grad tuples", fused_grad_extra_inputs, len(idxs))
+            for i, gp, ge in zip(idxs, fused_grad_params, fused_grad_extra_inputs):
+                gp, ge = list(gp), tuple(ge)
+                check_sequence_length(basic_ops[i], "param grads", gp, fuser.params_per_op[i])
+                check_sequence_length(basic_ops[i], "extra-input grads", ge, basic_ops[i].num_extra_inputs)
+                grad_params[i] = gp
+                grad_extra_inputs[i] = ge
+
+        for ctx in basic_op_ctxs:
+            ctx.saved_tensors = ()
+        flat_params = [g for gp in grad_params for g in (gp or ())]
+        flat_extra = [g for ge in grad_extra_inputs for g in (ge or ())]
+        return (dx, None, None, None, *flat_params, *flat_extra)
+
+
+class OperationFuser:
+    """Runs a list of fusible ops as one autograd function, with fusions.
+
+    ``ops`` may contain fused containers (e.g. ``Linear``); they are
+    flattened into basic ops. Fusion functions registered with
+    ``register_forward_fusion``/``register_backward_fusion`` are applied in
+    registration order; the result must cover the basic ops exactly and in
+    order.
+    """
+
+    def __init__(self, ops: Sequence[FusibleOperation]) -> None:
+        basic_ops: list[BasicOperation] = []
+        for op in ops:
+            if not isinstance(op, FusibleOperation):
+                raise ValueError(f"OperationFuser expects FusibleOperations, got {type(op).__name__}")
+            basic_ops.extend(op.basic_op_list)
+        if not basic_ops:
+            raise ValueError("OperationFuser needs at least one operation")
+        self.basic_ops: list[BasicOperation] = basic_ops
+        self.params_per_op = [count_params(op) for op in basic_ops]
+        self.num_params = sum(self.params_per_op)
+        self.num_extra_inputs = sum(op.num_extra_inputs for op in basic_ops)
+        self.num_extra_outputs = sum(op.num_extra_outputs for op in basic_ops)
+        self.forward_ops: list[OpRun] = []
+        self.backward_ops: list[OpRun] = []
+        self.fusion_log = FusionLog()
+        self._fusion_key: Any = ()  # never equal to a real key: fuse on first call
+        self._first_call_done = False
+
+    # ---- fusion ---------------------------------------------------------
+
+    def maybe_fuse(self, recipe: Any = None, key: Any = ()) -> None:
+        """(Re)decide fusions if the recipe in force changed since last time."""
+        if key == ():
+            key, recipe = _fusion_key(), _current_recipe()
+        if key == self._fusion_key:
+            return
+        self.fusion_log = FusionLog()
+        self.forward_ops = self._apply(fusion_registry.forward_fusions(), "forward", recipe)
+        self.backward_ops = self._apply(fusion_registry.backward_fusions(), "backward", recipe)
+        self._fusion_key = key
+
+    def _apply(self, functions, direction: str, recipe: Any) -> list[OpRun]:
+        positions = {id(op): i for i, op in enumerate(self.basic_ops)}
+        ops: list[FusibleOperation] = list(self.basic_ops)
+        for func in functions:
+            self.fusion_log.begin(direction, func, positions)
+            ops = list(func(ops, recipe=recipe, fusion_log=self.fusion_log))
+            self._verify_cover(ops, func)
+        runs: list[OpRun] = []
+        for op in ops:
+            runs.append((op, [positions[id(b)] for b in op.basic_op_list]))
+        return runs
+
+    def _verify_cover(self, ops: list[FusibleOperation], func: Any) -> None:
+        flat = [b for op in ops for b in op.basic_op_list]
+        same = len(flat) == len(self.basic_ops) and all(
+            a is b for a, b in zip(flat, self.basic_ops)
+        )
+        if not same:
+            got = ", ".join(type(b).__name__ for b in flat)
+            want = ", ".join(type(b).__name__ for b in self.basic_ops)
+            name = getattr(func, "__name__", repr(func))
+            raise RuntimeError(
+                f"fusion function {name} must cover the basic ops exactly and in order; "
+                f"expected [{want}], got [{got}]"
+            )
+
+    # ---- running --------------------------------------------------------
+
+    def split_extra_inputs(self, extra_inputs: Sequence[torch.Tensor]) -> list[tuple[torch.Tensor, ...]]:
+        per_op = []
+        offset = 0
+        for op in self.basic_ops:
+            per_op.append(tuple(extra_inputs[offset : offset + op.num_extra_inputs]))
+            offset += op.num_extra_inputs
+        return per_op
+
+    def __call__(
+        self,
+        input_: torch.Tensor,
+        *extra_inputs: torch.Tensor,
+        basic_op_kwargs: Optional[list[dict[str, Any]]] = None,
+    ):
+        if not isinstance(input_, torch.Tensor):
+            raise ValueError(f"expected a torch.Tensor input, got {type(input_).__name__}")
+        if len(extra_inputs) != self.num_extra_inputs:
+            names = ", ".join(
+                f"{type(op).__name__}[{i}]" for i, op in enumerate(self.basic_ops) if op.num_extra_inputs
+            ) or "none"
+            raise ValueError(
+                f"expected {self.num_extra_inputs} extra input(s) (ops taking them: {names}), "
+                f"got {len(extra_inputs)}"
+            )
+        if basic_op_kwargs is None:
+            basic_op_kwargs = [{} for _ in self.basic_ops]
+        elif len(basic_op_kwargs) != len(self.basic_ops):
+            raise ValueError(
+                f"basic_op_kwargs needs one dict per basic op ({len(self.basic_ops)}), "
+                f"got {len(basic_op_kwargs)}"
+            )
+        if not self._first_call_done:
+            for op in self.basic_ops:
+                op.pre_first_fuser_forward()
+            self._first_call_done = True
+        self.maybe_fuse()
+
+        params = [p for op in self.basic_ops for p in op.parameters()]
+        if len(params) != self.num_params:
+            raise RuntimeError(
+                "parameters were added to or removed from an op after it was put in a fuser; "
+                "build a new Sequential"
+            )
+        requires_grad = torch.is_grad_enabled() and any(
+            t.requires_grad for t in (input_, *params, *extra_inputs)
+        )
+        outputs = _OperationFuserAutogradFunction.apply(
+            input_, self, basic_op_kwargs, requires_grad, *params, *extra_inputs
+        )
+        if self.num_extra_outputs == 0:
+            return outputs[0]
+        return outputs
+
+    def explain(self) -> FuserExplanation:
+        """Fusion decisions (deciding them now if needed) for the recipe in force."""
+        self.maybe_fuse()
+        return FuserExplanation.from_fuser(self)

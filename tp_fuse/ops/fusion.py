@@ -1,0 +1,165 @@
+"""Fusion registry, sliding-window matching and the fusion decision log.
+
+A fusion function takes the current op list and returns a new one in which
+some runs of ops were replaced by fused ops:
+
+    def fuse_my_ops(ops: list[FusibleOperation], **kwargs) -> list[FusibleOperation]
+
+It receives keyword arguments ``recipe`` (the active FP8 recipe or None) and
+``fusion_log`` (a :class:`FusionLog` to record why windows did or did not
+fuse). Third-party fusion functions may ignore both (``**unused``).
+
+Built-in fusions are written with :func:`fuse_by_window`, whose matcher
+returns :class:`Fuse`, :class:`Reject` (with the reason) or ``None`` (the
+window does not start with the op this fusion is about), so that every window
+a fusion considered and rejected has a reason that ``explain`` can show.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from typing import Optional, Union
+
+from .op import FusibleOperation, op_display_name
+
+FusionFunction = Callable[..., list[FusibleOperation]]
+
+# The registry is module state by design: the public API
+# (register_forward_fusion / register_backward_fusion) is process-wide in
+# Transformer Engine too, and fusions are pure functions of the op list.
+_FORWARD_FUSIONS: list[FusionFunction] = []
+_BACKWARD_FUSIONS: list[FusionFunction] = []
+
+
+def register_forward_fusion(func: FusionFunction, prepend: bool = False) -> FusionFunction:
+    """Register a fusion function applied when fusing forward passes.
+
+    Later registrations run after earlier ones unless ``prepend`` is true.
+    Returns ``func`` so it can be used as a decorator.
+    """
+    _register(_FORWARD_FUSIONS, func, prepend)
+    return func
+
+
+def register_backward_fusion(func: FusionFunction, prepend: bool = False) -> FusionFunction:
+    """Register a fusion function applied when fusing backward passes."""
+    _register(_BACKWARD_FUSIONS, func, prepend)
+    return func
+
+
+def _register(registry: list[FusionFunction], func: FusionFunction, prepend: bool) -> None:
+    if not callable(func):
+        raise ValueError(f"fusion function must be callable, got {type(func).__name__}")
+    if func in registry:
+        return
+    if prepend:
+        registry.insert(0, func)
+    else:
+        registry.append(func)
+
+
+def forward_fusions() -> tuple[FusionFunction, ...]:
+    return tuple(_FORWARD_FUSIONS)
+
+
+def backward_fusions() -> tuple[FusionFunction, ...]:
+    return tuple(_BACKWARD_FUSIONS)
+
+
+@dataclasses.dataclass
+class FusionRecord:
+    """One decision: a window fused, or a window rejected with a reason."""
+
+    direction: str  # "forward" | "backward"
+    fusion: str  # name of the fusion function
+    window: str  # e.g. "BasicLinear[0] Bias[1] GELU[2]"
+    fused: bool
+    reason: str  # why rejected, or what the fused op does
+
+
+class FusionLog:
+    """Collects fusion decisions of one fuser for ``explain``."""
+
+    def __init__(self) -> None:
+        self.records: list[FusionRecord] = []
+        self._direction = "forward"
+        self._fusion = "?"
+        # Index of each basic op in the fuser, so messages name positions.
+        self._positions: dict[int, int] = {}
+
+    def begin(self, direction: str, fusion: FusionFunction, positions: dict[int, int]) -> None:
+        self._direction = direction
+        self._fusion = getattr(fusion, "__name__", type(fusion).__name__)
+        self._positions = positions
+
+    def describe(self, ops: Sequence[FusibleOperation]) -> str:
+        parts = []
+        for op in ops:
+            basic = op.basic_op_list
+            pos = self._positions.get(id(basic[0])) if basic else None
+            parts.append(op_display_name(op, pos))
+        return " ".join(parts)
+
+    def fused(self, ops: Sequence[FusibleOperation], detail: str = "") -> None:
+        self.records.append(
+            FusionRecord(self._direction, self._fusion, self.describe(ops), True, detail)
+        )
+
+    def rejected(self, ops: Sequence[FusibleOperation], reason: str) -> None:
+        self.records.append(
+            FusionRecord(self._direction, self._fusion, self.describe(ops), False, reason)
+        )
+
+
+@dataclasses.dataclass
+class Fuse:
+    """Matcher result: replace the first ``length`` ops with ``op``."""
+
+    op: FusibleOperation
+    length: int
+    detail: str = ""
+
+
+@dataclasses.dataclass
+class Reject:
+    """Matcher result: the window of ``length`` ops was considered, not fused."""
+
+    reason: str
+    length: int = 1
+
+
+MatchResult = Optional[Union[Fuse, Reject]]
+
+
+def fuse_by_window(
+    ops: list[FusibleOperation],
+    matcher: Callable[[Sequence[FusibleOperation]], MatchResult],
+    fusion_log: Optional[FusionLog] = None,
+) -> list[FusibleOperation]:
+    """Scan ``ops`` left to right, letting ``matcher`` fuse windows.
+
+    ``matcher`` sees the remaining ops starting at the current position and
+    returns ``Fuse`` (consume a window), ``Reject`` (record why the window that
+    starts here did not fuse) or ``None`` (this position is not a candidate).
+    """
+    out: list[FusibleOperation] = []
+    i = 0
+    while i < len(ops):
+        result = matcher(ops[i:])
+        if isinstance(result, Fuse):
+            assert 1 <= result.length <= len(ops) - i, "matcher consumed past the end"
+            if fusion_log is not None:
+                fusion_log.fused(ops[i : i + result.length], result.detail)
+            out.append(result.op)
+            i += result.length
+            continue
+        if isinstance(result, Reject) and fusion_log is not None:
+            fusion_log.rejected(ops[i : i + max(1, result.length)], result.reason)
+        out.append(ops[i])
+        i += 1
+    return out
+
+
+def type_names(ops: Sequence[FusibleOperation]) -> str:
+    return ", ".join(type(op).__name__ for op in ops)

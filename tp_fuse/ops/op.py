@@ -1,0 +1,246 @@
+"""Base classes of the operation fuser.
+
+A *basic operation* implements one piece of math (a GEMM, a bias add, an
+activation) with a forward and a backward pass. A *fused operation* replaces a
+contiguous run of basic operations with a single implementation that must be
+interchangeable with them: same outputs, same gradients, same side effects on
+the basic ops' state. The :class:`~tp_fuse.ops.fuser.OperationFuser` decides
+which fused operations to use; parameters and state always live in the basic
+operations.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Iterable, Sequence
+from typing import Any, Optional
+
+import torch
+
+
+class OperationContext:
+    """State carried from one basic op's forward pass to its backward pass.
+
+    Mirrors the part of ``torch.autograd.Function``'s ctx that ops need:
+    ``save_for_backward(*tensors)`` in forward, ``saved_tensors`` in backward,
+    plus free-form attributes. Tensors saved here are routed through the
+    fuser's autograd ctx so that autograd's in-place modification checks apply.
+    """
+
+    def __init__(self) -> None:
+        self.to_save: Optional[tuple[Optional[torch.Tensor], ...]] = None
+        self.saved_tensors: tuple[Optional[torch.Tensor], ...] = ()
+        # Whether any gradient is needed from this op's backward.
+        self.requires_grad: bool = True
+
+    def save_for_backward(self, *tensors: Optional[torch.Tensor]) -> None:
+        self.to_save = tensors
+
+
+class FusibleOperation(torch.nn.Module, metaclass=abc.ABCMeta):
+    """A tensor operation that the operation fuser can run and fuse.
+
+    Calling an op directly runs it through a one-op fuser, so ops behave like
+    ordinary modules. Inside :class:`~tp_fuse.ops.Sequential`, adjacent ops are
+    grouped and may be fused.
+    """
+
+    @property
+    @abc.abstractmethod
+    def is_fused_op(self) -> bool:
+        """Whether this op stands for several basic ops."""
+
+    @property
+    def basic_op_list(self) -> list["BasicOperation"]:
+        """The basic ops this op stands for, in order."""
+        raise NotImplementedError
+
+    def pre_first_fuser_forward(self) -> None:
+        """Hook run once before the first forward pass through a fuser."""
+
+    def fuser_forward(
+        self,
+        basic_op_ctxs: list[OperationContext],
+        input_: torch.Tensor,
+        *,
+        basic_op_extra_inputs: list[tuple[torch.Tensor, ...]],
+        basic_op_kwargs: list[dict[str, Any]],
+        **unused: Any,
+    ) -> tuple[torch.Tensor, Iterable[Iterable[torch.Tensor]]]:
+        """Forward pass for the run of basic ops this op stands for.
+
+        Returns the output and, per basic op, a tuple of its extra outputs.
+        """
+        raise NotImplementedError(
+            f"{type(self).__name__} has no forward implementation; "
+            "it can only be used as a backward fusion"
+        )
+
+    def fuser_backward(
+        self,
+        basic_op_ctxs: list[OperationContext],
+        grad_output: torch.Tensor,
+        *,
+        basic_op_grad_extra_outputs: list[tuple[torch.Tensor, ...]],
+        **unused: Any,
+    ) -> tuple[
+        Optional[torch.Tensor],
+        Iterable[Iterable[Optional[torch.Tensor]]],
+        Iterable[Iterable[Optional[torch.Tensor]]],
+    ]:
+        """Backward pass for the run of basic ops this op stands for.
+
+        Returns the input gradient, per basic op the gradients of its
+        parameters (in ``parameters()`` order), and per basic op the gradients
+        of its extra inputs.
+        """
+        raise NotImplementedError(
+            f"{type(self).__name__} has no backward implementation; "
+            "it can only be used as a forward fusion"
+        )
+
+    def forward(self, input_: torch.Tensor, *extra_inputs: torch.Tensor, **kwargs: Any):
+        # Imported here: the fuser module imports this one.
+        from .fuser import OperationFuser
+
+        fuser = self.__dict__.get("_standalone_fuser")
+        if fuser is None:
+            fuser = OperationFuser([self])
+            # Plain attribute on purpose: the fuser is not a submodule.
+            self.__dict__["_standalone_fuser"] = fuser
+        basic_ops = self.basic_op_list
+        return fuser(input_, *extra_inputs, basic_op_kwargs=[kwargs] * len(basic_ops))
+
+
+class BasicOperation(FusibleOperation):
+    """A single operation with its own forward and backward pass.
+
+    Subclasses implement :meth:`op_forward` and :meth:`op_backward`; ops with
+    extra inputs or outputs (``num_extra_inputs``/``num_extra_outputs``)
+    override :meth:`fuser_forward`/:meth:`fuser_backward` instead.
+    """
+
+    #: Number of tensors this op takes besides the main input.
+    num_extra_inputs: int = 0
+    #: Number of tensors this op returns besides the main output.
+    num_extra_outputs: int = 0
+
+    @property
+    def is_fused_op(self) -> bool:
+        return False
+
+    @property
+    def basic_op_list(self) -> list["BasicOperation"]:
+        return [self]
+
+    def op_forward(self, ctx: OperationContext, input_: torch.Tensor, **kwargs: Any) -> torch.Tensor:
+        """Forward pass; may save state in ``ctx`` for the backward pass."""
+        raise NotImplementedError(f"{type(self).__name__} does not implement op_forward")
+
+    def op_backward(
+        self, ctx: OperationContext, grad_output: torch.Tensor
+    ) -> tuple[Optional[torch.Tensor], Iterable[Optional[torch.Tensor]]]:
+        """Backward pass: returns ``(grad_input, param_grads)``."""
+        raise NotImplementedError(f"{type(self).__name__} does not implement op_backward")
+
+    def fuser_forward(
+        self,
+        basic_op_ctxs: list[OperationContext],
+        input_: torch.Tensor,
+        *,
+        basic_op_extra_inputs: list[tuple[torch.Tensor, ...]],
+        basic_op_kwargs: list[dict[str, Any]],
+        **unused: Any,
+    ) -> tuple[torch.Tensor, list[tuple[torch.Tensor, ...]]]:
+        if self.num_extra_inputs or self.num_extra_outputs:
+            raise NotImplementedError(
+                f"{type(self).__name__} has extra inputs/outputs and must override fuser_forward"
+            )
+        output = self.op_forward(basic_op_ctxs[0], input_, **basic_op_kwargs[0])
+        return output, [()]
+
+    def fuser_backward(
+        self,
+        basic_op_ctxs: list[OperationContext],
+        grad_output: torch.Tensor,
+        *,
+        basic_op_grad_extra_outputs: list[tuple[torch.Tensor, ...]],
+        **unused: Any,
+    ) -> tuple[Optional[torch.Tensor], list[Iterable[Optional[torch.Tensor]]], list[tuple[()]]]:
+        if self.num_extra_inputs or self.num_extra_outputs:
+            raise NotImplementedError(
+                f"{type(self).__name__} has extra inputs/outputs and must override fuser_backward"
+            )
+        grad_input, grad_params = self.op_backward(basic_op_ctxs[0], grad_output)
+        return grad_input, [grad_params], [()]
+
+
+class FusedOperation(FusibleOperation):
+    """An operation that stands for a run of basic operations.
+
+    It is stateless: parameters and state stay in the basic ops, so a fused op
+    can be created and dropped by the fuser at will. ``basic_ops`` may contain
+    other fused ops (e.g. a ``Linear`` container); they are flattened.
+    """
+
+    def __init__(self, basic_ops: Iterable[FusibleOperation]) -> None:
+        super().__init__()
+        flat: list[BasicOperation] = []
+        for op in basic_ops:
+            if not isinstance(op, FusibleOperation):
+                raise ValueError(
+                    f"{type(self).__name__} expects FusibleOperations, got {type(op).__name__}"
+                )
+            flat.extend(op.basic_op_list)
+        if not flat:
+            raise ValueError(f"{type(self).__name__} needs at least one basic operation")
+        # A plain tuple, not submodules: the fused op must not own parameters.
+        self.__dict__["_basic_ops"] = tuple(flat)
+
+    @property
+    def is_fused_op(self) -> bool:
+        return True
+
+    @property
+    def basic_ops(self) -> tuple[BasicOperation, ...]:
+        return self.__dict__["_basic_ops"]
+
+    @property
+    def basic_op_list(self) -> list[BasicOperation]:
+        return list(self.basic_ops)
+
+    def pre_first_fuser_forward(self) -> None:
+        for op in self.basic_ops:
+            op.pre_first_fuser_forward()
+
+    def extra_repr(self) -> str:
+        return ", ".join(type(op).__name__ for op in self.basic_ops)
+
+
+def count_params(op: BasicOperation) -> int:
+    """Number of parameters a basic op owns (the length of its param-grad list)."""
+    return sum(1 for _ in op.parameters())
+
+
+def op_display_name(op: FusibleOperation, index: Optional[int] = None) -> str:
+    """``Name[i]`` for messages; fused ops list their basic ops."""
+    name = type(op).__name__
+    if op.is_fused_op:
+        name += "(" + "+".join(type(b).__name__ for b in op.basic_op_list) + ")"
+    return name if index is None else f"{name}[{index}]"
+
+
+def require(cond: bool, message: str) -> None:
+    """Raise ValueError with ``message`` unless ``cond``: input validation in ops."""
+    if not cond:
+        raise ValueError(message)
+
+
+def check_sequence_length(
+    op: FusibleOperation, what: str, values: Sequence[Any], expected: int
+) -> None:
+    """Validate the length of a per-op return list (user-defined ops get it wrong)."""
+    if len(values) != expected:
+        raise RuntimeError(
+            f"{type(op).__name__} returned {len(values)} {what}, expected {expected}"
+        )

@@ -1,0 +1,179 @@
+"""``Sequential``: a drop-in ``torch.nn.Sequential`` that fuses its ops.
+
+Adjacent :class:`FusibleOperation`s are grouped into one
+:class:`OperationFuser` each; any other module splits the groups and runs as
+is. Extra inputs (for ops like ``AddExtraInput``) are passed after the main
+input, in op order; extra outputs (from ops like ``MakeExtraOutput``) are
+returned after the main output: ``y, residual = seq(x)``.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Iterable, Iterator
+from typing import Any, Union
+
+import torch
+
+from .explain import Explanation, FuserExplanation, explain
+from .fuser import OperationFuser
+from .op import FusibleOperation
+
+_Group = Union[OperationFuser, torch.nn.Module]
+
+
+class Sequential(torch.nn.Module):
+    """Container of modules run in order, fusing adjacent fusible ops.
+
+    Accepts modules positionally or one ``OrderedDict`` of named modules,
+    like ``torch.nn.Sequential``.
+    """
+
+    def __init__(self, *args: Union[torch.nn.Module, "OrderedDict[str, torch.nn.Module]"]) -> None:
+        super().__init__()
+        if len(args) == 1 and isinstance(args[0], OrderedDict):
+            for name, module in args[0].items():
+                self.add_module(name, self._checked(module))
+        else:
+            for i, module in enumerate(args):
+                self.add_module(str(i), self._checked(module))
+        self.__dict__["_groups"] = None
+
+    @staticmethod
+    def _checked(module: Any) -> torch.nn.Module:
+        if not isinstance(module, torch.nn.Module):
+            raise ValueError(f"Sequential takes torch.nn.Module items, got {type(module).__name__}")
+        return module
+
+    # ---- nn.Sequential-style container API -------------------------------
+
+    def _invalidate(self) -> None:
+        self.__dict__["_groups"] = None
+
+    def __len__(self) -> int:
+        return len(self._modules)
+
+    def __iter__(self) -> Iterator[torch.nn.Module]:
+        return iter(self._modules.values())
+
+    def __getitem__(self, idx: Union[int, slice]) -> Union[torch.nn.Module, "Sequential"]:
+        modules = list(self._modules.values())
+        if isinstance(idx, slice):
+            return Sequential(*modules[idx])
+        return modules[self._index(idx)]
+
+    def __setitem__(self, idx: int, module: torch.nn.Module) -> None:
+        key = list(self._modules.keys())[self._index(idx)]
+        self._modules[key] = self._checked(module)
+        self._invalidate()
+
+    def __delitem__(self, idx: int) -> None:
+        key = list(self._modules.keys())[self._index(idx)]
+        del self._modules[key]
+        self._renumber()
+
+    def _index(self, idx: int) -> int:
+        n = len(self._modules)
+        if not -n <= idx < n:
+            raise IndexError(f"index {idx} is out of range for Sequential of length {n}")
+        return idx % n
+
+    def _renumber(self) -> None:
+        modules = list(self._modules.items())
+        self._modules.clear()
+        for i, (name, module) in enumerate(modules):
+            self._modules[name if not name.isdigit() else str(i)] = module
+        self._invalidate()
+
+    def append(self, module: torch.nn.Module) -> "Sequential":
+        self.add_module(str(len(self)), self._checked(module))
+        self._invalidate()
+        return self
+
+    def extend(self, modules: Iterable[torch.nn.Module]) -> "Sequential":
+        for module in modules:
+            self.append(module)
+        return self
+
+    def insert(self, index: int, module: torch.nn.Module) -> "Sequential":
+        modules = list(self._modules.values())
+        n = len(modules)
+        if not -n <= index <= n:
+            raise IndexError(f"index {index} is out of range for Sequential of length {n}")
+        modules.insert(index % (n + 1) if index < 0 else index, self._checked(module))
+        self._modules.clear()
+        for i, m in enumerate(modules):
+            self._modules[str(i)] = m
+        self._invalidate()
+        return self
+
+    # ---- grouping and running --------------------------------------------
+
+    def _module_groups(self) -> list[_Group]:
+        groups = self.__dict__["_groups"]
+        if groups is not None:
+            return groups
+        groups = []
+        run: list[FusibleOperation] = []
+        for module in self._modules.values():
+            if isinstance(module, FusibleOperation):
+                run.append(module)
+                continue
+            if run:
+                groups.append(OperationFuser(run))
+                run = []
+            groups.append(module)
+        if run:
+            groups.append(OperationFuser(run))
+        self.__dict__["_groups"] = groups
+        return groups
+
+    def forward(self, input_: torch.Tensor, *extra_inputs: torch.Tensor):
+        groups = self._module_groups()
+        needed = sum(g.num_extra_inputs for g in groups if isinstance(g, OperationFuser))
+        if len(extra_inputs) != needed:
+            raise ValueError(
+                f"Sequential expects {needed} extra input(s) after the main input "
+                f"(one per AddExtraInput-style op), got {len(extra_inputs)}"
+            )
+        x = input_
+        remaining = list(extra_inputs)
+        extra_outputs: list[torch.Tensor] = []
+        for group in groups:
+            if not isinstance(group, OperationFuser):
+                x = group(x)
+                continue
+            n_in = group.num_extra_inputs
+            group_inputs, remaining = remaining[:n_in], remaining[n_in:]
+            result = group(x, *group_inputs)
+            if group.num_extra_outputs:
+                x, *outs = result
+                extra_outputs.extend(outs)
+            else:
+                x = result
+        if extra_outputs:
+            return (x, *extra_outputs)
+        return x
+
+    # ---- explain ---------------------------------------------------------
+
+    def explain_groups(self) -> list[tuple[str, Any]]:
+        """``(label, FuserExplanation | module name)`` for each group."""
+        out: list[tuple[str, Any]] = []
+        for k, group in enumerate(self._module_groups()):
+            if isinstance(group, OperationFuser):
+                out.append((f"group {k}", group.explain()))
+            else:
+                out.append((f"group {k}", type(group).__name__))
+        return out
+
+    def explain(self) -> Explanation:
+        """Fusion decisions and reasons under the FP8 recipe in force."""
+        return explain(self)
+
+    def fuser_explanations(self) -> list[FuserExplanation]:
+        return [g for _, g in self.explain_groups() if isinstance(g, FuserExplanation)]
+
+    def fusers(self) -> list[OperationFuser]:
+        """The op groups (created on demand), e.g. for tests asserting fusions."""
+        return [g for g in self._module_groups() if isinstance(g, OperationFuser)]
