@@ -1,0 +1,56 @@
+"""``Quantize``: cast to FP8 at a chosen point of the graph."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ..op import BasicOperation, OperationContext
+
+
+class Quantize(BasicOperation):
+    """Quantize the tensor passing through (forward) and/or its gradient.
+
+    Under ``tp_fuse.autocast`` the forward output is a ``Float8Tensor`` that a
+    following op (e.g. ``BasicLinear`` in another ``Sequential``) uses without
+    quantizing again. With ``backward=True`` the gradient is quantized and
+    dequantized (its FP8 rounding is applied) on the way back. Outside
+    autocast it is the identity.
+
+    Shapes: ``x [...] -> y [...]`` (same shape; nominal dtype kept).
+    Forward: y = Q_fwd(x); backward: dx = dy, or Q_bwd(dy) with ``backward``.
+    """
+
+    def __init__(self, forward: bool = True, backward: bool = False) -> None:
+        super().__init__()
+        from ...quantization import OpQuantizers
+
+        self._quantize_forward = bool(forward)
+        self._quantize_backward = bool(backward)
+        self._quantizers = OpQuantizers(("input", "grad_output"))
+
+    def op_forward(self, ctx: OperationContext, input_: torch.Tensor, **unused: Any) -> torch.Tensor:
+        from ...quantization import Float8Tensor, active_autocast
+
+        state = active_autocast()
+        ctx.quantize_grad = False
+        if state is None:
+            return input_
+        qs = self._quantizers.get(state.recipe, state.amax_reduction_group)
+        if self._quantize_backward:
+            ctx.quantize_grad = True
+            ctx.grad_quantizer = qs["grad_output"]
+            ctx.grad_tracker = state.backward_tracker
+        if not self._quantize_forward or isinstance(input_, Float8Tensor):
+            return input_
+        out = qs["input"].quantize(input_)
+        state.track_forward(qs["input"])
+        return out
+
+    def op_backward(self, ctx: OperationContext, grad_output: torch.Tensor):
+        if not ctx.quantize_grad:
+            return grad_output, ()
+        dy = ctx.grad_quantizer.quantize(grad_output)
+        ctx.grad_tracker.track(ctx.grad_quantizer)
+        return dy.dequantize(), ()

@@ -1,0 +1,62 @@
+"""``Linear``: a container of ``BasicLinear`` and ``Bias`` (y = x W^T + b)."""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+
+from .basic.basic_linear import BasicLinear
+from .basic.bias import Bias
+from .op import FusedOperation
+
+
+class Linear(FusedOperation):
+    """Linear layer as a pair of basic ops, like Transformer Engine's ``ops.Linear``.
+
+    Shapes: ``x [..., in_features] -> y [..., out_features]``. Inside a
+    ``Sequential`` it is flattened into ``BasicLinear`` (+ ``Bias``) so that the
+    GEMM and the bias can fuse with their neighbours (activations, residual
+    adds, tensor-parallel communication).
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        *,
+        bias: bool = True,
+        device: Optional[torch.device | str] = None,
+        dtype: Optional[torch.dtype] = None,
+        userbuffers_options: Optional[dict[str, Any]] = None,
+    ) -> None:
+        linear = BasicLinear(
+            in_features,
+            out_features,
+            device=device,
+            dtype=dtype,
+            userbuffers_options=userbuffers_options,
+        )
+        ops: list = [linear]
+        if bias:
+            ops.append(Bias(out_features, device=device, dtype=dtype or linear.weight.dtype))
+        super().__init__(ops)
+        # Registered as submodules (unlike fusion results): the container owns them.
+        self.basic_linear = linear
+        self.bias_op = ops[1] if bias else None
+
+    @property
+    def weight(self) -> torch.nn.Parameter:
+        return self.basic_linear.weight
+
+    @property
+    def bias(self) -> Optional[torch.nn.Parameter]:
+        return None if self.bias_op is None else self.bias_op.bias
+
+    @property
+    def in_features(self) -> int:
+        return self.basic_linear.in_features
+
+    @property
+    def out_features(self) -> int:
+        return self.basic_linear.out_features
