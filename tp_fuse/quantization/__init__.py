@@ -1,0 +1,44 @@
+"""FP8 quantization: Float8 tensors, quantizers, amax reduction, autocast, FP8 GEMM.
+
+See ``docs/internals.md`` for the contracts other packages rely on.
+"""
+
+from .amax_reduction import AmaxReductionBuffer, BackwardAmaxTracker
+from .autocast import (
+    AutocastContext,
+    active_autocast,
+    autocast,
+    model_init_recipe,
+    quantized_model_init,
+)
+from .float8_tensor import Float8Tensor
+from .gemm import fp8_gemm
+from .parameter import is_fp8_parameter, make_fp8_parameter
+from .quantizer import (
+    CurrentScalingQuantizer,
+    DelayedScalingQuantizer,
+    OpQuantizers,
+    Quantizer,
+    is_backward_role,
+    make_quantizer,
+)
+
+__all__ = [
+    "AmaxReductionBuffer",
+    "AutocastContext",
+    "BackwardAmaxTracker",
+    "CurrentScalingQuantizer",
+    "DelayedScalingQuantizer",
+    "Float8Tensor",
+    "OpQuantizers",
+    "Quantizer",
+    "active_autocast",
+    "autocast",
+    "fp8_gemm",
+    "is_backward_role",
+    "is_fp8_parameter",
+    "make_fp8_parameter",
+    "make_quantizer",
+    "model_init_recipe",
+    "quantized_model_init",
+]

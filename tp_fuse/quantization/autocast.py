@@ -1,0 +1,213 @@
+"""FP8 autocast and quantized model initialization contexts.
+
+``autocast`` turns on FP8 compute for ops run inside it; ``quantized_model_init``
+makes ops created inside it keep FP8 weights. Both live in ``contextvars``, not
+module globals: two models driven from different contexts (threads, asyncio
+tasks, or simply separate ``with`` blocks) never see each other's state, and
+nothing leaks past a ``with`` block.
+
+Amax bookkeeping for delayed scaling belongs to the *outermost* autocast:
+nested autocasts join its buffers, keyed by (recipe, amax_reduction_group).
+When the outermost autocast exits normally, each forward buffer issues one
+all-reduce(MAX) and updates its quantizers. If the block raises, no collective
+is issued (other ranks may not reach it) and the step's amaxes stay in the
+quantizers' slot 0, folded into the next step.
+
+Typical op usage::
+
+    ctx = active_autocast()
+    if ctx is not None:
+        qs = self.quantizers.get(ctx.recipe, ctx.amax_reduction_group)
+        x8 = qs["input"].quantize(x); ctx.track_forward(qs["input"])
+        autograd_ctx.tracker = ctx.backward_tracker   # backward: tracker.track(qs["grad_output"])
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from collections.abc import Iterator
+from typing import Optional
+
+import torch.distributed as dist
+
+from ..recipe import DelayedScaling, Recipe
+from .amax_reduction import AmaxReductionBuffer, BackwardAmaxTracker
+from .quantizer import CurrentScalingQuantizer, DelayedScalingQuantizer, Quantizer
+
+__all__ = [
+    "AutocastContext",
+    "autocast",
+    "active_autocast",
+    "quantized_model_init",
+    "model_init_recipe",
+]
+
+
+class _Entry:
+    """Reduction state of one (recipe, group) within one step."""
+
+    def __init__(self, recipe: Recipe, group: Optional[dist.ProcessGroup]) -> None:
+        self.recipe = recipe
+        self.group = group
+        # Current-scaling recipes have no reduce_amax; delayed-scaling quantizers
+        # tracked under them (e.g. FP8 weights) still reduce over the group.
+        reduce_amax = recipe.reduce_amax if isinstance(recipe, DelayedScaling) else True
+        self.forward = AmaxReductionBuffer(group, reduce_amax)
+        # Created lazily: a forward-only step never needs one.
+        self._backward: Optional[BackwardAmaxTracker] = None
+        self._reduce_amax = reduce_amax
+
+    @property
+    def backward(self) -> BackwardAmaxTracker:
+        if self._backward is None:
+            self._backward = BackwardAmaxTracker(self.group, self._reduce_amax)
+        return self._backward
+
+
+class _StepState:
+    """Buffers shared by an outermost autocast and every autocast nested in it."""
+
+    def __init__(self) -> None:
+        self.entries: list[_Entry] = []
+
+    def entry(self, recipe: Recipe, group: Optional[dist.ProcessGroup]) -> _Entry:
+        # Recipes are mutable dataclasses (unhashable): linear search, few entries.
+        for e in self.entries:
+            if e.group is group and type(e.recipe) is type(recipe) and e.recipe == recipe:
+                return e
+        e = _Entry(recipe, group)
+        self.entries.append(e)
+        return e
+
+    def finish_forward(self) -> None:
+        for e in self.entries:
+            e.forward.reduce_and_update()
+
+
+class AutocastContext:
+    """The state an op sees inside ``autocast``: recipe, group, amax tracking.
+
+    Attributes:
+        recipe: the FP8 recipe in force.
+        amax_reduction_group: process group for amax reductions (or None).
+        enabled: False inside ``autocast(enabled=False)``.
+    """
+
+    def __init__(
+        self,
+        enabled: bool,
+        recipe: Recipe,
+        amax_reduction_group: Optional[dist.ProcessGroup],
+        state: _StepState,
+    ) -> None:
+        self.enabled = enabled
+        self.recipe = recipe
+        self.amax_reduction_group = amax_reduction_group
+        self._state = state
+
+    def _entry(self) -> _Entry:
+        return self._state.entry(self.recipe, self.amax_reduction_group)
+
+    def track_forward(self, quantizer: Quantizer) -> None:
+        """Make ``quantizer`` part of this step's forward amax reduction.
+
+        Idempotent within a step. A no-op for current-scaling quantizers.
+        """
+        if isinstance(quantizer, CurrentScalingQuantizer):
+            return
+        if not isinstance(quantizer, DelayedScalingQuantizer):
+            raise ValueError(
+                f"track_forward: expected a Quantizer, got {type(quantizer).__name__}"
+            )
+        self._entry().forward.register(quantizer)
+
+    @property
+    def backward_tracker(self) -> BackwardAmaxTracker:
+        """Tracker for this step's grad quantizers; save it in the autograd ctx."""
+        return self._entry().backward
+
+    def __repr__(self) -> str:
+        return (
+            f"AutocastContext(enabled={self.enabled}, recipe={self.recipe!r}, "
+            f"amax_reduction_group={self.amax_reduction_group!r})"
+        )
+
+
+_ACTIVE: contextvars.ContextVar[Optional[AutocastContext]] = contextvars.ContextVar(
+    "tp_fuse_autocast", default=None
+)
+_MODEL_INIT: contextvars.ContextVar[Optional[Recipe]] = contextvars.ContextVar(
+    "tp_fuse_quantized_model_init", default=None
+)
+
+
+def _check_args(fn: str, enabled: object, recipe: object) -> None:
+    if not isinstance(enabled, bool):
+        raise ValueError(f"{fn}: enabled: expected a bool, got {enabled!r}")
+    if recipe is not None and not isinstance(recipe, Recipe):
+        raise ValueError(
+            f"{fn}: recipe: expected a tp_fuse.recipe.Recipe or None, got {type(recipe).__name__}"
+        )
+
+
+@contextlib.contextmanager
+def autocast(
+    enabled: bool = True,
+    recipe: Optional[Recipe] = None,
+    amax_reduction_group: Optional[dist.ProcessGroup] = None,
+) -> Iterator[AutocastContext]:
+    """Run ops inside with FP8 compute under ``recipe`` (default ``DelayedScaling()``).
+
+    Yields the :class:`AutocastContext`. ``enabled=False`` turns FP8 off inside
+    (``active_autocast()`` is None there). At exit of the outermost autocast the
+    forward amaxes are reduced over ``amax_reduction_group`` and scales updated.
+    """
+    _check_args("autocast", enabled, recipe)
+    if amax_reduction_group is not None and not isinstance(amax_reduction_group, dist.ProcessGroup):
+        raise ValueError(
+            "autocast: amax_reduction_group: expected a torch.distributed.ProcessGroup or "
+            f"None, got {type(amax_reduction_group).__name__}"
+        )
+    outer = _ACTIVE.get()
+    state = outer._state if outer is not None else _StepState()
+    ctx = AutocastContext(
+        enabled, recipe if recipe is not None else DelayedScaling(), amax_reduction_group, state
+    )
+    token = _ACTIVE.set(ctx)
+    completed = False
+    try:
+        yield ctx
+        completed = True
+    finally:
+        _ACTIVE.reset(token)
+        if outer is None and completed:
+            state.finish_forward()
+
+
+def active_autocast() -> Optional[AutocastContext]:
+    """The innermost enabled autocast context, or None when FP8 is off."""
+    ctx = _ACTIVE.get()
+    return ctx if ctx is not None and ctx.enabled else None
+
+
+@contextlib.contextmanager
+def quantized_model_init(enabled: bool = True, recipe: Optional[Recipe] = None) -> Iterator[None]:
+    """Ops created inside keep their weights in FP8 (with a high-precision master).
+
+    Ops read :func:`model_init_recipe` when they create parameters and build them
+    with :func:`~tp_fuse.quantization.make_fp8_parameter`. ``recipe`` defaults to
+    ``DelayedScaling()``; ``enabled=False`` turns it off inside.
+    """
+    _check_args("quantized_model_init", enabled, recipe)
+    value = (recipe if recipe is not None else DelayedScaling()) if enabled else None
+    token = _MODEL_INIT.set(value)
+    try:
+        yield
+    finally:
+        _MODEL_INIT.reset(token)
+
+
+def model_init_recipe() -> Optional[Recipe]:
+    """Recipe of the enclosing ``quantized_model_init``, or None outside it."""
+    return _MODEL_INIT.get()

@@ -1,0 +1,102 @@
+"""FP8 GEMM through ``torch._scaled_mm`` (CUDA and, since torch 2.6+, CPU).
+
+``fp8_gemm(a, b)`` computes ``a @ b.T`` -- the "NT" layout of a linear layer
+(``y = x @ W.T``), which is also what ``_scaled_mm`` wants: ``mat1`` row-major
+and ``mat2`` column-major, i.e. ``b`` row-major ``[N, K]`` and passed as the
+free transpose ``b.t()``. Per-tensor scales: ``scale_a = a._scale_inv``,
+``scale_b = b._scale_inv`` (``_scaled_mm`` multiplies by them, dequantizing).
+
+The three linear-layer GEMMs map to it as (``x [M, K]``, ``W [N, K]``,
+``dy [M, N]``)::
+
+    fprop:  y  = fp8_gemm(x,                W)                  # [M, N]
+    dgrad:  dx = fp8_gemm(dy,               W.transpose_2d())   # [M, K]
+    wgrad:  dW = fp8_gemm(dy.transpose_2d(), x.transpose_2d())  # [N, K]
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from .float8_tensor import Float8Tensor
+
+__all__ = ["fp8_gemm"]
+
+_FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+_OUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+
+
+def _describe(name: str, t: object) -> str:
+    if isinstance(t, Float8Tensor):
+        return f"{name}: Float8Tensor shape {tuple(t.shape)} fp8_dtype {t.fp8_dtype}"
+    if isinstance(t, torch.Tensor):
+        return f"{name}: Tensor shape {tuple(t.shape)} dtype {t.dtype}"
+    return f"{name}: {type(t).__name__}"
+
+
+def fp8_gemm(
+    a: Float8Tensor,
+    b: Float8Tensor,
+    out_dtype: torch.dtype,
+    bias: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """``a @ b.T (+ bias)`` in ``out_dtype`` from FP8 operands.
+
+    Args:
+        a: Float8Tensor ``[M, K]``.
+        b: Float8Tensor ``[N, K]``.
+        out_dtype: float32, bfloat16, float16 or float64.
+        bias: optional ``[N]`` high-precision tensor added to every row.
+
+    Returns:
+        Plain tensor ``[M, N]`` of ``out_dtype``.
+    """
+    if not isinstance(a, Float8Tensor) or not isinstance(b, Float8Tensor):
+        raise ValueError(
+            f"fp8_gemm: expected Float8Tensor operands, got {_describe('a', a)}; {_describe('b', b)}"
+        )
+    if a.dim() != 2 or b.dim() != 2 or a.shape[1] != b.shape[1]:
+        raise ValueError(
+            "fp8_gemm: expected a [M, K] and b [N, K] with equal K, got "
+            f"{_describe('a', a)}; {_describe('b', b)}"
+        )
+    if out_dtype not in _OUT_DTYPES:
+        raise ValueError(f"fp8_gemm: out_dtype: expected one of {_OUT_DTYPES}, got {out_dtype}")
+    if a.device != b.device:
+        raise ValueError(f"fp8_gemm: operands on different devices: a {a.device}, b {b.device}")
+    n = b.shape[0]
+    if bias is not None:
+        if (
+            not isinstance(bias, torch.Tensor)
+            or isinstance(bias, Float8Tensor)
+            or bias.shape != (n,)
+            or not bias.dtype.is_floating_point
+            or bias.dtype in _FP8_DTYPES
+        ):
+            raise ValueError(
+                f"fp8_gemm: bias: expected a high-precision tensor of shape ({n},), got "
+                f"{_describe('bias', bias)}"
+            )
+        if bias.device != a.device:
+            raise ValueError(f"fp8_gemm: bias on {bias.device}, operands on {a.device}")
+    # _scaled_mm layout: mat1 row-major, mat2 column-major (= b row-major, transposed).
+    a_data = a._data.contiguous()
+    b_data = b._data.contiguous()
+    # CUDA's _scaled_mm only fuses a bias for 16-bit outputs; add it afterwards
+    # otherwise (in out_dtype, the same rounding as the fused epilogue).
+    fused_bias = bias is not None and (
+        a.device.type != "cuda" or out_dtype in (torch.bfloat16, torch.float16)
+    )
+    out = torch._scaled_mm(
+        a_data,
+        b_data.t(),
+        scale_a=a._scale_inv.reshape(()).to(torch.float32),
+        scale_b=b._scale_inv.reshape(()).to(torch.float32),
+        bias=bias.to(out_dtype) if fused_bias else None,
+        out_dtype=out_dtype,
+    )
+    if bias is not None and not fused_bias:
+        out = out + bias.to(out_dtype)
+    return out

@@ -1,0 +1,322 @@
+"""Quantizers: builders that turn high-precision tensors into Float8Tensors.
+
+Quantizers are owned by ops and keep their state across steps:
+
+* :class:`DelayedScalingQuantizer` -- scale from an amax history; the history
+  and scale are updated once per step by the autocast's amax reduction
+  (:mod:`~tp_fuse.quantization.amax_reduction`), never by ``quantize``.
+* :class:`CurrentScalingQuantizer` -- scale from the tensor's own amax
+  (all-reduced MAX over its group, if any) at quantize time.
+* :class:`OpQuantizers` -- the per-op set of quantizers by role, rebuilt only
+  when the recipe changes.
+
+Roles: names starting with ``"grad"`` (``"grad_output"``, ``"grad_input"``) are
+backward tensors and use the recipe's backward FP8 dtype; every other role
+(``"input"``, ``"weight"``, ...) uses the forward dtype.
+"""
+
+from __future__ import annotations
+
+import abc
+import copy
+from collections.abc import Sequence
+from typing import Any, Optional, Union
+
+import torch
+import torch.distributed as dist
+
+from ..recipe import DelayedScaling, Float8CurrentScaling, Recipe, fp8_dtype_max
+from . import scaling
+from .float8_tensor import Float8Tensor
+
+__all__ = [
+    "Quantizer",
+    "DelayedScalingQuantizer",
+    "CurrentScalingQuantizer",
+    "OpQuantizers",
+    "is_backward_role",
+    "make_quantizer",
+]
+
+
+def is_backward_role(role: str) -> bool:
+    """Whether ``role`` names a gradient (backward FP8 dtype)."""
+    return role.startswith("grad")
+
+
+def _amax(x: torch.Tensor) -> torch.Tensor:
+    """amax(|x|) as a 0-d fp32 tensor; 0 for an empty tensor; NaN propagates."""
+    if x.numel() == 0:
+        return torch.zeros((), dtype=torch.float32, device=x.device)
+    return x.detach().abs().amax().to(torch.float32)
+
+
+def _cast_to_fp8(x: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dtype, fp8_max: float) -> torch.Tensor:
+    """saturate(x * scale) in ``fp8_dtype``; NaN stays NaN, +-inf saturate."""
+    compute = torch.promote_types(x.dtype, torch.float32)
+    scaled = x.detach().to(compute) * scale.to(compute)
+    # clamp keeps NaN (and maps +-inf to +-fp8_max): PyTorch's fp8 cast does not
+    # saturate on its own for E5M2 (values past max become inf).
+    return scaled.clamp(-fp8_max, fp8_max).to(fp8_dtype)
+
+
+class _Quantize(torch.autograd.Function):
+    """High-precision tensor -> Float8Tensor, differentiable (straight-through).
+
+    ======== ======================== =======================
+             forward                  backward
+    ======== ======================== =======================
+    in       x: [*] (dtype)           grad_out: [*] (dtype)
+    out      q = Float8Tensor(x)      grad_x = grad_out
+    ======== ======================== =======================
+
+    The backward is the identity: quantization error is not differentiated,
+    as in every FP8 training recipe.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, quantizer: "Quantizer") -> Float8Tensor:
+        return quantizer._quantize_impl(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor, None]:
+        if isinstance(grad_out, Float8Tensor):
+            grad_out = grad_out.dequantize()
+        return grad_out, None
+
+
+class Quantizer(abc.ABC):
+    """Turns high-precision tensors into :class:`Float8Tensor`.
+
+    Attributes:
+        fp8_dtype: target FP8 dtype.
+        fp8_max: largest finite value of ``fp8_dtype``.
+        role: what the quantized tensor is (``"input"``, ``"grad_output"``...).
+    """
+
+    def __init__(self, fp8_dtype: torch.dtype, role: str) -> None:
+        self.fp8_dtype = fp8_dtype
+        self.fp8_max = fp8_dtype_max(fp8_dtype)
+        self.role = role
+
+    def quantize(self, x: torch.Tensor) -> Float8Tensor:
+        """Quantize ``x`` (any float dtype) to a Float8Tensor of nominal dtype
+        ``x.dtype``; differentiable (straight-through) if ``x`` requires grad."""
+        if isinstance(x, Float8Tensor):
+            raise ValueError(f"{type(self).__name__}.quantize: input is already a Float8Tensor")
+        if not x.dtype.is_floating_point:
+            raise ValueError(
+                f"{type(self).__name__}.quantize: expected a floating-point tensor, got {x.dtype}"
+            )
+        if torch.is_grad_enabled() and x.requires_grad:
+            return _Quantize.apply(x, self)
+        return self._quantize_impl(x)
+
+    @abc.abstractmethod
+    def _quantize_impl(self, x: torch.Tensor) -> Float8Tensor:
+        """Quantize without autograd."""
+
+    @abc.abstractmethod
+    def stats(self) -> dict[str, float]:
+        """Scalar statistics for logging (synchronizes with the device)."""
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(role={self.role!r}, fp8_dtype={self.fp8_dtype})"
+
+
+class DelayedScalingQuantizer(Quantizer):
+    """Delayed scaling: quantize with last step's scale, record this step's amax.
+
+    State (all fp32 tensors, updated in place so references stay valid):
+        ``scale`` (0-d, starts at 1.0), ``amax_history`` ([amax_history_len],
+        zeros; slot 0 = current step), ``last_amax`` (amax used by the last
+        :meth:`update`), ``nonfinite_amax_count`` (int64 0-d: updates whose amax
+        was NaN/inf, so the previous scale was kept).
+
+    ``quantize`` folds ``amax(|x|)`` into ``amax_history[0]`` (several calls in a
+    step keep the max). ``update`` -- called once per step after the amax
+    reduction -- computes the new scale and rolls the history.
+    """
+
+    def __init__(self, recipe: DelayedScaling, role: str, device: Optional[torch.device] = None) -> None:
+        if not isinstance(recipe, DelayedScaling):
+            raise ValueError(
+                f"DelayedScalingQuantizer recipe: expected DelayedScaling, got {type(recipe).__name__}"
+            )
+        fmt = recipe.fp8_format
+        super().__init__(fmt.bwd_dtype if is_backward_role(role) else fmt.fwd_dtype, role)
+        self.recipe = recipe
+        self.margin = recipe.margin
+        kw = {"dtype": torch.float32, "device": device}
+        self.scale = torch.ones((), **kw)
+        self.amax_history = torch.zeros(recipe.amax_history_len, **kw)
+        self.last_amax = torch.zeros((), **kw)
+        self.nonfinite_amax_count = torch.zeros((), dtype=torch.int64, device=device)
+
+    def _quantize_impl(self, x: torch.Tensor) -> Float8Tensor:
+        with torch.no_grad():
+            self._to_device(x.device)
+            self.amax_history[0] = torch.maximum(self.amax_history[0], _amax(x))
+            data = _cast_to_fp8(x, self.scale, self.fp8_dtype, self.fp8_max)
+            # A new tensor: later scale updates must not change this tensor's value.
+            scale_inv = torch.reciprocal(self.scale)
+        return Float8Tensor(data, scale_inv, x.dtype)
+
+    def _to_device(self, device: torch.device) -> None:
+        # State follows the data on first use (modules may be moved after init).
+        if self.scale.device != device:
+            for name in ("scale", "amax_history", "last_amax", "nonfinite_amax_count"):
+                setattr(self, name, getattr(self, name).to(device))
+
+    @property
+    def current_amax(self) -> torch.Tensor:
+        """This step's amax slot (``amax_history[0]``), a view."""
+        return self.amax_history[0]
+
+    @torch.no_grad()
+    def update(self) -> None:
+        """End of step: new scale from the history, then roll the history.
+
+        Call after the step's amax has been reduced into ``amax_history[0]``.
+        """
+        r = self.recipe
+        amax = scaling.amax_from_history(self.amax_history, r.amax_compute_algo)
+        new_scale = scaling.delayed_scale(
+            amax, self.scale, self.fp8_max, self.margin, r.scaling_factor_compute_algo, r
+        )
+        self.nonfinite_amax_count += scaling.is_nonfinite(amax).to(torch.int64)
+        self.last_amax.copy_(amax)
+        self.scale.copy_(new_scale)
+        self.amax_history.copy_(scaling.roll_amax_history(self.amax_history))
+
+    def stats(self) -> dict[str, float]:
+        return {
+            "amax": float(self.last_amax),
+            "scale": float(self.scale),
+            "scale_inv": float(1.0 / self.scale),
+            "amax_history_max": float(self.amax_history.amax()),
+            "nonfinite_amax_count": float(self.nonfinite_amax_count),
+        }
+
+
+class CurrentScalingQuantizer(Quantizer):
+    """Current scaling: ``scale = fp8_max / amax(|x|)`` computed at quantize time.
+
+    With an ``amax_reduction_group`` the amax is all-reduced (MAX) over it first,
+    so all ranks of the group quantize with one scale (required to all-gather
+    FP8 bytes). A zero or non-finite amax gives scale 1.0; such amaxes are
+    counted in ``zero_amax_count`` / ``nonfinite_amax_count`` for logging.
+    ``power_2_scale`` rounds the scale down to a power of two.
+    """
+
+    def __init__(
+        self,
+        recipe: Float8CurrentScaling,
+        role: str,
+        amax_reduction_group: Optional[dist.ProcessGroup] = None,
+    ) -> None:
+        if not isinstance(recipe, Float8CurrentScaling):
+            raise ValueError(
+                "CurrentScalingQuantizer recipe: expected Float8CurrentScaling, got "
+                f"{type(recipe).__name__}"
+            )
+        fmt = recipe.fp8_format
+        super().__init__(fmt.bwd_dtype if is_backward_role(role) else fmt.fwd_dtype, role)
+        self.recipe = recipe
+        self.power_2_scale = recipe.power_2_scale
+        self.amax_reduction_group = amax_reduction_group
+        self.scale = torch.ones((), dtype=torch.float32)
+        self.last_amax = torch.zeros((), dtype=torch.float32)
+        self.nonfinite_amax_count = torch.zeros((), dtype=torch.int64)
+        self.zero_amax_count = torch.zeros((), dtype=torch.int64)
+
+    def _reduce(self, amax: torch.Tensor) -> torch.Tensor:
+        group = self.amax_reduction_group
+        if group is None or dist.get_world_size(group) == 1:
+            return amax
+        amax = scaling.nan_to_inf(amax).reshape(1)
+        dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=group)
+        return amax.reshape(())
+
+    def _quantize_impl(self, x: torch.Tensor) -> Float8Tensor:
+        with torch.no_grad():
+            amax = self._reduce(_amax(x))
+            scale = scaling.current_scale(amax, self.fp8_max, self.power_2_scale)
+            data = _cast_to_fp8(x, scale, self.fp8_dtype, self.fp8_max)
+            self.last_amax = amax.clone()
+            self.scale = scale
+            nonfinite = scaling.is_nonfinite(amax)
+            self.nonfinite_amax_count = self.nonfinite_amax_count.to(x.device) + nonfinite
+            self.zero_amax_count = self.zero_amax_count.to(x.device) + (amax == 0)
+        return Float8Tensor(data, torch.reciprocal(scale), x.dtype)
+
+    def stats(self) -> dict[str, float]:
+        return {
+            "amax": float(self.last_amax),
+            "scale": float(self.scale),
+            "scale_inv": float(1.0 / self.scale),
+            "nonfinite_amax_count": float(self.nonfinite_amax_count),
+            "zero_amax_count": float(self.zero_amax_count),
+        }
+
+
+def make_quantizer(
+    recipe: Recipe, role: str, amax_reduction_group: Optional[dist.ProcessGroup] = None
+) -> Union[DelayedScalingQuantizer, CurrentScalingQuantizer]:
+    """A fresh quantizer for ``role`` under ``recipe``."""
+    if isinstance(recipe, DelayedScaling):
+        return DelayedScalingQuantizer(recipe, role)
+    if isinstance(recipe, Float8CurrentScaling):
+        return CurrentScalingQuantizer(recipe, role, amax_reduction_group)
+    raise ValueError(
+        f"recipe: expected DelayedScaling or Float8CurrentScaling, got {type(recipe).__name__}"
+    )
+
+
+class OpQuantizers:
+    """The quantizers of one op, by role, persisting across steps.
+
+    ``get(recipe, group)`` returns the same quantizer objects on every call
+    while the recipe is unchanged -- the same object, or an equal one (a new
+    ``DelayedScaling()`` per step keeps the amax history). A recipe that
+    differs (or was mutated in place since) rebuilds all quantizers. A new
+    ``amax_reduction_group`` does not rebuild: it is handed to the current-
+    scaling quantizers (delayed scaling reduces per autocast, not per quantizer).
+    """
+
+    def __init__(self, roles: Sequence[str]) -> None:
+        roles = tuple(roles)
+        if not roles or not all(isinstance(r, str) and r for r in roles):
+            raise ValueError(f"OpQuantizers roles: expected non-empty role names, got {roles!r}")
+        if len(set(roles)) != len(roles):
+            raise ValueError(f"OpQuantizers roles: expected distinct names, got {roles!r}")
+        self.roles = roles
+        self._recipe_snapshot: Optional[Recipe] = None
+        self._quantizers: dict[str, Quantizer] = {}
+
+    def get(
+        self, recipe: Recipe, amax_reduction_group: Optional[dist.ProcessGroup] = None
+    ) -> dict[str, Quantizer]:
+        """Quantizers by role for ``recipe`` (built on first use or recipe change)."""
+        if not isinstance(recipe, Recipe):
+            raise ValueError(f"recipe: expected a tp_fuse.recipe.Recipe, got {type(recipe).__name__}")
+        snap = self._recipe_snapshot
+        # Compare against a snapshot, not the caller's object: equality then also
+        # catches a recipe edited in place after the quantizers were built.
+        if snap is None or type(snap) is not type(recipe) or snap != recipe:
+            self._recipe_snapshot = copy.copy(recipe)
+            # Quantizers get the snapshot too, so later edits to the caller's
+            # object cannot change their behaviour behind this check.
+            self._quantizers = {
+                role: make_quantizer(self._recipe_snapshot, role, amax_reduction_group)
+                for role in self.roles
+            }
+        for q in self._quantizers.values():
+            if isinstance(q, CurrentScalingQuantizer):
+                q.amax_reduction_group = amax_reduction_group
+        return dict(self._quantizers)
+
+    @property
+    def quantizers(self) -> dict[str, Quantizer]:
+        """The quantizers built by the last :meth:`get` (empty before)."""
+        return dict(self._quantizers)

@@ -1,0 +1,189 @@
+"""FP8 recipes: which FP8 formats to use and how to choose scaling factors.
+
+Names and fields follow Transformer Engine's ``transformer_engine.common.recipe``
+so that user code can switch between the two libraries:
+
+* :class:`Format` -- the FP8 formats for forward tensors (activations, weights)
+  and backward tensors (gradients).
+* :class:`DelayedScaling` -- per-tensor scales computed from a history of past
+  absolute maxima ("amax"), updated once per step after an amax reduction.
+* :class:`Float8CurrentScaling` -- per-tensor scales computed from the tensor
+  being quantized, at the moment it is quantized.
+
+Recipes are plain validated dataclasses. Equality is field-wise, so two recipes
+built with the same arguments are interchangeable (quantizer state is reused);
+callables compare by identity.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import Any, Callable, Optional, Union
+
+import torch
+
+__all__ = ["Format", "Recipe", "DelayedScaling", "Float8CurrentScaling"]
+
+
+class Format(enum.Enum):
+    """FP8 formats used in the forward and backward passes.
+
+    ``E4M3``: E4M3 everywhere (max 448, finer mantissa).
+    ``E5M2``: E5M2 everywhere (max 57344, wider range).
+    ``HYBRID``: E4M3 for forward tensors, E5M2 for gradients -- gradients need
+    range more than precision.
+    """
+
+    E4M3 = "E4M3"
+    E5M2 = "E5M2"
+    HYBRID = "HYBRID"
+
+    @property
+    def fwd_dtype(self) -> torch.dtype:
+        """FP8 dtype of forward-pass tensors (inputs, weights)."""
+        return torch.float8_e5m2 if self is Format.E5M2 else torch.float8_e4m3fn
+
+    @property
+    def bwd_dtype(self) -> torch.dtype:
+        """FP8 dtype of backward-pass tensors (gradients)."""
+        return torch.float8_e4m3fn if self is Format.E4M3 else torch.float8_e5m2
+
+    @property
+    def fwd_max(self) -> float:
+        """Largest finite value of :attr:`fwd_dtype` (448 or 57344)."""
+        return fp8_dtype_max(self.fwd_dtype)
+
+    @property
+    def bwd_max(self) -> float:
+        """Largest finite value of :attr:`bwd_dtype` (448 or 57344)."""
+        return fp8_dtype_max(self.bwd_dtype)
+
+
+_FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+def fp8_dtype_max(dtype: torch.dtype) -> float:
+    """Largest finite value of an FP8 dtype: 448.0 (E4M3) or 57344.0 (E5M2)."""
+    if dtype not in _FP8_DTYPES:
+        raise ValueError(
+            f"fp8 dtype: expected one of {_FP8_DTYPES}, got {dtype}"
+        )
+    return float(torch.finfo(dtype).max)
+
+
+def _check_type(name: str, value: Any, expected: type | tuple[type, ...], what: str) -> None:
+    # bool is an int subclass; a flag passed as margin is a mistake, not a value.
+    ok = isinstance(value, expected) and not (
+        isinstance(value, bool) and expected is int
+    )
+    if not ok:
+        raise ValueError(f"{name}: expected {what}, got {value!r} ({type(value).__name__})")
+
+
+class Recipe:
+    """Base class of FP8 recipes. Use :class:`DelayedScaling` or
+    :class:`Float8CurrentScaling`."""
+
+    fp8_format: Format
+
+    def delayed(self) -> bool:
+        """Whether this recipe uses delayed (history-based) scaling."""
+        return isinstance(self, DelayedScaling)
+
+    def float8_current_scaling(self) -> bool:
+        """Whether this recipe uses current (just-in-time) scaling."""
+        return isinstance(self, Float8CurrentScaling)
+
+
+AmaxComputeAlgo = Union[str, Callable[[torch.Tensor], torch.Tensor]]
+ScalingFactorComputeAlgo = Callable[[torch.Tensor, torch.Tensor, float, "DelayedScaling"], torch.Tensor]
+
+
+@dataclass
+class DelayedScaling(Recipe):
+    """Delayed scaling: each tensor's scale comes from its past amaxes.
+
+    Every quantizer keeps an amax history of ``amax_history_len`` steps. During a
+    step, quantizing folds ``amax(|x|)`` into slot 0 using the scale computed at
+    the end of the previous step. At the end of the step the slot-0 amaxes are
+    all-reduced (MAX) over the amax reduction group, then each quantizer picks
+    an amax from its history and sets::
+
+        scale = (fp8_max / amax) / 2**margin     if amax is finite and > 0
+        scale = previous scale                   otherwise
+
+    Args:
+        margin: non-negative int; the scale leaves ``2**margin`` of headroom.
+        fp8_format: :class:`Format` (default HYBRID).
+        amax_history_len: number of steps of amax history (>= 1).
+        amax_compute_algo: ``"max"`` (max over the history), ``"most_recent"``
+            (this step's amax), or a callable ``history -> amax`` receiving the
+            1-D fp32 history (slot 0 = this step) and returning a 0-d tensor.
+        scaling_factor_compute_algo: None for the formula above, or a callable
+            ``(amax, scale, fp8_max, recipe) -> scale`` used instead of it for
+            finite positive amaxes (non-finite or zero amax still keeps the
+            previous scale).
+        reduce_amax: all-reduce amaxes over the amax reduction group (set False
+            to keep per-rank scales).
+    """
+
+    margin: int = 0
+    fp8_format: Format = Format.HYBRID
+    amax_history_len: int = 1024
+    amax_compute_algo: AmaxComputeAlgo = "max"
+    scaling_factor_compute_algo: Optional[ScalingFactorComputeAlgo] = None
+    reduce_amax: bool = True
+
+    def __post_init__(self) -> None:
+        _check_type("DelayedScaling.margin", self.margin, int, "a non-negative int")
+        if self.margin < 0:
+            raise ValueError(
+                f"DelayedScaling.margin: expected a non-negative int, got {self.margin}"
+            )
+        _check_type("DelayedScaling.fp8_format", self.fp8_format, Format, "a recipe.Format")
+        _check_type(
+            "DelayedScaling.amax_history_len", self.amax_history_len, int, "an int >= 1"
+        )
+        if self.amax_history_len < 1:
+            raise ValueError(
+                "DelayedScaling.amax_history_len: expected an int >= 1, "
+                f"got {self.amax_history_len}"
+            )
+        algo = self.amax_compute_algo
+        if not (callable(algo) or algo in ("max", "most_recent")):
+            raise ValueError(
+                "DelayedScaling.amax_compute_algo: expected 'max', 'most_recent' or a "
+                f"callable(history) -> amax, got {algo!r}"
+            )
+        sf = self.scaling_factor_compute_algo
+        if sf is not None and not callable(sf):
+            raise ValueError(
+                "DelayedScaling.scaling_factor_compute_algo: expected None or a callable"
+                f"(amax, scale, fp8_max, recipe) -> scale, got {sf!r}"
+            )
+        _check_type("DelayedScaling.reduce_amax", self.reduce_amax, bool, "a bool")
+
+
+@dataclass
+class Float8CurrentScaling(Recipe):
+    """Current scaling: each tensor's scale comes from its own amax, now.
+
+    ``scale = fp8_max / amax(|x|)`` with the amax all-reduced (MAX) over the
+    quantizer's amax reduction group when it has one, so that all tensor-parallel
+    ranks use one scale. A zero or non-finite amax gives scale 1.0.
+
+    Args:
+        fp8_format: :class:`Format` (default HYBRID).
+        power_2_scale: round each scale down to a power of two, so that scaling
+            is exact (only the exponent changes).
+    """
+
+    fp8_format: Format = Format.HYBRID
+    power_2_scale: bool = False
+
+    def __post_init__(self) -> None:
+        _check_type(
+            "Float8CurrentScaling.fp8_format", self.fp8_format, Format, "a recipe.Format"
+        )
+        _check_type("Float8CurrentScaling.power_2_scale", self.power_2_scale, bool, "a bool")
