@@ -1,0 +1,68 @@
+"""FP8 quantization with a fused amax and an optional transposed copy.
+
+``quantize`` is the cast every FP8 GEMM input goes through: one read of ``x`` produces
+the FP8 bytes for the forward GEMM, the transposed FP8 bytes for the wgrad GEMM (which
+contracts over the token dimension, so it wants tokens innermost), and ``max(|x|)`` for
+the next scale update.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from . import dispatch
+from ._common import abs_max, check_float, check_fp8_dtype, check_scale, fp8_cast, rows_2d
+
+__all__ = ["quantize"]
+
+
+def quantize(
+    x: torch.Tensor,
+    scale: torch.Tensor,
+    fp8_dtype: torch.dtype,
+    *,
+    transpose: bool = False,
+    backend: Optional[str] = None,
+) -> tuple[torch.Tensor, Optional[torch.Tensor], torch.Tensor]:
+    """Quantize ``x`` to FP8 and compute its amax in the same pass.
+
+    Shapes (``x`` viewed as 2-D ``[rows, cols]``, ``cols = x.shape[-1]``)::
+
+        x      [..., cols]   fp32 / bf16 / fp16, any strides
+        scale  []            fp32 (quantization scale: fp8 = x * scale)
+        data   [..., cols]   fp8_dtype, contiguous
+        data_t [cols, rows]  fp8_dtype, contiguous (only with ``transpose=True``)
+        amax   []            fp32
+
+    Semantics: ``data = clamp(x.float() * scale, -fp8_max, fp8_max).to(fp8_dtype)``
+    with round-to-nearest-even; saturating (inf -> +-fp8_max), NaN stays NaN.
+    ``data_t = data.reshape(rows, cols).T``. ``amax = max(|x|)`` (NaN if ``x`` has a
+    NaN, 0 if ``x`` is empty), of ``x`` itself, not of the scaled values.
+
+    Args:
+        backend: None (auto), "torch" or "triton"; see ``tp_fuse.kernels.dispatch``.
+    """
+    check_float("x", x)
+    check_fp8_dtype("fp8_dtype", fp8_dtype)
+    check_scale("scale", scale, x.device)
+    choice = dispatch.select_backend("quantize", x.device, backend)
+    if choice.backend == "torch":
+        out = _quantize_torch(x, scale, fp8_dtype, transpose)
+        variant = "reference"
+    else:
+        from . import cast_triton
+
+        *out, variant = cast_triton.quantize_triton(x, scale, fp8_dtype, transpose)
+    dispatch.log_call("quantize", choice, variant, x.device)
+    return tuple(out)
+
+
+def _quantize_torch(
+    x: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dtype, transpose: bool
+) -> tuple[torch.Tensor, Optional[torch.Tensor], torch.Tensor]:
+    x2 = rows_2d(x)  # [rows, cols]
+    data = fp8_cast(x2, scale, fp8_dtype)
+    data_t = data.t().contiguous() if transpose else None  # [cols, rows]
+    return data.reshape(x.shape), data_t, abs_max(x)

@@ -1,0 +1,210 @@
+"""Backend selection for tp_fuse kernels, and a record of which path ran.
+
+Every public kernel (``quantize``, ``layernorm_fwd``, ``fp8_gemm`` ...) has two
+implementations with identical semantics: a torch reference (any device) and a Triton
+kernel (CUDA tensors, or any tensors when ``TRITON_INTERPRET=1`` was set before triton
+was first imported). Each public function takes ``backend="torch" | "triton" | None``:
+
+* ``None`` (auto): Triton for CUDA tensors when triton imports and the shape is
+  supported by the Triton kernel, otherwise torch. The reason is recorded.
+* ``"triton"``: Triton or an exception. Never a silent fallback.
+* ``"torch"``: the reference implementation.
+
+Which path ran is observable without global switches::
+
+    with record_kernel_paths() as log:
+        y, rstd, amax = rmsnorm_fwd(x, w, 1e-5)
+    log.last("rmsnorm_fwd").backend   # "torch" on CPU
+
+``select_backend`` answers the same question without running anything (used by the
+fuser's ``explain``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+import threading
+from collections import Counter
+from dataclasses import dataclass
+from typing import Iterator, Optional
+
+import torch
+
+__all__ = [
+    "BACKENDS",
+    "BackendChoice",
+    "KernelCall",
+    "KernelPathLog",
+    "record_kernel_paths",
+    "select_backend",
+    "triton_interpreted",
+    "triton_status",
+]
+
+BACKENDS = ("torch", "triton")
+
+
+@dataclass(frozen=True)
+class BackendChoice:
+    """Outcome of backend selection: ``backend`` in BACKENDS and a human-readable why."""
+
+    backend: str
+    reason: str
+
+
+@dataclass(frozen=True)
+class KernelCall:
+    """One executed kernel call.
+
+    ``variant`` names the implementation detail that ran, e.g. ``"reference"`` for torch,
+    ``"pointer"``/``"tma"`` for the Triton GEMM, with ``"+emulated-casts"`` appended when
+    the Triton kernel converted floats in integer arithmetic (see ``_triton_common``).
+    """
+
+    kernel: str
+    backend: str
+    variant: str
+    device: str
+    reason: str
+
+
+class KernelPathLog:
+    """Ordered list of ``KernelCall`` records captured by ``record_kernel_paths``."""
+
+    def __init__(self) -> None:
+        self.calls: list[KernelCall] = []
+
+    def record(self, call: KernelCall) -> None:
+        self.calls.append(call)
+
+    def counts(self) -> Counter:
+        """``Counter`` keyed by ``(kernel, backend)``."""
+        return Counter((c.kernel, c.backend) for c in self.calls)
+
+    def backends(self, kernel: Optional[str] = None) -> list[str]:
+        return [c.backend for c in self.calls if kernel is None or c.kernel == kernel]
+
+    def last(self, kernel: Optional[str] = None) -> KernelCall:
+        for call in reversed(self.calls):
+            if kernel is None or call.kernel == kernel:
+                return call
+        raise LookupError(f"no kernel call recorded for kernel={kernel!r}")
+
+    def clear(self) -> None:
+        self.calls.clear()
+
+    def __len__(self) -> int:
+        return len(self.calls)
+
+    def __repr__(self) -> str:
+        return f"KernelPathLog({dict(self.counts())})"
+
+
+# Active logs are per thread (a data-loader thread must not write into the training
+# thread's log) and nest: an inner ``record_kernel_paths`` also feeds the outer ones.
+_active = threading.local()
+
+
+def _stack() -> list[KernelPathLog]:
+    if not hasattr(_active, "logs"):
+        _active.logs = []
+    return _active.logs
+
+
+@contextlib.contextmanager
+def record_kernel_paths(log: Optional[KernelPathLog] = None) -> Iterator[KernelPathLog]:
+    """Capture every kernel call made in this thread inside the ``with`` block."""
+    log = KernelPathLog() if log is None else log
+    stack = _stack()
+    stack.append(log)
+    try:
+        yield log
+    finally:
+        stack.remove(log)
+
+
+def log_call(kernel: str, choice: BackendChoice, variant: str, device: torch.device) -> None:
+    """Record one executed call in every active log (no-op when none is active)."""
+    stack = _stack()
+    if not stack:
+        return
+    call = KernelCall(kernel, choice.backend, variant, str(device), choice.reason)
+    for log in stack:
+        log.record(call)
+
+
+@functools.lru_cache(maxsize=None)
+def triton_status() -> tuple[bool, str]:
+    """``(importable, detail)``; cached because a failed import is slow to retry."""
+    try:
+        import triton  # noqa: F401
+        import triton.language  # noqa: F401
+    except Exception as exc:  # ImportError, or a broken install raising anything
+        return False, f"triton is not importable ({type(exc).__name__}: {exc})"
+    return True, f"triton {triton.__version__}"
+
+
+def triton_interpreted() -> bool:
+    """Whether Triton kernels run in the interpreter (TRITON_INTERPRET=1).
+
+    Triton decides this when a ``@triton.jit`` function is decorated, i.e. when
+    ``tp_fuse.kernels._triton_common`` is first imported; we report that decision once
+    it is made, and the environment variable before.
+    """
+    import sys
+
+    mod = sys.modules.get("tp_fuse.kernels._triton_common")
+    if mod is not None:
+        return bool(mod.INTERPRETED)
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def select_backend(
+    kernel: str,
+    device: torch.device,
+    backend: Optional[str] = None,
+    *,
+    triton_unsupported: Optional[str] = None,
+) -> BackendChoice:
+    """Choose the implementation for ``kernel`` on ``device``.
+
+    Args:
+        kernel: public kernel name (for messages).
+        device: device of the kernel's inputs.
+        backend: ``None`` (auto), ``"torch"`` or ``"triton"``.
+        triton_unsupported: why the Triton kernel cannot handle these inputs (shape or
+            dtype limits), or ``None`` when it can.
+
+    Raises:
+        ValueError: ``backend`` is not one of None/"torch"/"triton", or Triton was
+            requested for inputs it does not support.
+        RuntimeError: Triton was requested but cannot run here.
+    """
+    if backend is not None and backend not in BACKENDS:
+        raise ValueError(f"backend: expected None, 'torch' or 'triton', got {backend!r}")
+    if backend == "torch":
+        return BackendChoice("torch", "torch requested")
+    ok, detail = triton_status()
+    runnable = device.type == "cuda" or triton_interpreted()
+    if backend == "triton":
+        if not ok:
+            raise RuntimeError(f"{kernel}: backend='triton' requested but {detail}")
+        if not runnable:
+            raise RuntimeError(
+                f"{kernel}: backend='triton' requested for {device.type} tensors; Triton runs "
+                "CUDA tensors, or any tensors with TRITON_INTERPRET=1 set before triton is imported"
+            )
+        if triton_unsupported is not None:
+            raise ValueError(f"{kernel}: backend='triton' requested but {triton_unsupported}")
+        return BackendChoice("triton", f"triton requested ({detail})")
+    # Auto: the Triton kernels exist for GPUs; on CPU the torch reference is the fast path
+    # even when the interpreter is on (the interpreter is a testing tool).
+    if device.type != "cuda":
+        return BackendChoice("torch", f"inputs on {device.type}; Triton kernels are for CUDA")
+    if not ok:
+        return BackendChoice("torch", detail)
+    if triton_unsupported is not None:
+        return BackendChoice("torch", triton_unsupported)
+    return BackendChoice("triton", f"CUDA inputs and {detail}")
