@@ -1,0 +1,94 @@
+"""``Bias``: add a learnable vector over the last dimension."""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+
+from ..op import BasicOperation, OperationContext, require
+from ._checks import check_tensor, compute_dtype, maybe_dequantize, param_dtype
+
+
+class Bias(BasicOperation):
+    """Learnable bias added over the last dimension: ``y = x + b``.
+
+    Shapes: ``x [..., size]``, ``b [size]``, ``y [..., size]``.
+
+    Equations:
+        forward:  y  = x + b
+        backward: dx = dy,  db = sum of dy over every dimension but the last
+
+    Nothing is saved for the backward pass. ``db`` is accumulated in float32
+    (float64 for float64 inputs) and returned in the parameter's dtype.
+    Parameter: ``bias`` (initialized to zeros).
+    """
+
+    def __init__(
+        self,
+        size: int,
+        *,
+        device: Optional[torch.device | str] = None,
+        dtype: Optional[torch.dtype] = None,
+    ) -> None:
+        super().__init__()
+        if isinstance(size, bool) or not isinstance(size, int) or size <= 0:
+            raise ValueError(f"Bias: size must be a positive int, got {size!r}")
+        self.size = size
+        self.bias = torch.nn.Parameter(
+            torch.zeros(size, device=device, dtype=param_dtype("Bias", dtype))
+        )
+
+    def reset_parameters(self) -> None:
+        """Zero the bias (the usual initialization for biases, as in Transformer Engine)."""
+        with torch.no_grad():
+            self.bias.zero_()
+
+    def extra_repr(self) -> str:
+        return f"size={self.size}"
+
+    # ---- validation and math shared with fused ops ----------------------
+
+    def check_input_spec(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> None:
+        """Validate an input described by shape/dtype/device.
+
+        Fused ops (e.g. bias in a GEMM epilogue) call this with the GEMM's
+        output description before computing, so they raise exactly what
+        ``Bias`` would.
+        """
+        require(
+            len(shape) >= 1 and shape[-1] == self.size,
+            f"Bias: expected last dimension {self.size}, got input of shape {tuple(shape)}",
+        )
+        require(
+            dtype == self.bias.dtype,
+            f"Bias: input dtype {dtype} does not match bias dtype {self.bias.dtype}",
+        )
+        require(device == self.bias.device, f"Bias: input on {device}, bias on {self.bias.device}")
+
+    def check_input(self, x: torch.Tensor) -> None:
+        check_tensor("Bias", x)
+        self.check_input_spec(tuple(x.shape), x.dtype, x.device)
+
+    def bias_grad(self, dy: torch.Tensor) -> Optional[torch.Tensor]:
+        """``db = sum(dy)`` over all but the last dim; None when the bias is frozen.
+
+        Fused backward ops call this too, so ``db`` is bit-identical either way.
+        """
+        if not self.bias.requires_grad:
+            return None
+        dy2d = dy.reshape(-1, self.size)
+        # Accumulate wide: a bf16 sum over many rows would lose the small terms.
+        return dy2d.sum(dim=0, dtype=compute_dtype(dy.dtype)).to(self.bias.dtype)
+
+    # ---- basic-op interface ----------------------------------------------
+
+    def op_forward(self, ctx: OperationContext, input_: torch.Tensor, **unused: Any) -> torch.Tensor:
+        x = maybe_dequantize(input_)
+        self.check_input(x)
+        return x + self.bias
+
+    def op_backward(
+        self, ctx: OperationContext, grad_output: torch.Tensor
+    ) -> tuple[torch.Tensor, tuple[Optional[torch.Tensor]]]:
+        return grad_output, (self.bias_grad(grad_output),)

@@ -1,0 +1,30 @@
+"""Fused operations, one per file. Importing this package registers their fusions.
+
+Registration order is application order. ``ForwardLinearBiasAdd`` goes before
+``ForwardLinearBiasActivation`` so that ``[BasicLinear, Bias, AddExtraInput]``
+takes the residual into the GEMM rather than stopping at the bias.
+Communication-overlap fusions (``[AllGather, BasicLinear(, Bias)]`` etc.)
+must run before these, since after them a ``BasicLinear`` may already be part
+of a fused op: register them with ``prepend=True`` or import them first.
+"""
+
+from ..fusion import register_backward_fusion, register_forward_fusion
+from .backward_activation_bias import BackwardActivationBias, fuse_backward_activation_bias
+from .backward_linear_add import BackwardLinearAdd, fuse_backward_linear_add
+from .forward_linear_bias_activation import (
+    ForwardLinearBiasActivation,
+    fuse_forward_linear_bias_activation,
+)
+from .forward_linear_bias_add import ForwardLinearBiasAdd, fuse_forward_linear_bias_add
+
+register_forward_fusion(fuse_forward_linear_bias_add)
+register_forward_fusion(fuse_forward_linear_bias_activation)
+register_backward_fusion(fuse_backward_linear_add)
+register_backward_fusion(fuse_backward_activation_bias)
+
+__all__ = [
+    "BackwardActivationBias",
+    "BackwardLinearAdd",
+    "ForwardLinearBiasActivation",
+    "ForwardLinearBiasAdd",
+]

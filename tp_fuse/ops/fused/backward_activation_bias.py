@@ -1,0 +1,82 @@
+"""Backward fusion ``[Bias, GELU|ReLU]``: activation gradient and bias gradient together."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, Optional
+
+import torch
+
+from ..basic.activation import _ActivationOperation
+from ..basic.bias import Bias
+from ..fusion import Fuse, FusionLog, MatchResult, Reject, fuse_by_window
+from ..op import FusedOperation, FusibleOperation, OperationContext
+from .forward_linear_bias_activation import FUSABLE_ACTIVATIONS
+
+
+class BackwardActivationBias(FusedOperation):
+    """Backward pass of ``Bias, GELU|ReLU`` as one op.
+
+    Shapes: ``dy [..., n]`` (gradient of the activation output),
+    ``dx [..., n]``, ``db [n]``.
+
+    Equations (forward was ``y = act(x + b)``):
+        dz = act'(x + b) * dy      (the activation's own backward)
+        db = sum of dz over every dimension but the last
+        dx = dz
+
+    Backward only. It calls the activation's ``activation_backward`` and
+    ``Bias.bias_grad``, so the input gradient and ``db`` are bit-identical to
+    the basic ops'. The op is the hook for a one-pass dact+dbias kernel (the
+    reduction reading dact as it is produced); on the torch path the two run
+    back to back without a round trip through the fuser.
+    """
+
+    def __init__(self, *, bias: Bias, activation: _ActivationOperation) -> None:
+        super().__init__([bias, activation])
+
+    def fusion_summary(self) -> str:
+        return f"d{type(self.basic_ops[1]).__name__} and dbias together"
+
+    def fuser_backward(
+        self,
+        basic_op_ctxs: list[OperationContext],
+        grad_output: torch.Tensor,
+        *,
+        basic_op_grad_extra_outputs: list[tuple[torch.Tensor, ...]],
+        **unused: Any,
+    ) -> tuple[torch.Tensor, list[tuple[Optional[torch.Tensor], ...]], list[tuple[()]]]:
+        bias_op, activation = self.basic_ops
+        assert isinstance(bias_op, Bias) and isinstance(activation, _ActivationOperation)
+        dz = activation.activation_backward(basic_op_ctxs[1], grad_output)
+        db = bias_op.bias_grad(dz)
+        return dz, [(db,), ()], [(), ()]
+
+
+def fuse_backward_activation_bias(
+    ops: list[FusibleOperation],
+    *,
+    recipe: Any = None,
+    fusion_log: Optional[FusionLog] = None,
+    **unused: Any,
+) -> list[FusibleOperation]:
+    """Replace ``[Bias, GELU|ReLU]`` windows with ``BackwardActivationBias``."""
+
+    def matcher(window: Sequence[FusibleOperation]) -> MatchResult:
+        bias = window[0]
+        if not isinstance(bias, Bias):
+            return None
+        act = window[1] if len(window) > 1 else None
+        if isinstance(act, FUSABLE_ACTIVATIONS):
+            return Fuse(
+                BackwardActivationBias(bias=bias, activation=act),
+                2,
+                f"d{type(act).__name__} and dbias together",
+            )
+        if isinstance(act, _ActivationOperation):
+            return Reject(f"Bias followed by {type(act).__name__}: only GELU/ReLU fuse", 2)
+        if act is None:
+            return Reject("Bias is the last op of the fused group: no activation after it", 1)
+        return Reject(f"Bias followed by {type(act).__name__}, not an activation (GELU/ReLU)", 2)
+
+    return fuse_by_window(ops, matcher, fusion_log)
