@@ -5,7 +5,9 @@ semantics; ``backend=None`` picks Triton for CUDA inputs when triton is importab
 torch otherwise (see ``dispatch``). Importing this package does not import triton.
 """
 
+from .activations import dgelu_dbias, dswiglu, gelu_fwd, swiglu_fwd
 from .cast import quantize
+from .norms import layernorm_fwd, rmsnorm_fwd
 from .dispatch import (
     BackendChoice,
     KernelCall,
@@ -20,9 +22,15 @@ __all__ = [
     "BackendChoice",
     "KernelCall",
     "KernelPathLog",
+    "dgelu_dbias",
+    "dswiglu",
+    "gelu_fwd",
+    "layernorm_fwd",
     "quantize",
+    "rmsnorm_fwd",
     "record_kernel_paths",
     "select_backend",
+    "swiglu_fwd",
     "triton_interpreted",
     "triton_status",
 ]

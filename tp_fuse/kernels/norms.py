@@ -1,0 +1,136 @@
+"""LayerNorm / RMSNorm forward that write what the next GEMM reads.
+
+With ``fp8_dtype`` given, the normalized output is quantized inside the norm (no
+separate cast kernel, no high-precision round trip through memory), and the amax of
+the high-precision normalized output comes out of the same pass for the quantizer.
+Math is fp32 whatever the input dtype; conventions follow Transformer Engine:
+
+    LayerNorm:  mean = E[x],  var = E[(x - mean)^2] (biased),  rstd = 1 / sqrt(var + eps)
+                y = (x - mean) * rstd * weight + bias
+    RMSNorm:    var = E[x^2],  rstd = 1 / sqrt(var + eps),  y = x * rstd * weight
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from . import dispatch
+from ._common import check_float, check_quant_args, check_vector, finish_output, rows_2d
+
+__all__ = ["layernorm_fwd", "rmsnorm_fwd", "MAX_TRITON_NORM_COLS"]
+
+# The Triton kernel keeps whole rows in registers; wider rows would spill heavily.
+MAX_TRITON_NORM_COLS = 32768
+
+
+def layernorm_fwd(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor,
+    eps: float,
+    *,
+    scale: Optional[torch.Tensor] = None,
+    fp8_dtype: Optional[torch.dtype] = None,
+    backend: Optional[str] = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """LayerNorm over the last dimension.
+
+    Shapes (``n = x.shape[-1]``)::
+
+        x            [..., n]  fp32 / bf16 / fp16, any strides
+        weight, bias [n]       any float dtype (used in fp32)
+        scale        []        fp32, only with fp8_dtype
+        y            [..., n]  x.dtype, or fp8_dtype (= clamp(y32 * scale) cast, RTNE)
+        mean, rstd   [...]     fp32
+        amax         []        fp32, max |y32| of the fp32 output before any cast/scale
+
+    Returns ``(y, mean, rstd, amax)``.
+    """
+    _check_norm_args(x, weight, eps, scale, fp8_dtype)
+    check_vector("bias", bias, x.shape[-1], x.device)
+    choice = _select("layernorm_fwd", x, backend)
+    if choice.backend == "torch":
+        y, mean, rstd, amax = _norm_torch(x, weight, bias, eps, scale, fp8_dtype, rms=False)
+        variant = "reference"
+    else:
+        from . import norms_triton
+
+        y, mean, rstd, amax, variant = norms_triton.norm_fwd_triton(
+            x, weight, bias, eps, scale, fp8_dtype, rms=False
+        )
+    dispatch.log_call("layernorm_fwd", choice, variant, x.device)
+    return y, mean, rstd, amax
+
+
+def rmsnorm_fwd(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    *,
+    scale: Optional[torch.Tensor] = None,
+    fp8_dtype: Optional[torch.dtype] = None,
+    backend: Optional[str] = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """RMSNorm over the last dimension: ``y = x * rstd * weight``.
+
+    Shapes as ``layernorm_fwd`` without ``bias`` and ``mean``. Returns ``(y, rstd, amax)``.
+    """
+    _check_norm_args(x, weight, eps, scale, fp8_dtype)
+    choice = _select("rmsnorm_fwd", x, backend)
+    if choice.backend == "torch":
+        y, _, rstd, amax = _norm_torch(x, weight, None, eps, scale, fp8_dtype, rms=True)
+        variant = "reference"
+    else:
+        from . import norms_triton
+
+        y, _, rstd, amax, variant = norms_triton.norm_fwd_triton(
+            x, weight, None, eps, scale, fp8_dtype, rms=True
+        )
+    dispatch.log_call("rmsnorm_fwd", choice, variant, x.device)
+    return y, rstd, amax
+
+
+def _check_norm_args(x, weight, eps, scale, fp8_dtype) -> None:
+    check_float("x", x)
+    check_vector("weight", weight, x.shape[-1], x.device)
+    if not isinstance(eps, (int, float)) or isinstance(eps, bool) or eps < 0:
+        raise ValueError(f"eps: expected a non-negative float, got {eps!r}")
+    check_quant_args(scale, fp8_dtype, x.device)
+
+
+def _select(kernel: str, x: torch.Tensor, backend: Optional[str]) -> dispatch.BackendChoice:
+    n = x.shape[-1]
+    unsupported = None
+    if n > MAX_TRITON_NORM_COLS:
+        unsupported = f"rows of {n} elements exceed the Triton norm kernel's limit of {MAX_TRITON_NORM_COLS}"
+    return dispatch.select_backend(kernel, x.device, backend, triton_unsupported=unsupported)
+
+
+def _norm_torch(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: Optional[torch.Tensor],
+    eps: float,
+    scale: Optional[torch.Tensor],
+    fp8_dtype: Optional[torch.dtype],
+    *,
+    rms: bool,
+) -> tuple[torch.Tensor, Optional[torch.Tensor], torch.Tensor, torch.Tensor]:
+    x32 = rows_2d(x).float()  # [rows, n]
+    n = x32.shape[-1]
+    if rms:
+        mean = None
+        xc = x32
+    else:
+        mean = x32.sum(-1) / n  # [rows]
+        xc = x32 - mean[:, None]
+    var = (xc * xc).sum(-1) / n  # biased, [rows]
+    rstd = 1.0 / torch.sqrt(var + eps)
+    y32 = xc * rstd[:, None] * weight.float()
+    if bias is not None:
+        y32 = y32 + bias.float()
+    y, amax = finish_output(y32, x.dtype, scale, fp8_dtype)
+    lead = x.shape[:-1]
+    return y.reshape(x.shape), None if mean is None else mean.reshape(lead), rstd.reshape(lead), amax
