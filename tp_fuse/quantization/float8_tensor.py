@@ -86,7 +86,8 @@ class Float8Tensor(torch.Tensor):
     _scale_inv: torch.Tensor
     _master: Optional[torch.Tensor]
     _quantizer: Any
-    _transpose_cache: Optional[tuple[int, torch.Tensor]]
+    _alias: "_AliasState"
+    _transpose_cache: Optional[tuple[tuple[int, int], torch.Tensor]]
 
     # Wrapper subclasses must not let the default __torch_function__ re-wrap
     # plain results as Float8Tensor (they would have no FP8 data).
@@ -102,6 +103,7 @@ class Float8Tensor(torch.Tensor):
         requires_grad: bool = False,
         master: Optional[torch.Tensor] = None,
         quantizer: Any = None,
+        _alias: Optional["_AliasState"] = None,
     ) -> "Float8Tensor":
         if data.dtype not in _FP8_DTYPES:
             raise ValueError(f"Float8Tensor data: expected one of {_FP8_DTYPES}, got {data.dtype}")
@@ -132,8 +134,17 @@ class Float8Tensor(torch.Tensor):
         self._scale_inv = scale_inv.reshape(())
         self._master = master
         self._quantizer = quantizer
+        self._alias = _alias if _alias is not None else _AliasState()
         self._transpose_cache = None
         return self
+
+    @classmethod
+    def from_parts(
+        cls, data: torch.Tensor, scale_inv: torch.Tensor, dtype: torch.dtype
+    ) -> "Float8Tensor":
+        """Re-wrap FP8 bytes and their scale, e.g. after moving ``_data`` through a
+        collective (no master, no quantizer)."""
+        return cls(data, scale_inv, dtype)
 
     # ------------------------------------------------------------------ access
     @property
@@ -164,20 +175,23 @@ class Float8Tensor(torch.Tensor):
         """Contiguous FP8 transpose of the 2-D view ``[prod(shape[:-1]), shape[-1]]``.
 
         Cached: wgrad GEMMs need the column-wise layout of inputs and grads, and
-        the same tensor is often transposed once per backward. The cache is keyed
-        by the data's version counter, so in-place re-quantization invalidates it.
+        the same tensor is often transposed once per backward. In-place updates
+        through this tensor or any alias (detach/view) invalidate the cache; so
+        does writing ``_data`` directly.
         """
         if self.dim() < 2:
             raise ValueError(f"transpose_data: expected a tensor with >= 2 dims, got {self.dim()}")
-        version = self._data._version
-        if self._transpose_cache is None or self._transpose_cache[0] != version:
+        # Writes made inside __torch_dispatch__ run below the ADInplaceOrView key
+        # and do not bump _data's version counter, hence the alias generation.
+        key = (self._alias.generation, self._data._version)
+        if self._transpose_cache is None or self._transpose_cache[0] != key:
             flat = self._data.reshape(-1, self._data.shape[-1])
-            self._transpose_cache = (version, flat.t().contiguous())
+            self._transpose_cache = (key, flat.t().contiguous())
         return self._transpose_cache[1]
 
-    def transpose_2d(self) -> "Float8Tensor":
+    def transpose_fp8(self) -> "Float8Tensor":
         """:meth:`transpose_data` as a Float8Tensor (same scale), e.g. for
-        ``fp8_gemm`` in wgrad: ``dW = fp8_gemm(dy.transpose_2d(), x.transpose_2d())``."""
+        ``fp8_gemm`` in wgrad: ``dW = fp8_gemm(dy.transpose_fp8(), x.transpose_fp8())``."""
         return Float8Tensor(self.transpose_data(), self._scale_inv, self.dtype)
 
     def __repr__(self, *, tensor_contents: Any = None) -> str:  # noqa: D105
@@ -207,6 +221,7 @@ class Float8Tensor(torch.Tensor):
         tensor ``nn.Parameter`` returned and the one a module registered -- sees
         the new bytes and scale.
         """
+        self._alias.generation += 1
         if self._quantizer is not None:
             q = self._quantizer.quantize(value.detach())
             self._data.copy_(q._data)
@@ -215,6 +230,16 @@ class Float8Tensor(torch.Tensor):
         fp8_max = float(torch.finfo(self.fp8_dtype).max)
         scaled = value.detach().to(torch.float32) / self._scale_inv
         self._data.copy_(scaled.clamp(-fp8_max, fp8_max).to(self.fp8_dtype))
+
+
+class _AliasState:
+    """Shared by Float8Tensors over the same FP8 bytes (detach/view/transpose):
+    a generation bumped on every in-place re-quantization, for caches."""
+
+    __slots__ = ("generation",)
+
+    def __init__(self) -> None:
+        self.generation = 0
 
 
 def _unwrap(x: Any) -> Any:
@@ -273,19 +298,22 @@ def _detach(self: Float8Tensor) -> Float8Tensor:
         self.dtype,
         master=self._master,
         quantizer=self._quantizer,
+        _alias=self._alias,
     )
 
 
 def _view(self: Float8Tensor, size: Any) -> Float8Tensor:
-    return Float8Tensor(self._data.view(size), self._scale_inv, self.dtype)
+    return Float8Tensor(self._data.view(size), self._scale_inv, self.dtype, _alias=self._alias)
 
 
 def _transpose(self: Float8Tensor, dim0: int, dim1: int) -> Float8Tensor:
-    return Float8Tensor(self._data.transpose(dim0, dim1), self._scale_inv, self.dtype)
+    return Float8Tensor(
+        self._data.transpose(dim0, dim1), self._scale_inv, self.dtype, _alias=self._alias
+    )
 
 
 def _t(self: Float8Tensor) -> Float8Tensor:
-    return Float8Tensor(self._data.t(), self._scale_inv, self.dtype)
+    return Float8Tensor(self._data.t(), self._scale_inv, self.dtype, _alias=self._alias)
 
 
 def _clone(self: Float8Tensor, *, memory_format: Any = None) -> Float8Tensor:

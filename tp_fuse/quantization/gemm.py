@@ -9,9 +9,9 @@ free transpose ``b.t()``. Per-tensor scales: ``scale_a = a._scale_inv``,
 The three linear-layer GEMMs map to it as (``x [M, K]``, ``W [N, K]``,
 ``dy [M, N]``)::
 
-    fprop:  y  = fp8_gemm(x,                W)                  # [M, N]
-    dgrad:  dx = fp8_gemm(dy,               W.transpose_2d())   # [M, K]
-    wgrad:  dW = fp8_gemm(dy.transpose_2d(), x.transpose_2d())  # [N, K]
+    fprop:  y  = fp8_gemm(x,                 W)                   # [M, N]
+    dgrad:  dx = fp8_gemm(dy,                W.transpose_fp8())   # [M, K]
+    wgrad:  dW = fp8_gemm(dy.transpose_fp8(), x.transpose_fp8())  # [N, K]
 """
 
 from __future__ import annotations
