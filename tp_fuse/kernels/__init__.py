@@ -8,6 +8,7 @@ torch otherwise (see ``dispatch``). Importing this package does not import trito
 from .activations import dgelu_dbias, dswiglu, gelu_fwd, swiglu_fwd
 from .cast import quantize
 from .norms import layernorm_fwd, rmsnorm_fwd
+from .gemm import fp8_gemm
 from .dispatch import (
     BackendChoice,
     KernelCall,
@@ -24,6 +25,7 @@ __all__ = [
     "KernelPathLog",
     "dgelu_dbias",
     "dswiglu",
+    "fp8_gemm",
     "gelu_fwd",
     "layernorm_fwd",
     "quantize",

@@ -100,27 +100,31 @@ GELU_K = 0.7978845608028654  # sqrt(2 / pi)
 GELU_C = 0.044715
 
 
-def gelu_parts(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """fp32 ``(z = 2u, s = sigmoid(z), 1 - s)`` with 1 - s computed without cancellation."""
-    z = (2.0 * GELU_K) * (x + GELU_C * (x * x * x))
-    e = torch.exp(-z)
-    s = 1.0 / (1.0 + e)
-    # For z >= 0, 1 - s = e * s exactly; for z < 0, s <= 1/2 and 1 - s is exact enough.
-    one_minus_s = torch.where(z >= 0, e * s, 1.0 - s)
-    return z, s, one_minus_s
+def sigmoid_parts(z: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 ``(sigmoid(z), 1 - sigmoid(z))``, both without cancellation or overflow.
+
+    With ``e = exp(-|z|)`` (never overflows) and ``r = 1 / (1 + e)``: for z >= 0,
+    ``s = r`` and ``1 - s = e r``; for z < 0 the two swap. Written out (not
+    torch.sigmoid) so that the torch and Triton backends evaluate the same formula.
+    """
+    e = torch.exp(-z.abs())
+    r = 1.0 / (1.0 + e)
+    er = e * r
+    pos = z >= 0
+    return torch.where(pos, r, er), torch.where(pos, er, r)
+
+
+def gelu_parts(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 ``(s, 1 - s)`` with ``s = sigmoid(2u)``, ``u = k (x + c x^3)``."""
+    return sigmoid_parts((2.0 * GELU_K) * (x + GELU_C * (x * x * x)))
 
 
 def gelu_fp32(x: torch.Tensor) -> torch.Tensor:
-    _, s, _ = gelu_parts(x)
+    s, _ = gelu_parts(x)
     return x * s
 
 
 def dgelu_fp32(x: torch.Tensor) -> torch.Tensor:
     """d/dx gelu_tanh(x) = s + 2 x s (1 - s) k (1 + 3 c x^2), s = sigmoid(2u)."""
-    _, s, one_minus_s = gelu_parts(x)
-    return s + 2.0 * x * s * one_minus_s * GELU_K * (1.0 + 3.0 * GELU_C * x * x)
-
-
-def sigmoid_fp32(x: torch.Tensor) -> torch.Tensor:
-    # Written out (not torch.sigmoid) so that both backends evaluate the same formula.
-    return 1.0 / (1.0 + torch.exp(-x))
+    s, one_minus_s = gelu_parts(x)
+    return s + 2.0 * x * s * one_minus_s * GELU_K * (1.0 + (3.0 * GELU_C) * x * x)

@@ -182,15 +182,16 @@ def store_result(ptrs, v, mask, scale, QUANT: tl.constexpr, FP8_E4M3: tl.constex
 
 
 @triton.jit
-def gelu_parts(x):
-    """fp32 (s = sigmoid(2u), 1 - s) for tanh-GELU, u = k (x + c x^3); see _common."""
-    z = (2.0 * 0.7978845608028654) * (x + 0.044715 * (x * x * x))
-    e = tl.exp(-z)
-    s = 1.0 / (1.0 + e)
-    one_minus_s = tl.where(z >= 0, e * s, 1.0 - s)
-    return s, one_minus_s
+def sigmoid_parts(z):
+    """fp32 (sigmoid(z), 1 - sigmoid(z)) without cancellation or overflow (see _common)."""
+    e = tl.exp(-tl.abs(z))
+    r = 1.0 / (1.0 + e)
+    er = e * r
+    pos = z >= 0
+    return tl.where(pos, r, er), tl.where(pos, er, r)
 
 
 @triton.jit
-def sigmoid(x):
-    return 1.0 / (1.0 + tl.exp(-x))
+def gelu_parts(x):
+    """fp32 (s, 1 - s), s = sigmoid(2u), u = k (x + c x^3): tanh-GELU = x s."""
+    return sigmoid_parts((2.0 * 0.7978845608028654) * (x + 0.044715 * (x * x * x)))

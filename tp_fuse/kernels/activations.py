@@ -13,6 +13,9 @@ Definitions (fp32 math; ``s(z) = 1 / (1 + exp(-z))``):
     gelu'(x)  = s(2u) + 2 x s(2u) (1 - s(2u)) sqrt(2/pi) (1 + 3 * 0.044715 x^2)
     swiglu(x) = silu(x1) * x2,  x = [x1 | x2] split in halves along the last dim,
                 silu(a) = a s(a),  silu'(a) = s(a) (1 + a (1 - s(a)))
+
+sigmoid and 1 - sigmoid are evaluated by ``_common.sigmoid_parts`` (no overflow, no
+cancellation); both backends evaluate the same formulas in the same order.
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ from ._common import (
     finish_output,
     gelu_fp32,
     rows_2d,
-    sigmoid_fp32,
+    sigmoid_parts,
 )
 
 __all__ = ["dgelu_dbias", "dswiglu", "gelu_fwd", "swiglu_fwd"]
@@ -73,7 +76,8 @@ def swiglu_fwd(
     choice = dispatch.select_backend("swiglu_fwd", x.device, backend)
     if choice.backend == "torch":
         x1, x2 = rows_2d(x).float().chunk(2, dim=-1)  # [rows, n] each
-        y32 = x1 * sigmoid_fp32(x1) * x2
+        s, _ = sigmoid_parts(x1)
+        y32 = x1 * s * x2
         y, amax = finish_output(y32, x.dtype, scale, fp8_dtype)
         y = y.reshape(*x.shape[:-1], x.shape[-1] // 2)
         variant = "reference"
@@ -156,8 +160,8 @@ def dswiglu(
     if choice.backend == "torch":
         g = rows_2d(grad).float()  # [rows, n]
         x1, x2 = rows_2d(x).float().chunk(2, dim=-1)
-        s = sigmoid_fp32(x1)
-        dx32 = torch.cat([g * x2 * (s * (1.0 + x1 * (1.0 - s))), g * (x1 * s)], dim=-1)
+        s, one_minus_s = sigmoid_parts(x1)
+        dx32 = torch.cat([g * x2 * (s * (1.0 + x1 * one_minus_s)), g * (x1 * s)], dim=-1)
         dx, amax = finish_output(dx32, grad.dtype, scale, fp8_dtype)
         dx = dx.reshape(x.shape)
         variant = "reference"

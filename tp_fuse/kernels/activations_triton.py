@@ -26,7 +26,7 @@ from ._triton_common import (
     emulate_conversions,
     gelu_parts,
     round_to,
-    sigmoid,
+    sigmoid_parts,
     store_result,
     variant,
 )
@@ -69,7 +69,8 @@ def _swiglu_fwd_kernel(
     rows, cols, mask = _tile(R, C, BLOCK_R, BLOCK_C)
     x1 = _load(x_ptr, rows, cols, sxr, sxc, mask)
     x2 = _load(x_ptr, rows, cols + C, sxr, sxc, mask)
-    y = x1 * sigmoid(x1) * x2
+    s, _ = sigmoid_parts(x1)
+    y = x1 * s * x2
     scale = tl.load(scale_ptr) if QUANT else 1.0
     store_result(y_ptr + rows[:, None] * C + cols[None, :], y, mask, scale, QUANT, FP8_E4M3, EMULATE)
     tl.atomic_max(amax_ptr, abs_max_bits(y, mask))
@@ -118,8 +119,8 @@ def _dswiglu_kernel(
     g = _load(g_ptr, rows, cols, sgr, sgc, mask)
     x1 = _load(x_ptr, rows, cols, sxr, sxc, mask)
     x2 = _load(x_ptr, rows, cols + C, sxr, sxc, mask)
-    s = sigmoid(x1)
-    dx1 = g * x2 * (s * (1.0 + x1 * (1.0 - s)))
+    s, one_minus_s = sigmoid_parts(x1)
+    dx1 = g * x2 * (s * (1.0 + x1 * one_minus_s))
     dx2 = g * (x1 * s)
     scale = tl.load(scale_ptr) if QUANT else 1.0
     out = dx_ptr + rows[:, None] * (2 * C) + cols[None, :]

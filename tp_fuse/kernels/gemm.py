@@ -1,0 +1,105 @@
+"""FP8 GEMM with a fused dequantization / bias / GELU epilogue.
+
+``fp8_gemm`` computes ``a @ b.T`` for FP8 operands in the layout every Linear uses
+(``a`` = activations ``[tokens, in]``, ``b`` = weight ``[out, in]``, both K-major), and
+applies the epilogue that otherwise costs extra passes over the output:
+
+    pre = (a.float() @ b.float().T) * scale_a * scale_b (+ bias)      fp32 accumulate
+    out = pre                          rounded to out_dtype           (gelu=False)
+    out = gelu(pre rounded to out_dtype), pre_gelu_out = that rounded pre  (gelu=True)
+
+GELU is applied to the *stored* pre-activation so that the backward pass, which reads
+``pre_gelu_out``, differentiates exactly the function the forward applied.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from . import dispatch
+from ._common import FLOAT_DTYPES, FP8_MAX, check_scale, check_vector, gelu_fp32
+
+__all__ = ["fp8_gemm"]
+
+
+def fp8_gemm(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    scale_a: torch.Tensor,
+    scale_b: torch.Tensor,
+    out_dtype: torch.dtype,
+    *,
+    bias: Optional[torch.Tensor] = None,
+    gelu: bool = False,
+    backend: Optional[str] = None,
+) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """``out = epilogue(a @ b.T)`` for FP8 ``a``, ``b`` (see module doc).
+
+    Shapes::
+
+        a        [M, K]  float8_e4m3fn or float8_e5m2 (any pair of the two)
+        b        [N, K]  float8_e4m3fn or float8_e5m2
+        scale_a  []      fp32 dequantization scale of a (scale_inv: real = fp8 * scale_a)
+        scale_b  []      fp32 dequantization scale of b
+        bias     [N]     optional, any float dtype, added in fp32
+        out      [M, N]  out_dtype (fp32 / bf16 / fp16)
+        pre_gelu_out [M, N]  out_dtype when gelu=True, else None
+
+    The torch backend is ``torch._scaled_mm`` (CPU and CUDA; on CUDA cuBLAS requires
+    M, N, K multiples of 16 and may restrict the bias dtype) followed by the GELU. The
+    Triton backend is a tiled kernel: TMA tensor-descriptor loads on Hopper when the
+    installed triton has them, pointer loads otherwise; ``record_kernel_paths`` shows
+    which ("tma" / "pointer[...reason...]").
+
+    Returns ``(out, pre_gelu_out)``.
+    """
+    for name, t in (("a", a), ("b", b)):
+        if not isinstance(t, torch.Tensor) or t.dtype not in FP8_MAX or t.dim() != 2:
+            got = f"{t.dtype} tensor of shape {tuple(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
+            raise ValueError(f"{name}: expected a 2-D float8_e4m3fn/float8_e5m2 tensor, got {got}")
+    if a.shape[1] != b.shape[1]:
+        raise ValueError(f"b: expected [N, K] with K = a.shape[1] = {a.shape[1]}, got shape {tuple(b.shape)}")
+    if b.device != a.device:
+        raise ValueError(f"b: expected a tensor on {a.device}, got one on {b.device}")
+    check_scale("scale_a", scale_a, a.device)
+    check_scale("scale_b", scale_b, a.device)
+    if out_dtype not in FLOAT_DTYPES:
+        raise ValueError(f"out_dtype: expected one of {FLOAT_DTYPES}, got {out_dtype}")
+    if bias is not None:
+        check_vector("bias", bias, b.shape[0], a.device)
+    choice = dispatch.select_backend("fp8_gemm", a.device, backend)
+    if choice.backend == "torch":
+        out, pre = _fp8_gemm_torch(a, b, scale_a, scale_b, out_dtype, bias, gelu)
+        variant = "scaled_mm"
+    else:
+        from . import gemm_triton
+
+        out, pre, variant = gemm_triton.fp8_gemm_triton(a, b, scale_a, scale_b, out_dtype, bias, gelu)
+    dispatch.log_call("fp8_gemm", choice, variant, a.device)
+    return out, pre
+
+
+def _fp8_gemm_torch(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    scale_a: torch.Tensor,
+    scale_b: torch.Tensor,
+    out_dtype: torch.dtype,
+    bias: Optional[torch.Tensor],
+    gelu: bool,
+) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    # _scaled_mm wants a row-major and the second operand column-major: b [N, K]
+    # row-major viewed as b.T [K, N] is exactly that.
+    pre = torch._scaled_mm(
+        a.contiguous(),
+        b.contiguous().t(),
+        scale_a=scale_a.reshape(()),
+        scale_b=scale_b.reshape(()),
+        bias=bias,
+        out_dtype=out_dtype,
+    )
+    if not gelu:
+        return pre, None
+    return gelu_fp32(pre.float()).to(out_dtype), pre
