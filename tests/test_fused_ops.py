@@ -328,6 +328,9 @@ def test_fusions_under_fp8_current_scaling_match_unfused():
     (fuser,) = seq.fusers()
     assert _op_types(fuser.forward_ops) == [MakeExtraOutput, ForwardLinearBiasActivation, AddExtraInput]
     assert _op_types(fuser.backward_ops) == [BackwardLinearAdd, BackwardActivationBias, AddExtraInput]
+    with autocast(recipe=recipe):
+        exp = fuser.explain()
+    assert any(r.reason.startswith("FP8: residual grad added after") for r in exp.fused), str(exp)
     # Current scaling quantizes the same tensors to the same FP8 values in both runs,
     # so fused and unfused differ only in where the bias/residual adds round.
     unfused = _run(under_fp8(_unfused(ops)), params, [x, residual], grads)

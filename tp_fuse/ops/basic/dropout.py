@@ -47,8 +47,8 @@ class Dropout(BasicOperation):
         ctx.dropped = self.training and self.p > 0.0
         if not ctx.dropped:
             return x
-        # rand in [0, 1): P(u >= p) = 1 - p, the keep probability.
-        keep = torch.rand(x.shape, device=x.device) >= self.p
+        # Drawn straight into a bool tensor: no float temporary of the input's size.
+        keep = torch.empty(x.shape, dtype=torch.bool, device=x.device).bernoulli_(1.0 - self.p)
         if ctx.requires_grad:
             ctx.save_for_backward(keep)
         return self._scaled(x, keep)

@@ -28,11 +28,15 @@ class BackwardLinearAdd(FusedOperation):
     into ``BasicLinear.backward_gemm(..., grad_input_accumulate=dresidual)``.
     """
 
-    def __init__(self, *, backward_add: MakeExtraOutput, linear: BasicLinear) -> None:
+    def __init__(self, *, backward_add: MakeExtraOutput, linear: BasicLinear, fp8: bool = False) -> None:
         super().__init__([backward_add, linear])
+        # Only for describing the fusion: BasicLinear decides the GEMM path at run time.
+        self.fp8 = fp8
 
     def fusion_summary(self) -> str:
-        return "residual grad accumulated into dgrad GEMM"
+        if self.fp8:
+            return "FP8: residual grad added after the scaled dgrad GEMM (no FP8 accumulate epilogue yet)"
+        return "residual grad accumulated into dgrad GEMM (beta=1)"
 
     def fuser_backward(
         self,
@@ -64,11 +68,8 @@ def fuse_backward_linear_add(
             return None
         linear = window[1] if len(window) > 1 else None
         if isinstance(linear, BasicLinear):
-            return Fuse(
-                BackwardLinearAdd(backward_add=make_extra, linear=linear),
-                2,
-                "residual grad accumulated into dgrad GEMM (beta=1)",
-            )
+            fused = BackwardLinearAdd(backward_add=make_extra, linear=linear, fp8=recipe is not None)
+            return Fuse(fused, 2, fused.fusion_summary())
         nxt = type(linear).__name__ if linear is not None else "nothing (end of the fused group)"
         return Reject(
             f"MakeExtraOutput is followed by {nxt}, not BasicLinear: "

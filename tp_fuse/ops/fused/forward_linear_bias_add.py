@@ -40,11 +40,17 @@ class ForwardLinearBiasAdd(FusedOperation):
         linear: BasicLinear,
         bias: Optional[Bias],
         add: AddExtraInput,
+        fp8: bool = False,
     ) -> None:
         ops: list[FusibleOperation] = [linear] + ([bias] if bias is not None else []) + [add]
         super().__init__(ops)
+        # Only for describing the fusion: BasicLinear decides the GEMM path at run time.
+        self.fp8 = fp8
 
     def fusion_summary(self) -> str:
+        if self.fp8:
+            with_bias = "bias in the scaled-GEMM epilogue, " if len(self.basic_ops) == 3 else ""
+            return f"FP8: {with_bias}residual added after the scaled GEMM (no FP8 residual epilogue yet)"
         with_bias = " + bias" if len(self.basic_ops) == 3 else ""
         return f"residual{with_bias} as the GEMM accumulator"
 
@@ -108,10 +114,7 @@ def fuse_forward_linear_bias_add(
                 "BasicLinear.forward_gemm has no output-buffer argument",
                 k + 1,
             )
-        return Fuse(
-            ForwardLinearBiasAdd(linear=linear, bias=bias, add=add),
-            k + 1,
-            f"residual{' + bias' if bias is not None else ''} as the GEMM accumulator",
-        )
+        fused = ForwardLinearBiasAdd(linear=linear, bias=bias, add=add, fp8=recipe is not None)
+        return Fuse(fused, k + 1, fused.fusion_summary())
 
     return fuse_by_window(ops, matcher, fusion_log)
