@@ -86,11 +86,12 @@ def abs_max(v: torch.Tensor) -> torch.Tensor:
 def finish_output(
     v: torch.Tensor, out_dtype: torch.dtype, scale: Optional[torch.Tensor], fp8_dtype: Optional[torch.dtype]
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """fp32 result -> (output in ``out_dtype`` or quantized to FP8, amax of the fp32 result)."""
+    """fp32 result -> (contiguous output in ``out_dtype`` or FP8, amax of the fp32 result)."""
     amax = abs_max(v)
+    # Elementwise ops keep the input's strides; outputs are contiguous like Triton's.
     if fp8_dtype is not None:
-        return fp8_cast(v, scale, fp8_dtype), amax
-    return v.to(out_dtype), amax
+        return fp8_cast(v, scale, fp8_dtype).contiguous(), amax
+    return v.to(out_dtype).contiguous(), amax
 
 
 # GELU (tanh approximation) in the form both backends evaluate. Transformer Engine's

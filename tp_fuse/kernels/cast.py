@@ -63,6 +63,6 @@ def _quantize_torch(
     x: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dtype, transpose: bool
 ) -> tuple[torch.Tensor, Optional[torch.Tensor], torch.Tensor]:
     x2 = rows_2d(x)  # [rows, cols]
-    data = fp8_cast(x2, scale, fp8_dtype)
+    data = fp8_cast(x2, scale, fp8_dtype).contiguous()  # elementwise ops keep x's strides
     data_t = data.t().contiguous() if transpose else None  # [cols, rows]
     return data.reshape(x.shape), data_t, abs_max(x)
