@@ -30,3 +30,36 @@ def assert_close(actual: torch.Tensor, expected: torch.Tensor, key=None, **overr
     key = actual.dtype if key is None else key
     kw = {**tols(key), **override}
     torch.testing.assert_close(actual.double(), expected.double(), **kw)
+
+
+# Unit roundoff of the FP8 formats (round to nearest): half the spacing of
+# consecutive values relative to the value, i.e. 2^-(mantissa bits + 1).
+FP8_UNIT_ROUNDOFF = {"e4m3": 2.0**-4, "e5m2": 2.0**-3}
+
+
+def assert_fp8_matmul_close(
+    actual: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    unit_a: float,
+    unit_b: float,
+    *,
+    bias: torch.Tensor | None = None,
+    underflow_atol: float = 1e-3,
+) -> None:
+    """Check an FP8 GEMM result ``actual ~ a @ b.T (+ bias)`` elementwise.
+
+    Each operand element is rounded with relative error <= its format's unit
+    roundoff (values below the smallest normal add at most ``underflow_atol``
+    in total), so ``|actual - a @ b.T| <= (|a| @ |b|.T) * (u_a + u_b + u_a u_b)``
+    plus the accumulation error of the high-precision sum, which is far
+    smaller. The reference is computed in float64.
+    """
+    a64, b64 = a.detach().double(), b.detach().double()
+    expected = a64 @ b64.t()
+    if bias is not None:
+        expected = expected + bias.detach().double()
+    bound = (a64.abs() @ b64.abs().t()) * (unit_a + unit_b + unit_a * unit_b) + underflow_atol
+    err = (actual.detach().double().reshape(expected.shape) - expected).abs()
+    worst = (err - bound).max().item()
+    assert worst <= 0, f"FP8 GEMM error exceeds the rounding bound by {worst:.3g} (max err {err.max().item():.3g})"
