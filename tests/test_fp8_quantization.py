@@ -427,3 +427,30 @@ def test_fp8_parameter_trains_with_adamw(foreach, recipe) -> None:
         assert ((p.dequantize().detach() - p.master).abs() <= bound).all()
     assert (p.master - init).abs().max() > 1e-3  # it really trained
     assert all(type(s) is torch.Tensor for s in opt.state[p].values())
+
+
+def _fp8_linear(seed: int) -> torch.nn.Linear:
+    gen = torch.Generator().manual_seed(seed)
+    lin = torch.nn.Linear(6, 4)
+    q = OpQuantizers(("weight",)).get(DelayedScaling())["weight"]
+    lin.weight = make_fp8_parameter(torch.randn(4, 6, generator=gen), q)
+    return lin
+
+
+def test_fp8_parameter_state_dict_deepcopy_and_module_conversion() -> None:
+    import copy
+
+    src, dst = _fp8_linear(0), _fp8_linear(1)
+    dst.load_state_dict(src.state_dict())  # copy_ takes the source master: lossless
+    assert torch.equal(dst.weight.master, src.weight.master) and is_fp8_parameter(dst.weight)
+    twin = copy.deepcopy(src)
+    assert is_fp8_parameter(twin.weight) and twin.weight.master is not src.weight.master
+    assert torch.equal(twin.weight.dequantize(), src.weight.dequantize())
+    twin.double()  # nominal dtype and master follow; the FP8 bytes stay
+    w = twin.weight
+    assert isinstance(w, torch.nn.Parameter) and isinstance(w, Float8Tensor)
+    assert (w.dtype, w.master.dtype, w.fp8_dtype) == (torch.float64, torch.float64, E4M3)
+    torch.testing.assert_close(w.dequantize(), src.weight.dequantize().double(), rtol=0, atol=0)
+    # A plain Float8Tensor (activation) converts to a plain tensor instead.
+    _, f = make_fp8()
+    assert type(f.to(torch.float64)) is torch.Tensor

@@ -194,6 +194,22 @@ class Float8Tensor(torch.Tensor):
         ``fp8_gemm`` in wgrad: ``dW = fp8_gemm(dy.transpose_fp8(), x.transpose_fp8())``."""
         return Float8Tensor(self.transpose_data(), self._scale_inv, self.dtype)
 
+    # Makes this a "traceable" wrapper subclass: nn.Module._apply (module.to(),
+    # .double(), .cuda()) then swaps FP8 parameters as a whole instead of
+    # overwriting the wrapper's metadata through ``param.data = ...``.
+    def __tensor_flatten__(self) -> tuple[list[str], tuple[torch.dtype, Any]]:
+        names = ["_data", "_scale_inv"] + (["_master"] if self._master is not None else [])
+        return names, (self.dtype, self._quantizer)
+
+    @staticmethod
+    def __tensor_unflatten__(
+        inner: dict[str, torch.Tensor], ctx: tuple[torch.dtype, Any], outer_size: Any, outer_stride: Any
+    ) -> "Float8Tensor":
+        dtype, quantizer = ctx
+        return Float8Tensor(
+            inner["_data"], inner["_scale_inv"], dtype, master=inner.get("_master"), quantizer=quantizer
+        )
+
     def __repr__(self, *, tensor_contents: Any = None) -> str:  # noqa: D105
         return (
             f"Float8Tensor(fp8_dtype={self.fp8_dtype}, scale_inv={self._scale_inv.item():.6g}, "
@@ -321,7 +337,38 @@ def _clone(self: Float8Tensor, *, memory_format: Any = None) -> Float8Tensor:
     return Float8Tensor(data, self._scale_inv.clone(), self.dtype)
 
 
+def _copy_(self: Any, src: Any, non_blocking: bool = False) -> Any:
+    # load_state_dict copies FP8 parameter into FP8 parameter: take the source's
+    # master, not its FP8 rounding, so a save/load round trip is lossless.
+    if isinstance(src, Float8Tensor) and src._master is not None:
+        src = src._master
+    return _inplace(aten.copy_.default, (self, src), {"non_blocking": non_blocking})
+
+
+def _to_copy(self: Float8Tensor, **kwargs: Any) -> torch.Tensor:
+    # An FP8 parameter stays FP8 through dtype/device conversion (module.to(),
+    # .double()): the nominal dtype and the master follow, the bytes only move.
+    # Any other Float8Tensor converts like an unsupported op: to a plain tensor.
+    if self._master is None or kwargs.get("layout") not in (None, torch.strided):
+        return aten._to_copy.default(_dequantize_impl(self), **kwargs)
+    dtype = kwargs.get("dtype") or self.dtype
+    device = kwargs.get("device") or self.device
+    if not dtype.is_floating_point or dtype in _FP8_DTYPES:
+        raise ValueError(
+            f"FP8 parameter conversion: expected a high-precision float dtype, got {dtype}"
+        )
+    return Float8Tensor(
+        self._data.to(device),
+        self._scale_inv.to(device),
+        dtype,
+        master=self._master.to(device=device, dtype=dtype),
+        quantizer=self._quantizer,
+    )
+
+
 _HANDLERS = {
+    aten._to_copy.default: _to_copy,
+    aten.copy_.default: _copy_,
     aten.detach.default: _detach,
     aten.view.default: _view,
     aten._unsafe_view.default: _view,

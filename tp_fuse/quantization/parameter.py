@@ -22,8 +22,10 @@ forward). With a delayed-scaling weight quantizer they should still call
 ``autocast_ctx.track_forward(param.quantizer)`` so the weight scale follows the
 amaxes recorded at each re-quantization.
 
-Not supported: ``torch.save`` of the FP8 parameter itself (save ``master``),
-and ``module.to(dtype)`` (would produce plain tensors).
+``load_state_dict`` copies master to master (lossless); ``copy.deepcopy`` and
+``module.to(dtype/device)`` keep the parameter FP8 (the master and nominal
+dtype follow). ``torch.save`` pickles the quantizer with the parameter, so it
+needs a picklable recipe (no lambdas as ``amax_compute_algo``).
 """
 
 from __future__ import annotations
