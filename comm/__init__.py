@@ -1,0 +1,57 @@
+"""comm: communication for tp-fuse (topology, backend start-up, userbuffers, overlap).
+
+Depends only on torch. FP8 data travels as raw bytes (uint8 views); scales are the
+caller's business. Process groups and buffer pools are passed explicitly; nothing here
+keeps them in module globals.
+"""
+
+from .backend import (
+    DistributedContext,
+    backend_for_device,
+    device_for_local_rank,
+    device_type_for_backend,
+    init_distributed,
+)
+from .overlap import (
+    PendingCollective,
+    all_gather_dim0,
+    all_gather_dim0_async,
+    all_reduce,
+    all_reduce_async,
+    bulk_overlap,
+    check_same_shape,
+    gemm_all_reduce_chunked,
+    gemm_reduce_scatter_pipelined,
+    gemm_reduce_scatter_ring,
+    reduce_scatter_dim0,
+    reduce_scatter_dim0_async,
+    ring_exchange_ag_gemm,
+)
+from .topology import FP8_GROUP_KINDS, ParallelTopology, resolve_parallel_sizes
+from .userbuffers import UserBufferPool, symmetric_memory_available
+
+__all__ = [
+    "DistributedContext",
+    "FP8_GROUP_KINDS",
+    "ParallelTopology",
+    "PendingCollective",
+    "UserBufferPool",
+    "all_gather_dim0",
+    "all_gather_dim0_async",
+    "all_reduce",
+    "all_reduce_async",
+    "backend_for_device",
+    "bulk_overlap",
+    "check_same_shape",
+    "device_for_local_rank",
+    "device_type_for_backend",
+    "gemm_all_reduce_chunked",
+    "gemm_reduce_scatter_pipelined",
+    "gemm_reduce_scatter_ring",
+    "init_distributed",
+    "reduce_scatter_dim0",
+    "reduce_scatter_dim0_async",
+    "resolve_parallel_sizes",
+    "ring_exchange_ag_gemm",
+    "symmetric_memory_available",
+]
