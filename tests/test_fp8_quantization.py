@@ -454,3 +454,21 @@ def test_fp8_parameter_state_dict_deepcopy_and_module_conversion() -> None:
     # A plain Float8Tensor (activation) converts to a plain tensor instead.
     _, f = make_fp8()
     assert type(f.to(torch.float64)) is torch.Tensor
+
+
+def test_view_ops_alias_fp8_bytes_so_writes_are_not_lost() -> None:
+    _, f = make_fp8((4, 5))
+    ref = f.dequantize()
+    row, col = f[1], f[:, 2:4]
+    assert isinstance(row, Float8Tensor) and isinstance(col, Float8Tensor)
+    torch.testing.assert_close(row.dequantize(), ref[1], rtol=0, atol=0)
+    torch.testing.assert_close(col.dequantize(), ref[:, 2:4], rtol=0, atol=0)
+    torch.testing.assert_close(f.unsqueeze(0).permute(2, 1, 0).dequantize(), ref.unsqueeze(0).permute(2, 1, 0))
+    parts = f.split(2)
+    assert all(isinstance(p, Float8Tensor) for p in parts) and len(parts) == 2
+    f[1].zero_()  # through a view: lands in f's bytes
+    f[:, 0] = 0.5
+    expected = ref.clone()
+    expected[1] = 0.0
+    expected[:, 0] = 0.5
+    torch.testing.assert_close(f.dequantize(), expected, rtol=0, atol=0)

@@ -8,11 +8,13 @@ A :class:`Float8Tensor` holds
   what ``.dtype`` reports and what unsupported ops compute in.
 
 It is a ``torch.Tensor`` wrapper subclass, so it flows through autograd,
-``nn.Sequential`` and ``nn.Parameter``. ``__torch_dispatch__`` handles a few ops
-natively (detach, view, transpose, clone: the FP8 bytes are reused or copied,
-the scale shared); every other op dequantizes its Float8Tensor arguments and
-runs in high precision, returning plain tensors (so printing, ``.sum()``,
-arithmetic and ``torch.zeros_like`` work).
+``nn.Sequential`` and ``nn.Parameter``. ``__torch_dispatch__`` handles natively
+detach, clone, dtype/device conversion of FP8 parameters, and every view op
+(view, transpose, select, slice, ...: the result is a Float8Tensor over the
+same FP8 bytes and scale, so writes through it are not lost); every other op
+dequantizes its Float8Tensor arguments and runs in high precision, returning
+plain tensors (so printing, ``.sum()``, arithmetic and ``torch.zeros_like``
+work).
 
 In-place ops (``add_``, ``copy_``, ``torch._foreach_mul_``, ...) on a
 Float8Tensor run in high precision and re-quantize into the same FP8 buffers:
@@ -225,6 +227,8 @@ class Float8Tensor(torch.Tensor):
             return handler(*args, **kwargs)
         if any(a.alias_info is not None and a.alias_info.is_write for a in func._schema.arguments):
             return _inplace(func, args, kwargs)
+        if _is_view_of_first_arg(func, args):
+            return _fp8_view(func, args, kwargs)
         # Fallback: run in high precision.
         args, kwargs = tree_map(_unwrap, (args, kwargs))
         return func(*args, **kwargs)
@@ -318,18 +322,38 @@ def _detach(self: Float8Tensor) -> Float8Tensor:
     )
 
 
-def _view(self: Float8Tensor, size: Any) -> Float8Tensor:
-    return Float8Tensor(self._data.view(size), self._scale_inv, self.dtype, _alias=self._alias)
-
-
-def _transpose(self: Float8Tensor, dim0: int, dim1: int) -> Float8Tensor:
-    return Float8Tensor(
-        self._data.transpose(dim0, dim1), self._scale_inv, self.dtype, _alias=self._alias
+def _is_view_of_first_arg(func: Any, args: tuple) -> bool:
+    """Whether ``func`` returns views of its Float8Tensor first argument only."""
+    returns = func._schema.returns
+    return (
+        bool(args)
+        and isinstance(args[0], Float8Tensor)
+        and len(returns) > 0
+        and all(r.alias_info is not None and not r.alias_info.is_write for r in returns)
+        and not any(isinstance(a, Float8Tensor) for a in args[1:])
     )
 
 
-def _t(self: Float8Tensor) -> Float8Tensor:
-    return Float8Tensor(self._data.t(), self._scale_inv, self.dtype, _alias=self._alias)
+def _fp8_view(func: Any, args: tuple, kwargs: dict) -> Any:
+    """Apply a view op to the FP8 bytes; the results share bytes, scale, alias state.
+
+    Views are metadata-only, so they are exact on FP8 data, and aliasing is
+    preserved: ``f[0].zero_()`` writes into ``f``'s bytes, as on a plain tensor.
+    """
+    self = args[0]
+    out = func(self._data, *args[1:], **kwargs)
+
+    def wrap(t: Any) -> Any:
+        if isinstance(t, torch.Tensor):
+            return Float8Tensor(t, self._scale_inv, self.dtype, _alias=self._alias)
+        return t
+
+    return tree_map(wrap, out)
+
+
+def _view(self: Float8Tensor, size: Any) -> Float8Tensor:
+    # _unsafe_view is not declared as aliasing but is a view of contiguous data.
+    return Float8Tensor(self._data.view(size), self._scale_inv, self.dtype, _alias=self._alias)
 
 
 def _clone(self: Float8Tensor, *, memory_format: Any = None) -> Float8Tensor:
@@ -370,9 +394,6 @@ _HANDLERS = {
     aten._to_copy.default: _to_copy,
     aten.copy_.default: _copy_,
     aten.detach.default: _detach,
-    aten.view.default: _view,
     aten._unsafe_view.default: _view,
-    aten.transpose.int: _transpose,
-    aten.t.default: _t,
     aten.clone.default: _clone,
 }
