@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from _comm_dist import run_distributed
+from dist_utils import run_distributed
 
 RTOL = 1e-5  # relative to the largest reference entry, as the task requires
 

@@ -48,16 +48,16 @@ def backend_name(group: ProcessGroup | None) -> str:
     return str(dist.get_backend(group)).lower()
 
 
-def check_wire_tensor(x: torch.Tensor, what: str) -> None:
-    """Local checks on a tensor about to travel: a real tensor, at least 1-D, no float8.
+def check_wire_tensor(x: torch.Tensor, what: str, min_dim: int = 1) -> None:
+    """Local checks on a tensor about to travel: a real tensor, ``min_dim``-D or more, no float8.
 
     float8 tensors are rejected rather than reinterpreted: comm carries FP8 as raw bytes
     and gloo has no float8 support, so the caller passes ``data.view(torch.uint8)``.
     """
     if not isinstance(x, torch.Tensor):
         raise ValueError(f"{what}: expected a torch.Tensor, got {type(x).__name__}")
-    if x.dim() < 1:
-        raise ValueError(f"{what}: expected at least 1 dimension (dim 0 is split), got a 0-d tensor")
+    if x.dim() < min_dim:
+        raise ValueError(f"{what}: expected at least {min_dim} dimension (dim 0 is split), got a 0-d tensor")
     if x.dtype in _FLOAT8_DTYPES:
         raise ValueError(
             f"{what}: got dtype {x.dtype}; comm moves FP8 data as raw bytes, "

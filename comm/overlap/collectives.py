@@ -272,7 +272,7 @@ def all_reduce_async(
 ) -> PendingCollective:
     """Start an all-reduce of ``x`` (on a copy unless ``inplace``)."""
     what = "all_reduce"
-    check_wire_tensor(x, what)
+    check_wire_tensor(x, what, min_dim=0)
     if group_size(group) == 1:
         return PendingCollective([], x)
     if check_shapes:
