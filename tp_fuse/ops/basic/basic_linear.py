@@ -125,7 +125,12 @@ class BasicLinear(BasicOperation):
             state.track_forward(qs["input"])
         weight = self.weight
         if isinstance(weight, Float8Tensor):
+            # FP8 parameter (quantized_model_init): its bytes are re-quantized by
+            # the optimizer step with its own quantizer, whose amax must join the
+            # reduction so that its scale follows the weights as they grow.
             w_fp8 = weight
+            if weight.quantizer is not None:
+                state.track_forward(weight.quantizer)
         else:
             w_fp8 = qs["weight"].quantize(weight.detach())
             state.track_forward(qs["weight"])
