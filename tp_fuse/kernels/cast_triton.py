@@ -56,12 +56,13 @@ def _quantize_kernel(
     tl.atomic_max(amax_ptr, abs_max_bits(x, mask))
 
 
-def _blocks(transpose: bool) -> tuple[int, int, int]:
+def _blocks(transpose: bool, numel: int) -> tuple[int, int, int]:
     """(BLOCK_R, BLOCK_C, num_warps)."""
     if INTERPRETED:
-        # Every program is a Python-level loop iteration in the interpreter: small tiles
-        # keep tests on small shapes multi-program (masks and atomics exercised).
-        return 16, 32, 1
+        # The interpreter runs programs one after another, at a fixed cost per op: small
+        # tiles keep small test shapes multi-program (masks, atomics exercised), large
+        # tiles keep exhaustive tests (every bf16 pattern) fast.
+        return (16, 32, 1) if numel <= 32768 else (128, 256, 1)
     # 4096 elements per program; square tiles when transposing so both stores coalesce.
     return (64, 64, 4) if transpose else (32, 128, 4)
 
@@ -77,7 +78,7 @@ def quantize_triton(
     buf = amax_buffer(x.device)
     emulated = emulate_conversions(x.device)
     if R * C > 0:
-        block_r, block_c, warps = _blocks(transpose)
+        block_r, block_c, warps = _blocks(transpose, R * C)
         grid = (triton.cdiv(R, block_r), triton.cdiv(C, block_c))
         out_u8 = data.view(torch.uint8)
         _quantize_kernel[grid](
