@@ -251,9 +251,80 @@ def test_overlap_algorithms_match_unfused_and_float64(world: int) -> None:
     assert all(c == counts[0] and c > 40 for c in counts), counts
 
 
+class _LoggedWork:
+    def __init__(self, work, log: list[str], tag: str) -> None:
+        self._work, self._log, self._tag = work, log, tag
+
+    def wait(self) -> bool:
+        self._log.append(f"wait {self._tag}")
+        return self._work.wait()
+
+
+def _issue_order_cases(rank: int, world: int) -> None:
+    """The GEMM of step s is issued after step s's communication is posted and before it
+    is waited on (the definition of overlap), checked by logging the calls."""
+    import comm
+
+    group = dist.group.WORLD
+    pool = comm.UserBufferPool()
+    log: list[str] = []
+    real = {n: getattr(dist, n) for n in ("batch_isend_irecv", "all_to_all_single", "all_reduce")}
+
+    def logged(name: str):
+        def call(*args, **kwargs):
+            res = real[name](*args, **kwargs)
+            log.append(f"post {name}")
+            if isinstance(res, list):
+                return [_LoggedWork(w, log, name) for w in res]
+            return _LoggedWork(res, log, name) if res is not None else None
+        return call
+
+    def gemm(w):
+        def g(chunk, out):
+            log.append("gemm")
+            return torch.matmul(chunk, w.t(), out=out)
+        return g
+
+    w = _rand(1, 3, 4)
+    expected = {
+        # ring AG, tp=2: post exchange, GEMM on the held block, wait, GEMM on the received one
+        "ag": ["post batch_isend_irecv", "gemm", "wait batch_isend_irecv", "wait batch_isend_irecv", "gemm"],
+        # pipelined RS, 2 chunks: chunk 1's GEMM runs while chunk 0's all-to-all is in flight
+        "rs_pipe": ["gemm", "post all_to_all_single", "gemm", "wait all_to_all_single",
+                    "post all_to_all_single", "wait all_to_all_single"],
+        # ring RS, tp=2: the final GEMM runs while the partial sum travels
+        "rs_ring": ["gemm", "post batch_isend_irecv", "gemm", "wait batch_isend_irecv", "wait batch_isend_irecv"],
+        # chunked AR, 2 chunks: chunk 1's GEMM runs while chunk 0's all-reduce is in flight
+        "ar": ["gemm", "post all_reduce", "gemm", "post all_reduce", "wait all_reduce", "wait all_reduce"],
+    }  # fmt: skip
+    runs = {
+        "ag": lambda: comm.ring_exchange_ag_gemm(_rand(2 + rank, 2, 4), gemm(w), group, pool, out_features=3),
+        "rs_pipe": lambda: comm.gemm_reduce_scatter_pipelined(
+            _rand(3 + rank, 4, 4), gemm(w), group, pool, num_splits=2, out_features=3, impl="all_to_all"),
+        "rs_ring": lambda: comm.gemm_reduce_scatter_ring(_rand(3 + rank, 4, 4), gemm(w), group, pool, out_features=3),
+        "ar": lambda: comm.gemm_all_reduce_chunked(_rand(4 + rank, 4, 4), gemm(w), group, num_splits=2,
+                                                   out_features=3),
+    }  # fmt: skip
+    try:
+        for n in real:
+            setattr(dist, n, logged(n))
+        for key, run in runs.items():
+            log.clear()
+            run()
+            assert log == expected[key], f"{key}: issue order {log}"
+    finally:
+        for n, f in real.items():
+            setattr(dist, n, f)
+
+
+def _bytes_reuse_and_order_cases(rank: int, world: int) -> None:
+    _bytes_and_reuse_cases(rank, world)
+    _issue_order_cases(rank, world)
+
+
 @pytest.mark.multirank
-def test_uint8_payloads_and_userbuffer_reuse() -> None:
-    run_distributed(2, _bytes_and_reuse_cases, timeout=60)
+def test_uint8_payloads_userbuffer_reuse_and_issue_order() -> None:
+    run_distributed(2, _bytes_reuse_and_order_cases, timeout=60)
 
 
 def _identity_cases(rank: int, world: int) -> None:
