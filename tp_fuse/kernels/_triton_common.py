@@ -12,10 +12,12 @@ to +-fp8_max. On sm_89+ GPUs Triton lowers ``.to(fp8, fp_downcast_rounding="rtne
 torch for every clamped finite input (NaN input gives the canonical NaN 0x7F without
 the sign torch keeps; only NaN-ness is comparable there).
 
-The Triton 3.x interpreter (``TRITON_INTERPRET=1``, used to test these kernels on CPU)
-converts floats in ``interpreter._convert_float`` and gets several cases wrong, with or
-without ``fp_downcast_rounding="rtne"`` (found by comparing every bf16 bit pattern and
-all halfway cases against torch, see tests/test_kernels_interpret.py):
+The Triton interpreter (``TRITON_INTERPRET=1``, used to test these kernels on CPU;
+checked with triton 3.9.0) converts floats in ``interpreter._convert_float`` and gets
+several cases wrong, with or without ``fp_downcast_rounding="rtne"``. Found by
+comparing every bf16 bit pattern (with 7 low halves each) and all fp8 halfway points
+against torch; tests/test_kernels_interpret.py fails (96 cases) if EMULATE is turned
+off in the interpreter:
 
 * fp32 -> fp8 rounds ties away from zero instead of to even (0.0166015625 -> 0x09
   instead of 0x08);
@@ -23,7 +25,8 @@ all halfway cases against torch, see tests/test_kernels_interpret.py):
   power of two can come out halved (e4m3: 0.0302734375 -> 0.015625 instead of 0.03125);
 * results in the fp8 subnormal range are truncated, not rounded; fp32 subnormal inputs
   produce garbage (2.7e-40 -> 0.0078 in e4m3); NaN becomes 256 (e4m3) or inf (e5m2);
-* fp32 -> bf16 truncates (rounds toward zero) instead of RTNE;
+* fp32 -> bf16 truncates (rounds toward zero) instead of RTNE, and mangles bf16
+  subnormals even when the value is exactly representable;
 * fp8 -> fp16/fp32 decodes e5m2 subnormals wrongly (0x01 -> 0) and NaN/inf as finite
   numbers; ``tl.dot`` on fp8 operands uses that decode.
 
@@ -101,7 +104,7 @@ def fp32_to_fp8_bits(v, FP8_E4M3: tl.constexpr, EMULATE: tl.constexpr):
         s = tl.minimum(tl.maximum((151 - BIAS - MANT) - tl.maximum(e, 1), 1), 26)
         q = m >> s
         rem = m - (q << s)
-        half = (m * 0 + 1) << (s - 1)
+        half = 1 << (s - 1)
         up = (rem > half) | ((rem == half) & ((q & 1) == 1))
         sub = q + up.to(tl.int32)
         code = tl.where(e >= 128 - BIAS, normal, sub)
