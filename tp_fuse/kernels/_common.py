@@ -35,7 +35,10 @@ def check_fp8_dtype(name: str, dtype: torch.dtype) -> None:
 
 def check_scale(name: str, scale: torch.Tensor, device: torch.device) -> None:
     if not isinstance(scale, torch.Tensor) or scale.dtype != torch.float32 or scale.numel() != 1:
-        got = f"{scale.dtype} tensor of shape {tuple(scale.shape)}" if isinstance(scale, torch.Tensor) else type(scale).__name__
+        if isinstance(scale, torch.Tensor):
+            got = f"{scale.dtype} tensor of shape {tuple(scale.shape)}"
+        else:
+            got = type(scale).__name__
         raise ValueError(f"{name}: expected a float32 tensor with one element, got {got}")
     if scale.device != device:
         raise ValueError(f"{name}: expected a tensor on {device}, got one on {scale.device}")

@@ -47,7 +47,7 @@ import triton.language as tl
 
 try:
     INTERPRETED = bool(triton.knobs.runtime.interpret)
-except AttributeError:  # triton < 3.4 has no knobs module
+except AttributeError:  # older triton without the knobs module
     INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 TL_DTYPE = {

@@ -6,13 +6,17 @@ epilogue and differ only in how tiles reach shared memory:
 * pointer: ``tl.load`` of masked pointer tiles (any strides, any K; Ampera-style
   ``cp.async`` on GPUs);
 * tma: Hopper's Tensor Memory Accelerator via host-built tensor descriptors
-  (``triton.tools.tensor_descriptor.TensorDescriptor``, triton >= 3.4). One thread
-  issues each bulk copy, out-of-bounds boxes are zero-filled by the hardware (no
-  masks), and address arithmetic leaves the registers (see the PyTorch blog "Deep Dive
-  on the Hopper TMA Unit for FP8 GEMMs"). Needs sm_90+, 16-byte aligned bases and
-  row strides (K % 16 == 0 for FP8) and a contiguous last dim. The pre-3.4
-  ``tl._experimental_descriptor_load`` API is not used: it was removed from triton, and
-  with it installed this module takes the pointer path (recorded in the variant).
+  (``triton.tools.tensor_descriptor.TensorDescriptor``, passed by value as kernel
+  arguments). One thread issues each bulk copy, out-of-bounds boxes are zero-filled by
+  the hardware (no masks), and address arithmetic leaves the registers (PyTorch blog
+  "Deep Dive on the Hopper TMA Unit for FP8 GEMMs"). Needs sm_90+, 16-byte aligned
+  bases and row strides (K % 16 == 0 for FP8) and a contiguous last dim.
+  Host-built rather than ``tl.make_tensor_descriptor`` (device-built) because the
+  latter needs a process-global ``triton.set_allocator`` for its scratch memory. The
+  older ``tl._experimental_descriptor_load`` API (descriptors copied to the device by
+  extra H2D kernels, the launch overhead the blog measures) is not used: with a triton
+  that lacks TensorDescriptor this module takes the pointer path, and the recorded
+  variant says why.
 
 Accumulation: on sm_90, fp8 ``tl.dot`` accumulates in a reduced-precision register by
 default (``max_num_imprecise_acc = 2**30``); we pass ``max_num_imprecise_acc=BLOCK_K`` so
@@ -37,7 +41,7 @@ from ._triton_common import INTERPRETED, emulate_conversions, fp8_bits_to_fp32, 
 
 try:
     from triton.tools.tensor_descriptor import TensorDescriptor
-except ImportError:  # triton < 3.4
+except ImportError:  # triton from before the tensor-descriptor API
     TensorDescriptor = None
 
 
@@ -169,7 +173,7 @@ def _autotuned(kind: str):
 def tma_unsupported(a: torch.Tensor, b: torch.Tensor, *, check_device: bool = True) -> Optional[str]:
     """Why the TMA kernel cannot run these operands, or None when it can."""
     if TensorDescriptor is None:
-        return "triton has no TensorDescriptor (< 3.4)"
+        return "installed triton has no TensorDescriptor"
     if check_device:
         if a.device.type != "cuda" or INTERPRETED:
             return "not a CUDA device"
