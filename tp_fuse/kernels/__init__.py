@@ -7,8 +7,6 @@ torch otherwise (see ``dispatch``). Importing this package does not import trito
 
 from .activations import dgelu_dbias, dswiglu, gelu_fwd, swiglu_fwd
 from .cast import quantize
-from .norms import layernorm_fwd, rmsnorm_fwd
-from .gemm import fp8_gemm
 from .dispatch import (
     BackendChoice,
     KernelCall,
@@ -18,6 +16,8 @@ from .dispatch import (
     triton_interpreted,
     triton_status,
 )
+from .gemm import fp8_gemm
+from .norms import layernorm_fwd, rmsnorm_fwd
 
 __all__ = [
     "BackendChoice",
