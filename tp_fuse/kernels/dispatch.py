@@ -186,6 +186,11 @@ def select_backend(
         raise ValueError(f"backend: expected None, 'torch' or 'triton', got {backend!r}")
     if backend == "torch":
         return BackendChoice("torch", "torch requested")
+    # Auto on CPU: the Triton kernels exist for GPUs; the torch reference is the fast CPU
+    # path even with the interpreter on (a testing tool). Decided before triton_status()
+    # so that CPU-only use never pays for importing triton.
+    if backend is None and device.type != "cuda":
+        return BackendChoice("torch", f"inputs on {device.type}; Triton kernels are for CUDA")
     ok, detail = triton_status()
     runnable = device.type == "cuda" or triton_interpreted()
     if backend == "triton":
@@ -199,10 +204,6 @@ def select_backend(
         if triton_unsupported is not None:
             raise ValueError(f"{kernel}: backend='triton' requested but {triton_unsupported}")
         return BackendChoice("triton", f"triton requested ({detail})")
-    # Auto: the Triton kernels exist for GPUs; on CPU the torch reference is the fast path
-    # even when the interpreter is on (the interpreter is a testing tool).
-    if device.type != "cuda":
-        return BackendChoice("torch", f"inputs on {device.type}; Triton kernels are for CUDA")
     if not ok:
         return BackendChoice("torch", detail)
     if triton_unsupported is not None:
