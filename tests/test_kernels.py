@@ -8,6 +8,9 @@ see test_kernels_interpret.py.
 from __future__ import annotations
 
 import math
+import os
+import subprocess
+import sys
 import types
 
 import pytest
@@ -373,6 +376,17 @@ def test_backend_argument_validation():
         # an explicit request must fail loudly, never fall back.
         with pytest.raises(RuntimeError, match="triton"):
             gelu_fwd(torch.randn(2, 2), backend="triton")
+
+
+def test_cpu_use_does_not_import_triton():
+    code = ("import sys, torch, tp_fuse.kernels as k; before = 'triton' in sys.modules; "
+            "k.quantize(torch.randn(2, 2), torch.tensor(1.0), torch.float8_e4m3fn); "
+            "print(before, 'triton' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__)))).stdout.split()
+    if out[0] == "True":
+        pytest.skip("another tp_fuse module imports triton at import time")
+    assert out == ["False", "False"]
 
 
 def test_select_backend_rules(monkeypatch):
