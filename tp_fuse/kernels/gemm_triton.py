@@ -240,9 +240,10 @@ def fp8_gemm_triton(
         return (triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"]),)
 
     if use_tma:
-        meta = _INTERPRETER_META if INTERPRETED else None
-        block_m, block_n, block_k = (meta["BLOCK_M"], meta["BLOCK_N"], meta["BLOCK_K"]) if meta else (1, 1, 16)
-        # Block shapes are placeholders on GPU: the autotuner's pre-hook sets them per config.
+        if INTERPRETED:
+            block_m, block_n, block_k = (_INTERPRETER_META[k] for k in ("BLOCK_M", "BLOCK_N", "BLOCK_K"))
+        else:  # placeholders: the autotuner's pre-hook sets the block shapes per config
+            block_m, block_n, block_k = _GPU_CONFIGS[0][:3]
         a_desc = TensorDescriptor.from_tensor(a, [block_m, block_k])
         b_desc = TensorDescriptor.from_tensor(b, [block_n, block_k])
         args = (a_desc, b_desc, *common, out.stride(0), out.stride(1))
