@@ -4,11 +4,14 @@ from .basic_linear import BasicLinear
 from .quantize import Quantize
 from .activation import GELU, ReLU, SwiGLU
 from .add_extra_input import AddExtraInput
+from .all_gather import AllGather
+from .all_reduce import AllReduce
 from .bias import Bias
 from .constant_scale import ConstantScale
 from .dropout import Dropout
 from .identity import Identity
 from .layer_norm import LayerNorm
 from .make_extra_output import MakeExtraOutput
+from .reduce_scatter import ReduceScatter
 from .reshape import Reshape
 from .rmsnorm import RMSNorm

@@ -1,13 +1,17 @@
-"""Shared helpers of the tensor-parallel communication ops."""
+"""Shared helpers of the tensor-parallel communication ops (``AllGather``, ``ReduceScatter``,
+``AllReduce``): the process group, the TP size, the overlap settings, and shape checks."""
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import torch
 import torch.distributed as dist
 
-from ..op import require
+from ..op import BasicOperation, require
+
+if TYPE_CHECKING:
+    from ...overlap_config import TPOverlap
 
 
 def group_size(group: Optional[dist.ProcessGroup]) -> int:
@@ -27,3 +31,55 @@ def check_first_dim_divisible(op_name: str, x: torch.Tensor, size: int) -> None:
         f"{op_name}: first (sequence) dimension {x.shape[0]} is not divisible by the "
         f"tensor-parallel size {size}",
     )
+
+
+class TPCommOperation(BasicOperation):
+    """Base of the TP communication ops: a process group and optional overlap settings.
+
+    Args:
+        process_group: the tensor-parallel group (None: the default group; TP size 1 when
+            torch.distributed is not initialized).
+        overlap: a :class:`tp_fuse.overlap_config.TPOverlap` for the overlap fusion this op
+            takes part in. Without one (and without one in the neighbouring
+            ``BasicLinear``'s ``userbuffers_options``), the op's own default
+            ``TPOverlap()`` is used: Megatron's default methods and a workspace pool that
+            lives as long as this op.
+    """
+
+    def __init__(
+        self,
+        process_group: Optional[dist.ProcessGroup] = None,
+        *,
+        overlap: Optional["TPOverlap"] = None,
+    ) -> None:
+        super().__init__()
+        from ...overlap_config import TPOverlap
+
+        if process_group is not None and not isinstance(process_group, dist.ProcessGroup):
+            raise ValueError(
+                f"{type(self).__name__}: process_group must be a torch.distributed.ProcessGroup "
+                f"or None, got {type(process_group).__name__}"
+            )
+        if overlap is not None and not isinstance(overlap, TPOverlap):
+            raise ValueError(
+                f"{type(self).__name__}: overlap must be a tp_fuse.overlap_config.TPOverlap, "
+                f"got {type(overlap).__name__}"
+            )
+        self.process_group = process_group
+        self.overlap = overlap
+        self._default_overlap: Optional["TPOverlap"] = None
+
+    @property
+    def tp_size(self) -> int:
+        return group_size(self.process_group)
+
+    def default_overlap(self) -> "TPOverlap":
+        """This op's own ``TPOverlap()`` (created on first use; owns its workspace pool)."""
+        if self._default_overlap is None:
+            from ...overlap_config import TPOverlap
+
+            self._default_overlap = TPOverlap()
+        return self._default_overlap
+
+    def extra_repr(self) -> str:
+        return f"tp_size={self.tp_size}" if dist.is_available() and dist.is_initialized() else ""

@@ -2,16 +2,16 @@
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
 
-from ..op import BasicOperation, OperationContext
-from ._tp import check_first_dim_divisible, group_size
+from ..op import OperationContext, require
+from ._tp import TPCommOperation, check_first_dim_divisible
 
 
-class AllGather(BasicOperation):
+class AllGather(TPCommOperation):
     """All-gather along the first (sequence) dimension.
 
     Shapes: ``x [s/tp, ...] -> y [s, ...]`` with ``tp`` the size of
@@ -21,23 +21,19 @@ class AllGather(BasicOperation):
         forward: y  = concat_r(x_r)
         backward: dx = reduce_scatter(dy)   (sum over ranks, this rank's rows)
 
-    A ``Float8Tensor`` input is gathered as FP8 bytes (its scale is identical
-    on all ranks by construction of the amax reduction). Followed by a
-    ``BasicLinear`` it fuses into an overlapped all-gather+GEMM. TP size 1 is
-    the identity.
+    A ``Float8Tensor`` input (e.g. from a ``Quantize`` op) is gathered as FP8 bytes, one
+    byte per element, and re-wrapped with its scale. That is only correct when the scale
+    is identical on all ranks of the group: with delayed scaling, make the autocast's
+    amax reduction group cover the TP group; with current scaling, reduce the amax over
+    it. Followed by a ``BasicLinear`` it fuses into an overlapped all-gather+GEMM
+    (``UserbuffersForwardLinear``), which quantizes before gathering by itself. TP size
+    1 is the identity. See :class:`~tp_fuse.ops.basic._tp.TPCommOperation` for ``overlap``.
     """
-
-    def __init__(self, process_group: Optional[dist.ProcessGroup] = None) -> None:
-        super().__init__()
-        self.process_group = process_group
-
-    @property
-    def tp_size(self) -> int:
-        return group_size(self.process_group)
 
     def op_forward(self, ctx: OperationContext, input_: torch.Tensor, **unused: Any) -> torch.Tensor:
         from comm import all_gather_dim0
 
+        require(input_.dim() >= 1, "AllGather: expected a tensor with a sequence dimension, got a scalar")
         if self.tp_size == 1:
             return input_
         return gather_maybe_fp8(input_, self.process_group, all_gather_dim0)
@@ -52,11 +48,18 @@ class AllGather(BasicOperation):
         return reduce_scatter_dim0(grad_output.contiguous(), self.process_group), ()
 
 
-def gather_maybe_fp8(x: torch.Tensor, group, gather) -> torch.Tensor:
-    """All-gather a tensor; a Float8Tensor travels as bytes and is re-wrapped."""
+def gather_maybe_fp8(
+    x: torch.Tensor,
+    group: Optional[dist.ProcessGroup],
+    gather: Callable[[torch.Tensor, Optional[dist.ProcessGroup]], torch.Tensor],
+) -> torch.Tensor:
+    """All-gather a tensor along dim 0; a Float8Tensor travels as bytes and is re-wrapped.
+
+    ``gather(tensor, group)`` is the dim-0 all-gather to use (``comm.all_gather_dim0``).
+    """
     from ...quantization import Float8Tensor
 
     if isinstance(x, Float8Tensor):
-        data = gather(x._data.view(torch.uint8), group).view(x._data.dtype)
+        data = gather(x._data.contiguous().view(torch.uint8), group).view(x._data.dtype)
         return Float8Tensor.from_parts(data, x._scale_inv, dtype=x.dtype)
     return gather(x.contiguous(), group)

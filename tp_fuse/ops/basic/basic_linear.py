@@ -185,6 +185,15 @@ class BasicLinear(BasicOperation):
         ctx.input_shape = x.shape
         return y.reshape(*lead, self.out_features)
 
+    @staticmethod
+    def input_for_wgrad(ctx: OperationContext, x_saved: torch.Tensor) -> torch.Tensor:
+        """The wgrad GEMM's input: the saved input, or its all-gather when a fused op
+        saved only this rank's sequence shard (``ctx.regather_input``, set by the
+        tensor-parallel overlap fusion ``UserbuffersForwardLinear`` to keep activation
+        memory at 1/tp; the unfused backward then gathers without overlap)."""
+        regather = getattr(ctx, "regather_input", None)
+        return x_saved if regather is None else regather(x_saved)
+
     def backward_gemm(
         self,
         ctx: OperationContext,
@@ -209,6 +218,7 @@ class BasicLinear(BasicOperation):
                 dx = dx + acc
             dw = None
             if self.weight.requires_grad:
+                x_saved = self.input_for_wgrad(ctx, x_saved)
                 # dW[out, in] = dy^T[out, M] @ x[M, in]
                 dw = fp8_gemm(dy_fp8.transpose_fp8(), x_saved.transpose_fp8(), out_dtype=dy.dtype)
         else:
@@ -216,7 +226,9 @@ class BasicLinear(BasicOperation):
                 dx = torch.addmm(acc, dy2d, w_saved)
             else:
                 dx = dy2d @ w_saved
-            dw = dy2d.t() @ x_saved if self.weight.requires_grad else None
+            dw = None
+            if self.weight.requires_grad:
+                dw = dy2d.t() @ self.input_for_wgrad(ctx, x_saved)
         return dx.reshape(ctx.input_shape), dw
 
     # ---- basic-op interface ------------------------------------------------

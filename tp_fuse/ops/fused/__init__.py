@@ -16,15 +16,30 @@ from .forward_linear_bias_activation import (
     fuse_forward_linear_bias_activation,
 )
 from .forward_linear_bias_add import ForwardLinearBiasAdd, fuse_forward_linear_bias_add
+from .userbuffers_backward_linear import UserbuffersBackwardLinear, fuse_userbuffers_backward_linear
+from .userbuffers_forward_linear import UserbuffersForwardLinear, fuse_userbuffers_forward_linear
+from .userbuffers_forward_linear_all_reduce import (
+    UserbuffersForwardLinearAllReduce,
+    fuse_userbuffers_forward_linear_all_reduce,
+)
 
 register_forward_fusion(fuse_forward_linear_bias_add)
 register_forward_fusion(fuse_forward_linear_bias_activation)
 register_backward_fusion(fuse_backward_linear_add)
 register_backward_fusion(fuse_backward_activation_bias)
+# Communication-overlap fusions go in front of all others (prepend), so that they see the
+# BasicLinear before [BasicLinear, Bias] is taken by the epilogue fusions. Each prepend
+# goes to the front: the forward order ends up all-gather/reduce-scatter, then all-reduce.
+register_forward_fusion(fuse_userbuffers_forward_linear_all_reduce, prepend=True)
+register_forward_fusion(fuse_userbuffers_forward_linear, prepend=True)
+register_backward_fusion(fuse_userbuffers_backward_linear, prepend=True)
 
 __all__ = [
     "BackwardActivationBias",
     "BackwardLinearAdd",
     "ForwardLinearBiasActivation",
     "ForwardLinearBiasAdd",
+    "UserbuffersBackwardLinear",
+    "UserbuffersForwardLinear",
+    "UserbuffersForwardLinearAllReduce",
 ]

@@ -1,0 +1,361 @@
+"""Backward fusion of tensor-parallel communication with the dgrad/wgrad GEMMs (Transformer
+Engine's ``UserbuffersBackwardLinear``): ``[AllGather, BasicLinear(, Bias)]`` and
+``[BasicLinear(, Bias), ReduceScatter]``."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+
+from ..basic._tp import check_first_dim_divisible
+from ..basic.all_gather import AllGather
+from ..basic.basic_linear import BasicLinear
+from ..basic.bias import Bias
+from ..basic.reduce_scatter import ReduceScatter
+from ..basic._checks import compute_dtype
+from ..fusion import Fuse, FusionLog, MatchResult, Reject, fuse_by_window
+from ..op import FusedOperation, FusibleOperation, OperationContext
+from .userbuffers_common import (
+    OverlapPlan,
+    effective_splits,
+    fp8_from_wire,
+    fp8_gather_problem,
+    fp8_gemm_from_bytes,
+    fp8_wire,
+    gemm_label,
+    hp_gemm,
+    plan_overlap,
+    quantize_same_scale_over,
+)
+from .userbuffers_forward_linear import match_linear_bias
+
+_RS_DGRAD_UNSUPPORTED = {
+    "pipeline": "pipeline overlaps a reduce-scatter; this backward all-gathers dy, which "
+    "overlaps with the dgrad GEMM by ring_exchange",
+    "bulk": "bulk hides a collective behind an independent computation, but the dgrad GEMM "
+    "needs the gathered dy; use ring_exchange",
+}
+
+
+class UserbuffersBackwardLinear(FusedOperation):
+    """Backward pass of a tensor-parallel linear with its communication overlapped.
+
+    Column-parallel ``[AllGather, BasicLinear(, Bias)]`` (forward ``y = AG(x) W^T + b``):
+
+    ========== ======================= ================================================
+    tensor     shape                   equation
+    ========== ======================= ================================================
+    dy         ``[s, ..., out/tp]``    incoming gradient
+    x_full     ``[s, ..., in]``        ``AG(x_local)`` (saved, or re-gathered here)
+    dx         ``[s/tp, ..., in]``     ``RS(dy W)``              (dgrad)
+    dW         ``[out/tp, in]``        ``dy^T x_full``           (wgrad)
+    db         ``[out/tp]``            ``sum(dy)``
+    ========== ======================= ================================================
+
+    Overlap, by the ``<name>_dgrad`` entry of the config:
+
+    * ``bulk`` (Megatron's default for qkv/fc1): the re-gather of ``x`` (when the forward
+      kept only the shard) runs while the whole dgrad GEMM computes
+      (``comm.bulk_overlap``); then, if ``<name>_wgrad`` is ``bulk``, the reduce-scatter of
+      ``dy W`` runs while the wgrad GEMM computes.
+    * ``pipeline`` / ``ring_exchange``: dgrad GEMM and reduce-scatter of dx overlap chunk
+      by chunk (``comm.gemm_reduce_scatter_pipelined`` / ``_ring``), with the re-gather
+      of ``x`` in flight alongside; the wgrad GEMM follows.
+
+    Row-parallel ``[BasicLinear(, Bias), ReduceScatter]`` (forward ``y = RS(x W^T + b)``):
+
+    ========== ======================= ================================================
+    dy_local   ``[s/tp, ..., out]``    incoming gradient
+    dy_full    ``[s, ..., out]``       ``AG(dy_local)``
+    dx         ``[s, ..., in/tp]``     ``dy_full W``             (dgrad)
+    dW         ``[out, in/tp]``        ``dy_full^T x``           (wgrad)
+    db         ``[out]``               ``sum(dy_full)``
+    ========== ======================= ================================================
+
+    Overlap (``<name>_dgrad`` = ``ring_exchange``): ``comm.ring_exchange_ag_gemm`` on dy,
+    each block's dgrad GEMM hides the transfer of the next; the gathered dy feeds the
+    wgrad GEMM.
+
+    FP8 (when the forward ran under autocast): dy is quantized with the BasicLinear's
+    grad_output quantizer (E5M2 in HYBRID) and every GEMM runs through
+    ``torch._scaled_mm``. The row-parallel dy is quantized *before* its all-gather (1
+    byte per element on the wire, one scale on all TP ranks; see
+    ``UserbuffersForwardLinear``), so ``db`` is summed from the local high-precision
+    dy and all-reduced (``sum(dy_full) = sum_r sum(dy_r)``). Reduce-scatters of dx stay
+    in high precision (partial sums, see ``ReduceScatter``). Backward only.
+    """
+
+    def __init__(
+        self,
+        *,
+        linear: BasicLinear,
+        plan: OverlapPlan,
+        bias: Optional[Bias] = None,
+        all_gather: Optional[AllGather] = None,
+        reduce_scatter: Optional[ReduceScatter] = None,
+        wgrad_plan: Optional[OverlapPlan] = None,
+        wgrad_note: str = "",
+        fp8: bool = False,
+    ) -> None:
+        if (all_gather is None) == (reduce_scatter is None):
+            raise ValueError("UserbuffersBackwardLinear needs exactly one of all_gather / reduce_scatter")
+        ops: list[FusibleOperation]
+        if all_gather is not None:
+            ops = [all_gather, linear] + ([bias] if bias is not None else [])
+        else:
+            ops = [linear] + ([bias] if bias is not None else []) + [reduce_scatter]
+        super().__init__(ops)
+        self.mode = "all_gather" if all_gather is not None else "reduce_scatter"
+        self.plan = plan
+        # Column-parallel bulk dgrad only: overlap RS(dx) with the wgrad GEMM.
+        self.wgrad_plan = wgrad_plan
+        self.wgrad_note = wgrad_note
+        self.fp8 = fp8
+
+    def fusion_summary(self) -> str:
+        linear = next(op for op in self.basic_ops if isinstance(op, BasicLinear))
+        tp = f"TP={self.plan.tp_size}"
+        fp8 = "; FP8 GEMMs" if self.fp8 else ""
+        if self.mode == "reduce_scatter":
+            wire = ", dy quantized before the gather (1 byte/element)" if self.fp8 else ""
+            return f"AllGather(dy)+dgrad GEMM {gemm_label(linear)}, {self.plan.describe()}, {tp}{fp8}{wire}"
+        if self.plan.entry.method == "bulk":
+            how = "input re-gather || dgrad GEMM; " + (
+                f"{self.wgrad_plan.describe()}: dx reduce-scatter || wgrad GEMM"
+                if self.wgrad_plan is not None
+                else f"dx reduce-scatter not overlapped ({self.wgrad_note})"
+            )
+        else:
+            how = "dgrad GEMM+dx reduce-scatter, input re-gather in flight alongside"
+        return f"dgrad/wgrad {gemm_label(linear)}, {self.plan.describe()} ({how}), {tp}{fp8}"
+
+    def fuser_backward(
+        self,
+        basic_op_ctxs: list[OperationContext],
+        grad_output: torch.Tensor,
+        *,
+        basic_op_grad_extra_outputs: list[tuple[torch.Tensor, ...]],
+        **unused: Any,
+    ):
+        if self.mode == "all_gather":
+            return self._backward_all_gather(basic_op_ctxs, grad_output)
+        return self._backward_reduce_scatter(basic_op_ctxs, grad_output)
+
+    # ---- column-parallel ---------------------------------------------------------
+
+    def _backward_all_gather(self, ctxs: list[OperationContext], dy: torch.Tensor):
+        import comm
+
+        ag, linear = self.basic_ops[0], self.basic_ops[1]
+        bias_op = self.basic_ops[2] if len(self.basic_ops) == 3 else None
+        assert isinstance(ag, AllGather) and isinstance(linear, BasicLinear)
+        lin_ctx, group, tp = ctxs[1], ag.process_group, ag.tp_size
+        check_first_dim_divisible("AllGather (backward)", dy, tp)
+        x_saved, w_saved = lin_ctx.saved_tensors
+        pool, key = self.plan.overlap.pool, self.plan.key
+        dy2d = dy.reshape(-1, linear.out_features)
+        m2d = dy2d.shape[0] // tp
+        entry = self.plan.entry
+        splits = effective_splits(entry.num_splits, m2d)
+        db = bias_op.bias_grad(dy) if bias_op is not None else None
+        need_dw = linear.weight.requires_grad
+        # The forward kept only this rank's shard: gather it for wgrad behind the dgrad GEMM.
+        regather = need_dw and getattr(lin_ctx, "regather_input", None) is not None
+        if lin_ctx.fp8:
+            dy_q = lin_ctx.grad_quantizer.quantize(dy2d)
+            lin_ctx.grad_tracker.track(lin_ctx.grad_quantizer)
+            dgrad_in = fp8_wire(dy_q).view(dy2d.shape)
+            dgrad = fp8_gemm_from_bytes(dy_q, w_saved.transpose_fp8(), dy.dtype)
+            x_wire = fp8_wire(x_saved) if regather else None
+        else:
+            dy_q = dy2d
+            dgrad_in = dy2d.contiguous()
+            dgrad = hp_gemm(w_saved)
+            x_wire = x_saved.contiguous() if regather else None
+
+        def start_gather():
+            return comm.all_gather_dim0_async(x_wire, group)
+
+        def dgrad_and_rs() -> torch.Tensor:
+            common = dict(out_features=linear.in_features, out_dtype=dy.dtype, name=key)
+            if entry.method == "pipeline":
+                return comm.gemm_reduce_scatter_pipelined(
+                    dgrad_in, dgrad, group, pool, num_splits=splits, **common
+                )
+            if entry.method == "ring_exchange":
+                return comm.gemm_reduce_scatter_ring(dgrad_in, dgrad, group, pool, **common)
+            out = torch.empty(dgrad_in.shape[0], linear.in_features, dtype=dy.dtype, device=dy.device)
+            return dgrad(dgrad_in, out)  # bulk: the whole dgrad GEMM, reduce-scattered below
+
+        if regather:
+            x_gathered, dx2d = comm.bulk_overlap(start_gather, dgrad_and_rs)
+            x_full = fp8_from_wire(x_gathered, x_saved) if lin_ctx.fp8 else x_gathered
+        else:
+            dx2d = dgrad_and_rs()
+            x_full = x_saved
+
+        def wgrad() -> Optional[torch.Tensor]:
+            if not need_dw:
+                return None
+            if lin_ctx.fp8:
+                from ...quantization import fp8_gemm
+
+                return fp8_gemm(dy_q.transpose_fp8(), x_full.transpose_fp8(), out_dtype=dy.dtype)
+            return dy_q.t() @ x_full
+
+        if entry.method == "bulk":
+            if self.wgrad_plan is not None and need_dw:
+                dx2d, dw = comm.bulk_overlap(lambda: comm.reduce_scatter_dim0_async(dx2d, group), wgrad)
+            else:
+                dx2d, dw = comm.reduce_scatter_dim0(dx2d, group), wgrad()
+        else:
+            dw = wgrad()
+        dx = dx2d.view(dy.shape[0] // tp, *dy.shape[1:-1], linear.in_features)
+        grads = [(), (dw,)] + ([(db,)] if bias_op is not None else [])
+        return dx, grads, [() for _ in self.basic_ops]
+
+    # ---- row-parallel ------------------------------------------------------------
+
+    def _backward_reduce_scatter(self, ctxs: list[OperationContext], dy: torch.Tensor):
+        import comm
+
+        linear, rs = self.basic_ops[0], self.basic_ops[-1]
+        bias_op = self.basic_ops[1] if len(self.basic_ops) == 3 else None
+        assert isinstance(linear, BasicLinear) and isinstance(rs, ReduceScatter)
+        lin_ctx, group, tp = ctxs[0], rs.process_group, rs.tp_size
+        x_saved, w_saved = lin_ctx.saved_tensors
+        dy2d = dy.reshape(-1, linear.out_features)
+        full_rows = dy.shape[0] * tp
+        db_pending = None
+        if lin_ctx.fp8:
+            problem = fp8_gather_problem(group, "dy")
+            if problem is not None:
+                raise ValueError(f"{problem} (the fusion was decided under another autocast)")
+            dy_q = quantize_same_scale_over(lin_ctx.grad_quantizer, dy2d, group)
+            lin_ctx.grad_tracker.track(lin_ctx.grad_quantizer)
+            wire = fp8_wire(dy_q).view(dy2d.shape)
+            dgrad = fp8_gemm_from_bytes(dy_q, w_saved.transpose_fp8(), dy.dtype)
+            if bias_op is not None and bias_op.bias.requires_grad:
+                # Only FP8 bytes of dy travel: sum the local rows in high precision, then
+                # all-reduce (the sum over ranks runs while the dgrad ring computes).
+                db_local = dy2d.sum(dim=0, dtype=compute_dtype(dy.dtype))
+                db_pending = comm.all_reduce_async(db_local, group, inplace=True)
+        else:
+            dy_q = dy2d
+            wire = dy2d.contiguous()
+            dgrad = hp_gemm(w_saved)
+        dx2d, gathered = comm.ring_exchange_ag_gemm(
+            wire,
+            dgrad,
+            group,
+            self.plan.overlap.pool,
+            out_features=linear.in_features,
+            out_dtype=dy.dtype,
+            return_gathered=True,
+            name=self.plan.key,
+            check_shapes=self.plan.overlap.check_shapes,
+        )
+        db = None
+        if bias_op is not None:
+            if db_pending is not None:
+                db = db_pending.wait().to(bias_op.bias.dtype)
+            elif not lin_ctx.fp8:
+                db = bias_op.bias_grad(gathered)
+        dw = None
+        if linear.weight.requires_grad:
+            # The forward may have kept only a shard (a column-parallel fused forward whose
+            # backward did not fuse): BasicLinear's hook gathers it.
+            x_full = linear.input_for_wgrad(lin_ctx, x_saved)
+            if lin_ctx.fp8:
+                from ...quantization import fp8_gemm
+
+                dy_full = fp8_from_wire(gathered, dy_q)
+                dw = fp8_gemm(dy_full.transpose_fp8(), x_full.transpose_fp8(), out_dtype=dy.dtype)
+            else:
+                dw = gathered.t() @ x_full
+        dx = dx2d.view(full_rows, *dy.shape[1:-1], linear.in_features)
+        grads = [(dw,)] + ([(db,)] if bias_op is not None else []) + [()]
+        return dx, grads, [() for _ in self.basic_ops]
+
+
+def fuse_userbuffers_backward_linear(
+    ops: list[FusibleOperation],
+    *,
+    recipe: Any = None,
+    fusion_log: Optional[FusionLog] = None,
+    **unused: Any,
+) -> list[FusibleOperation]:
+    """Replace ``[AllGather, BasicLinear(, Bias)]`` and ``[BasicLinear(, Bias), ReduceScatter]``
+    windows with :class:`UserbuffersBackwardLinear`, as the overlap config says."""
+    from .forward_linear_bias_activation import linear_bias_mismatch
+
+    fp8 = recipe is not None
+
+    def match_all_gather(window: Sequence[FusibleOperation]) -> MatchResult:
+        ag = window[0]
+        assert isinstance(ag, AllGather)
+        linear = window[1] if len(window) > 1 else None
+        if not isinstance(linear, BasicLinear):
+            nxt = type(linear).__name__ if linear is not None else "nothing (end of the fused group)"
+            return Reject(
+                f"AllGather followed by {nxt}, not BasicLinear: no dgrad GEMM to overlap the "
+                "reduce-scatter of dx with",
+                min(2, len(window)),
+            )
+        bias, length = match_linear_bias(window, 2)
+        if bias is not None and linear_bias_mismatch(linear, bias) is not None:
+            bias, length = None, 2
+        plan = plan_overlap(ag, linear, "dgrad", "column", {})
+        if isinstance(plan, str):
+            return Reject(plan, length)
+        wgrad_plan, note = None, ""
+        if plan.entry.method == "bulk":
+            wplan = plan_overlap(ag, linear, "wgrad", "column", {
+                m: "only bulk overlaps the dx reduce-scatter with the wgrad GEMM" for m in ("pipeline", "ring_exchange")
+            })
+            if isinstance(wplan, str):
+                note = wplan
+            else:
+                wgrad_plan = wplan
+        op = UserbuffersBackwardLinear(
+            linear=linear, bias=bias, all_gather=ag, plan=plan, wgrad_plan=wgrad_plan, wgrad_note=note, fp8=fp8
+        )
+        return Fuse(op, length, op.fusion_summary())
+
+    def match_reduce_scatter(window: Sequence[FusibleOperation]) -> MatchResult:
+        linear = window[0]
+        assert isinstance(linear, BasicLinear)
+        bias, k = match_linear_bias(window, 1)
+        if len(window) <= k or not isinstance(window[k], ReduceScatter):
+            return None
+        rs = window[k]
+        if bias is not None and linear_bias_mismatch(linear, bias) is not None:
+            return Reject(f"{linear_bias_mismatch(linear, bias)}: the Bias sits between GEMM and reduce-scatter", k + 1)
+        plan = plan_overlap(rs, linear, "dgrad", "row", _RS_DGRAD_UNSUPPORTED)
+        if isinstance(plan, str):
+            return Reject(plan, k + 1)
+        if fp8:
+            problem = fp8_gather_problem(rs.process_group, f"dy of {gemm_label(linear)}")
+            if problem is not None:
+                return Reject(problem, k + 1)
+        op = UserbuffersBackwardLinear(linear=linear, bias=bias, reduce_scatter=rs, plan=plan, fp8=fp8)
+        return Fuse(op, k + 1, op.fusion_summary())
+
+    def matcher(window: Sequence[FusibleOperation]) -> MatchResult:
+        first = window[0]
+        if isinstance(first, AllGather):
+            return match_all_gather(window)
+        if isinstance(first, BasicLinear):
+            return match_reduce_scatter(window)
+        if len(window) > 1 and isinstance(window[1], ReduceScatter) and not isinstance(first, Bias):
+            return Reject(
+                f"ReduceScatter preceded by {type(first).__name__}, not BasicLinear(+Bias): "
+                "no dgrad GEMM to overlap the all-gather of dy with",
+                2,
+            )
+        return None
+
+    return fuse_by_window(ops, matcher, fusion_log)

@@ -1,0 +1,207 @@
+"""Shared pieces of the tensor-parallel overlap fusions (``Userbuffers*`` fused ops).
+
+* finding the :class:`~tp_fuse.overlap_config.TPOverlap` of a window and deciding, from
+  its config, whether and how a window fuses (:func:`plan_overlap`);
+* the FP8 rule for all-gathering FP8 bytes: every TP rank must quantize with the same
+  scale (:func:`fp8_gather_problem`, :func:`quantize_same_scale_over`);
+* GEMM callables with comm's contract ``gemm(chunk, out) -> out`` for high precision and
+  FP8 (chunks arrive as uint8 bytes: comm moves FP8 data as raw bytes).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Mapping, Optional, Union
+
+import torch
+import torch.distributed as dist
+
+from ...overlap_config import GemmOverlapConfig, TPOverlap
+from ..basic._tp import TPCommOperation
+from ..basic.basic_linear import BasicLinear
+
+GemmFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+_USERBUFFERS_OPTION_KEYS = ("comm_name", "overlap")
+
+
+def resolve_overlap(linear: BasicLinear, comm_op: TPCommOperation) -> TPOverlap:
+    """The TPOverlap of a window: from the linear's ``userbuffers_options``, from the comm
+    op, or the comm op's own default. Two different explicit objects are a ValueError."""
+    opts = linear.userbuffers_options
+    unknown = sorted(set(opts) - set(_USERBUFFERS_OPTION_KEYS))
+    if unknown:
+        raise ValueError(
+            f"BasicLinear userbuffers_options: unknown key(s) {unknown}; expected {list(_USERBUFFERS_OPTION_KEYS)}"
+        )
+    name = opts.get("comm_name")
+    if name is not None and (not isinstance(name, str) or not name):
+        raise ValueError(f"BasicLinear userbuffers_options['comm_name'] must be a non-empty str, got {name!r}")
+    from_linear = opts.get("overlap")
+    if from_linear is not None and not isinstance(from_linear, TPOverlap):
+        raise ValueError(
+            "BasicLinear userbuffers_options['overlap'] must be a tp_fuse.overlap_config.TPOverlap, "
+            f"got {type(from_linear).__name__}"
+        )
+    from_comm = comm_op.overlap
+    if from_linear is not None and from_comm is not None and from_linear is not from_comm:
+        raise ValueError(
+            f"BasicLinear {name!r} and its {type(comm_op).__name__} were given different TPOverlap "
+            "objects; pass the same one (or only one of them)"
+        )
+    return from_linear or from_comm or comm_op.default_overlap()
+
+
+def gemm_label(linear: BasicLinear) -> str:
+    return repr(linear.comm_name) if linear.comm_name is not None else "unnamed GEMM"
+
+
+@dataclasses.dataclass
+class OverlapPlan:
+    """What a matcher decided for one GEMM stage."""
+
+    overlap: TPOverlap
+    key: str  # "fc1_fprop", or "column_fprop" for an unnamed GEMM (Megatron's role defaults)
+    entry: GemmOverlapConfig
+    tp_size: int
+
+    def describe(self) -> str:
+        """``"fc1_fprop: ring_exchange"`` plus the settings without effect here."""
+        ignored = self.entry.ignored()
+        tail = f" [ignored: {', '.join(i.split(' (')[0] for i in ignored)}]" if ignored else ""
+        return f"{self.key}: {self.entry.describe()}{tail}"
+
+
+def plan_overlap(
+    comm_op: TPCommOperation,
+    linear: BasicLinear,
+    stage: str,
+    role: str,
+    unsupported: Mapping[str, str],
+) -> Union[OverlapPlan, str]:
+    """An :class:`OverlapPlan`, or the reason (a str) the window does not fuse.
+
+    ``unsupported`` maps a method to why this window cannot use it.
+    """
+    tp = comm_op.tp_size
+    if tp == 1:
+        return "TP size 1: nothing to overlap"
+    overlap = resolve_overlap(linear, comm_op)
+    if not overlap.config.enabled:
+        return "overlap disabled by config (OverlapConfig.enabled=False)"
+    key, entry = overlap.config.resolve(linear.comm_name, stage, role)
+    if not entry.enabled:
+        return f"overlap disabled for {key} by config"
+    if entry.method in unsupported:
+        return f"{key} method {entry.method}: {unsupported[entry.method]}"
+    return OverlapPlan(overlap, key, entry, tp)
+
+
+# ---- FP8 all-gather: one scale on every TP rank --------------------------------
+
+
+def _ranks(group: Optional[dist.ProcessGroup]) -> set[int]:
+    return set(dist.get_process_group_ranks(group if group is not None else dist.group.WORLD))
+
+
+def fp8_gather_problem(tp_group: Optional[dist.ProcessGroup], what: str) -> Optional[str]:
+    """Why ``what`` cannot be all-gathered as FP8 bytes under the autocast in force, or None.
+
+    The bytes of all ranks are re-wrapped with one scale, so every TP rank must quantize
+    with the same scale. Delayed scaling: the scales come from amaxes all-reduced over
+    the autocast's ``amax_reduction_group`` (None: the default group), which must
+    therefore contain the TP group, with ``reduce_amax=True``. Current scaling: the
+    fused op reduces the amax over the autocast's group when it contains the TP group,
+    and over the TP group when the autocast has none.
+    """
+    from ...quantization import active_autocast
+    from ...recipe import DelayedScaling
+
+    state = active_autocast()
+    if state is None:
+        return None
+    if isinstance(state.recipe, DelayedScaling) and not state.recipe.reduce_amax:
+        return (
+            f"FP8 all-gather of {what} needs one scale on all TP ranks, but "
+            "DelayedScaling(reduce_amax=False) keeps per-rank scales"
+        )
+    amax_group = state.amax_reduction_group
+    if amax_group is None:
+        return None
+    tp_ranks, amax_ranks = _ranks(tp_group), _ranks(amax_group)
+    if not tp_ranks <= amax_ranks:
+        return (
+            f"FP8 all-gather of {what} needs one scale on all TP ranks, but the autocast's "
+            f"amax_reduction_group (ranks {sorted(amax_ranks)}) does not cover the TP group "
+            f"(ranks {sorted(tp_ranks)})"
+        )
+    return None
+
+
+def quantize_same_scale_over(quantizer: Any, x: torch.Tensor, tp_group: Optional[dist.ProcessGroup]):
+    """``quantizer.quantize(x)`` with a scale that is identical on every rank of ``tp_group``.
+
+    A current-scaling quantizer without an amax reduction group computes its amax over
+    ``tp_group`` for this call (so the amax equals that of the gathered tensor the unfused
+    path would quantize); delayed-scaling scales are already equal (see
+    :func:`fp8_gather_problem`).
+    """
+    from ...quantization import CurrentScalingQuantizer
+
+    if isinstance(quantizer, CurrentScalingQuantizer) and quantizer.amax_reduction_group is None:
+        quantizer.amax_reduction_group = tp_group if tp_group is not None else dist.group.WORLD
+        try:
+            return quantizer.quantize(x)
+        finally:
+            quantizer.amax_reduction_group = None
+    return quantizer.quantize(x)
+
+
+def fp8_wire(x_fp8: Any) -> torch.Tensor:
+    """The FP8 bytes of a Float8Tensor as a contiguous uint8 tensor (what comm moves)."""
+    return x_fp8._data.contiguous().view(torch.uint8)
+
+
+def fp8_from_wire(data: torch.Tensor, like: Any):
+    """Re-wrap gathered uint8 bytes with the scale and dtypes of ``like`` (a Float8Tensor)."""
+    from ...quantization import Float8Tensor
+
+    return Float8Tensor.from_parts(data.view(like._data.dtype), like._scale_inv, dtype=like.dtype)
+
+
+# ---- GEMM callables (comm contract: gemm(chunk [rows, ..., K], out [rows, ..., N]) -> out) ----
+
+
+def hp_gemm(mat: torch.Tensor, bias: Optional[torch.Tensor] = None) -> GemmFn:
+    """``out = chunk @ mat (+ bias)`` with ``mat [K, N]`` (e.g. ``W.t()`` for fprop, ``W`` for dgrad)."""
+
+    def gemm(chunk: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        a = chunk.reshape(-1, chunk.shape[-1])
+        o = out.view(-1, out.shape[-1])
+        if bias is None:
+            torch.matmul(a, mat, out=o)
+        else:
+            torch.addmm(bias, a, mat, out=o)
+        return out
+
+    return gemm
+
+
+def fp8_gemm_from_bytes(a_like: Any, b_fp8: Any, out_dtype: torch.dtype, bias: Optional[torch.Tensor] = None) -> GemmFn:
+    """``out = A_chunk @ b^T (+ bias)`` through ``torch._scaled_mm``, where ``A_chunk`` arrives
+    as uint8 bytes quantized like ``a_like`` (same FP8 dtype and scale) and ``b_fp8 [N, K]``."""
+    from ...quantization import fp8_gemm
+
+    def gemm(chunk: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        a = fp8_from_wire(chunk.reshape(-1, chunk.shape[-1]), a_like)
+        out.view(-1, out.shape[-1]).copy_(fp8_gemm(a, b_fp8, out_dtype=out_dtype, bias=bias))
+        return out
+
+    return gemm
+
+
+def effective_splits(num_splits: int, rows: int) -> int:
+    """Chunks of a pipelined overlap: ``num_splits``, or one per row when a rank has fewer
+    rows than that (a sequence shorter than the configured split count runs a shorter
+    pipeline with the same result rather than failing where the unfused ops work)."""
+    return max(1, min(num_splits, rows))

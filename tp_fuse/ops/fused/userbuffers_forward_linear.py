@@ -1,0 +1,364 @@
+"""Forward fusion of tensor-parallel communication with the GEMM (Transformer Engine's
+``UserbuffersForwardLinear``): ``[AllGather, BasicLinear(, Bias)]`` (column-parallel,
+all-gather overlapped with the GEMM) and ``[BasicLinear(, Bias), ReduceScatter]``
+(row-parallel, reduce-scatter overlapped with the GEMM)."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+
+from ..basic._checks import maybe_dequantize
+from ..basic._tp import check_first_dim_divisible
+from ..basic.all_gather import AllGather, gather_maybe_fp8
+from ..basic.basic_linear import BasicLinear
+from ..basic.bias import Bias
+from ..basic.reduce_scatter import ReduceScatter
+from ..fusion import Fuse, FusionLog, MatchResult, Reject, fuse_by_window
+from ..op import FusedOperation, FusibleOperation, OperationContext, require
+from .forward_linear_bias_activation import linear_bias_mismatch
+from .userbuffers_common import (
+    OverlapPlan,
+    effective_splits,
+    fp8_from_wire,
+    fp8_gather_problem,
+    fp8_gemm_from_bytes,
+    fp8_wire,
+    gemm_label,
+    hp_gemm,
+    plan_overlap,
+    quantize_same_scale_over,
+)
+
+# Why a method does not apply to a forward window (the matcher rejects with this reason).
+_AG_FPROP_UNSUPPORTED = {
+    "pipeline": "pipeline overlaps a reduce-scatter (Megatron uses it for proj/fc2 fprop); "
+    "an all-gather+GEMM overlaps by ring_exchange",
+    "bulk": "bulk hides a collective behind an independent computation, but this GEMM needs "
+    "the gathered input; use ring_exchange",
+}
+_RS_FPROP_UNSUPPORTED = {
+    "bulk": "bulk hides a collective behind an independent computation, but the "
+    "reduce-scatter needs this GEMM's output; use pipeline or ring_exchange",
+}
+
+
+def _regather(group: Optional[dist.ProcessGroup], x2d: torch.Tensor) -> torch.Tensor:
+    """All-gather a saved input shard for the wgrad GEMM (FP8 shards travel as bytes)."""
+    from comm import all_gather_dim0
+
+    return gather_maybe_fp8(x2d, group, all_gather_dim0)
+
+
+class UserbuffersForwardLinear(FusedOperation):
+    """Forward pass of a tensor-parallel linear with its communication overlapped.
+
+    Column-parallel ``[AllGather, BasicLinear(, Bias)]`` (e.g. ``qkv``, ``fc1``):
+
+    ======== ============================== ==============================================
+    tensor   shape                          notes
+    ======== ============================== ==============================================
+    x_local  ``[s/tp, ..., in]``            this rank's sequence shard
+    W        ``[out/tp, in]``               this rank's output-feature shard
+    b        ``[out/tp]``                   optional
+    y        ``[s, ..., out/tp]``           ``y = all_gather(x) W^T + b``
+    ======== ============================== ==============================================
+
+    Overlap (``ring_exchange``, ``comm.ring_exchange_ag_gemm``): ``tp`` steps; at each
+    the GEMM of the sequence block held runs while the next block travels to rank+1;
+    only the last block's GEMM has no transfer behind it. Under ``tp_fuse.autocast``
+    the shard is quantized with the BasicLinear's input quantizer *before* the gather,
+    so the wire carries 1 byte per element (1/4 of fp32, 1/2 of bf16) and every GEMM
+    step is ``torch._scaled_mm`` on the received bytes. This needs one scale on all TP
+    ranks: delayed scaling gets it from the amax reduction (the autocast's
+    ``amax_reduction_group`` must cover the TP group); current scaling all-reduces the
+    amax over the TP group (or the autocast's group) before computing the scale. The
+    matcher rejects the window, with the reason, when that does not hold.
+
+    For the backward pass the BasicLinear's context gets what ``BasicLinear`` would
+    save, except that by default only this rank's shard is kept and
+    ``ctx.regather_input`` is set: the weight gradient re-gathers it (overlapped with
+    the dgrad GEMM in ``UserbuffersBackwardLinear``; a plain gather in an unfused
+    backward). ``TPOverlap(save_gathered_input=True)`` keeps the gathered input instead.
+
+    Row-parallel ``[BasicLinear(, Bias), ReduceScatter]`` (e.g. ``proj``, ``fc2``):
+
+    ======== ============================== ==============================================
+    x        ``[s, ..., in/tp]``            full sequence, this rank's input features
+    W        ``[out, in/tp]``
+    b        ``[out]``                      added on every rank before the sum, as in the
+                                            unfused op order
+    y        ``[s/tp, ..., out]``           ``y = reduce_scatter(x W^T + b)``
+    ======== ============================== ==============================================
+
+    Overlap: ``pipeline`` (``comm.gemm_reduce_scatter_pipelined``: ``num_splits`` row
+    chunks; chunk i's reduce-scatter runs while chunk i+1's GEMM computes) or
+    ``ring_exchange`` (``comm.gemm_reduce_scatter_ring``: partial sums travel the ring
+    while the next block's GEMM runs). FP8 GEMMs under autocast; the reduce-scatter
+    stays in the output's high precision: the summands are GEMM partial sums without an
+    FP8 scale of their own (quantizing them would add a rounding per rank to the result)
+    and collectives cannot add FP8 numbers.
+
+    Equations (both): forward ``y = x W^T (+ b)`` around the collective; the backward is
+    the basic ops' (or ``UserbuffersBackwardLinear``). Forward only.
+    """
+
+    def __init__(
+        self,
+        *,
+        linear: BasicLinear,
+        plan: OverlapPlan,
+        bias: Optional[Bias] = None,
+        all_gather: Optional[AllGather] = None,
+        reduce_scatter: Optional[ReduceScatter] = None,
+        fp8: bool = False,
+    ) -> None:
+        if (all_gather is None) == (reduce_scatter is None):
+            raise ValueError("UserbuffersForwardLinear needs exactly one of all_gather / reduce_scatter")
+        ops: list[FusibleOperation]
+        if all_gather is not None:
+            ops = [all_gather, linear] + ([bias] if bias is not None else [])
+        else:
+            ops = [linear] + ([bias] if bias is not None else []) + [reduce_scatter]
+        super().__init__(ops)
+        self.mode = "all_gather" if all_gather is not None else "reduce_scatter"
+        self.plan = plan
+        # For describing the fusion only: BasicLinear decides the GEMM path at run time.
+        self.fp8 = fp8
+
+    def fusion_summary(self) -> str:
+        linear = next(op for op in self.basic_ops if isinstance(op, BasicLinear))
+        tp = f"TP={self.plan.tp_size}"
+        if self.mode == "all_gather":
+            keep = (
+                "gathered input kept for wgrad"
+                if self.plan.overlap.save_gathered_input
+                else "input shard kept, re-gathered for wgrad"
+            )
+            wire = "; FP8: input quantized before the gather (1 byte/element on the wire)" if self.fp8 else ""
+            return f"AllGather+GEMM {gemm_label(linear)}, {self.plan.describe()}, {tp}, {keep}{wire}"
+        prec = "; FP8 GEMM chunks, reduce-scatter in high precision" if self.fp8 else ""
+        return f"GEMM+ReduceScatter {gemm_label(linear)}, {self.plan.describe()}, {tp}{prec}"
+
+    def fuser_forward(
+        self,
+        basic_op_ctxs: list[OperationContext],
+        input_: torch.Tensor,
+        *,
+        basic_op_extra_inputs: list[tuple[torch.Tensor, ...]],
+        basic_op_kwargs: list[dict[str, Any]],
+        **unused: Any,
+    ) -> tuple[torch.Tensor, list[tuple[()]]]:
+        require(
+            isinstance(input_, torch.Tensor) and input_.dim() >= 1,
+            f"{type(self).__name__}: expected a tensor with a sequence dimension",
+        )
+        if self.mode == "all_gather":
+            y = self._forward_all_gather(basic_op_ctxs, input_)
+        else:
+            y = self._forward_reduce_scatter(basic_op_ctxs, input_)
+        return y, [() for _ in self.basic_ops]
+
+    # ---- column-parallel: all-gather + GEMM ------------------------------------
+
+    def _forward_all_gather(self, ctxs: list[OperationContext], x: torch.Tensor) -> torch.Tensor:
+        from comm import ring_exchange_ag_gemm
+
+        from ...quantization import Float8Tensor, active_autocast
+
+        ag, linear = self.basic_ops[0], self.basic_ops[1]
+        bias_op = self.basic_ops[2] if len(self.basic_ops) == 3 else None
+        assert isinstance(ag, AllGather) and isinstance(linear, BasicLinear)
+        lin_ctx, group, tp = ctxs[1], ag.process_group, ag.tp_size
+        fp8 = linear.fp8_quantizers() is not None
+        if not fp8:
+            x = maybe_dequantize(x)
+        # Every check is local and happens before any communication: all ranks raise.
+        linear.check_input(x)
+        gathered_shape = torch.Size((x.shape[0] * tp, *x.shape[1:]))
+        out_shape = (*gathered_shape[:-1], linear.out_features)
+        bias = None
+        if bias_op is not None:
+            assert isinstance(bias_op, Bias)
+            bias_op.check_input_spec(out_shape, x.dtype, x.device)
+            bias = bias_op.bias
+        x2d = x.reshape(-1, linear.in_features)  # [s/tp * ..., in]: dim-0 blocks stay in rank order
+        lin_ctx.fp8 = fp8
+        x_fp8 = None
+        if fp8:
+            problem = fp8_gather_problem(group, "the GEMM input")
+            if problem is not None:
+                raise ValueError(f"{problem} (the fusion was decided under another autocast)")
+            state = active_autocast()
+            assert state is not None
+            qs = linear.fp8_quantizers()
+            if isinstance(x2d, Float8Tensor):
+                x_fp8 = x2d  # quantized upstream (Quantize op): gathered as it is
+            else:
+                x_fp8 = quantize_same_scale_over(qs["input"], x2d, group)
+                state.track_forward(qs["input"])
+            # Quantizes the weight and records the grad quantizer, as forward_gemm does.
+            x_fp8, w_saved = linear.quantize_operands(x_fp8, lin_ctx)
+            wire = fp8_wire(x_fp8)
+            gemm = fp8_gemm_from_bytes(x_fp8, w_saved, x.dtype, bias)
+        else:
+            w_saved = linear.weight
+            wire = x2d.contiguous()
+            gemm = hp_gemm(w_saved.t(), bias)
+        overlap = self.plan.overlap
+        keep_gathered = overlap.save_gathered_input and lin_ctx.requires_grad
+        result = ring_exchange_ag_gemm(
+            wire,
+            gemm,
+            group,
+            overlap.pool,
+            out_features=linear.out_features,
+            out_dtype=x.dtype,
+            return_gathered=keep_gathered,
+            name=self.plan.key,
+            check_shapes=overlap.check_shapes,
+        )
+        if keep_gathered:
+            y2d, gathered = result
+            x_saved = fp8_from_wire(gathered, x_fp8) if fp8 else gathered
+        else:
+            y2d = result
+            x_saved = x_fp8 if fp8 else x2d
+            lin_ctx.regather_input = functools.partial(_regather, group)
+        lin_ctx.input_shape = gathered_shape
+        if lin_ctx.requires_grad:
+            lin_ctx.save_for_backward(x_saved, w_saved)
+        return y2d.view(out_shape)
+
+    # ---- row-parallel: GEMM + reduce-scatter -----------------------------------
+
+    def _forward_reduce_scatter(self, ctxs: list[OperationContext], x: torch.Tensor) -> torch.Tensor:
+        from comm import gemm_reduce_scatter_pipelined, gemm_reduce_scatter_ring
+
+        linear, rs = self.basic_ops[0], self.basic_ops[-1]
+        bias_op = self.basic_ops[1] if len(self.basic_ops) == 3 else None
+        assert isinstance(linear, BasicLinear) and isinstance(rs, ReduceScatter)
+        lin_ctx, group, tp = ctxs[0], rs.process_group, rs.tp_size
+        fp8 = linear.fp8_quantizers() is not None
+        if not fp8:
+            x = maybe_dequantize(x)
+        linear.check_input(x)
+        check_first_dim_divisible("ReduceScatter", x, tp)
+        full_shape = (*x.shape[:-1], linear.out_features)
+        bias = None
+        if bias_op is not None:
+            assert isinstance(bias_op, Bias)
+            bias_op.check_input_spec(full_shape, x.dtype, x.device)
+            bias = bias_op.bias
+        x2d = x.reshape(-1, linear.in_features)
+        entry = self.plan.entry
+        lin_ctx.fp8 = fp8
+        if fp8:
+            x_fp8, w_fp8 = linear.quantize_operands(x2d, lin_ctx)
+            wire = fp8_wire(x_fp8).view(x2d.shape)
+            gemm = fp8_gemm_from_bytes(x_fp8, w_fp8, x.dtype, bias)
+            saved = (x_fp8, w_fp8)
+        else:
+            wire = x2d.contiguous()
+            gemm = hp_gemm(linear.weight.t(), bias)
+            saved = (x2d, linear.weight)
+        overlap = self.plan.overlap
+        common = dict(
+            out_features=linear.out_features,
+            out_dtype=x.dtype,
+            name=self.plan.key,
+            check_shapes=overlap.check_shapes,
+        )
+        if entry.method == "pipeline":
+            y2d = gemm_reduce_scatter_pipelined(
+                wire, gemm, group, overlap.pool,
+                num_splits=effective_splits(entry.num_splits, x2d.shape[0] // tp), **common
+            )
+        else:
+            y2d = gemm_reduce_scatter_ring(wire, gemm, group, overlap.pool, **common)
+        lin_ctx.input_shape = x.shape
+        if lin_ctx.requires_grad:
+            lin_ctx.save_for_backward(*saved)
+        return y2d.view(x.shape[0] // tp, *full_shape[1:])
+
+
+def _name(window: Sequence[FusibleOperation], k: int) -> str:
+    return type(window[k]).__name__ if len(window) > k else "nothing (end of the fused group)"
+
+
+def match_linear_bias(window: Sequence[FusibleOperation], start: int) -> tuple[Optional[Bias], int]:
+    """``(Bias or None, index after it)`` for the ops following a BasicLinear at ``start``."""
+    if len(window) > start and isinstance(window[start], Bias):
+        return window[start], start + 1  # type: ignore[return-value]
+    return None, start
+
+
+def fuse_userbuffers_forward_linear(
+    ops: list[FusibleOperation],
+    *,
+    recipe: Any = None,
+    fusion_log: Optional[FusionLog] = None,
+    **unused: Any,
+) -> list[FusibleOperation]:
+    """Replace ``[AllGather, BasicLinear(, Bias)]`` and ``[BasicLinear(, Bias), ReduceScatter]``
+    windows with :class:`UserbuffersForwardLinear`, as the overlap config says."""
+    fp8 = recipe is not None
+
+    def match_all_gather(window: Sequence[FusibleOperation]) -> MatchResult:
+        ag = window[0]
+        assert isinstance(ag, AllGather)
+        linear = window[1] if len(window) > 1 else None
+        if not isinstance(linear, BasicLinear):
+            return Reject(
+                f"AllGather followed by {_name(window, 1)}, not BasicLinear: no GEMM to overlap the gather with",
+                min(2, len(window)),
+            )
+        bias, length = match_linear_bias(window, 2)
+        if bias is not None and linear_bias_mismatch(linear, bias) is not None:
+            if fusion_log is not None:
+                fusion_log.rejected(window[:3], f"{linear_bias_mismatch(linear, bias)}; fusing AllGather+BasicLinear alone")
+            bias, length = None, 2
+        plan = plan_overlap(ag, linear, "fprop", "column", _AG_FPROP_UNSUPPORTED)
+        if isinstance(plan, str):
+            return Reject(plan, length)
+        if fp8:
+            problem = fp8_gather_problem(ag.process_group, f"the input of {gemm_label(linear)}")
+            if problem is not None:
+                return Reject(problem, length)
+        op = UserbuffersForwardLinear(linear=linear, bias=bias, all_gather=ag, plan=plan, fp8=fp8)
+        return Fuse(op, length, op.fusion_summary())
+
+    def match_reduce_scatter(window: Sequence[FusibleOperation]) -> MatchResult:
+        linear = window[0]
+        assert isinstance(linear, BasicLinear)
+        bias, k = match_linear_bias(window, 1)
+        if len(window) <= k or not isinstance(window[k], ReduceScatter):
+            return None  # not a GEMM+reduce-scatter window; other fusions report on it
+        rs = window[k]
+        if bias is not None and linear_bias_mismatch(linear, bias) is not None:
+            return Reject(f"{linear_bias_mismatch(linear, bias)}: the Bias sits between GEMM and reduce-scatter", k + 1)
+        plan = plan_overlap(rs, linear, "fprop", "row", _RS_FPROP_UNSUPPORTED)
+        if isinstance(plan, str):
+            return Reject(plan, k + 1)
+        op = UserbuffersForwardLinear(linear=linear, bias=bias, reduce_scatter=rs, plan=plan, fp8=fp8)
+        return Fuse(op, k + 1, op.fusion_summary())
+
+    def matcher(window: Sequence[FusibleOperation]) -> MatchResult:
+        first = window[0]
+        if isinstance(first, AllGather):
+            return match_all_gather(window)
+        if isinstance(first, BasicLinear):
+            return match_reduce_scatter(window)
+        if len(window) > 1 and isinstance(window[1], ReduceScatter) and not isinstance(first, Bias):
+            return Reject(
+                f"ReduceScatter preceded by {type(first).__name__}, not BasicLinear(+Bias): "
+                "no GEMM to overlap the reduce-scatter with",
+                2,
+            )
+        return None
+
+    return fuse_by_window(ops, matcher, fusion_log)

@@ -1,0 +1,166 @@
+"""Forward fusion ``[BasicLinear(, Bias), AllReduce]``: row-parallel GEMM with its
+all-reduce overlapped chunk by chunk (tensor parallelism without sequence parallelism)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, Optional
+
+import torch
+
+from ..basic._checks import maybe_dequantize
+from ..basic.all_reduce import AllReduce
+from ..basic.basic_linear import BasicLinear
+from ..basic.bias import Bias
+from ..fusion import Fuse, FusionLog, MatchResult, Reject, fuse_by_window
+from ..op import FusedOperation, FusibleOperation, OperationContext, require
+from .forward_linear_bias_activation import linear_bias_mismatch
+from .userbuffers_common import (
+    OverlapPlan,
+    effective_splits,
+    fp8_gemm_from_bytes,
+    fp8_wire,
+    gemm_label,
+    hp_gemm,
+    plan_overlap,
+)
+from .userbuffers_forward_linear import match_linear_bias
+
+_AR_FPROP_UNSUPPORTED = {
+    "ring_exchange": "a GEMM+all-reduce overlaps by chunks (method pipeline, num_splits chunks); "
+    "ring_exchange applies to all-gathers and reduce-scatters",
+    "bulk": "bulk hides a collective behind an independent computation, but the all-reduce "
+    "needs this GEMM's output; use pipeline",
+}
+
+
+class UserbuffersForwardLinearAllReduce(FusedOperation):
+    """Forward pass of ``BasicLinear(, Bias), AllReduce`` with the all-reduce overlapped.
+
+    ======== ============================ ==============================================
+    tensor   shape                        notes
+    ======== ============================ ==============================================
+    x        ``[rows, ..., in/tp]``       this rank's input features
+    W        ``[out, in/tp]``
+    b        ``[out]``                    added on every rank before the sum, as in the
+                                          unfused op order
+    y        ``[rows, ..., out]``         ``y = all_reduce(x W^T + b)``
+    ======== ============================ ==============================================
+
+    Overlap (``<name>_fprop`` method ``pipeline``, ``comm.gemm_all_reduce_chunked``): the
+    rows are split into ``num_splits`` chunks; chunk i's all-reduce runs (in place on
+    its output rows) while chunk i+1's GEMM computes; only the last chunk's all-reduce
+    is exposed. Under ``tp_fuse.autocast`` the GEMM chunks run in FP8
+    (``torch._scaled_mm``); the all-reduce stays in high precision (partial sums without
+    an FP8 scale; collectives cannot add FP8 numbers).
+
+    Forward only: the backward is BasicLinear's (``AllReduce``'s backward is the
+    identity), filled from the context saved here exactly as ``BasicLinear`` saves it.
+    """
+
+    def __init__(
+        self,
+        *,
+        linear: BasicLinear,
+        all_reduce: AllReduce,
+        plan: OverlapPlan,
+        bias: Optional[Bias] = None,
+        fp8: bool = False,
+    ) -> None:
+        super().__init__([linear] + ([bias] if bias is not None else []) + [all_reduce])
+        self.plan = plan
+        self.fp8 = fp8  # for describing the fusion only
+
+    def fusion_summary(self) -> str:
+        linear = self.basic_ops[0]
+        assert isinstance(linear, BasicLinear)
+        prec = "; FP8 GEMM chunks, all-reduce in high precision" if self.fp8 else ""
+        return f"GEMM+AllReduce {gemm_label(linear)}, {self.plan.describe()} chunks, TP={self.plan.tp_size}{prec}"
+
+    def fuser_forward(
+        self,
+        basic_op_ctxs: list[OperationContext],
+        input_: torch.Tensor,
+        *,
+        basic_op_extra_inputs: list[tuple[torch.Tensor, ...]],
+        basic_op_kwargs: list[dict[str, Any]],
+        **unused: Any,
+    ) -> tuple[torch.Tensor, list[tuple[()]]]:
+        from comm import gemm_all_reduce_chunked
+
+        linear, ar = self.basic_ops[0], self.basic_ops[-1]
+        bias_op = self.basic_ops[1] if len(self.basic_ops) == 3 else None
+        assert isinstance(linear, BasicLinear) and isinstance(ar, AllReduce)
+        lin_ctx = basic_op_ctxs[0]
+        x = input_
+        require(x.dim() >= 1, f"{type(self).__name__}: expected a tensor with at least one dimension")
+        fp8 = linear.fp8_quantizers() is not None
+        if not fp8:
+            x = maybe_dequantize(x)
+        # Local checks, before any communication.
+        linear.check_input(x)
+        out_shape = (*x.shape[:-1], linear.out_features)
+        bias = None
+        if bias_op is not None:
+            assert isinstance(bias_op, Bias)
+            bias_op.check_input_spec(out_shape, x.dtype, x.device)
+            bias = bias_op.bias
+        x2d = x.reshape(-1, linear.in_features)
+        lin_ctx.fp8 = fp8
+        if fp8:
+            x_fp8, w_fp8 = linear.quantize_operands(x2d, lin_ctx)
+            wire = fp8_wire(x_fp8).view(x2d.shape)
+            gemm = fp8_gemm_from_bytes(x_fp8, w_fp8, x.dtype, bias)
+            saved = (x_fp8, w_fp8)
+        else:
+            wire = x2d.contiguous()
+            gemm = hp_gemm(linear.weight.t(), bias)
+            saved = (x2d, linear.weight)
+        y2d = gemm_all_reduce_chunked(
+            wire,
+            gemm,
+            ar.process_group,
+            num_splits=effective_splits(self.plan.entry.num_splits, x2d.shape[0]),
+            out_features=linear.out_features,
+            out_dtype=x.dtype,
+            check_shapes=self.plan.overlap.check_shapes,
+        )
+        lin_ctx.input_shape = x.shape
+        if lin_ctx.requires_grad:
+            lin_ctx.save_for_backward(*saved)
+        return y2d.view(out_shape), [() for _ in self.basic_ops]
+
+
+def fuse_userbuffers_forward_linear_all_reduce(
+    ops: list[FusibleOperation],
+    *,
+    recipe: Any = None,
+    fusion_log: Optional[FusionLog] = None,
+    **unused: Any,
+) -> list[FusibleOperation]:
+    """Replace ``[BasicLinear(, Bias), AllReduce]`` windows with
+    :class:`UserbuffersForwardLinearAllReduce`, as the overlap config says."""
+
+    def matcher(window: Sequence[FusibleOperation]) -> MatchResult:
+        first = window[0]
+        if not isinstance(first, BasicLinear):
+            if len(window) > 1 and isinstance(window[1], AllReduce) and not isinstance(first, Bias):
+                return Reject(
+                    f"AllReduce preceded by {type(first).__name__}, not BasicLinear(+Bias): "
+                    "no GEMM to overlap the all-reduce with",
+                    2,
+                )
+            return None
+        bias, k = match_linear_bias(window, 1)
+        if len(window) <= k or not isinstance(window[k], AllReduce):
+            return None
+        ar = window[k]
+        if bias is not None and linear_bias_mismatch(first, bias) is not None:
+            return Reject(f"{linear_bias_mismatch(first, bias)}: the Bias sits between GEMM and all-reduce", k + 1)
+        plan = plan_overlap(ar, first, "fprop", "row", _AR_FPROP_UNSUPPORTED)
+        if isinstance(plan, str):
+            return Reject(plan, k + 1)
+        op = UserbuffersForwardLinearAllReduce(linear=first, bias=bias, all_reduce=ar, plan=plan, fp8=recipe is not None)
+        return Fuse(op, k + 1, op.fusion_summary())
+
+    return fuse_by_window(ops, matcher, fusion_log)
