@@ -289,9 +289,10 @@ def _issue_order_cases(rank: int, world: int) -> None:
     expected = {
         # ring AG, tp=2: post exchange, GEMM on the held block, wait, GEMM on the received one
         "ag": ["post batch_isend_irecv", "gemm", "wait batch_isend_irecv", "wait batch_isend_irecv", "gemm"],
-        # pipelined RS, 2 chunks: chunk 1's GEMM runs while chunk 0's all-to-all is in flight
-        "rs_pipe": ["gemm", "post all_to_all_single", "gemm", "wait all_to_all_single",
-                    "post all_to_all_single", "wait all_to_all_single"],
+        # pipelined RS, 2 chunks: chunk 1's GEMM runs while chunk 0's all-to-all is in flight,
+        # and chunk 1's all-to-all starts before chunk 0's is waited on
+        "rs_pipe": ["gemm", "post all_to_all_single", "gemm", "post all_to_all_single",
+                    "wait all_to_all_single", "wait all_to_all_single"],
         # ring RS, tp=2: the final GEMM runs while the partial sum travels
         "rs_ring": ["gemm", "post batch_isend_irecv", "gemm", "wait batch_isend_irecv", "wait batch_isend_irecv"],
         # chunked AR, 2 chunks: chunk 1's GEMM runs while chunk 0's all-reduce is in flight

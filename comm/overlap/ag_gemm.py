@@ -11,7 +11,8 @@ when it takes longer than one chunk's GEMM.
 Shapes (tp = group size, m = local rows)::
 
     x_local   [m, *in_tail]          this rank's block (uint8 for FP8 bytes)
-    gathered  [tp * m, *in_tail]     block r = rank r's x_local (pool buffer, or returned)
+    gathered  [tp * m, *in_tail]     block r = rank r's x_local (pool buffer, or returned;
+                                     in the pool buffer, this rank's own block is not filled)
     out       [tp * m, *out_tail]    out[r*m:(r+1)*m] = gemm(block r)
 
 Overlap: GEMM(step s) || send/recv(step s); wait(step s) before step s+1.
@@ -86,17 +87,21 @@ def ring_exchange_ag_gemm(
         gathered = pool.get(group, f"{name}.gathered", gshape, x_local.dtype, x_local.device)
     blocks = gathered.view(tp, *x_local.shape)  # blocks[r]: rank r's rows
     out_blocks = out.view(tp, m, *out.shape[1:])
-    blocks[rank].copy_(x_local)
 
     with InFlight() as inflight:
         for s in range(tp):
             cur = (rank - s) % tp
+            # Step 0 works on x_local itself: no copy stands between the call and the first
+            # transfer, and our own block is only copied into `gathered` if it is returned.
+            held = x_local if s == 0 else blocks[cur]
             works = []
             if s < tp - 1:
                 # Forward the block we hold and receive our predecessor's. The send and the
-                # GEMM below only read blocks[cur]; the receive writes blocks[cur - 1], which
+                # GEMM below only read `held`; the receive writes blocks[cur - 1], which
                 # nothing reads until the next step (after the wait).
-                works = inflight.add(exchange(blocks[cur], nxt, blocks[(cur - 1) % tp], prv, group))
-            run_gemm(gemm, blocks[cur], out_blocks[cur])  # overlaps the exchange just posted
+                works = inflight.add(exchange(held, nxt, blocks[(cur - 1) % tp], prv, group))
+            run_gemm(gemm, held, out_blocks[cur])  # overlaps the exchange just posted
+            if s == 0 and return_gathered:
+                blocks[rank].copy_(x_local)  # also overlaps the exchange
             wait_all(works)
     return (out, gathered) if return_gathered else out

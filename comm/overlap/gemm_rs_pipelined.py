@@ -21,7 +21,9 @@ Communication (``impl``): "collective" = ``reduce_scatter_single`` (``reduce_sca
 before torch 2.13); "all_to_all" = ``all_to_all_single`` + local sum after the wait;
 "auto" = collective on NCCL, all_to_all on gloo (gloo's reduce-scatter measured ~4x slower).
 
-Overlap: GEMM(chunk i+1) || reduce-scatter(chunk i); at most one chunk in flight.
+Overlap: GEMM(chunk i+1) || reduce-scatter(chunk i); then chunk i+1's reduce-scatter is
+started before chunk i's is waited on (and, for all_to_all, summed), so at most two chunks
+are in flight and the local sum of chunk i overlaps chunk i+1's communication.
 """
 
 from __future__ import annotations
@@ -57,7 +59,7 @@ def gemm_reduce_scatter_pipelined(
         x: ``[tp * m, *in_tail]``; dim 0 divisible by the TP size (checked locally).
         gemm: ``gemm(chunk [rows, *in_tail], out [rows, *out_tail]) -> out``.
         group: TP group.
-        pool: workspace pool (buffers ``f"{name}.in"``, ``.partial{0,1}``, ``.recv``).
+        pool: workspace pool (buffers ``f"{name}.in"``, ``.partial{0,1}``, ``.recv{0,1}``).
         num_splits: number of chunks, 1 <= num_splits <= m (uneven allowed, see module doc).
         out / out_features / out_dtype: the ``[m, *out_tail]`` output (see
             :func:`comm.overlap.ring_exchange_ag_gemm`).
@@ -96,14 +98,18 @@ def gemm_reduce_scatter_pipelined(
                 # previous chunk has returned (CPU) or is stream-ordered before this copy (CUDA).
                 chunk = pool.get(group, f"{name}.in", (tp * mi, *in_tail), x.dtype, x.device)
                 chunk.view(tp, mi, *in_tail).copy_(xb[:, lo:hi])
-            # Double-buffered: partial[i % 2] was last read by chunk i-2's communication, which
-            # completed before chunk i-1's was started (below).
-            partial = pool.get(group, f"{name}.partial{i % 2}", (tp * mi, *out_tail), out.dtype, out.device)
+            # Double-buffered: partial/recv[i % 2] were last used by chunk i-2's communication,
+            # which was waited on (and summed) in iteration i-1, below.
+            slot = i % 2
+            partial = pool.get(group, f"{name}.partial{slot}", (tp * mi, *out_tail), out.dtype, out.device)
             run_gemm(gemm, chunk, partial)  # overlaps chunk i-1's reduce-scatter
+            nxt = _start_reduce_scatter(partial, out[lo:hi], group, pool, impl, f"{name}.recv{slot}", tp)
+            inflight.add(nxt.works)
             if pending is not None:
+                # Finish chunk i-1 only now, so that its wait and local sum overlap chunk i's
+                # communication instead of delaying its start.
                 pending.wait()
-            pending = _start_reduce_scatter(partial, out[lo:hi], group, pool, impl, f"{name}.recv", tp)
-            inflight.add(pending.works)
+            pending = nxt
             lo = hi
         assert pending is not None and lo == m
         pending.wait()
