@@ -77,7 +77,9 @@ def device_for_local_rank(local_rank: int | None = None, device_type: str | None
             raise ValueError("device_type='cuda' requested but CUDA is not available")
         count = torch.cuda.device_count()
         if local_rank >= count:
-            raise ValueError(f"local rank {local_rank} needs GPU {local_rank}, but this node has {count} GPU(s)")
+            raise ValueError(
+                f"local rank {local_rank} needs GPU {local_rank}, but this node has {count} GPU(s)"
+            )
         return torch.device("cuda", local_rank)
     if device_type == "cpu":
         return torch.device("cpu")

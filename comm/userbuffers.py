@@ -22,7 +22,9 @@ Memory kinds:
 
 Collective caveat: with symmetric memory, allocating or growing a buffer is a collective
 over the group, so every rank must request the same buffers in the same order with the
-same sizes (the overlap algorithms do).
+same sizes (the overlap algorithms do). If the rendezvous fails (a platform without peer
+access, say), its error propagates: there is no silent fallback to plain tensors; pass
+``use_symmetric_memory=False`` to choose them explicitly.
 """
 
 from __future__ import annotations
@@ -52,6 +54,14 @@ def symmetric_memory_available(device: torch.device | str) -> bool:
     except ImportError:
         return False
     return hasattr(symm_mem, "empty") and hasattr(symm_mem, "rendezvous")
+
+
+def _norm_device(device: torch.device | str) -> torch.device:
+    """``cuda`` -> ``cuda:<current>`` so that one GPU has one key."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return device
 
 
 def _group_key(group: ProcessGroup | None) -> str:
@@ -90,7 +100,9 @@ class UserBufferPool:
 
     def __init__(self, *, use_symmetric_memory: bool | Literal["auto"] = "auto") -> None:
         if use_symmetric_memory not in (True, False, "auto"):
-            raise ValueError(f"use_symmetric_memory must be True, False or 'auto', got {use_symmetric_memory!r}")
+            raise ValueError(
+                f"use_symmetric_memory must be True, False or 'auto', got {use_symmetric_memory!r}"
+            )
         self.use_symmetric_memory = use_symmetric_memory
         self._buffers: dict[tuple[str, str, torch.device], _Registered] = {}
 
@@ -120,7 +132,7 @@ class UserBufferPool:
         """Register buffer ``name`` with at least ``nbytes`` bytes, without a growth warning."""
         if nbytes < 0:
             raise ValueError(f"nbytes must be >= 0, got {nbytes}")
-        device = torch.device(device)
+        device = _norm_device(device)
         key = (_group_key(group), name, device)
         reg = self._buffers.get(key)
         if reg is None or reg.nbytes < nbytes:
@@ -142,9 +154,7 @@ class UserBufferPool:
         shape = tuple(int(s) for s in shape)
         if any(s < 0 for s in shape):
             raise ValueError(f"buffer {name!r}: negative dimension in shape {shape}")
-        device = torch.device(device)
-        if device.type == "cuda" and device.index is None:
-            device = torch.device("cuda", torch.cuda.current_device())
+        device = _norm_device(device)
         itemsize = torch.empty((), dtype=dtype).element_size()
         nbytes = math.prod(shape) * itemsize
         key = (_group_key(group), name, device)
@@ -164,12 +174,14 @@ class UserBufferPool:
 
     def registered_bytes(self, group: ProcessGroup | None, name: str, device: torch.device | str) -> int:
         """Registered size of buffer ``name`` in bytes (0 if it does not exist)."""
-        reg = self._buffers.get((_group_key(group), name, torch.device(device)))
+        reg = self._buffers.get((_group_key(group), name, _norm_device(device)))
         return 0 if reg is None else reg.nbytes
 
-    def symmetric_handle(self, group: ProcessGroup | None, name: str, device: torch.device | str) -> Any | None:
+    def symmetric_handle(
+        self, group: ProcessGroup | None, name: str, device: torch.device | str
+    ) -> Any | None:
         """The ``_SymmetricMemory`` handle of buffer ``name``, or None if it is not symmetric."""
-        reg = self._buffers.get((_group_key(group), name, torch.device(device)))
+        reg = self._buffers.get((_group_key(group), name, _norm_device(device)))
         return None if reg is None else reg.handle
 
     @property

@@ -24,7 +24,16 @@ import torch
 from torch.distributed import ProcessGroup
 
 from ..userbuffers import UserBufferPool
-from ._common import GemmFn, InFlight, check_wire_tensor, exchange, resolve_out, ring_peers, run_gemm, wait_all
+from ._common import (
+    GemmFn,
+    InFlight,
+    check_wire_tensor,
+    exchange,
+    resolve_out,
+    ring_peers,
+    run_gemm,
+    wait_all,
+)
 from .collectives import check_same_shape
 
 __all__ = ["ring_exchange_ag_gemm"]

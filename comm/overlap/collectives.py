@@ -92,7 +92,9 @@ class PendingCollective:
         return self._result
 
 
-def resolve_impl(impl: str, group: ProcessGroup | None, native: str, gloo_choice: str, allowed: Sequence[str]) -> str:
+def resolve_impl(
+    impl: str, group: ProcessGroup | None, native: str, gloo_choice: str, allowed: Sequence[str]
+) -> str:
     """Map ``"auto"`` to the native collective on NCCL and to ``gloo_choice`` elsewhere."""
     if impl not in allowed:
         raise ValueError(f"impl must be one of {tuple(allowed)}, got {impl!r}")

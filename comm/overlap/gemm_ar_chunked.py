@@ -23,7 +23,16 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup, Work
 
-from ._common import GemmFn, InFlight, check_wire_tensor, group_size, resolve_out, run_gemm, split_sizes, wait_all
+from ._common import (
+    GemmFn,
+    InFlight,
+    check_wire_tensor,
+    group_size,
+    resolve_out,
+    run_gemm,
+    split_sizes,
+    wait_all,
+)
 from .collectives import check_same_shape
 
 __all__ = ["gemm_all_reduce_chunked"]

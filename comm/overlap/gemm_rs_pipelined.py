@@ -33,8 +33,23 @@ import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
 from ..userbuffers import UserBufferPool
-from ._common import GemmFn, InFlight, check_rows_divisible, check_wire_tensor, group_size, resolve_out, run_gemm, split_sizes
-from .collectives import PendingCollective, RsImpl, _reduce_scatter_single, check_same_shape, resolve_impl
+from ._common import (
+    GemmFn,
+    InFlight,
+    check_rows_divisible,
+    check_wire_tensor,
+    group_size,
+    resolve_out,
+    run_gemm,
+    split_sizes,
+)
+from .collectives import (
+    PendingCollective,
+    RsImpl,
+    _reduce_scatter_single,
+    check_same_shape,
+    resolve_impl,
+)
 
 __all__ = ["gemm_reduce_scatter_pipelined"]
 

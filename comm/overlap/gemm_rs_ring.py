@@ -25,7 +25,17 @@ import torch
 from torch.distributed import ProcessGroup
 
 from ..userbuffers import UserBufferPool
-from ._common import GemmFn, InFlight, check_rows_divisible, check_wire_tensor, exchange, resolve_out, ring_peers, run_gemm, wait_all
+from ._common import (
+    GemmFn,
+    InFlight,
+    check_rows_divisible,
+    check_wire_tensor,
+    exchange,
+    resolve_out,
+    ring_peers,
+    run_gemm,
+    wait_all,
+)
 from .collectives import check_same_shape
 
 __all__ = ["gemm_reduce_scatter_ring"]
