@@ -1,0 +1,255 @@
+"""Shared plumbing of the sharded layers: parallel context, op builders, init.
+
+The layer files build ``tp_fuse.ops.Sequential``s out of the op lists produced here, so
+that every layer shares one definition of "column-parallel" and "row-parallel":
+
+* column-parallel, ``in -> out/tp``: ``[AllGather (SP) | CopyToTensorParallelRegion,
+  BasicLinear, Bias]`` -- the ``[AllGather, BasicLinear(, Bias)]`` window is what the
+  overlap fusion replaces with an overlapped all-gather + GEMM;
+* row-parallel, ``in/tp -> out``: ``[BasicLinear, ReduceScatter (SP) | AllReduce, Bias]``
+  -- the bias comes AFTER the reduction (Megatron's math: added once, not ``tp`` times),
+  and ``[BasicLinear, ReduceScatter|AllReduce]`` is the window the overlap fusions take.
+
+Without TP (``tp_group=None``) no comm op is inserted at all.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import OrderedDict
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, Literal, Optional
+
+import torch
+import torch.distributed as dist
+
+from tp_fuse.ops import BasicLinear, BasicOperation, Bias, LayerNorm, RMSNorm
+from tp_fuse.ops.basic.all_gather import AllGather
+from tp_fuse.ops.basic.all_reduce import AllReduce
+from tp_fuse.ops.basic.reduce_scatter import ReduceScatter
+
+from .grad_sync import sync_sequence_parallel_grad
+from .sharding import ShardSpec, divide, seeded_full_tensor, set_shard_spec, shard_tensor, tp_rank_and_size
+from .tp_regions import CopyToTensorParallelRegion, ScatterToTensorParallelRegion
+
+if TYPE_CHECKING:
+    from .random import DropoutRNG
+
+InitMethod = Callable[[torch.Tensor], Any]
+Normalization = Literal["LayerNorm", "RMSNorm"]
+GemmName = Optional[Literal["qkv", "proj", "fc1", "fc2"]]
+
+
+@dataclasses.dataclass(frozen=True)
+class ParallelContext:
+    """Where and how a layer is sharded; built once per layer from its constructor args.
+
+    Attributes:
+        tp_group: TP process group, or None for no tensor parallelism.
+        sequence_parallel: activations outside the TP blocks are split along the
+            sequence (first) dim over the TP ranks.
+        dtype, device: parameter dtype/device.
+        overlap: the communication-overlap configuration handed to every BasicLinear
+            (through ``userbuffers_options``); None: the fusions' defaults.
+        seed: base seed of this layer's parameters (None: draw from torch's global RNG,
+            as Megatron-LM does; identical on all ranks only if the caller seeded them so).
+    """
+
+    tp_group: Optional[dist.ProcessGroup] = None
+    sequence_parallel: bool = False
+    dtype: torch.dtype = torch.float32
+    device: Optional[torch.device] = None
+    overlap: Any = None
+    seed: Optional[int] = 0
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.sequence_parallel, bool):
+            raise ValueError(f"sequence_parallel must be a bool, got {self.sequence_parallel!r}")
+        if not isinstance(self.dtype, torch.dtype) or not self.dtype.is_floating_point:
+            raise ValueError(f"dtype must be a floating-point torch.dtype, got {self.dtype!r}")
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
+            raise ValueError(f"seed must be an int or None, got {self.seed!r}")
+        tp_rank_and_size(self.tp_group)  # validates the group
+
+    @property
+    def tp_rank(self) -> int:
+        return tp_rank_and_size(self.tp_group)[0]
+
+    @property
+    def tp_size(self) -> int:
+        return tp_rank_and_size(self.tp_group)[1]
+
+    def child(self, name: str) -> "ParallelContext":
+        """The context of a sub-layer: same sharding, seed derived from ``name``."""
+        from .sharding import derive_seed
+
+        seed = None if self.seed is None else derive_seed(self.seed, name)
+        return dataclasses.replace(self, seed=seed)
+
+
+def full_init(ctx: ParallelContext, shape: tuple[int, ...], name: str, init_method: InitMethod) -> torch.Tensor:
+    """The full (TP=1) fp32 tensor for parameter ``name``, identical at every TP size."""
+    if ctx.seed is None:
+        full = torch.empty(shape, dtype=torch.float32)
+        with torch.no_grad():
+            init_method(full)
+        return full
+    return seeded_full_tensor(shape, ctx.seed, name, init_method)
+
+
+def userbuffers_options(comm_name: GemmName, overlap: Any) -> dict[str, Any]:
+    """``userbuffers_options`` for a BasicLinear: its GEMM name and the overlap config."""
+    options: dict[str, Any] = {}
+    if comm_name is not None:
+        options["comm_name"] = comm_name
+    if overlap is not None:
+        options["overlap"] = overlap
+    return options
+
+
+def linear_op(
+    ctx: ParallelContext,
+    full_weight: torch.Tensor,
+    spec: Optional[ShardSpec],
+    comm_name: GemmName,
+) -> BasicLinear:
+    """A BasicLinear holding this rank's shard of ``full_weight [out, in]``."""
+    shard = shard_tensor(full_weight, spec, ctx.tp_rank, ctx.tp_size)
+    out_local, in_local = shard.shape
+
+    def copy_shard(w: torch.Tensor) -> None:
+        with torch.no_grad():
+            w.copy_(shard)
+
+    op = BasicLinear(
+        in_local,
+        out_local,
+        device=ctx.device,
+        dtype=ctx.dtype,
+        init_method=copy_shard,
+        userbuffers_options=userbuffers_options(comm_name, ctx.overlap),
+    )
+    set_shard_spec(op.weight, spec)
+    return op
+
+
+def bias_op(ctx: ParallelContext, size: int, spec: Optional[ShardSpec], *, sequence_parallel_partial: bool) -> Bias:
+    """A zero-initialized Bias of local ``size``; its grad is TP-synced when it is a partial sum."""
+    op = Bias(size, device=ctx.device, dtype=ctx.dtype)
+    set_shard_spec(op.bias, spec)
+    if sequence_parallel_partial:
+        sync_sequence_parallel_grad(op.bias, ctx.tp_group)
+    return op
+
+
+def norm_op(ctx: ParallelContext, normalization: Normalization, hidden_size: int, eps: float) -> BasicOperation:
+    """LayerNorm or RMSNorm over ``hidden_size``; replicated, grads TP-synced under SP."""
+    if normalization == "LayerNorm":
+        op: BasicOperation = LayerNorm(hidden_size, eps=eps, device=ctx.device, dtype=ctx.dtype)
+    elif normalization == "RMSNorm":
+        op = RMSNorm(hidden_size, eps=eps, device=ctx.device, dtype=ctx.dtype)
+    else:
+        raise ValueError(f"normalization must be 'LayerNorm' or 'RMSNorm', got {normalization!r}")
+    for p in op.parameters():
+        set_shard_spec(p, None)
+        if ctx.sequence_parallel:
+            # Each rank normalizes only its s/tp rows: the weight grads are partial sums.
+            sync_sequence_parallel_grad(p, ctx.tp_group)
+    return op
+
+
+def column_parallel_ops(
+    ctx: ParallelContext,
+    in_features: int,
+    out_features: int,
+    *,
+    bias: bool,
+    comm_name: GemmName,
+    init_method: InitMethod,
+    name: str = "weight",
+    blocks: int = 1,
+    input_comm: bool = True,
+) -> "OrderedDict[str, BasicOperation]":
+    """``[AllGather | CopyToTensorParallelRegion, BasicLinear, Bias]`` for a global ``in -> out`` GEMM.
+
+    ``blocks`` > 1 shards each of ``blocks`` equal output parts separately (SwiGLU's
+    ``[gate; up]``). ``input_comm=False`` leaves the input comm op out (the caller
+    places its own, e.g. after a norm).
+    """
+    divide(out_features, ctx.tp_size * blocks, f"output features of {comm_name or name}")
+    spec = ShardSpec(dim=0, blocks=blocks)
+    ops: "OrderedDict[str, BasicOperation]" = OrderedDict()
+    if input_comm:
+        ops.update(column_input_comm(ctx))
+    full = full_init(ctx, (out_features, in_features), name, init_method)
+    ops["linear"] = linear_op(ctx, full, spec, comm_name)
+    if bias:
+        ops["bias"] = bias_op(ctx, out_features // ctx.tp_size, spec, sequence_parallel_partial=False)
+    return ops
+
+
+def column_input_comm(ctx: ParallelContext) -> "OrderedDict[str, BasicOperation]":
+    """The comm op in front of a column-parallel GEMM (empty without TP)."""
+    ops: "OrderedDict[str, BasicOperation]" = OrderedDict()
+    if ctx.tp_size == 1:
+        return ops
+    if ctx.sequence_parallel:
+        ops["comm"] = AllGather(ctx.tp_group)
+    else:
+        ops["comm"] = CopyToTensorParallelRegion(ctx.tp_group)
+    return ops
+
+
+def row_parallel_ops(
+    ctx: ParallelContext,
+    in_features: int,
+    out_features: int,
+    *,
+    bias: bool,
+    comm_name: GemmName,
+    init_method: InitMethod,
+    name: str = "weight",
+    input_is_parallel: bool = True,
+    add_bias: bool = True,
+    sync_bias_grad: bool = True,
+) -> "OrderedDict[str, BasicOperation]":
+    """``[BasicLinear, ReduceScatter (SP) | AllReduce, Bias]`` for a global ``in -> out`` GEMM.
+
+    ``add_bias=False`` creates no Bias op (the caller holds the bias, Megatron's
+    ``skip_bias_add``). ``sync_bias_grad=False`` leaves the SP partial bias gradient
+    un-reduced (for callers that reduce it themselves, e.g. Megatron's finalize_model_grads).
+    """
+    divide(in_features, ctx.tp_size, f"input features of {comm_name or name}")
+    ops: "OrderedDict[str, BasicOperation]" = OrderedDict()
+    if not input_is_parallel and ctx.tp_size > 1:
+        ops["scatter"] = ScatterToTensorParallelRegion(ctx.tp_group)
+    full = full_init(ctx, (out_features, in_features), name, init_method)
+    ops["linear"] = linear_op(ctx, full, ShardSpec(dim=1), comm_name)
+    if ctx.tp_size > 1:
+        ops["comm"] = ReduceScatter(ctx.tp_group) if ctx.sequence_parallel else AllReduce(ctx.tp_group)
+    if bias and add_bias:
+        # After the reduction: added once. Under SP each rank adds it to its s/tp rows only.
+        ops["bias"] = bias_op(ctx, out_features, None,
+                              sequence_parallel_partial=ctx.sequence_parallel and sync_bias_grad)
+    return ops
+
+
+def dropout_rng(ctx: ParallelContext, rng: Optional["DropoutRNG"]) -> "DropoutRNG":
+    """``rng`` if given, else a layer-private one seeded from the layer's seed.
+
+    Models share one :class:`~layers.random.DropoutRNG` between layers (GPT does); a
+    standalone layer gets its own, so its masks never come from an unmanaged stream.
+    """
+    from .random import DropoutRNG
+
+    if rng is not None:
+        if not isinstance(rng, DropoutRNG):
+            raise ValueError(f"rng must be a layers.random.DropoutRNG, got {type(rng).__name__}")
+        return rng
+    seed = ctx.seed if ctx.seed is not None else torch.initial_seed() & 0x7FFFFFFF
+    return DropoutRNG(seed, ctx.tp_rank, ctx.device)
+
+
+def hidden_dropout_stream(ctx: ParallelContext) -> str:
+    """Hidden activations are replicated over TP without SP (same mask everywhere), sharded with it."""
+    return "tp_local" if ctx.sequence_parallel and ctx.tp_size > 1 else "replicated"

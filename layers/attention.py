@@ -1,0 +1,204 @@
+"""Tensor-parallel self-attention: fused QKV, heads sharded over TP, GQA, causal SDPA, RoPE."""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Any, Literal, Optional
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from tp_fuse.ops import AddExtraInput, BasicOperation, Dropout, Sequential
+
+from ._common import (
+    InitMethod,
+    Normalization,
+    ParallelContext,
+    column_parallel_ops,
+    dropout_rng,
+    hidden_dropout_stream,
+    row_parallel_ops,
+)
+from .layernorm_linear import LayerNormLinear
+from .random import DropoutRNG, maybe_fork
+from .rope import RotaryEmbedding, apply_rotary
+from .sharding import divide, normal_init
+
+__all__ = ["DotProductAttention", "MultiheadAttention"]
+
+
+class DotProductAttention(torch.nn.Module):
+    """Causal scaled-dot-product attention over this rank's heads (no parameters).
+
+    Shapes: ``q [s, b, n, d]``, ``k, v [s, b, g, d]`` with ``n`` query heads and ``g``
+    key/value groups (``n % g == 0``; query head ``i`` uses group ``i // (n/g)``, as
+    Megatron-LM's grouped-query attention) -> ``out [s, b, n*d]``.
+
+    Equation: ``out = softmax(q k^T / sqrt(d) + causal_mask) v`` per head, via
+    ``torch.nn.functional.scaled_dot_product_attention`` (which picks a fused kernel
+    where one exists); dropout on the attention probabilities in training.
+    """
+
+    def __init__(self, attention_dropout: float = 0.0) -> None:
+        super().__init__()
+        if not 0.0 <= attention_dropout < 1.0:
+            raise ValueError(f"attention_dropout must be in [0, 1), got {attention_dropout}")
+        self.attention_dropout = float(attention_dropout)
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        s, b, n, d = q.shape
+        g = k.shape[2]
+        # SDPA wants heads before the sequence: [s, b, heads, d] -> [b, heads, s, d].
+        q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))
+        out = F.scaled_dot_product_attention(
+            q, k, v,
+            dropout_p=self.attention_dropout if self.training else 0.0,
+            is_causal=True,
+            enable_gqa=g != n,
+        )  # [b, n, s, d]
+        return out.permute(2, 0, 1, 3).reshape(s, b, n * d)  # [s, b, n*d]
+
+
+class MultiheadAttention(torch.nn.Module):
+    """Pre-norm multi-head (or grouped-query) self-attention, heads sharded over TP.
+
+    Blocks (op names in parentheses)::
+
+        qkv:  LayerNormLinear [MakeExtraOutput (residual)?, norm, AllGather (SP) |
+              CopyToTensorParallelRegion (comm), BasicLinear (linear), Bias (bias)?]
+              -- or without ``input_layernorm`` just [comm, linear, bias]
+        core: RoPE (optional) + DotProductAttention on this rank's heads
+        proj: [BasicLinear (linear), ReduceScatter (SP) | AllReduce (comm), Bias (bias)?,
+              Dropout (dropout)?, AddExtraInput (residual)?]
+
+    Fused QKV layout (Megatron-LM): the TP=1 weight's rows are ``g`` groups, each
+    ``[q heads of the group (n/g of them), k, v] x d`` rows, so a contiguous row slice
+    holds whole groups and TP shards are plain slices of the TP=1 weight.
+
+    Shapes (``tp`` = TP size, ``n`` heads, ``g`` = ``num_query_groups``, ``d`` head dim):
+        x, y: ``[s, b, h]`` (``[s/tp, b, h]`` with sequence parallelism)
+        qkv weight: ``[g/tp * (n/g + 2) * d, h]``; proj weight: ``[h, n/tp * d]``
+
+    Args:
+        hidden_size, num_heads: global sizes; ``tp`` must divide ``num_heads`` and
+            ``num_query_groups``.
+        num_query_groups: key/value groups (None: ``num_heads``, i.e. plain MHA).
+        position_embedding: ``"rope"`` applies rotary embeddings to q and k; ``"none"``
+            leaves positions to the caller (e.g. learned embeddings at the input).
+        residual_connection: return ``x + dropout(attention(x))``.
+        input_layernorm: normalize the input first (pre-norm).
+        Others as :class:`~layers.layernorm_mlp.LayerNormMLP`.
+    """
+
+    def __init__(
+        self,
+        hidden_size: int,
+        num_heads: int,
+        *,
+        num_query_groups: Optional[int] = None,
+        tp_group: Optional[dist.ProcessGroup] = None,
+        sequence_parallel: bool = False,
+        input_layernorm: bool = True,
+        normalization: Normalization = "LayerNorm",
+        eps: float = 1e-5,
+        bias: bool = True,
+        residual_connection: bool = False,
+        attention_dropout: float = 0.0,
+        hidden_dropout: float = 0.0,
+        position_embedding: Literal["rope", "none"] = "none",
+        rope_theta: float = 10000.0,
+        init_method: Optional[InitMethod] = None,
+        output_init_method: Optional[InitMethod] = None,
+        seed: Optional[int] = 0,
+        overlap: Any = None,
+        rng: Optional[DropoutRNG] = None,
+        dtype: torch.dtype = torch.float32,
+        device: Optional[torch.device | str] = None,
+    ) -> None:
+        super().__init__()
+        groups = num_heads if num_query_groups is None else num_query_groups
+        for name, value in (("hidden_size", hidden_size), ("num_heads", num_heads), ("num_query_groups", groups)):
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ValueError(f"MultiheadAttention: {name} must be a positive int, got {value!r}")
+        if hidden_size % num_heads != 0:
+            raise ValueError(f"MultiheadAttention: hidden_size ({hidden_size}) must be divisible by num_heads ({num_heads})")
+        if num_heads % groups != 0:
+            raise ValueError(f"MultiheadAttention: num_heads ({num_heads}) must be divisible by num_query_groups ({groups})")
+        if position_embedding not in ("rope", "none"):
+            raise ValueError(f"MultiheadAttention: position_embedding must be 'rope' or 'none', got {position_embedding!r}")
+        ctx = ParallelContext(tp_group, sequence_parallel, dtype,
+                              torch.device(device) if device is not None else None, overlap, seed)
+        divide(num_heads, ctx.tp_size, "MultiheadAttention: num_heads")
+        divide(groups, ctx.tp_size, "MultiheadAttention: num_query_groups")
+        self.hidden_size, self.num_heads, self.num_query_groups = hidden_size, num_heads, groups
+        self.head_dim = hidden_size // num_heads
+        self.heads_per_group = num_heads // groups
+        self.local_heads, self.local_groups = num_heads // ctx.tp_size, groups // ctx.tp_size
+        self.tp_size, self.sequence_parallel = ctx.tp_size, sequence_parallel
+        self.residual_connection = bool(residual_connection)
+        self.hidden_dropout = float(hidden_dropout)
+        self.rng = dropout_rng(ctx, rng)
+        self._hidden_stream = hidden_dropout_stream(ctx)
+        init_method = init_method or normal_init(0.02)
+        output_init_method = output_init_method or init_method
+
+        qkv_size = groups * (self.heads_per_group + 2) * self.head_dim
+        if input_layernorm:
+            self.qkv: torch.nn.Module = LayerNormLinear(
+                hidden_size, qkv_size, tp_group=tp_group, sequence_parallel=sequence_parallel,
+                normalization=normalization, eps=eps, bias=bias, return_residual=residual_connection,
+                init_method=init_method, seed=ctx.child("qkv").seed, comm_name="qkv", overlap=overlap,
+                dtype=dtype, device=device,
+            )
+        else:
+            ops: "OrderedDict[str, BasicOperation]" = OrderedDict()
+            if residual_connection:
+                from tp_fuse.ops import MakeExtraOutput
+
+                ops["residual"] = MakeExtraOutput()
+            ops.update(column_parallel_ops(ctx.child("qkv"), hidden_size, qkv_size, bias=bias, comm_name="qkv",
+                                           init_method=init_method))
+            self.qkv = Sequential(ops)
+        self.rotary = RotaryEmbedding(self.head_dim, rope_theta) if position_embedding == "rope" else None
+        self.core = DotProductAttention(attention_dropout)
+
+        proj = row_parallel_ops(ctx.child("proj"), num_heads * self.head_dim, hidden_size, bias=bias,
+                                comm_name="proj", init_method=output_init_method)
+        if hidden_dropout > 0:
+            proj["dropout"] = Dropout(hidden_dropout)
+        if residual_connection:
+            proj["residual"] = AddExtraInput()
+        self.proj = Sequential(proj)
+
+    def split_qkv(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``[s, b, g/tp * (n/g + 2) * d]`` -> ``q [s, b, n/tp, d]``, ``k, v [s, b, g/tp, d]``."""
+        s, b, _ = qkv.shape
+        qpg = self.heads_per_group
+        qkv = qkv.view(s, b, self.local_groups, qpg + 2, self.head_dim)  # [s, b, g/tp, n/g + 2, d]
+        q = qkv[:, :, :, :qpg].reshape(s, b, self.local_heads, self.head_dim)  # [s, b, n/tp, d]
+        k = qkv[:, :, :, qpg]  # [s, b, g/tp, d]
+        v = qkv[:, :, :, qpg + 1]  # [s, b, g/tp, d]
+        return q, k, v
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.residual_connection:
+            qkv, residual = self.qkv(x)
+            extra: tuple[torch.Tensor, ...] = (residual,)
+        else:
+            qkv, extra = self.qkv(x), ()
+        q, k, v = self.split_qkv(qkv)
+        if self.rotary is not None:
+            # qkv holds the whole sequence here (gathered under SP): positions 0..s-1.
+            cos, sin = self.rotary.cos_sin(q.shape[0], q.device)
+            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        with maybe_fork(self.rng, "tp_local", self.training and self.core.attention_dropout > 0):
+            # Each rank holds different heads: masks must be independent across TP ranks.
+            context = self.core(q, k, v)  # [s, b, n/tp * d]
+        with maybe_fork(self.rng, self._hidden_stream, self.training and self.hidden_dropout > 0):
+            return self.proj(context, *extra)
+
+    def extra_repr(self) -> str:
+        return (f"hidden_size={self.hidden_size}, num_heads={self.num_heads}, "
+                f"num_query_groups={self.num_query_groups}, tp={self.tp_size}, "
+                f"sequence_parallel={self.sequence_parallel}, rope={self.rotary is not None}")
