@@ -142,6 +142,9 @@ def fuse_by_window(
     ``matcher`` sees the remaining ops starting at the current position and
     returns ``Fuse`` (consume a window), ``Reject`` (record why the window that
     starts here did not fuse) or ``None`` (this position is not a candidate).
+
+    A window containing an op with ``tp_fuse.debug`` features is rejected: those
+    features need the op's own GEMM path (see :func:`debug_blocked`).
     """
     out: list[FusibleOperation] = []
     i = 0
@@ -149,6 +152,10 @@ def fuse_by_window(
         result = matcher(ops[i:])
         if isinstance(result, Fuse):
             assert 1 <= result.length <= len(ops) - i, "matcher consumed past the end"
+            blocked = debug_blocked(ops[i : i + result.length])
+            if blocked is not None:
+                result = Reject(f"debug features enabled on {blocked}", result.length)
+        if isinstance(result, Fuse):
             if fusion_log is not None:
                 fusion_log.fused(ops[i : i + result.length], result.detail)
             out.append(result.op)
@@ -159,6 +166,20 @@ def fuse_by_window(
         out.append(ops[i])
         i += 1
     return out
+
+
+def debug_blocked(ops: Sequence[FusibleOperation]) -> Optional[str]:
+    """Name of the first layer in ``ops`` with debug features enabled, or None.
+
+    Ops carry ``debug_hooks`` (a ``tp_fuse.debug.LinearDebugHooks``) only when a debug
+    session or FP8-stats collector is attached; only configured features block fusion.
+    """
+    for op in ops:
+        for basic in op.basic_op_list:
+            hooks = getattr(basic, "debug_hooks", None)
+            if hooks is not None and hooks.features_enabled:
+                return hooks.layer_name
+    return None
 
 
 def type_names(ops: Sequence[FusibleOperation]) -> str:

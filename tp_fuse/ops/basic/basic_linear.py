@@ -30,6 +30,10 @@ class BasicLinear(BasicOperation):
 
     ``userbuffers_options={"comm_name": "fc1"}`` names the GEMM for the
     communication-overlap configuration (Transformer Engine's convention).
+
+    ``debug_hooks`` (None unless ``tp_fuse.debug`` attached a ``LinearDebugHooks``):
+    its ``on_quantized`` observes every FP8 cast; when the layer has debug features
+    (``features_enabled``) its GEMMs run through the hooks and fusions skip it.
     """
 
     def __init__(
@@ -54,6 +58,8 @@ class BasicLinear(BasicOperation):
         self.in_features = in_features
         self.out_features = out_features
         self.userbuffers_options = dict(userbuffers_options or {})
+        # tp_fuse.debug state (a LinearDebugHooks); None costs one attribute check per GEMM.
+        self.debug_hooks: Optional[Any] = None
         dtype = dtype or torch.get_default_dtype()
         weight = torch.empty(out_features, in_features, device=device, dtype=dtype)
         if init_method is None:
@@ -123,6 +129,8 @@ class BasicLinear(BasicOperation):
         else:
             x_fp8 = qs["input"].quantize(x2d)
             state.track_forward(qs["input"])
+            if self.debug_hooks is not None:
+                self.debug_hooks.on_quantized("input", x2d, x_fp8, qs["input"])
         weight = self.weight
         if isinstance(weight, Float8Tensor):
             # FP8 parameter (quantized_model_init): its bytes are re-quantized by
@@ -134,6 +142,8 @@ class BasicLinear(BasicOperation):
         else:
             w_fp8 = qs["weight"].quantize(weight.detach())
             state.track_forward(qs["weight"])
+            if self.debug_hooks is not None:
+                self.debug_hooks.on_quantized("weight", weight, w_fp8, qs["weight"])
         ctx.grad_quantizer = qs["grad_output"]
         ctx.grad_tracker = state.backward_tracker
         return x_fp8, w_fp8
@@ -158,6 +168,11 @@ class BasicLinear(BasicOperation):
                 f"BasicLinear: residual must have shape {(*lead, self.out_features)}, "
                 f"got {tuple(residual.shape)}",
             )
+        hooks = self.debug_hooks
+        ctx.debug = hooks is not None and hooks.features_enabled
+        if ctx.debug:
+            # Debug features (tp_fuse.debug) make the feature API's calls around each GEMM.
+            return hooks.forward_gemm(self, ctx, x, bias=bias, residual=residual)
         ctx.fp8 = self.fp8_quantizers() is not None
         if ctx.fp8:
             from ...quantization import fp8_gemm
@@ -202,6 +217,8 @@ class BasicLinear(BasicOperation):
         grad_input_accumulate: Optional[torch.Tensor] = None,
     ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
         """``dx = dy W (+ grad_input_accumulate)``, ``dW = dy^T x``."""
+        if getattr(ctx, "debug", False):
+            return self.debug_hooks.backward_gemm(self, ctx, dy, grad_input_accumulate=grad_input_accumulate)
         x_saved, w_saved = ctx.saved_tensors
         dy2d = dy.reshape(-1, self.out_features)
         acc = None
@@ -212,6 +229,8 @@ class BasicLinear(BasicOperation):
 
             dy_fp8 = ctx.grad_quantizer.quantize(dy2d)
             ctx.grad_tracker.track(ctx.grad_quantizer)
+            if self.debug_hooks is not None:
+                self.debug_hooks.on_quantized("grad_output", dy2d, dy_fp8, ctx.grad_quantizer)
             # dx[M, in] = dy[M, out] @ W[out, in]: _scaled_mm wants b as [in, out].
             dx = fp8_gemm(dy_fp8, w_saved.transpose_fp8(), out_dtype=dy.dtype)
             if acc is not None:

@@ -1,0 +1,429 @@
+"""Typed launcher configuration: the Hydra config, converted once and validated once.
+
+``train.py`` composes the Hydra config and hands the plain dict to
+:func:`from_dict`, which builds :class:`TrainConfig` (unknown keys and wrong types
+raise ``ValueError`` naming the field), and :func:`validate` checks cross-field
+constraints against the world size *before* any process group exists (the world
+size comes from torchrun's ``WORLD_SIZE``). Everything past this module reads plain
+dataclasses; nothing else touches Hydra or OmegaConf.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field
+from typing import Any, Literal, Optional, Union
+
+from layers.config import GPTConfig
+
+__all__ = [
+    "CheckpointConfig",
+    "DataConfig",
+    "DebugConfig",
+    "FP8Config",
+    "LoggerConfig",
+    "ModelConfig",
+    "OptimConfig",
+    "OverlapConfig",
+    "ParallelConfig",
+    "ParallelLayout",
+    "TrainConfig",
+    "TrainerConfig",
+    "from_dict",
+    "validate",
+]
+
+
+@dataclass
+class ModelConfig:
+    """``model`` group: a preset name plus every :class:`layers.config.GPTConfig` field."""
+
+    name: str = "gpt"
+    gpt: GPTConfig = field(default_factory=GPTConfig)
+
+
+@dataclass
+class ParallelConfig:
+    """``parallel`` group. ``tp="auto"`` uses every rank for TP; DP is the rest."""
+
+    tp: Union[int, Literal["auto"]] = "auto"
+    sequence_parallel: bool = False
+
+
+@dataclass
+class OverlapConfig:
+    """``overlap`` group: comm/GEMM overlap on TP layers.
+
+    ``config`` is an optional Megatron ``tp_comm_overlap_cfg`` YAML file (per-GEMM
+    methods such as ``qkv_fprop: {method: ring_exchange}``).
+    """
+
+    enabled: bool = False
+    config: Optional[str] = None
+
+
+@dataclass
+class FP8Config:
+    """``fp8`` group: recipe and amax-reduction group for FP8 GEMMs.
+
+    ``group`` is the amax reduction group kind (``ParallelTopology.fp8_group``).
+    ``stats`` logs FP8 scaling statistics every ``trainer.log_interval`` steps.
+    """
+
+    recipe: Literal["none", "delayed", "current"] = "none"
+    format: Literal["HYBRID", "E4M3", "E5M2"] = "HYBRID"
+    margin: int = 0
+    amax_history_len: int = 1024
+    amax_compute_algo: Literal["max", "most_recent"] = "max"
+    power_2_scale: bool = False
+    group: Literal["tp", "dp", "world"] = "world"
+    stats: bool = True
+
+    @property
+    def enabled(self) -> bool:
+        return self.recipe != "none"
+
+
+@dataclass
+class DataConfig:
+    """``data`` group.
+
+    ``source``: ``stdlib`` (no download: the Python reference text shipped with the
+    standard library in ``pydoc_data.topics``), ``text`` (your UTF-8 files in
+    ``paths``, byte-tokenized), ``bin`` (pre-tokenized ``uint16``/``uint32`` token
+    files, nanoGPT/Megatron style). The last ``val_fraction`` of the token stream is
+    the validation split.
+    """
+
+    source: Literal["stdlib", "text", "bin"] = "stdlib"
+    paths: list[str] = field(default_factory=list)
+    bin_dtype: Literal["uint16", "uint32"] = "uint16"
+    tokenizer: Literal["byte"] = "byte"
+    val_fraction: float = 0.05
+    seq_len: Optional[int] = None  # None: model.max_seq_len
+
+
+@dataclass
+class OptimConfig:
+    """``optim`` group: AdamW with linear warmup and cosine decay to ``min_lr``."""
+
+    lr: float = 1e-3
+    min_lr: float = 1e-4
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    warmup_steps: int = 20
+    grad_clip: float = 1.0  # 0 disables clipping (the norm is still logged)
+
+
+@dataclass
+class LoggerConfig:
+    """``logger`` group. ``mode: auto`` is online only when W&B credentials exist."""
+
+    kind: Literal["wandb", "none"] = "wandb"
+    project: str = "tp-fuse"
+    entity: Optional[str] = None
+    name: Optional[str] = None
+    mode: Literal["auto", "offline", "online"] = "auto"
+    tags: list[str] = field(default_factory=list)
+
+
+@dataclass
+class TrainerConfig:
+    """``trainer`` group.
+
+    ``global_batch_size`` sequences per optimizer step over all DP ranks;
+    ``micro_batch_size`` per DP rank per forward; gradient accumulation makes up the
+    rest. ``fail_at_step`` kills ``fail_rank`` at that step on the first attempt only
+    (``TORCHELASTIC_RESTART_COUNT`` 0): a fault-injection switch for restart tests.
+    """
+
+    max_steps: int = 300
+    log_interval: int = 10
+    val_interval: int = 100
+    val_batches: int = 4
+    seed: int = 1234
+    global_batch_size: int = 16
+    micro_batch_size: int = 8
+    dtype: Literal["auto", "float32", "bfloat16"] = "auto"
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    progress: bool = True
+    fail_at_step: Optional[int] = None
+    fail_rank: int = -1
+
+
+@dataclass
+class CheckpointConfig:
+    """``checkpoint`` group.
+
+    ``dir`` None: ``<run dir>/checkpoints``. ``interval`` 0: no periodic saves (a final
+    one is still written when ``save_final``). ``resume``: ``true`` = must resume
+    (error if none), ``auto`` = resume if one exists, ``false`` = start fresh (an
+    elastic restart always behaves as ``auto``).
+    """
+
+    dir: Optional[str] = None
+    interval: int = 0
+    resume: Union[bool, Literal["auto"]] = False
+    keep: int = 2
+    save_final: bool = False
+    verify: bool = True
+
+
+@dataclass
+class DebugConfig:
+    """``debug`` group: YAML of ``tp_fuse.debug`` features (LogTensorStats, ...)."""
+
+    config: Optional[str] = None
+
+
+@dataclass
+class TrainConfig:
+    """The whole launcher configuration."""
+
+    model: ModelConfig
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    overlap: OverlapConfig = field(default_factory=OverlapConfig)
+    fp8: FP8Config = field(default_factory=FP8Config)
+    data: DataConfig = field(default_factory=DataConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    logger: LoggerConfig = field(default_factory=LoggerConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    debug: DebugConfig = field(default_factory=DebugConfig)
+
+    @property
+    def seq_len(self) -> int:
+        return self.data.seq_len if self.data.seq_len is not None else self.model.gpt.max_seq_len
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain nested dict (for W&B's run config and checkpoint manifests)."""
+        out = dataclasses.asdict(self)
+        gpt = out["model"].pop("gpt")
+        out["model"].update(gpt)
+        return out
+
+
+@dataclass(frozen=True)
+class ParallelLayout:
+    """Resolved sizes: ``world = tp * dp``."""
+
+    world_size: int
+    tp: int
+    dp: int
+    grad_accum_steps: int
+
+
+# ---- dict -> dataclasses ---------------------------------------------------------
+
+
+def _type_name(tp: Any) -> str:
+    origin = typing.get_origin(tp)
+    if origin is Literal:
+        return " | ".join(repr(a) for a in typing.get_args(tp))
+    if origin in (Union, types.UnionType):
+        return " | ".join(_type_name(a) for a in typing.get_args(tp))
+    if origin is list:
+        return f"list[{_type_name(typing.get_args(tp)[0])}]"
+    if tp is type(None):
+        return "null"
+    return getattr(tp, "__name__", str(tp))
+
+
+def _coerce(value: Any, tp: Any, name: str) -> Any:
+    """``value`` checked (and, for int->float, converted) against annotation ``tp``."""
+    origin = typing.get_origin(tp)
+    if origin is Literal:
+        # Compare types too: True == 1 must not select a Literal[1].
+        if any(type(value) is type(a) and value == a for a in typing.get_args(tp)):
+            return value
+        raise ValueError(f"{name}: expected one of {_type_name(tp)}, got {value!r}")
+    if origin in (Union, types.UnionType):
+        for arg in typing.get_args(tp):
+            try:
+                return _coerce(value, arg, name)
+            except ValueError:
+                continue
+        raise ValueError(f"{name}: expected {_type_name(tp)}, got {value!r}")
+    if origin is list:
+        (item,) = typing.get_args(tp)
+        if not isinstance(value, (list, tuple)):
+            raise ValueError(f"{name}: expected a list, got {value!r}")
+        return [_coerce(v, item, f"{name}[{i}]") for i, v in enumerate(value)]
+    if tp is type(None):
+        if value is None:
+            return None
+        raise ValueError(f"{name}: expected null, got {value!r}")
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        raise ValueError(f"{name}: expected true/false, got {value!r}")
+    if tp is int:
+        # bool is an int subclass; `tp=true` is a mistake, not a size of 1.
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        raise ValueError(f"{name}: expected an int, got {value!r}")
+    if tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        raise ValueError(f"{name}: expected a number, got {value!r}")
+    if tp is str:
+        if isinstance(value, str):
+            return value
+        raise ValueError(f"{name}: expected a string, got {value!r}")
+    raise AssertionError(f"unsupported annotation {tp!r} for {name}")
+
+
+def _build(cls: type, data: Any, prefix: str) -> Any:
+    if not isinstance(data, dict):
+        raise ValueError(f"{prefix}: expected a mapping, got {data!r}")
+    hints = typing.get_type_hints(cls)
+    known = [f.name for f in dataclasses.fields(cls)]
+    unknown = sorted(set(data) - set(known))
+    if unknown:
+        raise ValueError(
+            f"unknown key(s) {', '.join(f'{prefix}.{k}' for k in unknown)}; "
+            f"known keys of {prefix}: {', '.join(known)}"
+        )
+    kwargs = {k: _coerce(v, hints[k], f"{prefix}.{k}") for k, v in data.items()}
+    return cls(**kwargs)
+
+
+def from_dict(data: dict[str, Any]) -> TrainConfig:
+    """Build a :class:`TrainConfig` from the composed (resolved) Hydra config dict.
+
+    Raises ValueError naming the field for a missing model, unknown keys or bad types.
+    """
+    data = dict(data)
+    data.pop("hydra", None)
+    if "model" not in data or data["model"] is None:
+        raise ValueError("model: no model selected; add +model=gpt (or gpt-125m, gpt-350m, llama, ...)")
+    model = dict(data.pop("model"))
+    name = model.pop("name", "gpt")
+    if not isinstance(name, str):
+        raise ValueError(f"model.name: expected a string, got {name!r}")
+    gpt = _build(GPTConfig, model, "model")
+    sections = {
+        "parallel": ParallelConfig,
+        "overlap": OverlapConfig,
+        "fp8": FP8Config,
+        "data": DataConfig,
+        "optim": OptimConfig,
+        "logger": LoggerConfig,
+        "trainer": TrainerConfig,
+        "checkpoint": CheckpointConfig,
+        "debug": DebugConfig,
+    }
+    unknown = sorted(set(data) - set(sections))
+    if unknown:
+        raise ValueError(
+            f"unknown top-level key(s) {', '.join(unknown)}; known: model, {', '.join(sections)}"
+        )
+    built = {k: _build(cls, data[k] if data.get(k) is not None else {}, k) for k, cls in sections.items()}
+    return TrainConfig(model=ModelConfig(name=name, gpt=gpt), **built)
+
+
+# ---- cross-field validation -----------------------------------------------------
+
+
+def _need(cond: bool, msg: str) -> None:
+    if not cond:
+        raise ValueError(msg)
+
+
+def _positive(name: str, value: int) -> None:
+    _need(value > 0, f"{name} must be > 0, got {value}")
+
+
+def validate(cfg: TrainConfig, world_size: int) -> ParallelLayout:
+    """Check every cross-field constraint; return the resolved parallel layout.
+
+    Runs before any process group exists. Errors name the field, the expected and
+    the actual value.
+    """
+    _need(world_size >= 1, f"world size must be >= 1, got {world_size}")
+    par, gpt, tr = cfg.parallel, cfg.model.gpt, cfg.trainer
+    tp = world_size if par.tp == "auto" else par.tp
+    _need(tp >= 1, f"parallel.tp must be >= 1 or 'auto', got {tp}")
+    _need(world_size % tp == 0, f"parallel.tp ({tp}) must divide the world size ({world_size})")
+    dp = world_size // tp
+    _need(not (par.sequence_parallel and tp == 1),
+          "parallel.sequence_parallel=true needs parallel.tp > 1 (got tp=1): there is no sequence to split")
+    gpt.validate(tp)  # tp vs heads, query groups, hidden, ffn, vocab -- names the field
+
+    for name in ("max_steps", "log_interval", "global_batch_size", "micro_batch_size"):
+        _positive(f"trainer.{name}", getattr(tr, name))
+    _need(tr.val_interval >= 0, f"trainer.val_interval must be >= 0 (0 = off), got {tr.val_interval}")
+    _need(tr.val_batches >= 1, f"trainer.val_batches must be >= 1, got {tr.val_batches}")
+    per_step = tr.micro_batch_size * dp
+    _need(tr.global_batch_size % per_step == 0,
+          f"trainer.global_batch_size ({tr.global_batch_size}) must be a multiple of "
+          f"trainer.micro_batch_size ({tr.micro_batch_size}) * dp ({dp}) = {per_step}")
+    _need(-world_size <= tr.fail_rank < world_size,
+          f"trainer.fail_rank must be in [-{world_size}, {world_size}), got {tr.fail_rank}")
+    if tr.fail_at_step is not None:
+        _need(1 <= tr.fail_at_step <= tr.max_steps,
+              f"trainer.fail_at_step must be in [1, trainer.max_steps={tr.max_steps}], got {tr.fail_at_step}")
+
+    seq = cfg.seq_len
+    _need(1 < seq <= gpt.max_seq_len,
+          f"data.seq_len ({seq}) must be in [2, model.max_seq_len={gpt.max_seq_len}]")
+    _need(0.0 < cfg.data.val_fraction < 1.0, f"data.val_fraction must be in (0, 1), got {cfg.data.val_fraction}")
+    if cfg.data.source in ("text", "bin"):
+        _need(bool(cfg.data.paths), f"data.paths must list at least one file for data.source={cfg.data.source}")
+    if cfg.data.tokenizer == "byte" and cfg.data.source != "bin":
+        _need(gpt.vocab_size >= 256, f"model.vocab_size ({gpt.vocab_size}) must be >= 256 for the byte tokenizer")
+    if par.sequence_parallel:
+        _need(seq % tp == 0, f"data.seq_len ({seq}) must be divisible by parallel.tp ({tp}) with sequence parallel")
+
+    opt = cfg.optim
+    _need(opt.lr > 0, f"optim.lr must be > 0, got {opt.lr}")
+    _need(0 <= opt.min_lr <= opt.lr, f"optim.min_lr must be in [0, optim.lr={opt.lr}], got {opt.min_lr}")
+    _need(opt.warmup_steps >= 0, f"optim.warmup_steps must be >= 0, got {opt.warmup_steps}")
+    _need(opt.grad_clip >= 0, f"optim.grad_clip must be >= 0 (0 = off), got {opt.grad_clip}")
+    for name in ("beta1", "beta2"):
+        v = getattr(opt, name)
+        _need(0.0 <= v < 1.0, f"optim.{name} must be in [0, 1), got {v}")
+
+    fp8 = cfg.fp8
+    if fp8.enabled:
+        _need(fp8.margin >= 0, f"fp8.margin must be >= 0, got {fp8.margin}")
+        _need(fp8.amax_history_len >= 1, f"fp8.amax_history_len must be >= 1, got {fp8.amax_history_len}")
+        _check_fp8_dims(cfg, tp)
+
+    ck = cfg.checkpoint
+    _need(ck.interval >= 0, f"checkpoint.interval must be >= 0 (0 = off), got {ck.interval}")
+    _need(ck.keep >= 1, f"checkpoint.keep must be >= 1, got {ck.keep}")
+
+    if cfg.overlap.enabled:
+        _need(tp > 1, "overlap=on needs parallel.tp > 1 (got tp=1): there is no TP communication to overlap")
+    return ParallelLayout(world_size=world_size, tp=tp, dp=dp, grad_accum_steps=tr.global_batch_size // per_step)
+
+
+def _check_fp8_dims(cfg: TrainConfig, tp: int) -> None:
+    """FP8 GEMMs (``torch._scaled_mm`` on CUDA) need every GEMM dimension % 16 == 0.
+
+    Checked on CPU too, so that a config that trains here also runs on a GPU.
+    The dimensions are per TP rank: hidden and FFN shards, the QKV output shard, and
+    the token count of a micro-batch (the K dimension of the wgrad GEMM).
+    """
+    gpt = cfg.model.gpt
+    head_dim = gpt.head_dim
+    qkv = (gpt.num_heads + 2 * gpt.kv_groups) * head_dim
+    tokens = cfg.trainer.micro_batch_size * cfg.seq_len
+    dims = {
+        "model.hidden_size": gpt.hidden_size,
+        "model.ffn_hidden_size (effective)": gpt.ffn_size,
+        "model.hidden_size / parallel.tp": gpt.hidden_size // tp,
+        "model.ffn_hidden_size / parallel.tp": gpt.ffn_size // tp,
+        "QKV output size / parallel.tp ((num_heads + 2*num_query_groups) * head_dim / tp)": qkv // tp,
+        "trainer.micro_batch_size * data.seq_len (tokens per micro-batch)": tokens,
+    }
+    if gpt.activation == "swiglu":
+        dims["2 * model.ffn_hidden_size / parallel.tp (SwiGLU fc1 output)"] = 2 * gpt.ffn_size // tp
+    for name, value in dims.items():
+        _need(value % 16 == 0,
+              f"fp8.recipe={cfg.fp8.recipe} needs GEMM dimensions divisible by 16: {name} = {value}")

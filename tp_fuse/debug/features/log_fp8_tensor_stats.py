@@ -1,0 +1,68 @@
+"""``LogFp8TensorStats``: what the FP8 cast does to a tensor (underflows, overflows, MSE)."""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+
+from ..stats import FP8_STATS, components_for, fp8_components, simulate_fp8_cast
+from .api import DebugFeature, _check_window, check_stats_option, enabled_at
+
+__all__ = ["LogFp8TensorStats"]
+
+
+class LogFp8TensorStats(DebugFeature):
+    """Record FP8 cast statistics of GEMM inputs every ``freq`` iterations.
+
+    Options: ``tensors`` (activation, weight, gradient), ``stats`` (from
+    ``underflows%, overflows%, scale_inv_min, scale_inv_max, mse``), ``freq``,
+    ``start_step``, ``end_step``. Uses the tensor's actual FP8 version when the GEMM
+    ran in FP8; when the GEMM ran in high precision this iteration (e.g.
+    ``DisableFP8GEMM``), reports what the layer's quantizer *would* have produced.
+    Needs an FP8 recipe in force (``tp_fuse.autocast``).
+    """
+
+    options = frozenset({"stats", "freq", "start_step", "end_step"})
+    allowed_tensors = frozenset({"activation", "weight", "gradient"})
+
+    def check(self, opts: dict[str, Any], where: str) -> None:
+        _check_window(opts, where)
+        check_stats_option(opts, where, FP8_STATS)
+
+    def inspect_tensor_enabled(self, config, layer_name, tensor_name, iteration):
+        if "stats" not in config:
+            raise ValueError(f"LogFp8TensorStats on {layer_name}/{tensor_name}: option 'stats' is required")
+        return enabled_at(config, iteration)
+
+    def inspect_tensor(
+        self,
+        config: dict[str, Any],
+        layer_name: str,
+        tensor_name: str,
+        tensor: torch.Tensor,
+        rowwise_quantized_tensor: Optional[torch.Tensor],
+        columnwise_quantized_tensor: Optional[torch.Tensor],
+        quantizer: Any,
+        iteration: int,
+        tp_group: Optional[dist.ProcessGroup],
+    ) -> None:
+        from ...quantization import Float8Tensor
+
+        q = rowwise_quantized_tensor
+        if isinstance(q, Float8Tensor):
+            dequantized = q.dequantize(torch.float32)
+            scale = torch.reciprocal(q._scale_inv.to(torch.float32))
+            fp8_max = float(torch.finfo(q.fp8_dtype).max)
+        elif quantizer is not None:
+            dequantized, scale = simulate_fp8_cast(tensor, quantizer)
+            fp8_max = quantizer.fp8_max
+        else:
+            raise RuntimeError(
+                f"LogFp8TensorStats on {layer_name}/{tensor_name}: no FP8 recipe in force; "
+                "run the model under tp_fuse.autocast(...) or remove the feature"
+            )
+        stats = config["stats"]
+        comps = fp8_components(tensor, dequantized, scale, fp8_max, components_for(stats))
+        self.stats.add(iteration, f"debug/{layer_name}/{tensor_name}", stats, comps)
