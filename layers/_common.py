@@ -23,10 +23,8 @@ from typing import TYPE_CHECKING, Any, Literal, Optional
 import torch
 import torch.distributed as dist
 
-from tp_fuse.ops import BasicLinear, BasicOperation, Bias, LayerNorm, RMSNorm
-from tp_fuse.ops.basic.all_gather import AllGather
-from tp_fuse.ops.basic.all_reduce import AllReduce
-from tp_fuse.ops.basic.reduce_scatter import ReduceScatter
+from tp_fuse.ops import AllGather, AllReduce, BasicLinear, BasicOperation, Bias, LayerNorm, ReduceScatter, RMSNorm
+from tp_fuse.overlap_config import TPOverlap
 
 from .grad_sync import sync_sequence_parallel_grad
 from .sharding import ShardSpec, divide, seeded_full_tensor, set_shard_spec, shard_tensor, tp_rank_and_size
@@ -49,8 +47,10 @@ class ParallelContext:
         sequence_parallel: activations outside the TP blocks are split along the
             sequence (first) dim over the TP ranks.
         dtype, device: parameter dtype/device.
-        overlap: the communication-overlap configuration handed to every BasicLinear
-            (through ``userbuffers_options``); None: the fusions' defaults.
+        overlap: the :class:`tp_fuse.overlap_config.TPOverlap` handed to every GEMM
+            (``userbuffers_options["overlap"]``) and comm op (``overlap=``); None: each
+            comm op's own default ``TPOverlap()`` (overlap ON, Megatron's methods). Pass
+            ``TPOverlap(OverlapConfig(enabled=False))`` to switch overlap off.
         seed: base seed of this layer's parameters (None: draw from torch's global RNG,
             as Megatron-LM does; identical on all ranks only if the caller seeded them so).
     """
@@ -59,7 +59,7 @@ class ParallelContext:
     sequence_parallel: bool = False
     dtype: torch.dtype = torch.float32
     device: Optional[torch.device] = None
-    overlap: Any = None
+    overlap: Optional[TPOverlap] = None
     seed: Optional[int] = 0
 
     def __post_init__(self) -> None:
@@ -69,6 +69,8 @@ class ParallelContext:
             raise ValueError(f"dtype must be a floating-point torch.dtype, got {self.dtype!r}")
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
             raise ValueError(f"seed must be an int or None, got {self.seed!r}")
+        if self.overlap is not None and not isinstance(self.overlap, TPOverlap):
+            raise ValueError(f"overlap must be a tp_fuse.overlap_config.TPOverlap or None, got {type(self.overlap).__name__}")
         tp_rank_and_size(self.tp_group)  # validates the group
 
     @property
@@ -97,7 +99,7 @@ def full_init(ctx: ParallelContext, shape: tuple[int, ...], name: str, init_meth
     return seeded_full_tensor(shape, ctx.seed, name, init_method)
 
 
-def userbuffers_options(comm_name: GemmName, overlap: Any) -> dict[str, Any]:
+def userbuffers_options(comm_name: GemmName, overlap: Optional[TPOverlap]) -> dict[str, Any]:
     """``userbuffers_options`` for a BasicLinear: its GEMM name and the overlap config."""
     options: dict[str, Any] = {}
     if comm_name is not None:
@@ -194,7 +196,7 @@ def column_input_comm(ctx: ParallelContext) -> "OrderedDict[str, BasicOperation]
     if ctx.tp_size == 1:
         return ops
     if ctx.sequence_parallel:
-        ops["comm"] = AllGather(ctx.tp_group)
+        ops["comm"] = AllGather(ctx.tp_group, overlap=ctx.overlap)
     else:
         ops["comm"] = CopyToTensorParallelRegion(ctx.tp_group)
     return ops
@@ -226,7 +228,8 @@ def row_parallel_ops(
     full = full_init(ctx, (out_features, in_features), name, init_method)
     ops["linear"] = linear_op(ctx, full, ShardSpec(dim=1), comm_name)
     if ctx.tp_size > 1:
-        ops["comm"] = ReduceScatter(ctx.tp_group) if ctx.sequence_parallel else AllReduce(ctx.tp_group)
+        comm_op = ReduceScatter if ctx.sequence_parallel else AllReduce
+        ops["comm"] = comm_op(ctx.tp_group, overlap=ctx.overlap)
     if bias and add_bias:
         # After the reduction: added once. Under SP each rank adds it to its s/tp rows only.
         ops["bias"] = bias_op(ctx, out_features, None,

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import Any, Literal, Optional
+from typing import Literal, Optional
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from tp_fuse.overlap_config import TPOverlap
 from tp_fuse.ops import AddExtraInput, BasicOperation, Dropout, Sequential
 
 from ._common import (
@@ -111,7 +112,7 @@ class MultiheadAttention(torch.nn.Module):
         init_method: Optional[InitMethod] = None,
         output_init_method: Optional[InitMethod] = None,
         seed: Optional[int] = 0,
-        overlap: Any = None,
+        overlap: Optional[TPOverlap] = None,
         rng: Optional[DropoutRNG] = None,
         dtype: torch.dtype = torch.float32,
         device: Optional[torch.device | str] = None,

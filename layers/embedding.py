@@ -8,8 +8,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from tp_fuse.ops.basic.all_reduce import AllReduce
-from tp_fuse.ops.basic.reduce_scatter import ReduceScatter
+from tp_fuse.ops import AllReduce, ReduceScatter
 
 from ._common import InitMethod, ParallelContext, full_init
 from .grad_sync import sync_sequence_parallel_grad

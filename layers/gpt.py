@@ -11,12 +11,13 @@ from __future__ import annotations
 
 import contextlib
 from collections import OrderedDict
-from typing import Any, Optional
+from typing import Optional
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from tp_fuse.overlap_config import TPOverlap
 from tp_fuse.ops import BasicLinear, Sequential
 from tp_fuse.quantization import active_autocast, autocast
 
@@ -76,7 +77,7 @@ class GPT(torch.nn.Module):
         dtype: torch.dtype = torch.float32,
         device: Optional[torch.device | str] = None,
         seed: int = 0,
-        overlap: Any = None,
+        overlap: Optional[TPOverlap] = None,
         dropout_seed: Optional[int] = None,
         ignore_index: int = -100,
     ) -> None:

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import Any, Optional
+from typing import Optional
 
 import torch
 import torch.distributed as dist
 
+from tp_fuse.overlap_config import TPOverlap
 from tp_fuse.ops import BasicOperation, MakeExtraOutput, Sequential
 
 from ._common import (
@@ -67,7 +68,7 @@ class LayerNormLinear(torch.nn.Module):
         init_method: Optional[InitMethod] = None,
         seed: Optional[int] = 0,
         comm_name: GemmName = "qkv",
-        overlap: Any = None,
+        overlap: Optional[TPOverlap] = None,
         dtype: torch.dtype = torch.float32,
         device: Optional[torch.device | str] = None,
     ) -> None:

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import Any, Literal, Optional
+from typing import Literal, Optional
 
 import torch
 import torch.distributed as dist
 
+from tp_fuse.overlap_config import TPOverlap
 from tp_fuse.ops import GELU, AddExtraInput, BasicOperation, Dropout, MakeExtraOutput, Sequential, SwiGLU
 
 from ._common import (
@@ -82,7 +83,7 @@ class LayerNormMLP(torch.nn.Module):
         init_method: Optional[InitMethod] = None,
         output_init_method: Optional[InitMethod] = None,
         seed: Optional[int] = 0,
-        overlap: Any = None,
+        overlap: Optional[TPOverlap] = None,
         rng: Optional[DropoutRNG] = None,
         dtype: torch.dtype = torch.float32,
         device: Optional[torch.device | str] = None,

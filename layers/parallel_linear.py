@@ -16,11 +16,12 @@ ReduceScatter]``, ``[BasicLinear, AllReduce]``) apply without any code here.
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Optional
 
 import torch
 import torch.distributed as dist
 
+from tp_fuse.overlap_config import TPOverlap
 from tp_fuse.ops import Bias, Sequential
 
 from ._common import (
@@ -74,7 +75,7 @@ class ColumnParallelLinear(torch.nn.Module):
         init_method: Optional[InitMethod] = None,
         seed: Optional[int] = 0,
         comm_name: GemmName = None,
-        overlap: Any = None,
+        overlap: Optional[TPOverlap] = None,
         dtype: torch.dtype = torch.float32,
         device: Optional[torch.device | str] = None,
     ) -> None:
@@ -165,7 +166,7 @@ class RowParallelLinear(torch.nn.Module):
         init_method: Optional[InitMethod] = None,
         seed: Optional[int] = 0,
         comm_name: GemmName = None,
-        overlap: Any = None,
+        overlap: Optional[TPOverlap] = None,
         dtype: torch.dtype = torch.float32,
         device: Optional[torch.device | str] = None,
         sync_sequence_parallel_grads: bool = True,

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import math
-from typing import Any, Literal, Optional
+from typing import Literal, Optional
 
 import torch
 import torch.distributed as dist
+
+from tp_fuse.overlap_config import TPOverlap
 
 from ._common import Normalization, ParallelContext, dropout_rng
 from .attention import MultiheadAttention
@@ -62,7 +64,7 @@ class TransformerLayer(torch.nn.Module):
         init_std: float = 0.02,
         num_layers: int = 1,
         seed: Optional[int] = 0,
-        overlap: Any = None,
+        overlap: Optional[TPOverlap] = None,
         rng: Optional[DropoutRNG] = None,
         dtype: torch.dtype = torch.float32,
         device: Optional[torch.device | str] = None,
@@ -95,7 +97,7 @@ class TransformerLayer(torch.nn.Module):
         tp_group: Optional[dist.ProcessGroup] = None,
         sequence_parallel: bool = False,
         seed: Optional[int] = 0,
-        overlap: Any = None,
+        overlap: Optional[TPOverlap] = None,
         rng: Optional[DropoutRNG] = None,
         dtype: torch.dtype = torch.float32,
         device: Optional[torch.device | str] = None,
