@@ -176,12 +176,15 @@ def main() -> None:
             mm(ci, part[: tp * mi])
             lo += mi
 
+    acc, recv = torch.empty(m, n, device=dev), torch.zeros(m, n, device=dev)
+
     def ring_gemm_only() -> None:
-        # the ring algorithm's work minus communication: one GEMM per block (+ the adds)
-        for b in range(tp):
-            mm(x[b * m : (b + 1) * m], rs_out)
-            if b:
-                rs_out.add_(part[:m])
+        # the ring algorithm's work minus communication: one GEMM per block, plus the adds
+        for s in range(tp):
+            dst = rs_out if s == tp - 1 else acc
+            mm(x[s * m : (s + 1) * m], dst)
+            if s:
+                dst.add_(recv)
 
     rs_common = {
         "comm": lambda: comm.reduce_scatter_dim0(full, group, out=rs_out),
