@@ -187,9 +187,9 @@ def main() -> None:
                 dst.add_(recv)
 
     rs_common = {
-        "comm": lambda: comm.reduce_scatter_dim0(full, group, out=rs_out),
+        "comm": lambda: comm.reduce_scatter_dim0(full, group, out=rs_out, pool=pool),
         "comm_native": lambda: comm.reduce_scatter_dim0(full, group, out=rs_out, impl="collective"),
-        "unfused": lambda: comm.reduce_scatter_dim0(mm(x, full), group, out=rs_out),
+        "unfused": lambda: comm.reduce_scatter_dim0(mm(x, full), group, out=rs_out, pool=pool),
         "gemm_unfused": lambda: mm(x, full),
     }
     t = _measure(

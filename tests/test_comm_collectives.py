@@ -32,6 +32,7 @@ def _collective_cases(rank: int, world: int) -> int:
     import comm
 
     g = dist.group.WORLD
+    pool = comm.UserBufferPool()
     n = 0
     for shape in [(3, 7), (2, 3, 4), (5,)]:
         xs = [_rand(10 * r + len(shape), *shape) for r in range(world)]
@@ -50,6 +51,8 @@ def _collective_cases(rank: int, world: int) -> int:
             assert got.shape == ref.shape and _rel(got, ref) < 1e-6, (impl, shape, _rel(got, ref))
             out = torch.empty(ref.shape)
             assert comm.reduce_scatter_dim0(big[rank], g, impl=impl, out=out) is out
+            got = comm.reduce_scatter_dim0(big[rank], g, impl=impl, pool=pool)
+            assert _rel(got, ref) < 1e-6, (impl, shape, "pool")
             n += 1
         ref = sum(x.double() for x in xs)
         x = xs[rank].clone()

@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup, Work
 
+from ..userbuffers import UserBufferPool
 from ._common import (
     backend_name,
     check_rows_divisible,
@@ -214,8 +215,14 @@ def reduce_scatter_dim0_async(
     out: torch.Tensor | None = None,
     impl: RsImpl = "auto",
     check_shapes: bool = False,
+    pool: UserBufferPool | None = None,
 ) -> PendingCollective:
-    """Start summing ``x [tp * m, *rest]`` over ranks; rank r keeps rows ``[r*m, (r+1)*m)``."""
+    """Start summing ``x [tp * m, *rest]`` over ranks; rank r keeps rows ``[r*m, (r+1)*m)``.
+
+    ``pool``: where the all_to_all implementation keeps its receive buffer (buffer
+    ``"reduce_scatter_dim0.recv"``); without one it allocates a fresh buffer per call,
+    which on CPU costs page faults on every call for large tensors.
+    """
     what = "reduce_scatter_dim0"
     check_wire_tensor(x, what)
     tp = group_size(group)
@@ -236,7 +243,10 @@ def reduce_scatter_dim0_async(
         out = torch.empty(shape, dtype=x.dtype, device=x.device)
     if impl == "collective":
         return PendingCollective([_reduce_scatter_single(out, x, group=group, async_op=True)], out)
-    recv = torch.empty_like(x)
+    if pool is None:
+        recv = torch.empty_like(x)
+    else:
+        recv = pool.get(group, "reduce_scatter_dim0.recv", tuple(x.shape), x.dtype, x.device)
     work = dist.all_to_all_single(recv, x, group=group, async_op=True)
     assert work is not None
     result = out
@@ -255,13 +265,16 @@ def reduce_scatter_dim0(
     out: torch.Tensor | None = None,
     impl: RsImpl = "auto",
     check_shapes: bool = False,
+    pool: UserBufferPool | None = None,
 ) -> torch.Tensor:
     """Reduce-scatter (sum) along dim 0: ``[tp * m, *rest]`` -> ``[m, *rest]``.
 
     ValueError (before any communication) if dim 0 is not divisible by the TP size.
-    Identity for TP size 1.
+    Identity for TP size 1. ``pool``: see :func:`reduce_scatter_dim0_async`.
     """
-    return reduce_scatter_dim0_async(x, group, out=out, impl=impl, check_shapes=check_shapes).wait()
+    return reduce_scatter_dim0_async(
+        x, group, out=out, impl=impl, check_shapes=check_shapes, pool=pool
+    ).wait()
 
 
 def all_reduce_async(
