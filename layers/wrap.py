@@ -1,0 +1,324 @@
+"""``wrap()``: convert an existing model, in place, to tp-fuse's sharded layers.
+
+Two kinds of modules are converted:
+
+1. Modules with Megatron-core's tensor-parallel linear interface, found by duck typing
+   (``megatron.core.tensor_parallel.ColumnParallelLinear`` / ``RowParallelLinear`` or
+   anything with the same attributes): already sharded, they keep their very
+   ``Parameter`` objects (optimizer state stays valid) and their flags
+   (``gather_output``, ``skip_bias_add``, ``input_is_parallel``, ``sequence_parallel``),
+   and still return ``(output, bias_or_None)``.
+
+   * column: ``input_size, output_size, output_size_per_partition, gather_output,
+     skip_bias_add, weight, bias``
+   * row: ``input_size, output_size, input_size_per_partition, input_is_parallel,
+     skip_bias_add, weight, bias``
+
+   Sequence-parallel row biases keep Megatron's contract: their gradient is left as the
+   per-rank partial sum, tagged ``sequence_parallel=True``, for Megatron's
+   ``finalize_model_grads`` to all-reduce -- so gradients are the same as before.
+
+2. Plain ``nn.Linear`` / norm modules named by a ``plan`` ``{module-name glob: style}``:
+
+   * ``"column"``: ``nn.Linear`` -> column-parallel (output features split; the output's
+     last dim is ``out/tp``);
+   * ``"row"``: ``nn.Linear`` -> row-parallel (input's last dim is ``in/tp``; the
+     output is reduced over TP, then the bias is added once);
+   * ``"sequence_parallel"``: ``nn.LayerNorm`` / ``nn.RMSNorm`` kept as they are; with
+     ``sequence_parallel=True`` their gradients are all-reduced over TP (they see only
+     this rank's sequence shard).
+
+   The full weights of the plain modules must be identical on every TP rank (checked,
+   collectively); each rank keeps its slice. New ``Parameter``s are made: build the
+   optimizer after ``wrap``. Plain modules keep returning a single tensor.
+
+Everything is validated before anything is changed: problems (a plan entry that matches
+nothing or the wrong module type, sizes not divisible by the TP size, unsupported
+Megatron features, a different TP group, weights differing across ranks) are reported
+together in ONE ``ValueError``; nothing is skipped silently. Modules neither
+Megatron-style nor named in the plan are left untouched (replicated).
+
+``fp8=recipe`` makes the model's forward run inside ``tp_fuse.autocast(recipe,
+amax_reduction_group=fp8_group)`` (one autocast for the whole forward: one amax
+all-reduce per direction per step); ``overlap`` is the ``TPOverlap`` of every GEMM.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import functools
+from collections.abc import Mapping
+from typing import Any, Literal, Optional
+
+import torch
+import torch.distributed as dist
+
+from tp_fuse.overlap_config import TPOverlap
+from tp_fuse.recipe import Recipe
+
+from .grad_sync import sync_sequence_parallel_grad
+from .parallel_linear import ColumnParallelLinear, RowParallelLinear
+from .sharding import ShardSpec, set_shard_spec, shard_tensor, tp_rank_and_size
+
+__all__ = ["wrap", "ParallelLinearAdapter"]
+
+Style = Literal["column", "row", "sequence_parallel"]
+_STYLES = ("column", "row", "sequence_parallel")
+_COLUMN_ATTRS = ("input_size", "output_size", "output_size_per_partition", "gather_output", "skip_bias_add",
+                 "weight", "bias")
+_ROW_ATTRS = ("input_size", "output_size", "input_size_per_partition", "input_is_parallel", "skip_bias_add",
+              "weight", "bias")
+_NORMS: tuple[type, ...] = tuple(t for t in (torch.nn.LayerNorm, getattr(torch.nn, "RMSNorm", None)) if t)
+
+
+class ParallelLinearAdapter(torch.nn.Module):
+    """A column/row-parallel layer behind ``nn.Linear``'s call interface (returns a tensor).
+
+    Shapes: column ``[..., in] -> [..., out/tp]``; row ``[..., in/tp] -> [..., out]``
+    (first dim split over TP with sequence parallelism, as for the wrapped layers).
+    """
+
+    def __init__(self, layer: torch.nn.Module, in_features: int, out_features: int) -> None:
+        super().__init__()
+        self.layer = layer
+        self.in_features, self.out_features = in_features, out_features
+
+    @property
+    def weight(self) -> torch.nn.Parameter:
+        return self.layer.weight
+
+    @property
+    def bias(self) -> Optional[torch.nn.Parameter]:
+        return self.layer.bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out, _ = self.layer(x)
+        return out
+
+
+def _is_megatron(module: torch.nn.Module, attrs: tuple[str, ...]) -> bool:
+    return all(hasattr(module, a) for a in attrs) and not isinstance(module, (ColumnParallelLinear, RowParallelLinear))
+
+
+def _same_group(a: dist.ProcessGroup, b: dist.ProcessGroup) -> bool:
+    return a is b or dist.get_process_group_ranks(a) == dist.get_process_group_ranks(b)
+
+
+def _megatron_problems(name: str, m: torch.nn.Module, kind: str, tp_group: dist.ProcessGroup,
+                       sequence_parallel: Optional[bool]) -> list[str]:
+    problems = []
+    _, tp = tp_rank_and_size(tp_group)
+    if m.weight is None:
+        problems.append(f"{name}: weight passed at call time (skip_weight_param_allocation) is not supported")
+    for flag in ("is_expert", "explicit_expert_comm", "disable_grad_reduce", "gradient_accumulation_fusion"):
+        if getattr(m, flag, False):
+            problems.append(f"{name}: {flag}=True is not supported")
+    config = getattr(m, "config", None)
+    if config is not None and getattr(config, "defer_embedding_wgrad_compute", False):
+        problems.append(f"{name}: config.defer_embedding_wgrad_compute=True is not supported")
+    group = getattr(m, "tp_group", None)
+    if group is not None and not _same_group(group, tp_group):
+        problems.append(f"{name}: its tp_group (ranks {dist.get_process_group_ranks(group)}) is not the "
+                        f"tp_group given to wrap (ranks {dist.get_process_group_ranks(tp_group)})")
+    if m.weight is not None:
+        if getattr(m.weight, "partition_stride", 1) != 1:
+            problems.append(f"{name}: strided weight partitioning (stride {m.weight.partition_stride}) is not supported")
+        want = ((m.output_size_per_partition, m.input_size) if kind == "column"
+                else (m.output_size, m.input_size_per_partition))
+        if tuple(m.weight.shape) != want:
+            problems.append(f"{name}: weight shape {tuple(m.weight.shape)} is not {want}")
+        per_rank = m.output_size_per_partition if kind == "column" else m.input_size_per_partition
+        full = m.output_size if kind == "column" else m.input_size
+        if per_rank * tp != full:
+            problems.append(f"{name}: {full} features split {per_rank} per rank does not match TP size {tp}")
+    module_sp = bool(getattr(m, "sequence_parallel", False))
+    if sequence_parallel is not None and module_sp != sequence_parallel:
+        problems.append(f"{name}: module has sequence_parallel={module_sp}, wrap was asked for {sequence_parallel}")
+    return problems
+
+
+def _convert_megatron(m: torch.nn.Module, kind: str, tp_group: dist.ProcessGroup,
+                      overlap: Optional[TPOverlap]) -> torch.nn.Module:
+    w = m.weight
+    common = dict(tp_group=tp_group, bias=m.bias is not None, skip_bias_add=bool(m.skip_bias_add),
+                  sequence_parallel=bool(getattr(m, "sequence_parallel", False)), init_method=_no_init,
+                  seed=None, overlap=overlap, dtype=w.dtype, device=w.device)
+    if kind == "column":
+        new: torch.nn.Module = ColumnParallelLinear(m.input_size, m.output_size, gather_output=bool(m.gather_output),
+                                                    **common)
+        spec: Optional[ShardSpec] = ShardSpec(dim=0)
+    else:
+        new = RowParallelLinear(m.input_size, m.output_size, input_is_parallel=bool(m.input_is_parallel),
+                                sync_sequence_parallel_grads=False, **common)
+        spec = ShardSpec(dim=1)
+    # Reuse the very Parameters: optimizers and Megatron's grad buffers keep pointing at them.
+    new.ops.linear.weight = w
+    set_shard_spec(w, spec)
+    if m.bias is not None:
+        owner = new.bias_op if new.bias_op is not None else new.ops.bias
+        sp_tag = getattr(m.bias, "sequence_parallel", None)
+        owner.bias = m.bias
+        set_shard_spec(m.bias, ShardSpec(dim=0) if kind == "column" else None)
+        if sp_tag is not None:
+            m.bias.sequence_parallel = sp_tag  # keep Megatron's tag as it was
+    return new
+
+
+def _no_init(t: torch.Tensor) -> None:
+    """The weight is replaced right after construction: skip drawing random numbers."""
+
+
+def _plain_problems(name: str, m: torch.nn.Module, style: str, tp: int) -> list[str]:
+    if style in ("column", "row"):
+        if type(m) is not torch.nn.Linear:
+            return [f"{name}: plan style {style!r} needs a torch.nn.Linear, got {type(m).__name__}"]
+        if style == "column" and m.out_features % tp:
+            return [f"{name}: out_features ({m.out_features}) is not divisible by the TP size ({tp})"]
+        if style == "row" and m.in_features % tp:
+            return [f"{name}: in_features ({m.in_features}) is not divisible by the TP size ({tp})"]
+        return []
+    if not isinstance(m, _NORMS):
+        return [f"{name}: plan style 'sequence_parallel' needs a LayerNorm/RMSNorm, got {type(m).__name__}"]
+    return []
+
+
+def _convert_plain(m: torch.nn.Linear, style: str, tp_group: dist.ProcessGroup, sequence_parallel: bool,
+                   overlap: Optional[TPOverlap]) -> torch.nn.Module:
+    rank, size = tp_rank_and_size(tp_group)
+    w = m.weight
+    common = dict(tp_group=tp_group, bias=m.bias is not None, sequence_parallel=sequence_parallel,
+                  init_method=_no_init, seed=None, overlap=overlap, dtype=w.dtype, device=w.device)
+    if style == "column":
+        layer: torch.nn.Module = ColumnParallelLinear(m.in_features, m.out_features, **common)
+        wspec, bspec = ShardSpec(dim=0), ShardSpec(dim=0)
+    else:
+        layer = RowParallelLinear(m.in_features, m.out_features, **common)
+        wspec, bspec = ShardSpec(dim=1), None
+    with torch.no_grad():
+        layer.weight.copy_(shard_tensor(w, wspec, rank, size))
+        if m.bias is not None:
+            layer.bias.copy_(shard_tensor(m.bias, bspec, rank, size))
+    return ParallelLinearAdapter(layer, m.in_features, m.out_features)
+
+
+def _check_replicated(named: list[tuple[str, torch.nn.Module]], tp_group: dist.ProcessGroup) -> list[str]:
+    """Full weights must agree across TP ranks (else the shards would not form one model)."""
+    if not named:
+        return []
+    sums = torch.tensor([[float(p.detach().double().sum()), float(p.detach().double().abs().sum())]
+                         for _, m in named for p in m.parameters()], dtype=torch.float64)
+    gathered = [torch.empty_like(sums) for _ in range(dist.get_world_size(tp_group))]
+    dist.all_gather(gathered, sums, group=tp_group)
+    bad = torch.zeros(sums.shape[0], dtype=torch.bool)
+    for g in gathered:
+        bad |= (g != sums).any(dim=1)
+    out, k = [], 0
+    for name, m in named:
+        n = sum(1 for _ in m.parameters())
+        if bool(bad[k:k + n].any()):
+            out.append(f"{name}: parameters differ across TP ranks (seed every rank the same before building the model)")
+        k += n
+    return out
+
+
+def wrap(
+    model: torch.nn.Module,
+    tp_group: dist.ProcessGroup,
+    *,
+    plan: Optional[Mapping[str, Style]] = None,
+    sequence_parallel: Optional[bool] = None,
+    fp8: Optional[Recipe] = None,
+    fp8_group: Optional[dist.ProcessGroup] = None,
+    overlap: Optional[TPOverlap] = None,
+) -> torch.nn.Module:
+    """Convert ``model`` in place (see the module docstring) and return it.
+
+    Args:
+        model: the model; its Megatron-style parallel linears and the modules named in
+            ``plan`` are replaced (the root module itself cannot be).
+        tp_group: the TP process group (collective: call on every rank of it).
+        plan: ``{glob over module names: "column" | "row" | "sequence_parallel"}``.
+        sequence_parallel: for plan modules (default False); for Megatron modules it
+            must agree with theirs if given.
+        fp8: run the model's forward inside ``tp_fuse.autocast(fp8, fp8_group)``.
+        fp8_group: amax reduction group (None: torch's default group, i.e. the world).
+        overlap: ``TPOverlap`` for every converted GEMM and comm op.
+    """
+    if not isinstance(model, torch.nn.Module):
+        raise ValueError(f"wrap: model must be a torch.nn.Module, got {type(model).__name__}")
+    if not isinstance(tp_group, dist.ProcessGroup):
+        raise ValueError(f"wrap: tp_group must be a torch.distributed.ProcessGroup, got {type(tp_group).__name__}")
+    if fp8 is not None and not isinstance(fp8, Recipe):
+        raise ValueError(f"wrap: fp8 must be a tp_fuse.recipe.Recipe or None, got {type(fp8).__name__}")
+    _, tp = tp_rank_and_size(tp_group)
+    plan = dict(plan or {})
+    problems: list[str] = []
+    bad_styles = {g: s for g, s in plan.items() if s not in _STYLES}
+    for glob, style in bad_styles.items():
+        problems.append(f"plan[{glob!r}]: unknown style {style!r}; expected one of {_STYLES}")
+
+    megatron: dict[str, str] = {}
+    planned: dict[str, str] = {}
+    matched_globs: set[str] = set()
+    for name, m in model.named_modules():
+        kind = ("column" if _is_megatron(m, _COLUMN_ATTRS) else "row" if _is_megatron(m, _ROW_ATTRS) else None)
+        styles = {plan[g] for g in plan if g not in bad_styles and fnmatch.fnmatchcase(name, g)}
+        matched_globs |= {g for g in plan if fnmatch.fnmatchcase(name, g)}
+        label = name or "<root>"
+        if kind is not None:
+            if styles:
+                problems.append(f"{label}: Megatron-style {kind}-parallel module is converted automatically; "
+                                f"remove it from the plan")
+            megatron[name] = kind
+            problems += _megatron_problems(label, m, kind, tp_group, sequence_parallel)
+        elif len(styles) > 1:
+            problems.append(f"{label}: matched by plan entries with different styles {sorted(styles)}")
+        elif styles:
+            planned[name] = styles.pop()
+            problems += _plain_problems(label, m, planned[name], tp)
+        if name == "" and (kind is not None or name in planned):
+            problems.append("<root>: the root module itself cannot be replaced in place; wrap its parent")
+    for glob in plan:
+        if glob not in matched_globs:
+            problems.append(f"plan[{glob!r}]: matches no module")
+    modules = dict(model.named_modules())
+    problems += _check_replicated([(n, modules[n]) for n, s in planned.items() if s in ("column", "row")], tp_group)
+    if problems:
+        raise ValueError("wrap: cannot convert the model:\n  - " + "\n  - ".join(problems))
+
+    sp = bool(sequence_parallel)
+    for name, kind in megatron.items():
+        _replace(model, name, _convert_megatron(modules[name], kind, tp_group, overlap))
+    for name, style in planned.items():
+        m = modules[name]
+        if style == "sequence_parallel":
+            if sp:
+                for p in m.parameters():
+                    sync_sequence_parallel_grad(p, tp_group)
+            continue
+        _replace(model, name, _convert_plain(m, style, tp_group, sp, overlap))
+    if fp8 is not None:
+        _run_forward_in_autocast(model, fp8, fp8_group)
+    return model
+
+
+def _replace(root: torch.nn.Module, name: str, new: torch.nn.Module) -> None:
+    parent_name, _, child = name.rpartition(".")
+    parent = root.get_submodule(parent_name) if parent_name else root
+    setattr(parent, child, new)
+
+
+def _run_forward_in_autocast(model: torch.nn.Module, recipe: Recipe, group: Optional[dist.ProcessGroup]) -> None:
+    from tp_fuse.quantization import autocast
+
+    if getattr(model, "_tp_fuse_fp8_recipe", None) is not None:
+        raise ValueError("wrap: the model's forward already runs under an FP8 autocast from an earlier wrap()")
+    inner = model.forward
+
+    @functools.wraps(inner)
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        with autocast(recipe=recipe, amax_reduction_group=group):
+            return inner(*args, **kwargs)
+
+    model.forward = forward  # instance attribute: nn.Module.__call__ picks it up
+    model._tp_fuse_fp8_recipe = recipe
