@@ -1,0 +1,72 @@
+"""Model, FP8 recipe and overlap objects built from the typed config."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from typing import Any, Optional
+
+import torch
+
+from layers import GPT, GPTConfig
+from tp_fuse import autocast
+from tp_fuse.overlap_config import OverlapConfig as TPOverlapConfig
+from tp_fuse.overlap_config import TPOverlap
+from tp_fuse.recipe import DelayedScaling, Float8CurrentScaling, Format, Recipe
+
+from .config import FP8Config, OverlapConfig, TrainConfig
+from .runtime import Runtime
+
+__all__ = ["ModelFactory", "build_model", "build_overlap", "build_recipe", "fp8_autocast"]
+
+#: ``factory(gpt_config, tp_group=..., sequence_parallel=..., dtype=..., device=..., seed=..., overlap=...)``
+ModelFactory = Callable[..., torch.nn.Module]
+
+
+def build_recipe(cfg: FP8Config) -> Optional[Recipe]:
+    """The tp_fuse recipe for ``fp8=...`` (None for ``fp8=none``)."""
+    fmt = Format[cfg.format]
+    if cfg.recipe == "delayed":
+        return DelayedScaling(
+            margin=cfg.margin,
+            fp8_format=fmt,
+            amax_history_len=cfg.amax_history_len,
+            amax_compute_algo=cfg.amax_compute_algo,
+        )
+    if cfg.recipe == "current":
+        return Float8CurrentScaling(fp8_format=fmt, power_2_scale=cfg.power_2_scale)
+    return None
+
+
+def build_overlap(cfg: OverlapConfig) -> TPOverlap:
+    """``overlap=on``: Megatron-default methods or the given ``tp_comm_overlap_cfg`` YAML;
+    ``overlap=off``: an explicitly disabled config (the layers' default would be on)."""
+    if not cfg.enabled:
+        return TPOverlap(TPOverlapConfig(enabled=False))
+    if cfg.config is not None:
+        return TPOverlap(TPOverlapConfig.from_yaml(cfg.config))
+    return TPOverlap(TPOverlapConfig())
+
+
+def build_model(cfg: TrainConfig, rt: Runtime, factory: Optional[ModelFactory] = None) -> torch.nn.Module:
+    """``layers.GPT`` (or ``factory``) for this rank's TP shard."""
+    factory = factory or GPT
+    tp_group = rt.topology.tp_group if rt.layout.tp > 1 else None
+    model = factory(
+        GPTConfig(**vars(cfg.model.gpt)),
+        tp_group=tp_group,
+        sequence_parallel=cfg.parallel.sequence_parallel,
+        dtype=rt.dtype,
+        device=rt.device,
+        seed=cfg.trainer.seed,
+        overlap=build_overlap(cfg.overlap),
+    )
+    model.train()
+    return model
+
+
+def fp8_autocast(recipe: Optional[Recipe], group: Any) -> contextlib.AbstractContextManager:
+    """``tp_fuse.autocast`` around a forward pass, or nothing when FP8 is off."""
+    if recipe is None:
+        return contextlib.nullcontext()
+    return autocast(recipe=recipe, amax_reduction_group=group)

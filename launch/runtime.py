@@ -1,0 +1,171 @@
+"""Process start-up for a training run: run directory, process groups, device, dtype.
+
+Run directory. Hydra picks ``outputs/<date>/<time>`` in every process; under
+torchrun the ranks would disagree by a second and each write its own files. So:
+
+* :func:`rank_overrides` (applied to ``sys.argv`` before Hydra starts) tells Hydra on
+  ranks != 0 to create nothing (no ``.hydra/`` dir, no log file, run dir ``.``).
+* Under torchrun, when the user did not set ``hydra.run.dir``, every rank gets the same
+  deterministic default derived from the torchrun agent (its PID and start time, read
+  from ``/proc``): identical on all local ranks, and the same after an elastic restart
+  (the agent survives restarts), so a restarted run continues in its directory and
+  finds its checkpoints.
+* After the process group exists, rank 0's run directory is broadcast and is the only
+  one used (:func:`start`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import sys
+import time
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from comm import DistributedContext, ParallelTopology, init_distributed
+
+from .config import ParallelLayout, TrainConfig
+
+__all__ = ["Runtime", "env_rank", "env_world_size", "rank_overrides", "restart_count", "start"]
+
+
+def env_rank() -> int:
+    """This process's global rank from torchrun's environment (0 without torchrun)."""
+    return int(os.environ.get("RANK", "0"))
+
+
+def env_world_size() -> int:
+    """World size from torchrun's environment (1 without torchrun)."""
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def restart_count() -> int:
+    """How many times torchrun restarted the workers (0 on the first attempt)."""
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+
+
+def _agent_stamp() -> Optional[str]:
+    """``<date>/<time>-<pid>`` of the torchrun agent (our parent), or None off Linux.
+
+    Wall-clock start = boot time (``/proc/stat`` btime) + the parent's start tick
+    (``/proc/<ppid>/stat`` field 22) / ``CLK_TCK``.
+    """
+    ppid = os.getppid()
+    try:
+        with open(f"/proc/{ppid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        start_ticks = int(fields[19])  # field 22 overall; fields[0] is field 3
+        with open("/proc/stat") as f:
+            btime = next(int(line.split()[1]) for line in f if line.startswith("btime "))
+        start = btime + start_ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError, StopIteration):
+        return None
+    return time.strftime("%Y-%m-%d/%H-%M-%S", time.localtime(start)) + f"-{ppid}"
+
+
+def rank_overrides(argv: list[str]) -> list[str]:
+    """Extra Hydra overrides for this process (appended after the user's)."""
+    if "TORCHELASTIC_RESTART_COUNT" not in os.environ and "RANK" not in os.environ:
+        return []  # plain `python launch/train.py`: Hydra's defaults
+    user_set_dir = any(a.startswith(("hydra.run.dir=", "++hydra.run.dir=")) for a in argv)
+    if env_rank() != 0:
+        # Ranks != 0 create nothing; rank 0's directory is broadcast after start-up.
+        return [
+            "hydra.run.dir=.",
+            "hydra.output_subdir=null",
+            "hydra/job_logging=disabled",
+            "hydra/hydra_logging=disabled",
+        ]
+    if user_set_dir:
+        return []
+    stamp = _agent_stamp()
+    return [f"hydra.run.dir=outputs/{stamp}"] if stamp is not None else []
+
+
+@dataclasses.dataclass
+class Runtime:
+    """Everything process-level a training run needs, created once by :func:`start`.
+
+    Attributes:
+        dist: the process-group context (shut down by :meth:`shutdown`).
+        topology: (dp, tp) layout with the TP/DP/FP8 groups.
+        layout: the validated sizes.
+        device, dtype: where and in what precision the model computes.
+        run_dir: the run directory shared by all ranks (absolute).
+    """
+
+    dist: DistributedContext
+    topology: ParallelTopology
+    layout: ParallelLayout
+    device: torch.device
+    dtype: torch.dtype
+    run_dir: str
+
+    @property
+    def rank(self) -> int:
+        return self.dist.rank
+
+    @property
+    def is_rank0(self) -> bool:
+        return self.dist.rank == 0
+
+    def barrier(self) -> None:
+        dist.barrier(group=self.topology.world_group)
+
+    def shutdown(self) -> None:
+        self.dist.shutdown()
+
+
+def _device_type(requested: str) -> str:
+    if requested == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if requested == "cuda" and not torch.cuda.is_available():
+        raise ValueError("trainer.device=cuda but CUDA is not available (use trainer.device=auto or cpu)")
+    return requested
+
+
+def _dtype(requested: str, device_type: str) -> torch.dtype:
+    if requested == "auto":
+        return torch.bfloat16 if device_type == "cuda" else torch.float32
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16}[requested]
+
+
+def start(cfg: TrainConfig, layout: ParallelLayout, proposed_run_dir: str) -> Runtime:
+    """Initialize process groups and the topology; agree on rank 0's run directory.
+
+    ``layout`` was validated against torchrun's ``WORLD_SIZE`` before this call; a
+    mismatch with the actual group is an internal error of the launch environment.
+    """
+    device_type = _device_type(cfg.trainer.device)
+    ctx = init_distributed(device_type=device_type)
+    if ctx.world_size != layout.world_size:
+        ctx.shutdown()
+        raise ValueError(
+            f"the process group has {ctx.world_size} ranks but WORLD_SIZE said {layout.world_size}"
+        )
+    topology = ParallelTopology(tp=layout.tp, dp=layout.dp, device_type=ctx.device.type)
+    box = [os.path.abspath(proposed_run_dir)]
+    if ctx.world_size > 1:
+        dist.broadcast_object_list(box, src=0)
+    run_dir = box[0]
+    if ctx.rank == 0:
+        os.makedirs(run_dir, exist_ok=True)
+    if ctx.world_size > 1:
+        dist.barrier()
+    if ctx.device.type == "cuda":
+        torch.cuda.set_device(ctx.device)
+    print_rank0 = ctx.rank == 0
+    if print_rank0:
+        print(f"[tp-fuse] {topology} device={ctx.device} backend={ctx.backend} run_dir={run_dir}",
+              file=sys.stderr, flush=True)
+    return Runtime(
+        dist=ctx,
+        topology=topology,
+        layout=layout,
+        device=ctx.device,
+        dtype=_dtype(cfg.trainer.dtype, ctx.device.type),
+        run_dir=run_dir,
+    )
