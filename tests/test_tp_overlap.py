@@ -142,6 +142,7 @@ def _expect_fused(seq, fwd: Optional[str], bwd: Optional[str], what: str) -> Non
 _FWD = {"col": "UserbuffersForwardLinear", "row": "UserbuffersForwardLinear", "ar": "UserbuffersForwardLinearAllReduce"}
 _BWD = {"col": "UserbuffersBackwardLinear", "row": "UserbuffersBackwardLinear", "ar": None}
 _NAME = {"col": "fc1", "row": "fc2", "ar": "proj"}
+_TOPIC = {"col": "column", "row": "row", "ar": "all_reduce"}
 
 
 class Runner:
@@ -201,20 +202,23 @@ def _unfused() -> "Any":
 
 
 def _hp_case(case: Case, r: int, group, cfg, label: str, *, save: bool = False, via_linear: bool = False,
-             expect=("fused", "fused"), steps: int = 2) -> None:
+             expect=("fused", "fused"), steps: int = 2, dtype: torch.dtype = torch.float32) -> None:
     """Fused (by ``cfg``) vs unfused vs float64, over ``steps`` steps (workspaces reused)."""
+    from tolerances import tols
     from tp_fuse.overlap_config import TPOverlap
 
     name = _NAME[case.kind]
-    seq_f, lin_f, b_f = case.build(r, group, TPOverlap(cfg, save_gathered_input=save), name, via_linear=via_linear)
-    seq_u, lin_u, b_u = case.build(r, group, _unfused(), name)
+    seq_f, lin_f, b_f = case.build(r, group, TPOverlap(cfg, save_gathered_input=save), name, dtype, via_linear)
+    seq_u, lin_u, b_u = case.build(r, group, _unfused(), name, dtype)
     ref = case.reference(r)
+    # bf16: the fused GEMM adds the bias in its epilogue, the unfused ops after a rounding.
+    rtol = RTOL if dtype == torch.float32 else 2 * tols(dtype)["rtol"]
     for step in range(steps):
-        got = _step(seq_f, lin_f, b_f, case.x[r], case.dy[r])
-        base = _step(seq_u, lin_u, b_u, case.x[r], case.dy[r])
+        got = _step(seq_f, lin_f, b_f, case.x[r], case.dy[r], dtype)
+        base = _step(seq_u, lin_u, b_u, case.x[r], case.dy[r], dtype)
         for k in ref:
-            _close(got[k], base[k], f"{label} step {step} {k}: fused vs unfused")
-            _close(got[k], ref[k], f"{label} step {step} {k}: fused vs float64")
+            _close(got[k], base[k], f"{label} step {step} {k}: fused vs unfused", rtol)
+            _close(got[k], ref[k], f"{label} step {step} {k}: fused vs float64", rtol)
     fwd = _FWD[case.kind] if expect[0] == "fused" else None
     bwd = _BWD[case.kind] if expect[1] == "fused" else None
     _expect_fused(seq_f, fwd, bwd, label)
@@ -247,6 +251,13 @@ def _hp_cases(run: Runner, r: int, tp: int, group, tag: str, full: bool = True) 
                 cfg = _config("row", fprop={"method": method, "num_splits": splits})
                 label = f"{tag} row {(m, mid, fin, fout)} bias={bias} fprop={method}/{splits}"
                 run.run("row", label, lambda: _hp_case(case, r, group, cfg, label, via_linear=splits == 2))
+    for kind, shape in (("col", (4, (2,), 16, 8)), ("row", (4, (), 16, 8))):
+        if not full:
+            break
+        case = Case(kind, tp, *shape, True, seed=2500)
+        cfg = _config(kind, dgrad={"method": "pipeline", "num_splits": 2}) if kind == "col" else _config(kind)
+        label = f"{tag} {kind} bf16 {shape}"
+        run.run(_TOPIC[kind], label, lambda: _hp_case(case, r, group, cfg, label, dtype=torch.bfloat16))
     for si, (m, mid, fin, fout) in enumerate([(5, (), 6, 4), (2, (2,), 3, 5)][: 2 if full else 1]):
         for bias in (True, False):
             case = Case("ar", tp, m, mid, fin, fout, bias, seed=2000 + 10 * si)
@@ -673,11 +684,11 @@ def _check(results: list[dict], topic: str, min_cases: int) -> None:
 
 
 def test_column_parallel_fp32_matches_unfused_and_float64(results_2):
-    _check(results_2, "column", 36)
+    _check(results_2, "column", 37)
 
 
 def test_row_parallel_fp32_matches_unfused_and_float64(results_2):
-    _check(results_2, "row", 30)
+    _check(results_2, "row", 31)
 
 
 def test_all_reduce_fp32_matches_unfused_and_float64(results_2):

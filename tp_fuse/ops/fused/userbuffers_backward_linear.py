@@ -208,9 +208,9 @@ class UserbuffersBackwardLinear(FusedOperation):
 
         if entry.method == "bulk":
             if self.wgrad_plan is not None and need_dw:
-                dx2d, dw = comm.bulk_overlap(lambda: comm.reduce_scatter_dim0_async(dx2d, group), wgrad)
+                dx2d, dw = comm.bulk_overlap(lambda: comm.reduce_scatter_dim0_async(dx2d, group, pool=pool), wgrad)
             else:
-                dx2d, dw = comm.reduce_scatter_dim0(dx2d, group), wgrad()
+                dx2d, dw = comm.reduce_scatter_dim0(dx2d, group, pool=pool), wgrad()
         else:
             dw = wgrad()
         dx = dx2d.view(dy.shape[0] // tp, *dy.shape[1:-1], linear.in_features)
