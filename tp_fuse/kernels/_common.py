@@ -1,12 +1,23 @@
-"""Argument checks and the torch-side FP8 cast shared by all kernels.
+"""Argument checks and the torch-side math shared by all kernels.
 
 The torch functions here define the semantics that the Triton kernels reproduce:
 
-* ``fp8_cast(v, scale, fp8_dtype)``: ``clamp(v * scale, -fp8_max, fp8_max)`` in fp32,
-  then torch's round-to-nearest-even ``.to(fp8_dtype)``. Saturating: +-inf map to
-  +-fp8_max; NaN stays NaN (byte ``0x7F | sign``, which is what torch emits).
+* ``fp8_cast(v, scale, fp8_dtype)``: ``clamp(v * scale, -fp8_max, fp8_max)`` in fp32
+  (float64 for float64 ``v``), then torch's round-to-nearest-even ``.to(fp8_dtype)``.
+  Saturating: +-inf map to +-fp8_max; NaN stays NaN (byte ``0x7F | sign``, which is
+  what torch emits).
 * ``abs_max(v)``: ``max(|v|)`` as an fp32 0-d tensor, NaN if any element is NaN, 0 for
   an empty tensor.
+
+Dtypes: the Triton kernels take fp32 / bf16 / fp16 and compute in fp32. The torch path
+also takes float64 and then computes in float64 (``compute_dtype``), so that float64
+models (used as references in tests) keep their precision through the same functions;
+``triton_dtype_issue`` routes such inputs to torch.
+
+The torch path is written for CPU speed: few passes, in-place updates of temporaries
+it owns, aten's fused kernels where their semantics match. The Triton kernels evaluate
+the same functions; results agree within rounding (fp32 tolerance, one FP8 step), and
+casts of the same fp32 values are bit-identical.
 """
 
 from __future__ import annotations
@@ -16,14 +27,35 @@ from typing import Optional
 import torch
 
 FP8_MAX = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
+#: Dtypes the Triton kernels read and write.
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+#: Dtypes the torch path reads and writes (float64 computes in float64).
+TORCH_FLOAT_DTYPES = FLOAT_DTYPES + (torch.float64,)
+
+
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Dtype of the internal math: float64 stays float64, everything narrower is fp32."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def upcast(t: torch.Tensor) -> torch.Tensor:
+    """``t`` in its compute dtype; no copy when it already is (fp32 / float64)."""
+    cdtype = compute_dtype(t.dtype)
+    return t if t.dtype == cdtype else t.to(cdtype)
+
+
+def triton_dtype_issue(*dtypes: Optional[torch.dtype]) -> Optional[str]:
+    """Why the Triton kernels cannot take these dtypes (float64), or None."""
+    if torch.float64 in dtypes:
+        return "float64 tensors: the Triton kernels compute in fp32 (the torch path keeps float64)"
+    return None
 
 
 def check_float(name: str, t: torch.Tensor, *, min_dim: int = 1) -> None:
     if not isinstance(t, torch.Tensor):
         raise ValueError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
-    if t.dtype not in FLOAT_DTYPES:
-        raise ValueError(f"{name}: expected dtype in {FLOAT_DTYPES}, got {t.dtype}")
+    if t.dtype not in TORCH_FLOAT_DTYPES:
+        raise ValueError(f"{name}: expected dtype in {TORCH_FLOAT_DTYPES}, got {t.dtype}")
     if t.dim() < min_dim:
         raise ValueError(f"{name}: expected at least {min_dim} dimension(s), got shape {tuple(t.shape)}")
 
@@ -71,12 +103,25 @@ def rows_2d(x: torch.Tensor) -> torch.Tensor:
     return x.reshape(-1, x.shape[-1]) if x.dim() != 2 else x
 
 
-def fp8_cast(v: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dtype) -> torch.Tensor:
-    """Saturating RTNE cast of fp32 ``v * scale`` to ``fp8_dtype`` (see module doc)."""
+def fp8_cast(
+    v: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dtype, *, overwrite: bool = False
+) -> torch.Tensor:
+    """Saturating RTNE cast of ``v * scale`` (fp32, or float64 for float64 ``v``) to ``fp8_dtype``.
+
+    ``overwrite=True`` lets the cast scale ``v`` in place when it already is in its
+    compute dtype: callers pass temporaries they own, saving a full-size allocation.
+    """
     fp8_max = FP8_MAX[fp8_dtype]
+    cdtype = compute_dtype(v.dtype)
+    if v.dtype != cdtype:
+        t = v.to(cdtype).mul_(scale.reshape(()))
+    elif overwrite:
+        t = v.mul_(scale.reshape(()))
+    else:
+        t = v * scale.reshape(())
     # torch's .to(float8) is not saturating (e4m3: >= 464 becomes NaN; e5m2: overflow
-    # becomes inf), hence the clamp; torch.clamp keeps NaN as NaN.
-    return torch.clamp(v.float() * scale.reshape(()), -fp8_max, fp8_max).to(fp8_dtype)
+    # becomes inf), hence the clamp; clamp keeps NaN as NaN.
+    return t.clamp_(-fp8_max, fp8_max).to(fp8_dtype)
 
 
 def abs_max(v: torch.Tensor) -> torch.Tensor:
@@ -89,11 +134,12 @@ def abs_max(v: torch.Tensor) -> torch.Tensor:
 def finish_output(
     v: torch.Tensor, out_dtype: torch.dtype, scale: Optional[torch.Tensor], fp8_dtype: Optional[torch.dtype]
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """fp32 result -> (contiguous output in ``out_dtype`` or FP8, amax of the fp32 result)."""
+    """Result ``v`` in its compute dtype, owned by the caller (it may be overwritten) ->
+    (contiguous output in ``out_dtype`` or FP8, amax of ``v``)."""
     amax = abs_max(v)
     # Elementwise ops keep the input's strides; outputs are contiguous like Triton's.
     if fp8_dtype is not None:
-        return fp8_cast(v, scale, fp8_dtype).contiguous(), amax
+        return fp8_cast(v, scale, fp8_dtype, overwrite=True).contiguous(), amax
     return v.to(out_dtype).contiguous(), amax
 
 
@@ -104,31 +150,25 @@ GELU_K = 0.7978845608028654  # sqrt(2 / pi)
 GELU_C = 0.044715
 
 
-def sigmoid_parts(z: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """fp32 ``(sigmoid(z), 1 - sigmoid(z))``, both without cancellation or overflow.
+def gelu_torch(x: torch.Tensor) -> torch.Tensor:
+    """``x * sigmoid(2u)``, ``u = k (x + c x^3)``, as a new tensor in x's dtype.
 
-    With ``e = exp(-|z|)`` (never overflows) and ``r = 1 / (1 + e)``: for z >= 0,
-    ``s = r`` and ``1 - s = e r``; for z < 0 the two swap. Written out (not
-    torch.sigmoid) so that the torch and Triton backends evaluate the same formula.
+    Five passes, the last three in place. ``torch.sigmoid`` is ``1 / (1 + exp(-z))``:
+    accurate in both tails (no cancellation; exp overflow gives exactly 0).
     """
-    e = torch.exp(-z.abs())
-    r = 1.0 / (1.0 + e)
-    er = e * r
-    pos = z >= 0
-    return torch.where(pos, r, er), torch.where(pos, er, r)
+    z = torch.addcmul(x, x * x, x, value=GELU_C)  # x + c x^3
+    return z.mul_(2.0 * GELU_K).sigmoid_().mul_(x)
 
 
-def gelu_parts(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """fp32 ``(s, 1 - s)`` with ``s = sigmoid(2u)``, ``u = k (x + c x^3)``."""
-    return sigmoid_parts((2.0 * GELU_K) * (x + GELU_C * (x * x * x)))
+def dgelu_torch(x: torch.Tensor) -> torch.Tensor:
+    """d/dx gelu_tanh(x) = s (1 + 2k x (1 + 3c x^2) (1 - s)), ``s = sigmoid(2u)``.
 
-
-def gelu_fp32(x: torch.Tensor) -> torch.Tensor:
-    s, _ = gelu_parts(x)
-    return x * s
-
-
-def dgelu_fp32(x: torch.Tensor) -> torch.Tensor:
-    """d/dx gelu_tanh(x) = s + 2 x s (1 - s) k (1 + 3 c x^2), s = sigmoid(2u)."""
-    s, one_minus_s = gelu_parts(x)
-    return s + 2.0 * x * s * one_minus_s * GELU_K * (1.0 + (3.0 * GELU_C) * x * x)
+    ``1 - s`` is evaluated as ``sigmoid(-2u)``: ``1 - s`` itself would cancel for large
+    positive x, costing up to ~x ulps in the result.
+    """
+    x2 = x * x
+    z = torch.addcmul(x, x2, x, value=GELU_C).mul_(2.0 * GELU_K)  # 2u
+    s = torch.sigmoid(z)
+    one_minus_s = z.neg_().sigmoid_()
+    t = x2.mul_(6.0 * GELU_C * GELU_K).add_(2.0 * GELU_K)  # 2k (1 + 3c x^2)
+    return t.mul_(x).mul_(one_minus_s).add_(1.0).mul_(s)

@@ -14,8 +14,15 @@ Definitions (fp32 math; ``s(z) = 1 / (1 + exp(-z))``):
     swiglu(x) = silu(x1) * x2,  x = [x1 | x2] split in halves along the last dim,
                 silu(a) = a s(a),  silu'(a) = s(a) (1 + a (1 - s(a)))
 
-sigmoid and 1 - sigmoid are evaluated by ``_common.sigmoid_parts`` (no overflow, no
-cancellation); both backends evaluate the same formulas in the same order.
+Both backends avoid overflow and cancellation: the Triton kernels evaluate sigmoid and
+1 - sigmoid from ``exp(-|z|)`` (``_triton_common.sigmoid_parts``); the torch path uses
+``torch.sigmoid(z)`` and ``torch.sigmoid(-z)`` (aten's vectorized kernels, the fast CPU
+path), with in-place updates of its own temporaries. Results agree within rounding.
+
+Dtypes: fp32 / bf16 / fp16 everywhere, float64 on the torch path (computed in float64).
+Bias gradient (``dgelu_dbias``): the torch path sums the ``dx`` it returns (in grad's
+dtype) exactly as ``tp_fuse.ops.Bias`` does, so the fused backward op is bit-identical
+to the basic ops; the Triton kernel sums the fp32 ``dx`` before rounding.
 """
 
 from __future__ import annotations
@@ -23,16 +30,20 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
+import torch.nn.functional as F
 
 from . import dispatch
 from ._common import (
+    abs_max,
     check_float,
     check_quant_args,
-    dgelu_fp32,
+    compute_dtype,
+    dgelu_torch,
     finish_output,
-    gelu_fp32,
+    gelu_torch,
     rows_2d,
-    sigmoid_parts,
+    triton_dtype_issue,
+    upcast,
 )
 
 __all__ = ["dgelu_dbias", "dswiglu", "gelu_fwd", "swiglu_fwd"]
@@ -49,9 +60,9 @@ def gelu_fwd(
     quantizing (``clamp(y32 * scale)``, RTNE). Returns ``(y, amax)``, amax = max |y32|."""
     check_float("x", x)
     quant = check_quant_args(scale, fp8_dtype, x.device)
-    choice = dispatch.select_backend("gelu_fwd", x.device, backend)
+    choice = dispatch.select_backend("gelu_fwd", x.device, backend, triton_unsupported=triton_dtype_issue(x.dtype))
     if choice.backend == "torch":
-        y, amax = finish_output(gelu_fp32(x.float()), x.dtype, scale, fp8_dtype)
+        y, amax = finish_output(gelu_torch(upcast(x)), x.dtype, scale, fp8_dtype)
         variant = "reference"
     else:
         from . import activations_triton as kt
@@ -73,11 +84,11 @@ def swiglu_fwd(
     ``y`` in x.dtype, or fp8_dtype when quantizing. Returns ``(y, amax)``."""
     _check_glu_input("x", x)
     quant = check_quant_args(scale, fp8_dtype, x.device)
-    choice = dispatch.select_backend("swiglu_fwd", x.device, backend)
+    choice = dispatch.select_backend("swiglu_fwd", x.device, backend, triton_unsupported=triton_dtype_issue(x.dtype))
     if choice.backend == "torch":
-        x1, x2 = rows_2d(x).float().chunk(2, dim=-1)  # [rows, n] each
-        s, _ = sigmoid_parts(x1)
-        y32 = x1 * s * x2
+        x1, x2 = upcast(rows_2d(x)).chunk(2, dim=-1)  # [rows, n] each, views
+        # silu(a) = a / (1 + exp(-a)): accurate in both tails.
+        y32 = F.silu(x1).mul_(x2)
         y, amax = finish_output(y32, x.dtype, scale, fp8_dtype)
         y = y.reshape(*x.shape[:-1], x.shape[-1] // 2)
         variant = "reference"
@@ -103,8 +114,11 @@ def dgelu_dbias(
 
         grad, x  [..., n]   any float dtypes, same shape
         dx       [..., n]   grad.dtype, or fp8_dtype when quantizing
-        dbias    [n]        grad.dtype; sum of the fp32 dx over all leading dims,
-                            accumulated in fp32 (before any quantization)
+        dbias    [n]        grad.dtype; sum of dx over all leading dims, accumulated in
+                            fp32 (float64 for float64 grad), before any quantization.
+                            torch path: the sum of dx rounded to grad.dtype, computed
+                            like ``tp_fuse.ops.Bias``'s backward (bit-identical to it);
+                            Triton: the sum of the fp32 dx (equal within rounding).
         amax     []         fp32, max |dx32|
 
     ``dx32 = grad * gelu'(x)``. Returns ``(dx, dbias, amax)``.
@@ -113,11 +127,23 @@ def dgelu_dbias(
     check_float("x", x)
     _check_same_shape(grad, x)
     quant = check_quant_args(scale, fp8_dtype, x.device)
-    choice = dispatch.select_backend("dgelu_dbias", x.device, backend)
+    choice = dispatch.select_backend(
+        "dgelu_dbias", x.device, backend, triton_unsupported=triton_dtype_issue(grad.dtype, x.dtype)
+    )
     if choice.backend == "torch":
-        dx32 = rows_2d(grad).float() * dgelu_fp32(rows_2d(x).float())  # [rows, n]
-        dbias = dx32.sum(0).to(grad.dtype)
-        dx, amax = finish_output(dx32, grad.dtype, scale, fp8_dtype)
+        cdtype = compute_dtype(grad.dtype)
+        wide = torch.promote_types(cdtype, compute_dtype(x.dtype))  # float64 if either is
+        dx32 = dgelu_torch(rows_2d(x).to(wide)).mul_(rows_2d(grad))  # [rows, n], owned
+        if dx32.dtype != cdtype:
+            dx32 = dx32.to(cdtype)
+        # dbias as Bias.bias_grad computes it from the dx it would receive: the
+        # high-precision dx (rounded to grad.dtype), summed in the compute dtype.
+        dx_hp = dx32.to(grad.dtype)
+        dbias = dx_hp.sum(dim=0, dtype=cdtype).to(grad.dtype)
+        if fp8_dtype is None:
+            dx, amax = dx_hp.contiguous(), abs_max(dx32)
+        else:
+            dx, amax = finish_output(dx32, grad.dtype, scale, fp8_dtype)
         dx = dx.reshape(x.shape)
         variant = "reference"
     else:
@@ -156,12 +182,18 @@ def dswiglu(
     if grad.device != x.device:
         raise ValueError(f"grad: expected a tensor on {x.device}, got one on {grad.device}")
     quant = check_quant_args(scale, fp8_dtype, x.device)
-    choice = dispatch.select_backend("dswiglu", x.device, backend)
+    choice = dispatch.select_backend(
+        "dswiglu", x.device, backend, triton_unsupported=triton_dtype_issue(grad.dtype, x.dtype)
+    )
     if choice.backend == "torch":
-        g = rows_2d(grad).float()  # [rows, n]
-        x1, x2 = rows_2d(x).float().chunk(2, dim=-1)
-        s, one_minus_s = sigmoid_parts(x1)
-        dx32 = torch.cat([g * x2 * (s * (1.0 + x1 * one_minus_s)), g * (x1 * s)], dim=-1)
+        g = upcast(rows_2d(grad))  # [rows, n]
+        x1, x2 = upcast(rows_2d(x)).chunk(2, dim=-1)  # [rows, n] each, views
+        s = torch.sigmoid(x1)
+        one_minus_s = torch.neg(x1).sigmoid_()  # 1 - s without cancellation
+        dx32 = torch.empty((g.shape[0], 2 * g.shape[1]), dtype=torch.promote_types(g.dtype, x1.dtype), device=x.device)
+        d1, d2 = dx32.chunk(2, dim=-1)  # halves of the output, written in place
+        torch.mul(x1, one_minus_s, out=d1).add_(1.0).mul_(s).mul_(x2).mul_(g)  # g x2 s (1 + x1 (1 - s))
+        torch.mul(x1, s, out=d2).mul_(g)  # g silu(x1)
         dx, amax = finish_output(dx32, grad.dtype, scale, fp8_dtype)
         dx = dx.reshape(x.shape)
         variant = "reference"

@@ -13,7 +13,7 @@ from typing import Optional
 import torch
 
 from . import dispatch
-from ._common import abs_max, check_float, check_fp8_dtype, check_scale, fp8_cast, rows_2d
+from ._common import abs_max, check_float, check_fp8_dtype, check_scale, fp8_cast, rows_2d, triton_dtype_issue
 
 __all__ = ["quantize"]
 
@@ -30,13 +30,14 @@ def quantize(
 
     Shapes (``x`` viewed as 2-D ``[rows, cols]``, ``cols = x.shape[-1]``)::
 
-        x      [..., cols]   fp32 / bf16 / fp16, any strides
+        x      [..., cols]   fp32 / bf16 / fp16 (float64: torch path), any strides
         scale  []            fp32 (quantization scale: fp8 = x * scale)
         data   [..., cols]   fp8_dtype, contiguous
         data_t [cols, rows]  fp8_dtype, contiguous (only with ``transpose=True``)
         amax   []            fp32
 
     Semantics: ``data = clamp(x.float() * scale, -fp8_max, fp8_max).to(fp8_dtype)``
+    (the product in float64 for float64 ``x``)
     with round-to-nearest-even; saturating (inf -> +-fp8_max), NaN stays NaN.
     ``data_t = data.reshape(rows, cols).T``. ``amax = max(|x|)`` (NaN if ``x`` has a
     NaN, 0 if ``x`` is empty), of ``x`` itself, not of the scaled values.
@@ -47,7 +48,7 @@ def quantize(
     check_float("x", x)
     check_fp8_dtype("fp8_dtype", fp8_dtype)
     check_scale("scale", scale, x.device)
-    choice = dispatch.select_backend("quantize", x.device, backend)
+    choice = dispatch.select_backend("quantize", x.device, backend, triton_unsupported=triton_dtype_issue(x.dtype))
     if choice.backend == "torch":
         out = _quantize_torch(x, scale, fp8_dtype, transpose)
         variant = "reference"

@@ -19,7 +19,15 @@ from typing import Optional
 import torch
 
 from . import dispatch
-from ._common import FLOAT_DTYPES, FP8_MAX, check_scale, check_vector, gelu_fp32
+from ._common import (
+    FP8_MAX,
+    TORCH_FLOAT_DTYPES,
+    check_scale,
+    check_vector,
+    compute_dtype,
+    gelu_torch,
+    triton_dtype_issue,
+)
 
 __all__ = ["fp8_gemm"]
 
@@ -44,11 +52,13 @@ def fp8_gemm(
         scale_a  []      fp32 dequantization scale of a (scale_inv: real = fp8 * scale_a)
         scale_b  []      fp32 dequantization scale of b
         bias     [N]     optional, any float dtype, added in fp32
-        out      [M, N]  out_dtype (fp32 / bf16 / fp16)
+        out      [M, N]  out_dtype (fp32 / bf16 / fp16; float64 on the torch path)
         pre_gelu_out [M, N]  out_dtype when gelu=True, else None
 
     The torch backend is ``torch._scaled_mm`` (CPU and CUDA; on CUDA cuBLAS requires
-    M, N, K multiples of 16 and may restrict the bias dtype) followed by the GELU. The
+    M, N, K multiples of 16 and fuses a bias only for 16-bit outputs, in the output
+    dtype: there the bias is rounded to out_dtype first, and for fp32 outputs it is
+    added after the GEMM) followed by the GELU. The
     Triton backend is a tiled kernel: TMA tensor-descriptor loads on Hopper when the
     installed triton has them, pointer loads otherwise; ``record_kernel_paths`` shows
     which ("tma" / "pointer[...reason...]").
@@ -65,11 +75,12 @@ def fp8_gemm(
         raise ValueError(f"b: expected a tensor on {a.device}, got one on {b.device}")
     check_scale("scale_a", scale_a, a.device)
     check_scale("scale_b", scale_b, a.device)
-    if out_dtype not in FLOAT_DTYPES:
-        raise ValueError(f"out_dtype: expected one of {FLOAT_DTYPES}, got {out_dtype}")
+    if out_dtype not in TORCH_FLOAT_DTYPES:
+        raise ValueError(f"out_dtype: expected one of {TORCH_FLOAT_DTYPES}, got {out_dtype}")
     if bias is not None:
         check_vector("bias", bias, b.shape[0], a.device)
-    choice = dispatch.select_backend("fp8_gemm", a.device, backend)
+    dtype_issue = triton_dtype_issue(out_dtype, None if bias is None else bias.dtype)
+    choice = dispatch.select_backend("fp8_gemm", a.device, backend, triton_unsupported=dtype_issue)
     if choice.backend == "torch":
         out, pre = _fp8_gemm_torch(a, b, scale_a, scale_b, out_dtype, bias, gelu)
         variant = "scaled_mm"
@@ -92,14 +103,19 @@ def _fp8_gemm_torch(
 ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     # _scaled_mm wants a row-major and the second operand column-major: b [N, K]
     # row-major viewed as b.T [K, N] is exactly that.
+    # CPU's _scaled_mm adds a bias of any dtype in its fp32 epilogue; cuBLAS fuses one
+    # only for 16-bit outputs and in the output dtype, so fp32/float64 outputs add it after.
+    fused_bias = bias is not None and (a.device.type != "cuda" or out_dtype in (torch.bfloat16, torch.float16))
     pre = torch._scaled_mm(
         a.contiguous(),
         b.contiguous().t(),
         scale_a=scale_a.reshape(()),
         scale_b=scale_b.reshape(()),
-        bias=bias,
+        bias=(bias if a.device.type != "cuda" else bias.to(out_dtype)) if fused_bias else None,
         out_dtype=out_dtype,
     )
+    if bias is not None and not fused_bias:
+        pre = pre + bias.to(out_dtype)
     if not gelu:
         return pre, None
-    return gelu_fp32(pre.float()).to(out_dtype), pre
+    return gelu_torch(pre.to(compute_dtype(out_dtype))).to(out_dtype), pre

@@ -3,11 +3,16 @@
 With ``fp8_dtype`` given, the normalized output is quantized inside the norm (no
 separate cast kernel, no high-precision round trip through memory), and the amax of
 the high-precision normalized output comes out of the same pass for the quantizer.
-Math is fp32 whatever the input dtype; conventions follow Transformer Engine:
+Math is fp32 whatever the input dtype (float64 for float64 inputs, torch path only);
+conventions follow Transformer Engine:
 
     LayerNorm:  mean = E[x],  var = E[(x - mean)^2] (biased),  rstd = 1 / sqrt(var + eps)
                 y = (x - mean) * rstd * weight + bias
     RMSNorm:    var = E[x^2],  rstd = 1 / sqrt(var + eps),  y = x * rstd * weight
+
+The torch path is aten's fused CPU/CUDA kernels, ``torch.native_layer_norm`` and
+``aten._fused_rms_norm`` (same definitions, one pass over the rows), run in the compute
+dtype so that the amax and the FP8 cast see the unrounded result.
 """
 
 from __future__ import annotations
@@ -17,7 +22,16 @@ from typing import Optional
 import torch
 
 from . import dispatch
-from ._common import check_float, check_quant_args, check_vector, finish_output, rows_2d
+from ._common import (
+    check_float,
+    check_quant_args,
+    check_vector,
+    compute_dtype,
+    finish_output,
+    rows_2d,
+    triton_dtype_issue,
+    upcast,
+)
 
 __all__ = ["layernorm_fwd", "rmsnorm_fwd", "MAX_TRITON_NORM_COLS"]
 
@@ -50,7 +64,7 @@ def layernorm_fwd(
     """
     _check_norm_args(x, weight, eps, scale, fp8_dtype)
     check_vector("bias", bias, x.shape[-1], x.device)
-    choice = _select("layernorm_fwd", x, backend)
+    choice = _select("layernorm_fwd", x, backend, triton_dtype_issue(x.dtype, weight.dtype, bias.dtype))
     if choice.backend == "torch":
         y, mean, rstd, amax = _norm_torch(x, weight, bias, eps, scale, fp8_dtype, rms=False)
         variant = "reference"
@@ -78,7 +92,7 @@ def rmsnorm_fwd(
     Shapes as ``layernorm_fwd`` without ``bias`` and ``mean``. Returns ``(y, rstd, amax)``.
     """
     _check_norm_args(x, weight, eps, scale, fp8_dtype)
-    choice = _select("rmsnorm_fwd", x, backend)
+    choice = _select("rmsnorm_fwd", x, backend, triton_dtype_issue(x.dtype, weight.dtype))
     if choice.backend == "torch":
         y, _, rstd, amax = _norm_torch(x, weight, None, eps, scale, fp8_dtype, rms=True)
         variant = "reference"
@@ -100,9 +114,11 @@ def _check_norm_args(x, weight, eps, scale, fp8_dtype) -> None:
     check_quant_args(scale, fp8_dtype, x.device)
 
 
-def _select(kernel: str, x: torch.Tensor, backend: Optional[str]) -> dispatch.BackendChoice:
+def _select(
+    kernel: str, x: torch.Tensor, backend: Optional[str], dtype_issue: Optional[str] = None
+) -> dispatch.BackendChoice:
     n = x.shape[-1]
-    unsupported = None
+    unsupported = dtype_issue
     if n > MAX_TRITON_NORM_COLS:
         unsupported = f"rows of {n} elements exceed the Triton norm kernel's limit of {MAX_TRITON_NORM_COLS}"
     return dispatch.select_backend(kernel, x.device, backend, triton_unsupported=unsupported)
@@ -118,19 +134,19 @@ def _norm_torch(
     *,
     rms: bool,
 ) -> tuple[torch.Tensor, Optional[torch.Tensor], torch.Tensor, torch.Tensor]:
-    x32 = rows_2d(x).float()  # [rows, n]
-    n = x32.shape[-1]
+    n = x.shape[-1]
+    cdtype = compute_dtype(x.dtype)
+    # In the compute dtype, not aten's mixed bf16 mode: the amax and the FP8 cast must
+    # see the unrounded result, and mean/rstd must come out fp32 (bf16 params would
+    # make aten round them to bf16).
+    x2 = upcast(rows_2d(x))  # [rows, n]
+    w = weight if weight.dtype == cdtype else weight.to(cdtype)
     if rms:
+        y32, rstd = torch.ops.aten._fused_rms_norm(x2, [n], w, eps)  # [rows, n], [rows, 1]
         mean = None
-        xc = x32
     else:
-        mean = x32.sum(-1) / n  # [rows]
-        xc = x32 - mean[:, None]
-    var = (xc * xc).sum(-1) / n  # biased, [rows]
-    rstd = 1.0 / torch.sqrt(var + eps)
-    y32 = xc * rstd[:, None] * weight.float()
-    if bias is not None:
-        y32 = y32 + bias.float()
+        b = bias if bias.dtype == cdtype else bias.to(cdtype)
+        y32, mean, rstd = torch.native_layer_norm(x2, [n], w, b, eps)  # [rows, n], [rows, 1] x2
     y, amax = finish_output(y32, x.dtype, scale, fp8_dtype)
     lead = x.shape[:-1]
     return y.reshape(x.shape), None if mean is None else mean.reshape(lead), rstd.reshape(lead), amax
