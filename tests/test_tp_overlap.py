@@ -737,10 +737,10 @@ def test_megatron_yaml_drives_method_selection(results_2):
         "set_sm_margin=1, fp8_buf=0], TP=2",
         "AllGather+GEMM 'fc1', fc1_fprop: ring_exchange, TP=2",
         "GEMM+ReduceScatter 'fc2', fc2_fprop: ring_exchange [ignored: num_sm=1, set_sm_margin=1, atomic_gemm=0], TP=2",
-        "dgrad/wgrad 'qkv', qkv_dgrad: bulk [ignored: num_sm=4, cga_size=2, set_sm_margin=0] (input re-gather || "
+        "dgrad/wgrad 'qkv', qkv_dgrad: bulk [ignored: num_sm=4, cga_size=2, set_sm_margin=0] (input shard re-gathered || "
         "dgrad GEMM; qkv_wgrad: bulk [ignored: num_sm=8, cga_size=2, set_sm_margin=0]: dx reduce-scatter || wgrad GEMM)",
         "dgrad/wgrad 'fc1', fc1_dgrad: pipeline (num_splits=2) [ignored: num_sm=2, cga_size=2, set_sm_margin=0] "
-        "(dgrad GEMM+dx reduce-scatter, input re-gather in flight alongside)",
+        "(dgrad GEMM+dx reduce-scatter; input shard re-gathered alongside)",
         "AllGather(dy)+dgrad GEMM 'proj', proj_dgrad: ring_exchange",
         "AllGather(dy)+dgrad GEMM 'fc2', fc2_dgrad: ring_exchange",
     ):

@@ -122,14 +122,21 @@ class UserbuffersBackwardLinear(FusedOperation):
         if self.mode == "reduce_scatter":
             wire = ", dy quantized before the gather (1 byte/element)" if self.fp8 else ""
             return f"AllGather(dy)+dgrad GEMM {gemm_label(linear)}, {self.plan.describe()}, {tp}{fp8}{wire}"
+        # Whether the input is re-gathered depends on what the forward saved (its shard, by
+        # default, when the forward fused too); say so rather than guess.
+        regather = (
+            "input saved gathered by the forward (save_gathered_input)"
+            if self.plan.overlap.save_gathered_input
+            else "input shard re-gathered"
+        )
         if self.plan.entry.method == "bulk":
-            how = "input re-gather || dgrad GEMM; " + (
+            how = f"{regather} || dgrad GEMM; " + (
                 f"{self.wgrad_plan.describe()}: dx reduce-scatter || wgrad GEMM"
                 if self.wgrad_plan is not None
                 else f"dx reduce-scatter not overlapped ({self.wgrad_note})"
             )
         else:
-            how = "dgrad GEMM+dx reduce-scatter, input re-gather in flight alongside"
+            how = f"dgrad GEMM+dx reduce-scatter; {regather} alongside"
         return f"dgrad/wgrad {gemm_label(linear)}, {self.plan.describe()} ({how}), {tp}{fp8}"
 
     def fuser_backward(
