@@ -40,7 +40,6 @@ from collections.abc import Iterator
 from typing import Callable
 
 import torch
-import torch.distributed as dist
 
 import comm
 import tp_fuse

@@ -330,7 +330,7 @@ def _fp8_bounds(case: Case, r: int, got: dict) -> None:
     from tolerances import FP8_UNIT_ROUNDOFF, assert_fp8_matmul_close
 
     e4, e5 = FP8_UNIT_ROUNDOFF["e4m3"], FP8_UNIT_ROUNDOFF["e5m2"]
-    fin, fout, tp, m = case.fin, case.fout, case.tp, case.m
+    fin, fout, tp = case.fin, case.fout, case.tp
 
     def flat(t: torch.Tensor, n: int) -> torch.Tensor:
         return t.reshape(-1, n)

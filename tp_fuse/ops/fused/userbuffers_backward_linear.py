@@ -8,7 +8,6 @@ from collections.abc import Sequence
 from typing import Any, Optional
 
 import torch
-import torch.distributed as dist
 
 from ..basic._tp import check_first_dim_divisible
 from ..basic.all_gather import AllGather
