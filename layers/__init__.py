@@ -25,6 +25,7 @@ from .sharding import (
 )
 from .tp_regions import CopyToTensorParallelRegion, GatherFromTensorParallelRegion, ScatterToTensorParallelRegion
 from .transformer import TransformerLayer
+from .wrap import ParallelLinearAdapter, wrap
 
 __all__ = [
     "ColumnParallelLinear",
@@ -37,6 +38,7 @@ __all__ = [
     "LayerNormLinear",
     "LayerNormMLP",
     "MultiheadAttention",
+    "ParallelLinearAdapter",
     "PositionEmbedding",
     "RowParallelLinear",
     "ScatterToTensorParallelRegion",
@@ -52,4 +54,5 @@ __all__ = [
     "shard_tensor",
     "sync_sequence_parallel_grad",
     "vocab_parallel_cross_entropy",
+    "wrap",
 ]
