@@ -96,6 +96,12 @@ _SAFE_GLOBALS = {
     ("builtins", "set"),
     ("builtins", "frozenset"),
     ("builtins", "slice"),
+    # DCP records the checkpoint path it was saved to.
+    ("pathlib", "Path"),
+    ("pathlib", "PosixPath"),
+    ("pathlib", "PurePosixPath"),
+    ("pathlib", "WindowsPath"),
+    ("pathlib", "PureWindowsPath"),
 }
 
 

@@ -137,7 +137,9 @@ class TrainerConfig:
 
     ``global_batch_size`` sequences per optimizer step over all DP ranks;
     ``micro_batch_size`` per DP rank per forward; gradient accumulation makes up the
-    rest. ``fail_at_step`` kills ``fail_rank`` at that step on the first attempt only
+    rest. ``exit_at_step`` stops after that step and saves a checkpoint (e.g. to fit
+    a job's time limit; the LR schedule still spans ``max_steps``). ``fail_at_step``
+    kills ``fail_rank`` at that step on the first attempt only
     (``TORCHELASTIC_RESTART_COUNT`` 0): a fault-injection switch for restart tests.
     """
 
@@ -151,6 +153,7 @@ class TrainerConfig:
     dtype: Literal["auto", "float32", "bfloat16"] = "auto"
     device: Literal["auto", "cpu", "cuda"] = "auto"
     progress: bool = True
+    exit_at_step: Optional[int] = None
     fail_at_step: Optional[int] = None
     fail_rank: int = -1
 
@@ -364,6 +367,9 @@ def validate(cfg: TrainConfig, world_size: int) -> ParallelLayout:
           f"trainer.micro_batch_size ({tr.micro_batch_size}) * dp ({dp}) = {per_step}")
     _need(-world_size <= tr.fail_rank < world_size,
           f"trainer.fail_rank must be in [-{world_size}, {world_size}), got {tr.fail_rank}")
+    if tr.exit_at_step is not None:
+        _need(1 <= tr.exit_at_step <= tr.max_steps,
+              f"trainer.exit_at_step must be in [1, trainer.max_steps={tr.max_steps}], got {tr.exit_at_step}")
     if tr.fail_at_step is not None:
         _need(1 <= tr.fail_at_step <= tr.max_steps,
               f"trainer.fail_at_step must be in [1, trainer.max_steps={tr.max_steps}], got {tr.fail_at_step}")

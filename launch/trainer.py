@@ -199,10 +199,11 @@ class Trainer:
         last_ckpt: Optional[str] = None
         exit_code = 1
         try:
-            for step in range(self.start_step + 1, tr.max_steps + 1):
+            last_step = tr.max_steps if tr.exit_at_step is None else min(tr.exit_at_step, tr.max_steps)
+            for step in range(self.start_step + 1, last_step + 1):
                 self._maybe_fail(step)
-                val_now = bool(tr.val_interval) and (step % tr.val_interval == 0 or step == tr.max_steps)
-                log_now = step % tr.log_interval == 0 or step == tr.max_steps or val_now
+                val_now = bool(tr.val_interval) and (step % tr.val_interval == 0 or step == last_step)
+                log_now = step % tr.log_interval == 0 or step == last_step or val_now
                 t0 = time.perf_counter()
                 lr = lr_at(step, cfg.optim, tr.max_steps)
                 set_lr(self.optimizer, lr)
@@ -258,7 +259,8 @@ class Trainer:
                         f"grad_norm {float(norm):.3f}  {metrics['tokens_per_s']:,.0f} tok/s"
                     )
                 ck = cfg.checkpoint
-                if (ck.interval and step % ck.interval == 0) or (ck.save_final and step == tr.max_steps):
+                exiting = tr.exit_at_step == step and step < tr.max_steps
+                if (ck.interval and step % ck.interval == 0) or (ck.save_final and step == tr.max_steps) or exiting:
                     last_ckpt = self.ckpt.save(self.state)
             exit_code = 0
         finally:

@@ -1,0 +1,53 @@
+"""Programmatic entry points: compose a config and train in the current process.
+
+For notebooks and tests; the command line is ``launch/train.py``::
+
+    from launch.api import compose, train
+    cfg = compose(["+model=gpt", "fp8=delayed", "trainer.max_steps=50"])
+    result = train(["+model=gpt", "trainer.max_steps=50"], run_dir="runs/a")
+    print(result.final_loss)
+
+``train`` starts (and afterwards destroys) the default process group itself unless one
+exists: one process, or each rank of a job started some other way.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+from hydra import compose as hydra_compose
+from hydra import initialize_config_dir
+from omegaconf import OmegaConf
+
+from .config import TrainConfig, from_dict, validate
+from .model import ModelFactory
+from .runtime import env_world_size
+
+__all__ = ["CONFIG_DIR", "compose", "train"]
+
+#: The Hydra config directory (``configs/`` at the repository root).
+CONFIG_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
+
+
+def compose(overrides: list[str]) -> TrainConfig:
+    """The typed config for command-line style ``overrides`` (not yet validated)."""
+    with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
+        raw = hydra_compose(config_name="train", overrides=list(overrides))
+    data = OmegaConf.to_container(raw, resolve=True)
+    assert isinstance(data, dict)
+    return from_dict(data)
+
+
+def train(overrides: list[str], run_dir: str, model_factory: Optional[ModelFactory] = None):
+    """Validate, start, train and shut down, in this process; returns the ``TrainResult``."""
+    from .runtime import start
+    from .trainer import Trainer
+
+    cfg = compose(overrides)
+    layout = validate(cfg, env_world_size())
+    rt = start(cfg, layout, run_dir)
+    try:
+        return Trainer(cfg, rt, model_factory).fit()
+    finally:
+        rt.shutdown()
