@@ -112,6 +112,7 @@ def main() -> None:
 
     ctx = comm.init_distributed()
     torch.set_num_threads(args.threads)
+    load_before = os.getloadavg()[0]
     topo = comm.ParallelTopology(tp="auto")
     group, tp, rank = topo.tp_group, topo.tp_size, topo.tp_rank
     gen = torch.Generator().manual_seed(1234 + rank)
@@ -178,7 +179,8 @@ def main() -> None:
     if ctx.rank == 0:
         print(
             f"\ntp={tp} backend={ctx.backend} threads/rank={args.threads} torch={torch.__version__} "
-            f"cpus={os.cpu_count()}; forward pass, median of {args.repeats} after {args.warmup} warm-up (ms)"
+            f"cpus={os.cpu_count()} load(1 min) {load_before:.1f} -> {os.getloadavg()[0]:.1f}; "
+            f"forward pass, median of {args.repeats} after {args.warmup} warm-up (ms)"
         )
         hdr = (f"{'fused op':<20}{'prec':<6}{'shape':<22}{'t_gemm':>8}{'t_comm':>8}{'comm/gemm':>10}"
                f"{'t_unfused':>10}{'t_fused':>9}{'exposed':>9}{'fused/unf':>10}")
