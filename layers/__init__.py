@@ -20,6 +20,7 @@ from .sharding import (
     full_state_dict,
     gather_tensor,
     get_shard_spec,
+    grad_norm,
     load_full_state_dict,
     shard_tensor,
 )
@@ -49,6 +50,7 @@ __all__ = [
     "full_state_dict",
     "gather_tensor",
     "get_shard_spec",
+    "grad_norm",
     "is_sequence_parallel_grad_synced",
     "load_full_state_dict",
     "shard_tensor",

@@ -256,3 +256,29 @@ def dropout_rng(ctx: ParallelContext, rng: Optional["DropoutRNG"]) -> "DropoutRN
 def hidden_dropout_stream(ctx: ParallelContext) -> str:
     """Hidden activations are replicated over TP without SP (same mask everywhere), sharded with it."""
     return "tp_local" if ctx.sequence_parallel and ctx.tp_size > 1 else "replicated"
+
+
+def check_fp8_amax_group(tp_group: Optional[dist.ProcessGroup], sequence_parallel: bool) -> None:
+    """Under FP8 with sequence parallelism, the amax reduction group must cover the TP group.
+
+    The all-gather before a column-parallel GEMM moves FP8 bytes with ONE scale, which is
+    only right if every TP rank quantized with the same scale -- i.e. if amaxes were
+    reduced over (at least) the TP group: FP8 group ``tp`` or ``world``, not ``dp``.
+    Otherwise the gathered shards would be decoded with the wrong scale, silently.
+    """
+    from tp_fuse.quantization import active_autocast
+
+    state = active_autocast()
+    if state is None or not sequence_parallel or tp_group is None:
+        return
+    group = state.amax_reduction_group
+    if group is None or group is tp_group:
+        return  # None: torch's default group (the world), which covers every TP group
+    amax_ranks = set(dist.get_process_group_ranks(group))
+    tp_ranks = dist.get_process_group_ranks(tp_group)
+    if len(tp_ranks) > 1 and not amax_ranks.issuperset(tp_ranks):
+        raise ValueError(
+            f"FP8 with sequence parallelism: the autocast's amax_reduction_group (ranks {sorted(amax_ranks)}) "
+            f"must include the tensor-parallel group (ranks {tp_ranks}), because FP8 activations are "
+            "all-gathered as bytes with one scale; use the 'tp' or 'world' FP8 group, not 'dp'"
+        )

@@ -21,7 +21,15 @@ from tp_fuse.overlap_config import TPOverlap
 from tp_fuse.ops import BasicLinear, Sequential
 from tp_fuse.quantization import active_autocast, autocast
 
-from ._common import ParallelContext, column_input_comm, full_init, hidden_dropout_stream, linear_op, norm_op
+from ._common import (
+    ParallelContext,
+    check_fp8_amax_group,
+    column_input_comm,
+    full_init,
+    hidden_dropout_stream,
+    linear_op,
+    norm_op,
+)
 from .config import GPTConfig
 from .cross_entropy import vocab_parallel_cross_entropy
 from .embedding import PositionEmbedding, VocabParallelEmbedding
@@ -136,6 +144,7 @@ class GPT(torch.nn.Module):
         if tokens.dim() != 2:
             raise ValueError(f"GPT: tokens must be [batch, seq], got shape {tuple(tokens.shape)}")
         b, s = tokens.shape
+        check_fp8_amax_group(self.tp_group, self.sequence_parallel)
         if s > self.config.max_seq_len:
             raise ValueError(f"GPT: sequence length {s} exceeds model.max_seq_len ({self.config.max_seq_len})")
         if self.sequence_parallel and s % self.tp_size != 0:

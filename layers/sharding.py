@@ -9,7 +9,9 @@ reassemble the full tensor from the shards (:func:`gather_tensor`), so that
   rank from a seed derived from the parameter's name (:func:`seeded_full_tensor`), then
   sliced -- TP=2 shards are exactly slices of the TP=1 weight;
 * tests and checkpoints can gather full tensors and reshard them at another TP size
-  (:func:`full_state_dict`, :func:`load_full_state_dict`).
+  (:func:`full_state_dict`, :func:`load_full_state_dict`);
+* gradient clipping counts each shard once and each replicated tensor once
+  (:func:`grad_norm`).
 
 Megatron-LM's parameter attributes (``tensor_model_parallel``, ``partition_dim``,
 ``partition_stride``) are set as well, so Megatron-style tooling (e.g. a grad-norm that
@@ -39,7 +41,9 @@ __all__ = [
     "seeded_full_tensor",
     "normal_init",
     "full_state_dict",
+    "full_grads",
     "load_full_state_dict",
+    "grad_norm",
 ]
 
 
@@ -226,3 +230,32 @@ def load_full_state_dict(
         raise ValueError("load_full_state_dict: " + "; ".join(problems))
     for name, p in params.items():
         p.copy_(shards[name])
+
+
+def grad_norm(model: torch.nn.Module, tp_group: Optional[dist.ProcessGroup], norm_type: float = 2.0) -> torch.Tensor:
+    """Global gradient norm of a TP-sharded model, identical on every TP rank.
+
+    Sharded parameters (``tp_shard`` set) contribute every rank's shard (summed over
+    ``tp_group``); replicated ones (norms, row biases -- their grads are identical on all
+    TP ranks, sequence-parallel ones included after the layers' grad sync) count once.
+    Collective over ``tp_group``. Data parallelism is the caller's business: call it after
+    the DP gradient all-reduce, when DP replicas hold equal grads.
+    """
+    if norm_type != 2.0:
+        raise ValueError(f"grad_norm: only the 2-norm is supported, got norm_type={norm_type}")
+    _, size = tp_rank_and_size(tp_group)
+    device = next(model.parameters()).device
+    # float64 accumulators on the parameters' device: no host sync per parameter.
+    sharded = torch.zeros((), dtype=torch.float64, device=device)
+    replicated = torch.zeros((), dtype=torch.float64, device=device)
+    for p in model.parameters():
+        if p.grad is None:
+            continue
+        sq = p.grad.detach().double().pow(2).sum()
+        if get_shard_spec(p) is not None:
+            sharded += sq
+        else:
+            replicated += sq
+    if size > 1:
+        dist.all_reduce(sharded, group=tp_group)
+    return (sharded + replicated).sqrt()

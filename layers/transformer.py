@@ -10,7 +10,7 @@ import torch.distributed as dist
 
 from tp_fuse.overlap_config import TPOverlap
 
-from ._common import Normalization, ParallelContext, dropout_rng
+from ._common import Normalization, ParallelContext, check_fp8_amax_group, dropout_rng
 from .attention import MultiheadAttention
 from .config import GPTConfig
 from .layernorm_mlp import Activation, LayerNormMLP
@@ -75,6 +75,7 @@ class TransformerLayer(torch.nn.Module):
         ctx = ParallelContext(tp_group, sequence_parallel, dtype,
                               torch.device(device) if device is not None else None, overlap, seed)
         rng = dropout_rng(ctx, rng)
+        self.tp_group, self.sequence_parallel = tp_group, sequence_parallel
         init = normal_init(init_std)
         output_init = normal_init(init_std / math.sqrt(2.0 * num_layers))
         common = dict(tp_group=tp_group, sequence_parallel=sequence_parallel, normalization=normalization,
@@ -114,4 +115,5 @@ class TransformerLayer(torch.nn.Module):
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        check_fp8_amax_group(self.tp_group, self.sequence_parallel)
         return self.mlp(self.attention(x))

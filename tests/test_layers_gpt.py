@@ -45,7 +45,7 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def _run_model(model, tp_group, tokens, labels) -> dict[str, Any]:
-    from layers import full_grads
+    from layers import full_grads, grad_norm
     from layers.tp_regions import all_gather_last_dim
 
     model.zero_grad(set_to_none=True)
@@ -54,7 +54,8 @@ def _run_model(model, tp_group, tokens, labels) -> dict[str, Any]:
     logits = model(tokens).detach()
     if tp_group is not None:
         logits = all_gather_last_dim(logits, tp_group)
-    return {"loss": loss.detach(), "logits": logits, "grads": full_grads(model, tp_group)}
+    return {"loss": loss.detach(), "logits": logits, "grads": full_grads(model, tp_group),
+            "grad_norm": grad_norm(model, tp_group)}
 
 
 def _compare(tp: dict, ref: dict) -> dict[str, float]:
@@ -65,6 +66,7 @@ def _compare(tp: dict, ref: dict) -> dict[str, float]:
         "loss": _rel(tp["loss"], ref["loss"]),
         "logits": _rel(tp["logits"], ref["logits"]),
         "grads": max(_rel(tp["grads"][k], g) for k, g in ref["grads"].items()),
+        "grad_norm": _rel(tp["grad_norm"], ref["grad_norm"]),
     }
 
 
@@ -230,6 +232,15 @@ def tp_size_errors_name_the_field(rank: int, world_size: int) -> dict[str, str]:
     from layers import GPT, ColumnParallelLinear, GPTConfig, LayerNormMLP, MultiheadAttention
 
     group = dist.new_group(list(range(world_size)))
+    singles = [dist.new_group([r]) for r in range(world_size)]  # collective: all ranks create all
+
+    def fp8_with_dp_only_amax_group() -> None:
+        import tp_fuse
+
+        model = GPT(GPTConfig(**SMALL), tp_group=group, sequence_parallel=True)
+        with tp_fuse.autocast(amax_reduction_group=singles[rank]):
+            model(torch.zeros(2, 16, dtype=torch.long))
+
     attempts = {
         "num_heads": lambda: GPT(GPTConfig(**{**SMALL, "num_heads": 1, "hidden_size": 32}), tp_group=group),
         "vocab_size": lambda: GPT(GPTConfig(**{**SMALL, "vocab_size": 63}), tp_group=group),
@@ -239,6 +250,7 @@ def tp_size_errors_name_the_field(rank: int, world_size: int) -> dict[str, str]:
         "column_out": lambda: ColumnParallelLinear(8, 7, tp_group=group),
         "sp_seq": lambda: GPT(GPTConfig(**SMALL), tp_group=group, sequence_parallel=True)(
             torch.zeros(2, 15, dtype=torch.long)),
+        "fp8_group": fp8_with_dp_only_amax_group,
     }
     messages = {}
     for key, attempt in attempts.items():
@@ -343,6 +355,7 @@ def test_tp_size_errors_name_the_field(tp2) -> None:
         "mlp_ffn": "ffn_hidden_size",
         "column_out": "output features",
         "sp_seq": "sequence length (15) must be divisible by the tensor-parallel size (2)",
+        "fp8_group": "must include the tensor-parallel group",
     }
     for key, needle in expect.items():
         assert needle in r0[key], f"{key}: {r0[key]!r} does not mention {needle!r}"

@@ -16,7 +16,6 @@ from typing import Any, Callable
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 import copy
 import importlib.util
 import traceback
-from typing import Any, Callable, Optional
+from typing import Any, Callable
 
 import pytest
 import torch
