@@ -46,7 +46,6 @@ all-reduce per direction per step); ``overlap`` is the ``TPOverlap`` of every GE
 from __future__ import annotations
 
 import fnmatch
-import functools
 from collections.abc import Mapping
 from typing import Any, Literal, Optional
 
@@ -308,17 +307,25 @@ def _replace(root: torch.nn.Module, name: str, new: torch.nn.Module) -> None:
     setattr(parent, child, new)
 
 
+class _AutocastForward:
+    """``module.forward`` run inside ``tp_fuse.autocast(recipe, group)``.
+
+    A callable object stored as the instance's ``forward`` (``nn.Module.__call__`` uses
+    it); it calls the class's forward, so it never captures a stale bound method.
+    """
+
+    def __init__(self, module: torch.nn.Module, recipe: Recipe, group: Optional[dist.ProcessGroup]) -> None:
+        self.module, self.recipe, self.group = module, recipe, group
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        from tp_fuse.quantization import autocast
+
+        with autocast(recipe=self.recipe, amax_reduction_group=self.group):
+            return type(self.module).forward(self.module, *args, **kwargs)
+
+
 def _run_forward_in_autocast(model: torch.nn.Module, recipe: Recipe, group: Optional[dist.ProcessGroup]) -> None:
-    from tp_fuse.quantization import autocast
-
-    if getattr(model, "_tp_fuse_fp8_recipe", None) is not None:
-        raise ValueError("wrap: the model's forward already runs under an FP8 autocast from an earlier wrap()")
-    inner = model.forward
-
-    @functools.wraps(inner)
-    def forward(*args: Any, **kwargs: Any) -> Any:
-        with autocast(recipe=recipe, amax_reduction_group=group):
-            return inner(*args, **kwargs)
-
-    model.forward = forward  # instance attribute: nn.Module.__call__ picks it up
-    model._tp_fuse_fp8_recipe = recipe
+    if "forward" in vars(model):
+        raise ValueError("wrap(fp8=...): the model already has an instance-level forward "
+                         "(an earlier wrap(fp8=...)?); run the FP8 autocast yourself instead")
+    model.forward = _AutocastForward(model, recipe, group)  # nn.Module.__call__ picks it up
