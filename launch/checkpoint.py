@@ -44,6 +44,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.api import CheckpointException as DCPCheckpointException
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from layers import get_shard_spec
@@ -375,7 +376,7 @@ class CheckpointManager:
         )
         try:
             dcp.load(sd, storage_reader=SafeFileSystemReader(path), process_group=rt.topology.world_group)
-        except Exception as exc:  # DCP raises assorted types; say which checkpoint failed
+        except (Exception, DCPCheckpointException) as exc:  # DCP's is a BaseException; name the checkpoint
             raise CheckpointError(f"checkpoint {path} could not be loaded: {type(exc).__name__}: {exc}") from exc
         self._apply(sd, state_for_load, same_layout)
         state.step = int(sd["train/step"])
