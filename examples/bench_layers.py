@@ -8,7 +8,11 @@ Run (2 ranks, CPU/gloo; also works with NCCL on GPUs)::
 Compares, in ONE run with the configurations interleaved step by step (so that machine
 noise hits all of them alike), medians over ``--iters`` timed steps after ``--warmup``:
 
-    (a) tp-fuse TransformerLayers, sequence parallel, comm/GEMM overlap ON (TPOverlap())
+    (a) tp-fuse TransformerLayers, sequence parallel, comm/GEMM overlap ON
+        (TPOverlap(save_gathered_input=True): like (b) and (c), keep the all-gathered
+        input of column-parallel GEMMs for the weight gradient)
+    (a') overlap ON with Megatron's default (re-gather the input in backward, behind the
+        dgrad GEMM: 1/tp of the activation memory, one more all-gather per GEMM)
     (b) the same model with overlap OFF (TPOverlap(OverlapConfig(enabled=False)))
     (c) the same math with PyTorch DTensor tensor parallelism: ColwiseParallel /
         RowwiseParallel / SequenceParallel on plain nn.Linear / nn.LayerNorm modules
@@ -151,16 +155,18 @@ def main() -> None:
     x_full = torch.randn(args.seq, args.batch, args.hidden, generator=torch.Generator().manual_seed(0))
     x = x_full.chunk(world)[rank].contiguous()  # sequence parallel: [s/tp, b, h]
 
-    ours_on = build_ours(args, group, TPOverlap())
+    ours_on = build_ours(args, group, TPOverlap(save_gathered_input=True))
+    ours_regather = build_ours(args, group, TPOverlap())
     ours_off = build_ours(args, group, TPOverlap(OverlapConfig(enabled=False)))
     torch_tp = build_dtensor(args, ours_on, group)
     configs = {
         "a: tp-fuse, overlap on": make_step(ours_on, x),
+        "a': overlap on, re-gather": make_step(ours_regather, x),
         "b: tp-fuse, overlap off": make_step(ours_off, x),
         "c: DTensor TP": make_step(torch_tp, x),
     }
     if not args.no_fp8:
-        ours_fp8 = build_ours(args, group, TPOverlap())
+        ours_fp8 = build_ours(args, group, TPOverlap(save_gathered_input=True))
         configs["a8: tp-fuse, overlap on, FP8"] = make_step(ours_fp8, x, fp8=True)
 
     first = {name: step() for name, step in configs.items()}
