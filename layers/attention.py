@@ -9,8 +9,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from tp_fuse.overlap_config import TPOverlap
 from tp_fuse.ops import AddExtraInput, BasicOperation, Dropout, Sequential
+from tp_fuse.overlap_config import TPOverlap
 
 from ._common import (
     InitMethod,

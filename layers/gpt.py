@@ -17,8 +17,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from tp_fuse.overlap_config import TPOverlap
 from tp_fuse.ops import BasicLinear, Sequential
+from tp_fuse.overlap_config import TPOverlap
 from tp_fuse.quantization import active_autocast, autocast
 
 from ._common import (

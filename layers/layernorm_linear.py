@@ -8,8 +8,8 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from tp_fuse.overlap_config import TPOverlap
 from tp_fuse.ops import BasicOperation, MakeExtraOutput, Sequential
+from tp_fuse.overlap_config import TPOverlap
 
 from ._common import (
     GemmName,

@@ -8,8 +8,8 @@ from typing import Literal, Optional
 import torch
 import torch.distributed as dist
 
-from tp_fuse.overlap_config import TPOverlap
 from tp_fuse.ops import GELU, AddExtraInput, BasicOperation, Dropout, MakeExtraOutput, Sequential, SwiGLU
+from tp_fuse.overlap_config import TPOverlap
 
 from ._common import (
     InitMethod,
