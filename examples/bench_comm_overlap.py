@@ -25,6 +25,7 @@ matters: see the printed configuration.
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import time
 from typing import Callable
@@ -240,7 +241,8 @@ def main() -> None:
         print(
             f"\ntp={tp} backend={ctx.backend} device={dev} threads/rank={args.threads} "
             f"compute={args.compute} torch={torch.__version__} "
-            f"median of {args.repeats} after {args.warmup} warm-up (ms)"
+            f"median of {args.repeats} after {args.warmup} warm-up (ms); "
+            f"load average at the end {os.getloadavg()[0]:.2f} on {os.cpu_count()} CPUs"
         )
         hdr = f"{'algorithm':<22}{'shape':<22}{'t_gemm':>8}{'t_comm':>8}{'t_unfused':>10}{'t_fused':>9}"
         hdr += f"{'comm/gemm':>10}{'exposed':>9}{'fused/unf':>10}{'cpu gemm/comm/fused':>21}"
