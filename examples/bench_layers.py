@@ -189,6 +189,9 @@ def main() -> None:
               f"batch {args.batch}, fp32 params, TP={world} (sequence parallel), backend "
               f"{dist.get_backend()}, {torch.get_num_threads()} thread(s)/rank; "
               f"median of {args.iters} steps after {args.warmup} warm-up")
+        load = os.getloadavg()
+        print(f"machine: {os.cpu_count()} CPUs, load average {load[0]:.1f} / {load[1]:.1f} / {load[2]:.1f} "
+              f"(1/5/15 min; above the CPU count, other processes share the cores and timings are noisy)")
         print(f"{'configuration':32s} {'step ms':>9s} {'tokens/s':>10s}  first-step max rel diff vs c")
         for name, t in med.items():
             print(f"{name:32s} {1e3 * t:9.1f} {tokens / t:10.0f}  {agree[name]:.2e}")
