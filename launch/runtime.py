@@ -20,12 +20,13 @@ import dataclasses
 import os
 import sys
 import time
+from datetime import timedelta
 from typing import Optional
 
 import torch
 import torch.distributed as dist
 
-from comm import DistributedContext, ParallelTopology, init_distributed
+from comm import DistributedContext, ParallelTopology, backend_for_device, init_distributed
 
 from .config import ParallelLayout, TrainConfig
 
@@ -133,6 +134,33 @@ def _dtype(requested: str, device_type: str) -> torch.dtype:
     return {"float32": torch.float32, "bfloat16": torch.bfloat16}[requested]
 
 
+def _init_torchrun_group(device_type: str, timeout: timedelta) -> bool:
+    """Start the default group on torchrun's store, under a per-attempt key prefix.
+
+    Returns True if it created the group (False: not under torchrun, or one exists).
+    Why not plain ``env://``: torchrun's agent keeps its store across elastic restarts,
+    and gloo's connection keys of the crashed attempt are still there; a restarted rank
+    can read a dead peer's address and fail with "connectFullMesh ... Connection
+    refused" (seen with torch 2.13, about every other restart). A prefix per
+    ``TORCHELASTIC_RESTART_COUNT`` gives every attempt fresh keys.
+    """
+    if dist.is_initialized() or "TORCHELASTIC_RESTART_COUNT" not in os.environ:
+        return False
+    rank, world = env_rank(), env_world_size()
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if device_type == "cuda":
+        torch.cuda.set_device(local_rank)  # NCCL binds to the current device
+    agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    store = dist.TCPStore(
+        os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
+        is_master=rank == 0 and not agent_store, timeout=timeout,
+    )
+    prefixed = dist.PrefixStore(f"tp_fuse/attempt_{restart_count()}", store)
+    dist.init_process_group(backend_for_device(device_type), store=prefixed, rank=rank, world_size=world,
+                            timeout=timeout)
+    return True
+
+
 def start(cfg: TrainConfig, layout: ParallelLayout, proposed_run_dir: str) -> Runtime:
     """Initialize process groups and the topology; agree on rank 0's run directory.
 
@@ -140,7 +168,11 @@ def start(cfg: TrainConfig, layout: ParallelLayout, proposed_run_dir: str) -> Ru
     mismatch with the actual group is an internal error of the launch environment.
     """
     device_type = _device_type(cfg.trainer.device)
-    ctx = init_distributed(device_type=device_type)
+    timeout = timedelta(minutes=10)
+    created = _init_torchrun_group(device_type, timeout)
+    ctx = init_distributed(device_type=device_type, timeout=timeout)
+    # comm describes a group it did not create; the runtime then owns it.
+    ctx.owns_group = ctx.owns_group or created
     if ctx.world_size != layout.world_size:
         ctx.shutdown()
         raise ValueError(

@@ -20,8 +20,8 @@ uninterrupted one exactly (same layout) -- see ``tests/test_checkpoint*.py``.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-import math
 import os
 import sys
 import time
@@ -168,7 +168,9 @@ class Trainer:
         self.model.eval()
         total = torch.zeros((), dtype=torch.float64, device=self.rt.device)
         batches = self.loader.val_batches(self.cfg.trainer.val_batches)
-        with torch.no_grad():
+        # Debug features observe training only (validation runs in high precision).
+        paused = self.debug.paused() if self.debug is not None else contextlib.nullcontext()
+        with torch.no_grad(), paused:
             for tokens, labels in batches:
                 total += self.model(tokens, labels).double()
         self.model.train()

@@ -95,7 +95,12 @@ class LinearDebugHooks:
         assert self.session is not None
         return self.session.iteration
 
+    def _paused(self) -> bool:
+        return self.session is not None and self.session.is_paused
+
     def _modify(self, gemm: str, tensor_name: str, tensor: torch.Tensor, quantizer: Any) -> Optional[torch.Tensor]:
+        if self._paused():
+            return None
         it = self._iteration()
         chosen = None
         for feature, spec in self.features:
@@ -127,6 +132,8 @@ class LinearDebugHooks:
         return out
 
     def _fp8_allowed(self, gemm: str) -> bool:
+        if self._paused():
+            return True
         it = self._iteration()
         allowed = True
         for feature, spec in self.features:
@@ -138,6 +145,8 @@ class LinearDebugHooks:
         return allowed
 
     def _inspect(self, tensor_name: str, tensor: torch.Tensor, q: Optional[torch.Tensor], quantizer: Any) -> None:
+        if self._paused():
+            return
         it = self._iteration()
         for feature, spec in self.features:
             cfg = spec.config_for(None, tensor_name)

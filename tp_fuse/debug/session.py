@@ -19,7 +19,9 @@ a layer with features must be left unfused.
 
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Iterator
 from typing import Any, Optional, Union
 
 import torch
@@ -73,6 +75,7 @@ class DebugSession:
         self.iteration = iteration
         self.reduction_group = reduction_group
         self.layers: dict[str, Any] = {}
+        self.is_paused = False
 
     def feature_names(self) -> list[str]:
         """Names of the features some section enables."""
@@ -113,6 +116,16 @@ class DebugSession:
             self.layers[name.layer_name] = hooks
             enabled.append(name.layer_name)
         return enabled
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """Inside, no feature is called: layers compute as if they had none (e.g. for an
+        evaluation pass that should neither be logged nor modified)."""
+        previous, self.is_paused = self.is_paused, True
+        try:
+            yield
+        finally:
+            self.is_paused = previous
 
     def step(self) -> None:
         """End of an iteration (TE's ``debug_api.step()``)."""
