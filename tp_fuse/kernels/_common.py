@@ -128,15 +128,21 @@ def abs_max(v: torch.Tensor) -> torch.Tensor:
     """fp32 0-d ``max(|v|)``; NaN-propagating; 0 for an empty tensor."""
     if v.numel() == 0:
         return torch.zeros((), dtype=torch.float32, device=v.device)
-    return v.abs().amax().float()
+    # One read, no full-size |v| temporary; max/maximum propagate NaN.
+    lo, hi = torch.aminmax(v)
+    return torch.maximum(hi, lo.neg()).float()
 
 
 def finish_output(
-    v: torch.Tensor, out_dtype: torch.dtype, scale: Optional[torch.Tensor], fp8_dtype: Optional[torch.dtype]
-) -> tuple[torch.Tensor, torch.Tensor]:
+    v: torch.Tensor,
+    out_dtype: torch.dtype,
+    scale: Optional[torch.Tensor],
+    fp8_dtype: Optional[torch.dtype],
+    with_amax: bool = True,
+) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """Result ``v`` in its compute dtype, owned by the caller (it may be overwritten) ->
-    (contiguous output in ``out_dtype`` or FP8, amax of ``v``)."""
-    amax = abs_max(v)
+    (contiguous output in ``out_dtype`` or FP8, amax of ``v`` or None without ``with_amax``)."""
+    amax = abs_max(v) if with_amax else None
     # Elementwise ops keep the input's strides; outputs are contiguous like Triton's.
     if fp8_dtype is not None:
         return fp8_cast(v, scale, fp8_dtype, overwrite=True).contiguous(), amax
@@ -153,22 +159,47 @@ GELU_C = 0.044715
 def gelu_torch(x: torch.Tensor) -> torch.Tensor:
     """``x * sigmoid(2u)``, ``u = k (x + c x^3)``, as a new tensor in x's dtype.
 
-    Five passes, the last three in place. ``torch.sigmoid`` is ``1 / (1 + exp(-z))``:
-    accurate in both tails (no cancellation; exp overflow gives exactly 0).
+    One allocation, then in-place passes (on CPU a fresh full-size tensor costs more
+    than a pass over a warm one). ``torch.sigmoid`` is ``1 / (1 + exp(-z))``: accurate
+    in both tails (no cancellation; exp overflow gives exactly 0).
     """
-    z = torch.addcmul(x, x * x, x, value=GELU_C)  # x + c x^3
-    return z.mul_(2.0 * GELU_K).sigmoid_().mul_(x)
+    z = torch.mul(x, x).mul_(2.0 * GELU_K * GELU_C).add_(2.0 * GELU_K).mul_(x)  # 2u = 2k x (1 + c x^2)
+    return z.sigmoid_().mul_(x)
+
+
+#: aten's tanh-form ``gelu_backward`` has relative error <= ~1e-5 for x >= this; below,
+#: ``1 + tanh(u)`` cancels (at x = -5 the error is 30%, and tiny gradients change sign).
+DGELU_ATEN_MIN_X = -3.0
+
+
+def dgelu_grad_torch(grad: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """``grad * gelu'(x)`` as a new tensor; ``grad`` and ``x`` in the same compute dtype.
+
+    aten's fused ``gelu_backward`` (one pass, one allocation: the fast CPU path) where it
+    is accurate, and the elements with ``x < DGELU_ATEN_MIN_X`` -- a sliver of a normal
+    pre-activation distribution -- recomputed with :func:`dgelu_torch`, which keeps
+    relative accuracy in the tail (the Triton kernel's accuracy everywhere).
+    """
+    dx = torch.ops.aten.gelu_backward(grad, x, approximate="tanh")
+    tail = x < DGELU_ATEN_MIN_X
+    if bool(tail.any()):  # a device sync off CPU; the CUDA fast path is Triton
+        idx = tail.nonzero(as_tuple=True)
+        dx[idx] = dgelu_torch(x[idx]).mul_(grad[idx])
+    return dx
 
 
 def dgelu_torch(x: torch.Tensor) -> torch.Tensor:
     """d/dx gelu_tanh(x) = s (1 + 2k x (1 + 3c x^2) (1 - s)), ``s = sigmoid(2u)``.
 
     ``1 - s`` is evaluated as ``sigmoid(-2u)``: ``1 - s`` itself would cancel for large
-    positive x, costing up to ~x ulps in the result.
+    positive x, and aten's tanh-form ``gelu_backward`` cancels in ``1 + tanh(u)`` for
+    negative x (it gets the sign of tiny gradients wrong). Two full-size allocations
+    (the result and one temporary): ``2u`` is recomputed for ``s`` rather than kept in
+    a third buffer, since on CPU a fresh buffer costs more than a pass over a warm one.
     """
-    x2 = x * x
-    z = torch.addcmul(x, x2, x, value=GELU_C).mul_(2.0 * GELU_K)  # 2u
-    s = torch.sigmoid(z)
-    one_minus_s = z.neg_().sigmoid_()
-    t = x2.mul_(6.0 * GELU_C * GELU_K).add_(2.0 * GELU_K)  # 2k (1 + 3c x^2)
-    return t.mul_(x).mul_(one_minus_s).add_(1.0).mul_(s)
+    out = torch.mul(x, x)
+    tmp = torch.mul(out, 2.0 * GELU_K * GELU_C).add_(2.0 * GELU_K).mul_(x)  # 2u
+    out.mul_(6.0 * GELU_C * GELU_K).add_(2.0 * GELU_K).mul_(x)  # 2k x (1 + 3c x^2)
+    out.mul_(tmp.neg_().sigmoid_()).add_(1.0)  # 1 + 2k x (1 + 3c x^2) (1 - s)
+    torch.mul(x, x, out=tmp).mul_(2.0 * GELU_K * GELU_C).add_(2.0 * GELU_K).mul_(x)  # 2u again
+    return out.mul_(tmp.sigmoid_())

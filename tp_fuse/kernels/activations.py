@@ -14,10 +14,18 @@ Definitions (fp32 math; ``s(z) = 1 / (1 + exp(-z))``):
     swiglu(x) = silu(x1) * x2,  x = [x1 | x2] split in halves along the last dim,
                 silu(a) = a s(a),  silu'(a) = s(a) (1 + a (1 - s(a)))
 
-Both backends avoid overflow and cancellation: the Triton kernels evaluate sigmoid and
-1 - sigmoid from ``exp(-|z|)`` (``_triton_common.sigmoid_parts``); the torch path uses
-``torch.sigmoid(z)`` and ``torch.sigmoid(-z)`` (aten's vectorized kernels, the fast CPU
-path), with in-place updates of its own temporaries. Results agree within rounding.
+The Triton kernels evaluate sigmoid and 1 - sigmoid from ``exp(-|z|)``
+(``_triton_common.sigmoid_parts``): no overflow, no cancellation. The torch path is
+written for CPU speed (on CPU a fresh full-size temporary costs more than a pass over a
+warm one): ``gelu_fwd`` is one allocation and in-place passes of the sigmoid form with
+``torch.sigmoid`` (accurate in both tails); ``dgelu_dbias`` is aten's fused ``gelu_backward``
+where it is accurate and the sigmoid form, with ``1 - s`` as ``torch.sigmoid(-z)``, for
+the negative tail where aten's ``1 + tanh(u)`` cancels (``_common.dgelu_grad_torch``); SwiGLU uses
+``F.silu`` and ``torch.sigmoid(-a)`` for ``1 - s``. Results agree with Triton within
+rounding.
+
+``with_amax=False`` (every function): the amax is not wanted (no FP8 consumer) and comes
+back as None; the torch path then skips a full read of the output.
 
 Dtypes: fp32 / bf16 / fp16 everywhere, float64 on the torch path (computed in float64).
 Bias gradient (``dgelu_dbias``): the torch path sums the ``dx`` it returns (in grad's
@@ -38,7 +46,7 @@ from ._common import (
     check_float,
     check_quant_args,
     compute_dtype,
-    dgelu_torch,
+    dgelu_grad_torch,
     finish_output,
     gelu_torch,
     rows_2d,
@@ -55,21 +63,23 @@ def gelu_fwd(
     scale: Optional[torch.Tensor] = None,
     fp8_dtype: Optional[torch.dtype] = None,
     backend: Optional[str] = None,
+    with_amax: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Tanh-approximate GELU. ``x [...]`` -> ``y [...]`` in x.dtype, or fp8_dtype when
-    quantizing (``clamp(y32 * scale)``, RTNE). Returns ``(y, amax)``, amax = max |y32|."""
+    quantizing (``clamp(y32 * scale)``, RTNE). Returns ``(y, amax)``, amax = max |y32|
+    (None with ``with_amax=False``: see the module doc)."""
     check_float("x", x)
     quant = check_quant_args(scale, fp8_dtype, x.device)
     choice = dispatch.select_backend("gelu_fwd", x.device, backend, triton_unsupported=triton_dtype_issue(x.dtype))
     if choice.backend == "torch":
-        y, amax = finish_output(gelu_torch(upcast(x)), x.dtype, scale, fp8_dtype)
+        y, amax = finish_output(gelu_torch(upcast(x)), x.dtype, scale, fp8_dtype, with_amax)
         variant = "reference"
     else:
         from . import activations_triton as kt
 
         y, amax, variant = kt.gelu_fwd_triton(x, scale if quant else None, fp8_dtype)
     dispatch.log_call("gelu_fwd", choice, variant, x.device)
-    return y, amax
+    return y, amax if with_amax else None
 
 
 def swiglu_fwd(
@@ -78,6 +88,7 @@ def swiglu_fwd(
     scale: Optional[torch.Tensor] = None,
     fp8_dtype: Optional[torch.dtype] = None,
     backend: Optional[str] = None,
+    with_amax: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """SwiGLU: ``x [..., 2n]`` -> ``y [..., n] = silu(x[..., :n]) * x[..., n:]``.
 
@@ -89,7 +100,7 @@ def swiglu_fwd(
         x1, x2 = upcast(rows_2d(x)).chunk(2, dim=-1)  # [rows, n] each, views
         # silu(a) = a / (1 + exp(-a)): accurate in both tails.
         y32 = F.silu(x1).mul_(x2)
-        y, amax = finish_output(y32, x.dtype, scale, fp8_dtype)
+        y, amax = finish_output(y32, x.dtype, scale, fp8_dtype, with_amax)
         y = y.reshape(*x.shape[:-1], x.shape[-1] // 2)
         variant = "reference"
     else:
@@ -97,7 +108,7 @@ def swiglu_fwd(
 
         y, amax, variant = kt.swiglu_fwd_triton(x, scale if quant else None, fp8_dtype)
     dispatch.log_call("swiglu_fwd", choice, variant, x.device)
-    return y, amax
+    return y, amax if with_amax else None
 
 
 def dgelu_dbias(
@@ -107,6 +118,7 @@ def dgelu_dbias(
     scale: Optional[torch.Tensor] = None,
     fp8_dtype: Optional[torch.dtype] = None,
     backend: Optional[str] = None,
+    with_amax: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """GELU backward fused with the bias gradient of the GEMM that produced ``x``.
 
@@ -133,7 +145,7 @@ def dgelu_dbias(
     if choice.backend == "torch":
         cdtype = compute_dtype(grad.dtype)
         wide = torch.promote_types(cdtype, compute_dtype(x.dtype))  # float64 if either is
-        dx32 = dgelu_torch(rows_2d(x).to(wide)).mul_(rows_2d(grad))  # [rows, n], owned
+        dx32 = dgelu_grad_torch(rows_2d(grad).to(wide), rows_2d(x).to(wide))  # [rows, n], owned
         if dx32.dtype != cdtype:
             dx32 = dx32.to(cdtype)
         # dbias as Bias.bias_grad computes it from the dx it would receive: the
@@ -141,9 +153,9 @@ def dgelu_dbias(
         dx_hp = dx32.to(grad.dtype)
         dbias = dx_hp.sum(dim=0, dtype=cdtype).to(grad.dtype)
         if fp8_dtype is None:
-            dx, amax = dx_hp.contiguous(), abs_max(dx32)
+            dx, amax = dx_hp.contiguous(), abs_max(dx32) if with_amax else None
         else:
-            dx, amax = finish_output(dx32, grad.dtype, scale, fp8_dtype)
+            dx, amax = finish_output(dx32, grad.dtype, scale, fp8_dtype, with_amax)
         dx = dx.reshape(x.shape)
         variant = "reference"
     else:
@@ -151,7 +163,7 @@ def dgelu_dbias(
 
         dx, dbias, amax, variant = kt.dgelu_dbias_triton(grad, x, scale if quant else None, fp8_dtype)
     dispatch.log_call("dgelu_dbias", choice, variant, x.device)
-    return dx, dbias, amax
+    return dx, dbias, amax if with_amax else None
 
 
 def dswiglu(
@@ -161,6 +173,7 @@ def dswiglu(
     scale: Optional[torch.Tensor] = None,
     fp8_dtype: Optional[torch.dtype] = None,
     backend: Optional[str] = None,
+    with_amax: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """SwiGLU backward.
 
@@ -194,7 +207,7 @@ def dswiglu(
         d1, d2 = dx32.chunk(2, dim=-1)  # halves of the output, written in place
         torch.mul(x1, one_minus_s, out=d1).add_(1.0).mul_(s).mul_(x2).mul_(g)  # g x2 s (1 + x1 (1 - s))
         torch.mul(x1, s, out=d2).mul_(g)  # g silu(x1)
-        dx, amax = finish_output(dx32, grad.dtype, scale, fp8_dtype)
+        dx, amax = finish_output(dx32, grad.dtype, scale, fp8_dtype, with_amax)
         dx = dx.reshape(x.shape)
         variant = "reference"
     else:
@@ -202,7 +215,7 @@ def dswiglu(
 
         dx, amax, variant = kt.dswiglu_triton(grad, x, scale if quant else None, fp8_dtype)
     dispatch.log_call("dswiglu", choice, variant, x.device)
-    return dx, amax
+    return dx, amax if with_amax else None
 
 
 def _check_glu_input(name: str, x: torch.Tensor) -> None:

@@ -48,6 +48,7 @@ def layernorm_fwd(
     scale: Optional[torch.Tensor] = None,
     fp8_dtype: Optional[torch.dtype] = None,
     backend: Optional[str] = None,
+    with_amax: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """LayerNorm over the last dimension.
 
@@ -60,13 +61,15 @@ def layernorm_fwd(
         mean, rstd   [...]     fp32
         amax         []        fp32, max |y32| of the fp32 output before any cast/scale
 
-    Returns ``(y, mean, rstd, amax)``.
+    Returns ``(y, mean, rstd, amax)``; amax is None with ``with_amax=False`` (no FP8
+    consumer: the torch path then skips a read of y and, for bf16/fp16 x, lets aten
+    write x.dtype directly from its fp32 math).
     """
     _check_norm_args(x, weight, eps, scale, fp8_dtype)
     check_vector("bias", bias, x.shape[-1], x.device)
     choice = _select("layernorm_fwd", x, backend, triton_dtype_issue(x.dtype, weight.dtype, bias.dtype))
     if choice.backend == "torch":
-        y, mean, rstd, amax = _norm_torch(x, weight, bias, eps, scale, fp8_dtype, rms=False)
+        y, mean, rstd, amax = _norm_torch(x, weight, bias, eps, scale, fp8_dtype, with_amax, rms=False)
         variant = "reference"
     else:
         from . import norms_triton
@@ -75,7 +78,7 @@ def layernorm_fwd(
             x, weight, bias, eps, scale, fp8_dtype, rms=False
         )
     dispatch.log_call("layernorm_fwd", choice, variant, x.device)
-    return y, mean, rstd, amax
+    return y, mean, rstd, amax if with_amax else None
 
 
 def rmsnorm_fwd(
@@ -86,6 +89,7 @@ def rmsnorm_fwd(
     scale: Optional[torch.Tensor] = None,
     fp8_dtype: Optional[torch.dtype] = None,
     backend: Optional[str] = None,
+    with_amax: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """RMSNorm over the last dimension: ``y = x * rstd * weight``.
 
@@ -94,7 +98,7 @@ def rmsnorm_fwd(
     _check_norm_args(x, weight, eps, scale, fp8_dtype)
     choice = _select("rmsnorm_fwd", x, backend, triton_dtype_issue(x.dtype, weight.dtype))
     if choice.backend == "torch":
-        y, _, rstd, amax = _norm_torch(x, weight, None, eps, scale, fp8_dtype, rms=True)
+        y, _, rstd, amax = _norm_torch(x, weight, None, eps, scale, fp8_dtype, with_amax, rms=True)
         variant = "reference"
     else:
         from . import norms_triton
@@ -103,7 +107,7 @@ def rmsnorm_fwd(
             x, weight, None, eps, scale, fp8_dtype, rms=True
         )
     dispatch.log_call("rmsnorm_fwd", choice, variant, x.device)
-    return y, rstd, amax
+    return y, rstd, amax if with_amax else None
 
 
 def _check_norm_args(x, weight, eps, scale, fp8_dtype) -> None:
@@ -131,15 +135,20 @@ def _norm_torch(
     eps: float,
     scale: Optional[torch.Tensor],
     fp8_dtype: Optional[torch.dtype],
+    with_amax: bool,
     *,
     rms: bool,
-) -> tuple[torch.Tensor, Optional[torch.Tensor], torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, Optional[torch.Tensor], torch.Tensor, Optional[torch.Tensor]]:
     n = x.shape[-1]
     cdtype = compute_dtype(x.dtype)
-    # In the compute dtype, not aten's mixed bf16 mode: the amax and the FP8 cast must
-    # see the unrounded result, and mean/rstd must come out fp32 (bf16 params would
-    # make aten round them to bf16).
-    x2 = upcast(rows_2d(x))  # [rows, n]
+    # Parameters always in the compute dtype: with bf16 parameters aten would round
+    # mean/rstd to bf16. The input too when the amax or the FP8 cast must see the
+    # unrounded result; otherwise aten's mixed mode (bf16 x, fp32 math and statistics)
+    # writes y in x.dtype directly.
+    x2 = rows_2d(x)  # [rows, n]
+    mixed = fp8_dtype is None and not with_amax
+    if not mixed:
+        x2 = upcast(x2)
     w = weight if weight.dtype == cdtype else weight.to(cdtype)
     if rms:
         y32, rstd = torch.ops.aten._fused_rms_norm(x2, [n], w, eps)  # [rows, n], [rows, 1]
@@ -147,6 +156,6 @@ def _norm_torch(
     else:
         b = bias if bias.dtype == cdtype else bias.to(cdtype)
         y32, mean, rstd = torch.native_layer_norm(x2, [n], w, b, eps)  # [rows, n], [rows, 1] x2
-    y, amax = finish_output(y32, x.dtype, scale, fp8_dtype)
+    y, amax = finish_output(y32, x.dtype, scale, fp8_dtype, with_amax)
     lead = x.shape[:-1]
     return y.reshape(x.shape), None if mean is None else mean.reshape(lead), rstd.reshape(lead), amax

@@ -6,10 +6,10 @@ import abc
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
+from ... import kernels
 from ..op import BasicOperation, OperationContext, require
-from ._checks import check_tensor, compute_dtype, maybe_dequantize
+from ._checks import check_tensor, maybe_dequantize
 
 
 class _ActivationOperation(BasicOperation):
@@ -40,6 +40,10 @@ class _ActivationOperation(BasicOperation):
             ctx.save_for_backward(*saved)
         return y
 
+    def kernels_used(self, direction: str) -> tuple[str, ...]:
+        """``tp_fuse.kernels`` functions this op calls in ``direction`` (for ``explain``)."""
+        return ()
+
     def activation_backward(self, ctx: OperationContext, grad_output: torch.Tensor) -> torch.Tensor:
         """Input gradient from this op's ctx (filled by its forward or a fused forward)."""
         return self._activation_backward(ctx.saved_tensors, grad_output)
@@ -57,16 +61,29 @@ class GELU(_ActivationOperation):
         forward:  y  = 0.5 x (1 + t)
         backward: dx = dy * (0.5 (1 + t) + 0.5 x (1 - t^2) k (1 + 3 * 0.044715 x^2))
 
-    Saved for backward: the input. Low-precision inputs are computed in float32
-    inside torch's kernels and rounded once.
+    Saved for backward: the input. Math in float32 (float64 for float64 inputs),
+    rounded once to the input dtype.
+
+    Kernels: ``tp_fuse.kernels.gelu_fwd`` forward and ``dgelu_dbias`` backward (its
+    bias gradient is what ``BackwardActivationBias`` uses; alone, this op drops it).
+    Both evaluate ``0.5 x (1 + t)`` as ``x * sigmoid(2u)``, which is the same function
+    without the cancellation of ``1 + t`` for negative x.
     """
 
+    def kernels_used(self, direction: str) -> tuple[str, ...]:
+        return ("gelu_fwd",) if direction == "forward" else ("dgelu_dbias",)
+
     def _activation_forward(self, x: torch.Tensor) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
-        return F.gelu(x, approximate="tanh"), (x,)
+        # The kernels work on rows: a 0-d input is viewed as one element.
+        y, _ = kernels.gelu_fwd(x if x.dim() else x.reshape(1), with_amax=False)
+        return y.reshape(x.shape), (x,)
 
     def _activation_backward(self, saved: tuple[torch.Tensor, ...], dy: torch.Tensor) -> torch.Tensor:
         (x,) = saved
-        return torch.ops.aten.gelu_backward(dy, x, approximate="tanh")
+        if not x.dim():
+            x, dy = x.reshape(1), dy.reshape(1)
+        dx, _, _ = kernels.dgelu_dbias(dy, x, with_amax=False)
+        return dx.reshape(saved[0].shape)
 
 
 class ReLU(_ActivationOperation):
@@ -96,6 +113,8 @@ class SwiGLU(_ActivationOperation):
         backward: da = dy * b * s (1 + a (1 - s)),   db = dy * a s,   dx = [da, db]
 
     Saved for backward: the input.
+
+    Kernels: ``tp_fuse.kernels.swiglu_fwd`` forward, ``dswiglu`` backward.
     """
 
     def check_input(self, x: torch.Tensor) -> None:
@@ -106,17 +125,14 @@ class SwiGLU(_ActivationOperation):
             f"got input of shape {tuple(x.shape)}",
         )
 
+    def kernels_used(self, direction: str) -> tuple[str, ...]:
+        return ("swiglu_fwd",) if direction == "forward" else ("dswiglu",)
+
     def _activation_forward(self, x: torch.Tensor) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
-        cdtype = compute_dtype(x.dtype)
-        a, b = x.to(cdtype).chunk(2, dim=-1)
-        return (F.silu(a) * b).to(x.dtype), (x,)
+        y, _ = kernels.swiglu_fwd(x, with_amax=False)
+        return y, (x,)
 
     def _activation_backward(self, saved: tuple[torch.Tensor, ...], dy: torch.Tensor) -> torch.Tensor:
         (x,) = saved
-        cdtype = compute_dtype(x.dtype)
-        a, b = x.to(cdtype).chunk(2, dim=-1)
-        dy = dy.to(cdtype)
-        s = torch.sigmoid(a)
-        da = dy * b * s * (1 + a * (1 - s))
-        db = dy * a * s
-        return torch.cat((da, db), dim=-1).to(x.dtype)
+        dx, _ = kernels.dswiglu(dy, x, with_amax=False)
+        return dx

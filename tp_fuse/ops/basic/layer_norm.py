@@ -8,6 +8,7 @@ from typing import Any, Optional
 
 import torch
 
+from ... import kernels
 from ..op import BasicOperation, OperationContext
 from ._checks import (
     check_eps,
@@ -39,6 +40,10 @@ class LayerNorm(BasicOperation):
     ``zero_centered_gamma`` initializes ``weight`` to zeros (so g starts at 1):
     weight decay then pulls g towards 1 rather than 0.
     Saved for backward: the input and per-row ``mu``, ``rstd`` (float32).
+
+    Kernels: the forward is ``tp_fuse.kernels.layernorm_fwd`` (Triton on CUDA, aten's
+    ``native_layer_norm`` otherwise), which can also write FP8 for a following GEMM
+    (``ForwardNormQuantizeLinear``); the backward is aten's ``native_layer_norm_backward``.
     """
 
     def __init__(
@@ -54,6 +59,7 @@ class LayerNorm(BasicOperation):
         self.normalized_shape = normalized_shape_tuple("LayerNorm", normalized_shape)
         self.eps = check_eps("LayerNorm", eps)
         self.zero_centered_gamma = bool(zero_centered_gamma)
+        self.hidden = math.prod(self.normalized_shape)
         dtype = param_dtype("LayerNorm", dtype)
         self.weight = torch.nn.Parameter(torch.empty(self.normalized_shape, device=device, dtype=dtype))
         self.bias = torch.nn.Parameter(torch.empty(self.normalized_shape, device=device, dtype=dtype))
@@ -80,42 +86,70 @@ class LayerNorm(BasicOperation):
         check_matches_param("LayerNorm", x, self.weight, "weight")
 
     def _gamma(self, dtype: torch.dtype) -> torch.Tensor:
-        g = self.weight.reshape(-1).to(dtype)
-        return g + 1 if self.zero_centered_gamma else g
+        """g as a flat ``[H]`` vector; in ``dtype`` when zero-centered (``1 + w`` must
+        not round in bf16), else the parameter itself (the kernels upcast it)."""
+        if self.zero_centered_gamma:
+            return self.weight.reshape(-1).to(dtype) + 1
+        return self.weight.reshape(-1)
 
-    def op_forward(self, ctx: OperationContext, input_: torch.Tensor, **unused: Any) -> torch.Tensor:
-        x = maybe_dequantize(input_)
+    def kernels_used(self, direction: str) -> tuple[str, ...]:
+        """``tp_fuse.kernels`` functions this op calls in ``direction`` (for ``explain``)."""
+        return ("layernorm_fwd",) if direction == "forward" else ()
+
+    def normalize(
+        self,
+        ctx: OperationContext,
+        x: torch.Tensor,
+        *,
+        scale: Optional[torch.Tensor] = None,
+        fp8_dtype: Optional[torch.dtype] = None,
+        with_amax: bool = False,
+    ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """The forward pass: ``(y, amax)``; saves what :meth:`op_backward` needs.
+
+        With ``scale``/``fp8_dtype`` the kernel writes ``y`` in FP8 (for the next GEMM).
+        ``amax`` (max |y| before any rounding) only with ``with_amax``, else None: it
+        costs a read of y on the torch path. Fused forward ops call this, so the ctx
+        is filled exactly as :meth:`op_forward` fills it.
+        """
         self.check_input(x)
-        hidden = math.prod(self.normalized_shape)
-        cdtype = compute_dtype(x.dtype)
-        x2d = x.reshape(-1, hidden)  # [rows, H]
-        xc = x2d.to(cdtype)
-        var, mean = torch.var_mean(xc, dim=-1, correction=0)  # [rows] each
-        rstd = torch.rsqrt(var + self.eps)
-        xhat = (xc - mean[:, None]) * rstd[:, None]
-        y = xhat * self._gamma(cdtype) + self.bias.reshape(-1).to(cdtype)
+        x2d = x.reshape(-1, self.hidden)  # [rows, H]
+        y, mean, rstd, amax = kernels.layernorm_fwd(
+            x2d,
+            self._gamma(compute_dtype(x.dtype)),
+            self.bias.reshape(-1),
+            self.eps,
+            scale=scale,
+            fp8_dtype=fp8_dtype,
+            with_amax=with_amax,
+        )
         if ctx.requires_grad:
             # The input in its own dtype (not xhat in float32): half the memory for bf16.
             ctx.save_for_backward(x2d, mean, rstd)
-        return y.to(x.dtype).reshape(x.shape)
+        return y.reshape(x.shape), amax
+
+    def op_forward(self, ctx: OperationContext, input_: torch.Tensor, **unused: Any) -> torch.Tensor:
+        return self.normalize(ctx, maybe_dequantize(input_))[0]
 
     def op_backward(
         self, ctx: OperationContext, grad_output: torch.Tensor
-    ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+    ) -> tuple[torch.Tensor, tuple[Optional[torch.Tensor], Optional[torch.Tensor]]]:
         x2d, mean, rstd = ctx.saved_tensors
         cdtype = mean.dtype
-        dy = grad_output.reshape(x2d.shape).to(cdtype)  # [rows, H]
-        xhat = (x2d.to(cdtype) - mean[:, None]) * rstd[:, None]
-        dweight = (dy * xhat).sum(dim=0)
-        dbias = dy.sum(dim=0)
-        gd = dy * self._gamma(cdtype)
-        dx = rstd[:, None] * (
-            gd - gd.mean(dim=-1, keepdim=True) - xhat * (gd * xhat).mean(dim=-1, keepdim=True)
+        dy = grad_output.reshape(x2d.shape)  # [rows, H]
+        if dy.dtype != x2d.dtype:
+            dy = dy.to(x2d.dtype)
+        # Parameters in the compute dtype: aten's mixed-precision path (bf16 input, fp32
+        # statistics) wants fp32 parameters and then returns fp32 dweight/dbias.
+        gamma = self._gamma(cdtype).to(cdtype)
+        mask = [True, self.weight.requires_grad, self.bias.requires_grad]
+        dx, dweight, dbias = torch.ops.aten.native_layer_norm_backward(
+            dy, x2d, [self.hidden], mean, rstd, gamma, self.bias.reshape(-1).to(cdtype), mask
         )
         return (
-            dx.to(x2d.dtype).reshape(grad_output.shape),
+            dx.reshape(grad_output.shape),
             (
-                dweight.to(self.weight.dtype).reshape(self.normalized_shape),
-                dbias.to(self.bias.dtype).reshape(self.normalized_shape),
+                None if dweight is None else dweight.to(self.weight.dtype).reshape(self.normalized_shape),
+                None if dbias is None else dbias.to(self.bias.dtype).reshape(self.normalized_shape),
             ),
         )

@@ -8,6 +8,7 @@ from typing import Any, Optional
 
 import torch
 
+from ... import kernels
 from ..op import BasicOperation, OperationContext
 from ._checks import (
     check_eps,
@@ -34,6 +35,11 @@ class RMSNorm(BasicOperation):
                   gd = dy * g,  dx = rstd * (gd - xhat * mean(gd * xhat))
 
     Saved for backward: the input and per-row ``rstd`` (float32).
+
+    Kernels: the forward is ``tp_fuse.kernels.rmsnorm_fwd`` (Triton on CUDA, aten's
+    ``_fused_rms_norm`` otherwise), which can also write FP8 for a following GEMM
+    (``ForwardNormQuantizeLinear``). The backward is torch math (aten has no CPU
+    kernel for ``_fused_rms_norm_backward``), arranged to make few passes.
     """
 
     def __init__(
@@ -49,6 +55,7 @@ class RMSNorm(BasicOperation):
         self.normalized_shape = normalized_shape_tuple("RMSNorm", normalized_shape)
         self.eps = check_eps("RMSNorm", eps)
         self.zero_centered_gamma = bool(zero_centered_gamma)
+        self.hidden = math.prod(self.normalized_shape)
         dtype = param_dtype("RMSNorm", dtype)
         self.weight = torch.nn.Parameter(torch.empty(self.normalized_shape, device=device, dtype=dtype))
         self.reset_parameters()
@@ -73,33 +80,60 @@ class RMSNorm(BasicOperation):
         check_matches_param("RMSNorm", x, self.weight, "weight")
 
     def _gamma(self, dtype: torch.dtype) -> torch.Tensor:
-        g = self.weight.reshape(-1).to(dtype)
-        return g + 1 if self.zero_centered_gamma else g
+        """g as a flat ``[H]`` vector; in ``dtype`` when zero-centered (``1 + w`` must
+        not round in bf16), else the parameter itself (the kernels upcast it)."""
+        if self.zero_centered_gamma:
+            return self.weight.reshape(-1).to(dtype) + 1
+        return self.weight.reshape(-1)
 
-    def op_forward(self, ctx: OperationContext, input_: torch.Tensor, **unused: Any) -> torch.Tensor:
-        x = maybe_dequantize(input_)
+    def kernels_used(self, direction: str) -> tuple[str, ...]:
+        """``tp_fuse.kernels`` functions this op calls in ``direction`` (for ``explain``)."""
+        return ("rmsnorm_fwd",) if direction == "forward" else ()
+
+    def normalize(
+        self,
+        ctx: OperationContext,
+        x: torch.Tensor,
+        *,
+        scale: Optional[torch.Tensor] = None,
+        fp8_dtype: Optional[torch.dtype] = None,
+        with_amax: bool = False,
+    ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """The forward pass: ``(y, amax)``; saves what :meth:`op_backward` needs.
+
+        With ``scale``/``fp8_dtype`` the kernel writes ``y`` in FP8 (for the next GEMM).
+        ``amax`` (max |y| before any rounding) only with ``with_amax``, else None: it
+        costs a read of y on the torch path. Fused forward ops call this, so the ctx
+        is filled exactly as :meth:`op_forward` fills it.
+        """
         self.check_input(x)
-        hidden = math.prod(self.normalized_shape)
-        cdtype = compute_dtype(x.dtype)
-        x2d = x.reshape(-1, hidden)  # [rows, H]
-        xc = x2d.to(cdtype)
-        rstd = torch.rsqrt(xc.square().mean(dim=-1) + self.eps)  # [rows]
-        y = xc * rstd[:, None] * self._gamma(cdtype)
+        x2d = x.reshape(-1, self.hidden)  # [rows, H]
+        y, rstd, amax = kernels.rmsnorm_fwd(
+            x2d, self._gamma(compute_dtype(x.dtype)), self.eps, scale=scale, fp8_dtype=fp8_dtype, with_amax=with_amax
+        )
         if ctx.requires_grad:
             ctx.save_for_backward(x2d, rstd)
-        return y.to(x.dtype).reshape(x.shape)
+        return y.reshape(x.shape), amax
+
+    def op_forward(self, ctx: OperationContext, input_: torch.Tensor, **unused: Any) -> torch.Tensor:
+        return self.normalize(ctx, maybe_dequantize(input_))[0]
 
     def op_backward(
         self, ctx: OperationContext, grad_output: torch.Tensor
-    ) -> tuple[torch.Tensor, tuple[torch.Tensor]]:
+    ) -> tuple[torch.Tensor, tuple[Optional[torch.Tensor]]]:
         x2d, rstd = ctx.saved_tensors
         cdtype = rstd.dtype
-        dy = grad_output.reshape(x2d.shape).to(cdtype)  # [rows, H]
-        xhat = x2d.to(cdtype) * rstd[:, None]
-        dweight = (dy * xhat).sum(dim=0)
-        gd = dy * self._gamma(cdtype)
-        dx = rstd[:, None] * (gd - xhat * (gd * xhat).mean(dim=-1, keepdim=True))
+        dy = grad_output.reshape(x2d.shape).to(cdtype)  # [rows, H]; no copy when fp32
+        r = rstd[:, None]
+        xhat = x2d.to(cdtype) * r  # a new tensor: updated in place below
+        gamma = self._gamma(cdtype).to(cdtype)
+        dy_xhat = dy * xhat
+        dweight = dy_xhat.sum(dim=0) if self.weight.requires_grad else None
+        # mean(gd * xhat) over a row with gd = dy * g is (dy * xhat) @ g / H: a
+        # matrix-vector product instead of another full-size product and reduction.
+        c = torch.mv(dy_xhat, gamma).div_(self.hidden)  # [rows]
+        dx = (dy * gamma).sub_(xhat.mul_(c[:, None])).mul_(r)  # rstd (gd - xhat c)
         return (
             dx.to(x2d.dtype).reshape(grad_output.shape),
-            (dweight.to(self.weight.dtype).reshape(self.normalized_shape),),
+            (None if dweight is None else dweight.to(self.weight.dtype).reshape(self.normalized_shape),),
         )

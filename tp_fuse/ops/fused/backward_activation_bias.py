@@ -7,7 +7,8 @@ from typing import Any, Optional
 
 import torch
 
-from ..basic.activation import _ActivationOperation
+from ... import kernels
+from ..basic.activation import GELU, _ActivationOperation
 from ..basic.bias import Bias
 from ..fusion import Fuse, FusionLog, MatchResult, Reject, fuse_by_window
 from ..op import FusedOperation, FusibleOperation, OperationContext
@@ -25,11 +26,12 @@ class BackwardActivationBias(FusedOperation):
         db = sum of dz over every dimension but the last
         dx = dz
 
-    Backward only. It calls the activation's ``activation_backward`` and
-    ``Bias.bias_grad``, so the input gradient and ``db`` are bit-identical to
-    the basic ops'. The op is the hook for a one-pass dact+dbias kernel (the
-    reduction reading dact as it is produced); on the torch path the two run
-    back to back without a round trip through the fuser.
+    Backward only. GELU: one ``tp_fuse.kernels.dgelu_dbias`` call (on CUDA a
+    Triton kernel that reduces dz as it produces it). Its torch path computes
+    ``dz`` with the function ``GELU``'s backward uses and ``db`` exactly as
+    ``Bias.bias_grad`` does, so the result is bit-identical to the basic ops'
+    (the Triton path sums the fp32 dz: equal within rounding). ReLU: the
+    activation's ``activation_backward`` then ``Bias.bias_grad``.
     """
 
     def __init__(self, *, bias: Bias, activation: _ActivationOperation) -> None:
@@ -37,6 +39,12 @@ class BackwardActivationBias(FusedOperation):
 
     def fusion_summary(self) -> str:
         return f"d{type(self.basic_ops[1]).__name__} and dbias together"
+
+    def kernels_used(self, direction: str) -> tuple[str, ...]:
+        """``tp_fuse.kernels`` functions this op calls (for ``explain``)."""
+        if direction == "backward" and isinstance(self.basic_ops[1], GELU):
+            return ("dgelu_dbias",)
+        return ()
 
     def fuser_backward(
         self,
@@ -48,8 +56,13 @@ class BackwardActivationBias(FusedOperation):
     ) -> tuple[torch.Tensor, list[tuple[Optional[torch.Tensor], ...]], list[tuple[()]]]:
         bias_op, activation = self.basic_ops
         assert isinstance(bias_op, Bias) and isinstance(activation, _ActivationOperation)
-        dz = activation.activation_backward(basic_op_ctxs[1], grad_output)
-        db = bias_op.bias_grad(dz)
+        if isinstance(activation, GELU):
+            (x,) = basic_op_ctxs[1].saved_tensors
+            dz, db, _ = kernels.dgelu_dbias(grad_output, x, with_amax=False)
+            db = db.to(bias_op.bias.dtype) if bias_op.bias.requires_grad else None
+        else:
+            dz = activation.activation_backward(basic_op_ctxs[1], grad_output)
+            db = bias_op.bias_grad(dz)
         return dz, [(db,), ()], [(), ()]
 
 
