@@ -25,7 +25,8 @@ def quantize(
     *,
     transpose: bool = False,
     backend: Optional[str] = None,
-) -> tuple[torch.Tensor, Optional[torch.Tensor], torch.Tensor]:
+    with_amax: bool = True,
+) -> tuple[torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor]]:
     """Quantize ``x`` to FP8 and compute its amax in the same pass.
 
     Shapes (``x`` viewed as 2-D ``[rows, cols]``, ``cols = x.shape[-1]``)::
@@ -44,26 +45,30 @@ def quantize(
 
     Args:
         backend: None (auto), "torch" or "triton"; see ``tp_fuse.kernels.dispatch``.
+        with_amax: False when the caller already has the amax (current scaling computes
+            it first to derive the scale): amax comes back as None, and the torch path
+            skips a full read of ``x``.
     """
     check_float("x", x)
     check_fp8_dtype("fp8_dtype", fp8_dtype)
     check_scale("scale", scale, x.device)
     choice = dispatch.select_backend("quantize", x.device, backend, triton_unsupported=triton_dtype_issue(x.dtype))
     if choice.backend == "torch":
-        out = _quantize_torch(x, scale, fp8_dtype, transpose)
+        out = _quantize_torch(x, scale, fp8_dtype, transpose, with_amax)
         variant = "reference"
     else:
         from . import cast_triton
 
         *out, variant = cast_triton.quantize_triton(x, scale, fp8_dtype, transpose)
     dispatch.log_call("quantize", choice, variant, x.device)
-    return tuple(out)
+    data, data_t, amax = out
+    return data, data_t, amax if with_amax else None
 
 
 def _quantize_torch(
-    x: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dtype, transpose: bool
-) -> tuple[torch.Tensor, Optional[torch.Tensor], torch.Tensor]:
+    x: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dtype, transpose: bool, with_amax: bool
+) -> tuple[torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor]]:
     x2 = rows_2d(x)  # [rows, cols]
     data = fp8_cast(x2, scale, fp8_dtype).contiguous()  # elementwise ops keep x's strides
     data_t = data.t().contiguous() if transpose else None  # [cols, rows]
-    return data.reshape(x.shape), data_t, abs_max(x)
+    return data.reshape(x.shape), data_t, abs_max(x) if with_amax else None

@@ -1,4 +1,8 @@
-"""FP8 GEMM through ``torch._scaled_mm`` (CUDA and, since torch 2.6+, CPU).
+"""FP8 GEMM on Float8Tensors through ``tp_fuse.kernels.fp8_gemm``.
+
+The kernel is the one FP8 GEMM implementation: ``torch._scaled_mm`` on the torch path
+(CPU, and CUDA without triton), a Triton kernel on CUDA. This module unwraps
+Float8Tensors (bytes + ``_scale_inv``) and validates them.
 
 ``fp8_gemm(a, b)`` computes ``a @ b.T`` -- the "NT" layout of a linear layer
 (``y = x @ W.T``), which is also what ``_scaled_mm`` wants: ``mat1`` row-major
@@ -20,6 +24,7 @@ from typing import Optional
 
 import torch
 
+from .. import kernels
 from .float8_tensor import Float8Tensor
 
 __all__ = ["fp8_gemm"]
@@ -81,22 +86,7 @@ def fp8_gemm(
             )
         if bias.device != a.device:
             raise ValueError(f"fp8_gemm: bias on {bias.device}, operands on {a.device}")
-    # _scaled_mm layout: mat1 row-major, mat2 column-major (= b row-major, transposed).
-    a_data = a._data.contiguous()
-    b_data = b._data.contiguous()
-    # CUDA's _scaled_mm only fuses a bias for 16-bit outputs; add it afterwards
-    # otherwise (in out_dtype, the same rounding as the fused epilogue).
-    fused_bias = bias is not None and (
-        a.device.type != "cuda" or out_dtype in (torch.bfloat16, torch.float16)
-    )
-    out = torch._scaled_mm(
-        a_data,
-        b_data.t(),
-        scale_a=a._scale_inv.reshape(()).to(torch.float32),
-        scale_b=b._scale_inv.reshape(()).to(torch.float32),
-        bias=bias.to(out_dtype) if fused_bias else None,
-        out_dtype=out_dtype,
-    )
-    if bias is not None and not fused_bias:
-        out = out + bias.to(out_dtype)
+    # The kernel takes a [M, K] and b [N, K] (it makes them contiguous as its GEMM
+    # needs) and the dequantization scales; it adds the bias in its epilogue.
+    out, _ = kernels.fp8_gemm(a._data, b._data, a._scale_inv, b._scale_inv, out_dtype, bias=bias)
     return out

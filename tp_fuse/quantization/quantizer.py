@@ -13,6 +13,12 @@ Quantizers are owned by ops and keep their state across steps:
 Roles: names starting with ``"grad"`` (``"grad_output"``, ``"grad_input"``) are
 backward tensors and use the recipe's backward FP8 dtype; every other role
 (``"input"``, ``"weight"``, ...) uses the forward dtype.
+
+Every cast goes through ``tp_fuse.kernels.quantize`` (cast and amax in one pass, and
+optionally the transposed bytes a wgrad GEMM reads; Triton on CUDA, torch elsewhere).
+Kernels that produce a quantizer's input can also write its FP8 directly (a norm
+before a GEMM): :meth:`Quantizer.producer_scale`, :meth:`DelayedScalingQuantizer.from_producer`
+and :meth:`Quantizer.quantize_with_amax` are the hooks for that.
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ from typing import Any, Optional, Union
 import torch
 import torch.distributed as dist
 
+from .. import kernels
 from ..recipe import DelayedScaling, Float8CurrentScaling, Recipe, fp8_dtype_max
 from . import scaling
 from .float8_tensor import Float8Tensor
@@ -51,13 +58,16 @@ def _amax(x: torch.Tensor) -> torch.Tensor:
     return x.detach().abs().amax().to(torch.float32)
 
 
-def _cast_to_fp8(x: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dtype, fp8_max: float) -> torch.Tensor:
-    """saturate(x * scale) in ``fp8_dtype``; NaN stays NaN, +-inf saturate."""
-    compute = torch.promote_types(x.dtype, torch.float32)
-    scaled = x.detach().to(compute) * scale.to(compute)
-    # clamp keeps NaN (and maps +-inf to +-fp8_max): PyTorch's fp8 cast does not
-    # saturate on its own for E5M2 (values past max become inf).
-    return scaled.clamp(-fp8_max, fp8_max).to(fp8_dtype)
+def _with_transpose(t: Float8Tensor, data_t: Optional[torch.Tensor]) -> Float8Tensor:
+    """Seed ``t``'s transpose cache with the kernel's transposed bytes.
+
+    The cast kernel wrote them in the same pass; ``Float8Tensor.transpose_data`` would
+    otherwise re-read the FP8 data in the wgrad GEMM. The key is the one
+    ``transpose_data`` checks, so any later in-place write still invalidates it.
+    """
+    if data_t is not None and t.dim() >= 2:
+        t._transpose_cache = ((t._alias.generation, t._data._version), data_t)
+    return t
 
 
 class _Quantize(torch.autograd.Function):
@@ -75,14 +85,14 @@ class _Quantize(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, quantizer: "Quantizer") -> Float8Tensor:
-        return quantizer._quantize_impl(x)
+    def forward(ctx: Any, x: torch.Tensor, quantizer: "Quantizer", transpose: bool) -> Float8Tensor:
+        return quantizer._quantize_impl(x, transpose)
 
     @staticmethod
-    def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor, None]:
+    def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor, None, None]:
         if isinstance(grad_out, Float8Tensor):
             grad_out = grad_out.dequantize()
-        return grad_out, None
+        return grad_out, None, None
 
 
 class Quantizer(abc.ABC):
@@ -99,9 +109,14 @@ class Quantizer(abc.ABC):
         self.fp8_max = fp8_dtype_max(fp8_dtype)
         self.role = role
 
-    def quantize(self, x: torch.Tensor) -> Float8Tensor:
+    def quantize(self, x: torch.Tensor, *, transpose: bool = False) -> Float8Tensor:
         """Quantize ``x`` (any float dtype) to a Float8Tensor of nominal dtype
-        ``x.dtype``; differentiable (straight-through) if ``x`` requires grad."""
+        ``x.dtype``; differentiable (straight-through) if ``x`` requires grad.
+
+        ``transpose=True`` when a wgrad GEMM will read the tensor transposed: the cast
+        kernel writes the transposed bytes in the same pass and they fill the
+        Float8Tensor's transpose cache.
+        """
         if isinstance(x, Float8Tensor):
             raise ValueError(f"{type(self).__name__}.quantize: input is already a Float8Tensor")
         if not x.dtype.is_floating_point:
@@ -109,12 +124,29 @@ class Quantizer(abc.ABC):
                 f"{type(self).__name__}.quantize: expected a floating-point tensor, got {x.dtype}"
             )
         if torch.is_grad_enabled() and x.requires_grad:
-            return _Quantize.apply(x, self)
-        return self._quantize_impl(x)
+            return _Quantize.apply(x, self, transpose)
+        return self._quantize_impl(x, transpose)
 
     @abc.abstractmethod
-    def _quantize_impl(self, x: torch.Tensor) -> Float8Tensor:
+    def _quantize_impl(self, x: torch.Tensor, transpose: bool = False) -> Float8Tensor:
         """Quantize without autograd."""
+
+    def producer_scale(self, device: torch.device) -> Optional[torch.Tensor]:
+        """The scale a producing kernel (e.g. a norm) can write this quantizer's FP8
+        with directly, or None when the scale depends on the produced tensor itself
+        (current scaling: produce high precision plus its amax, then
+        :meth:`quantize_with_amax`)."""
+        return None
+
+    def quantize_with_amax(self, x: torch.Tensor, amax: torch.Tensor, *, transpose: bool = False) -> Float8Tensor:
+        """Quantize ``x`` whose ``max(|x|)`` a producing kernel already computed.
+
+        Without autograd (fused ops run inside the fuser's autograd function). The
+        base class ignores ``amax``; quantizers that need it (current scaling) use it
+        instead of re-reading ``x``.
+        """
+        with torch.no_grad():
+            return self._quantize_impl(x, transpose)
 
     @abc.abstractmethod
     def stats(self) -> dict[str, float]:
@@ -153,14 +185,31 @@ class DelayedScalingQuantizer(Quantizer):
         self.last_amax = torch.zeros((), **kw)
         self.nonfinite_amax_count = torch.zeros((), dtype=torch.int64, device=device)
 
-    def _quantize_impl(self, x: torch.Tensor) -> Float8Tensor:
+    def _quantize_impl(self, x: torch.Tensor, transpose: bool = False) -> Float8Tensor:
         with torch.no_grad():
             self._to_device(x.device)
-            self.amax_history[0] = torch.maximum(self.amax_history[0], _amax(x))
-            data = _cast_to_fp8(x, self.scale, self.fp8_dtype, self.fp8_max)
+            data, data_t, amax = kernels.quantize(x.detach(), self.scale, self.fp8_dtype, transpose=transpose)
+        return self.from_producer(data, amax, x.dtype, data_t)
+
+    def producer_scale(self, device: torch.device) -> torch.Tensor:
+        """This step's scale (on ``device``): producers write FP8 with it, as ``quantize`` would."""
+        self._to_device(device)
+        return self.scale
+
+    def from_producer(
+        self, data: torch.Tensor, amax: torch.Tensor, dtype: torch.dtype, data_t: Optional[torch.Tensor] = None
+    ) -> Float8Tensor:
+        """Wrap FP8 bytes a kernel wrote with :meth:`producer_scale`; record their amax.
+
+        ``amax`` is max |x| of the high-precision values (folded into
+        ``amax_history[0]`` as ``quantize`` does); ``data_t`` optional transposed bytes.
+        """
+        with torch.no_grad():
+            self._to_device(data.device)
+            self.amax_history[0] = torch.maximum(self.amax_history[0], amax)
             # A new tensor: later scale updates must not change this tensor's value.
             scale_inv = torch.reciprocal(self.scale)
-        return Float8Tensor(data, scale_inv, x.dtype)
+        return _with_transpose(Float8Tensor(data, scale_inv, dtype), data_t)
 
     def _to_device(self, device: torch.device) -> None:
         # State follows the data on first use (modules may be moved after init).
@@ -238,17 +287,25 @@ class CurrentScalingQuantizer(Quantizer):
         dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=group)
         return amax.reshape(())
 
-    def _quantize_impl(self, x: torch.Tensor) -> Float8Tensor:
+    def _quantize_impl(self, x: torch.Tensor, transpose: bool = False) -> Float8Tensor:
+        return self.quantize_with_amax(x, _amax(x), transpose=transpose)
+
+    def quantize_with_amax(self, x: torch.Tensor, amax: torch.Tensor, *, transpose: bool = False) -> Float8Tensor:
+        """Quantize with the scale from ``amax`` = this rank's max |x| (all-reduced
+        over the amax group first), e.g. the amax a norm kernel computed in passing."""
         with torch.no_grad():
-            amax = self._reduce(_amax(x))
+            amax = self._reduce(amax)
             scale = scaling.current_scale(amax, self.fp8_max, self.power_2_scale)
-            data = _cast_to_fp8(x, scale, self.fp8_dtype, self.fp8_max)
+            # The amax is known: the cast kernel need not compute it again.
+            data, data_t, _ = kernels.quantize(
+                x.detach(), scale, self.fp8_dtype, transpose=transpose, with_amax=False
+            )
             self.last_amax = amax.clone()
             self.scale = scale
             nonfinite = scaling.is_nonfinite(amax)
             self.nonfinite_amax_count = self.nonfinite_amax_count.to(x.device) + nonfinite
             self.zero_amax_count = self.zero_amax_count.to(x.device) + (amax == 0)
-        return Float8Tensor(data, torch.reciprocal(scale), x.dtype)
+        return _with_transpose(Float8Tensor(data, torch.reciprocal(scale), x.dtype), data_t)
 
     def stats(self) -> dict[str, float]:
         return {

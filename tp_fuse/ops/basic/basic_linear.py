@@ -87,20 +87,28 @@ class BasicLinear(BasicOperation):
     # ---- validation ------------------------------------------------------
 
     def check_input(self, x: torch.Tensor) -> None:
-        """Shape and dtype checks, raised before any compute or communication."""
-        require(
-            x.dim() >= 1 and x.shape[-1] == self.in_features,
-            f"BasicLinear: expected input with last dimension in_features={self.in_features}, "
-            f"got shape {tuple(x.shape)}",
-        )
-        require(
-            x.dtype == self.weight.dtype,
-            f"BasicLinear: input dtype {x.dtype} does not match weight dtype {self.weight.dtype}",
-        )
-        require(
-            x.device == self.weight.device,
-            f"BasicLinear: input on {x.device}, weight on {self.weight.device}",
-        )
+        """Shape and dtype checks, raised before any compute or communication.
+
+        Runs on every call (twice in fused forwards): the messages are built only on
+        failure.
+        """
+        weight = self.weight
+        if x.dim() < 1 or x.shape[-1] != self.in_features:
+            raise ValueError(
+                f"BasicLinear: expected input with last dimension in_features={self.in_features}, "
+                f"got shape {tuple(x.shape)}"
+            )
+        if x.dtype != weight.dtype:
+            raise ValueError(f"BasicLinear: input dtype {x.dtype} does not match weight dtype {weight.dtype}")
+        if x.device != weight.device:
+            raise ValueError(f"BasicLinear: input on {x.device}, weight on {weight.device}")
+
+    def kernels_used(self, direction: str) -> tuple[str, ...]:
+        """``tp_fuse.kernels`` functions this op calls in ``direction`` (for ``explain``):
+        the FP8 casts and GEMMs under an FP8 recipe, none in high precision."""
+        from ...quantization import active_autocast
+
+        return ("quantize", "fp8_gemm") if active_autocast() is not None else ()
 
     # ---- quantization helpers (shared with fused ops) --------------------
 
@@ -117,7 +125,11 @@ class BasicLinear(BasicOperation):
         """Quantize input and weight for an FP8 GEMM; register their amaxes.
 
         Returns ``(x_fp8, w_fp8)``. A Float8Tensor input (from a ``Quantize``
-        op) or an FP8 weight (from ``quantized_model_init``) is used as is.
+        op, or written by a norm in ``ForwardNormQuantizeLinear``) or an FP8
+        weight (from ``quantized_model_init``) is used as is. When a backward
+        will run, the cast kernel also writes the transposes the backward GEMMs
+        read (x for wgrad, W for dgrad) in the same pass; they are held until
+        the backward, as Transformer Engine holds its column-wise copies.
         """
         from ...quantization import Float8Tensor, active_autocast
 
@@ -127,7 +139,7 @@ class BasicLinear(BasicOperation):
         if isinstance(x2d, Float8Tensor):
             x_fp8 = x2d
         else:
-            x_fp8 = qs["input"].quantize(x2d)
+            x_fp8 = qs["input"].quantize(x2d, transpose=ctx.requires_grad and self.weight.requires_grad)
             state.track_forward(qs["input"])
             if self.debug_hooks is not None:
                 self.debug_hooks.on_quantized("input", x2d, x_fp8, qs["input"])
@@ -140,7 +152,7 @@ class BasicLinear(BasicOperation):
             if weight.quantizer is not None:
                 state.track_forward(weight.quantizer)
         else:
-            w_fp8 = qs["weight"].quantize(weight.detach())
+            w_fp8 = qs["weight"].quantize(weight.detach(), transpose=ctx.requires_grad)
             state.track_forward(qs["weight"])
             if self.debug_hooks is not None:
                 self.debug_hooks.on_quantized("weight", weight, w_fp8, qs["weight"])
@@ -227,7 +239,7 @@ class BasicLinear(BasicOperation):
         if ctx.fp8:
             from ...quantization import fp8_gemm
 
-            dy_fp8 = ctx.grad_quantizer.quantize(dy2d)
+            dy_fp8 = ctx.grad_quantizer.quantize(dy2d, transpose=self.weight.requires_grad)
             ctx.grad_tracker.track(ctx.grad_quantizer)
             if self.debug_hooks is not None:
                 self.debug_hooks.on_quantized("grad_output", dy2d, dy_fp8, ctx.grad_quantizer)
