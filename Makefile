@@ -2,6 +2,9 @@
 #   make train   runs the main job on its default config
 #   make test    installs what is missing and runs the full test suite
 PYTHON ?= python3
+# make train NPROC=2 ARGS="fp8=delayed parallel.tp=2"  (any launch/train.py override)
+NPROC ?= 1
+ARGS ?=
 
 .PHONY: install train test bench
 
@@ -10,7 +13,8 @@ install:
 	$(PYTHON) -m pip install -q -e ".[test]"
 
 train: install
-	$(PYTHON) examples/train_mlp.py
+	$(PYTHON) -m torch.distributed.run --nproc-per-node=$(NPROC) --rdzv-backend=c10d --rdzv-endpoint=localhost:0 \
+		launch/train.py +model=gpt $(ARGS)
 
 test: install
 	$(PYTHON) -m pytest -q tests
