@@ -37,6 +37,7 @@ __all__ = [
     "BackendChoice",
     "KernelCall",
     "KernelPathLog",
+    "planned_backend",
     "record_kernel_paths",
     "select_backend",
     "triton_interpreted",
@@ -209,3 +210,15 @@ def select_backend(
     if triton_unsupported is not None:
         return BackendChoice("torch", triton_unsupported)
     return BackendChoice("triton", f"CUDA inputs and {detail}")
+
+
+def planned_backend(kernel: str, device: torch.device, dtype: Optional[torch.dtype] = None) -> BackendChoice:
+    """The backend an auto (``backend=None``) call of ``kernel`` would take for tensors
+    of ``dtype`` on ``device``, without running anything (``explain`` uses it).
+
+    Applies the device and dtype rules (float64 runs on torch); per-call shape limits,
+    such as the Triton norm kernels' row width, are not known here.
+    """
+    from ._common import triton_dtype_issue
+
+    return select_backend(kernel, device, None, triton_unsupported=triton_dtype_issue(dtype))

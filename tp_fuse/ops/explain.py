@@ -3,7 +3,9 @@
 For every group of fusible ops this reports the forward and backward op
 lists after fusion and every fusion decision: windows that fused (with what
 the fused op does, e.g. which overlap method a communication fusion uses) and
-windows that were considered and rejected, each with its reason.
+windows that were considered and rejected, each with its reason; and, per op
+that calls ``tp_fuse.kernels``, which path each kernel would take (Triton or
+torch, and why), decided by ``kernels.planned_backend`` without running.
 """
 
 from __future__ import annotations
@@ -13,8 +15,9 @@ from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 
+from .. import kernels
 from .fusion import FusionRecord
-from .op import op_display_name
+from .op import FusibleOperation, op_display_name
 
 if TYPE_CHECKING:
     from .fuser import OperationFuser
@@ -29,28 +32,84 @@ def _describe_runs(runs) -> list[str]:
     return out
 
 
+@dataclasses.dataclass(frozen=True)
+class KernelPlan:
+    """The path one ``tp_fuse.kernels`` call of one op would take."""
+
+    direction: str  # "forward" | "backward"
+    op: str  # e.g. "LayerNorm[0]"
+    kernel: str  # e.g. "layernorm_fwd"
+    backend: str  # "torch" | "triton"
+    reason: str
+
+
+def op_kernels(op: FusibleOperation, direction: str) -> tuple[str, ...]:
+    """``tp_fuse.kernels`` functions ``op`` calls in ``direction``.
+
+    Ops say so with ``kernels_used(direction)``; a fused op without its own list calls
+    what its basic ops call.
+    """
+    own = getattr(op, "kernels_used", None)
+    if own is not None:
+        return tuple(own(direction))
+    names: list[str] = []
+    if op.is_fused_op:
+        for basic in op.basic_op_list:
+            names.extend(op_kernels(basic, direction))
+    return tuple(dict.fromkeys(names))
+
+
+def _kernel_target(fuser: "OperationFuser") -> tuple[torch.device, Optional[torch.dtype], str]:
+    """Device and dtype the group's kernels will see: those of its parameters."""
+    for op in fuser.basic_ops:
+        for p in op.parameters():
+            return p.device, p.dtype, str(p.device)
+    # Nothing tells the device before a call; CPU is where tp_fuse runs without a GPU.
+    return torch.device("cpu"), None, "cpu (assumed: the group has no parameters)"
+
+
+def _plan_kernels(fuser: "OperationFuser", device: torch.device, dtype: Optional[torch.dtype]) -> list[KernelPlan]:
+    plans = []
+    for direction, runs in (("forward", fuser.forward_ops), ("backward", fuser.backward_ops)):
+        for op, idxs in runs:
+            span = f"[{idxs[0]}]" if len(idxs) == 1 else f"[{idxs[0]}..{idxs[-1]}]"
+            for name in op_kernels(op, direction):
+                choice = kernels.planned_backend(name, device, dtype)
+                plans.append(KernelPlan(direction, op_display_name(op) + span, name, choice.backend, choice.reason))
+    return plans
+
+
 @dataclasses.dataclass
 class FuserExplanation:
-    """Fusion decisions of one :class:`OperationFuser`."""
+    """Fusion decisions of one :class:`OperationFuser`, and the kernel paths its ops take."""
 
     basic_ops: list[str]
     forward_ops: list[str]
     backward_ops: list[str]
     records: list[FusionRecord]
     recipe: Optional[str]
+    kernels: list[KernelPlan] = dataclasses.field(default_factory=list)
+    kernel_device: str = ""
 
     @classmethod
     def from_fuser(cls, fuser: "OperationFuser") -> "FuserExplanation":
         from .fuser import _current_recipe
 
         recipe = _current_recipe()
+        device, dtype, device_label = _kernel_target(fuser)
         return cls(
             basic_ops=[op_display_name(op, i) for i, op in enumerate(fuser.basic_ops)],
             forward_ops=_describe_runs(fuser.forward_ops),
             backward_ops=_describe_runs(fuser.backward_ops),
             records=list(fuser.fusion_log.records),
             recipe=None if recipe is None else repr(recipe),
+            kernels=_plan_kernels(fuser, device, dtype),
+            kernel_device=device_label,
         )
+
+    def kernel_backends(self, kernel: Optional[str] = None) -> set[str]:
+        """Backends the planned calls (of ``kernel``, or all) take, e.g. ``{"torch"}``."""
+        return {p.backend for p in self.kernels if kernel is None or p.kernel == kernel}
 
     @property
     def fused(self) -> list[FusionRecord]:
@@ -68,6 +127,15 @@ class FuserExplanation:
             mark = "fused   " if r.fused else "rejected"
             tail = f": {r.reason}" if r.reason else ""
             lines.append(f"  {r.direction:8s} {mark} {r.fusion} on {r.window}{tail}")
+        if self.kernels:
+            lines.append(f"kernels:  on {self.kernel_device}")
+            by_op: dict[tuple[str, str], list[str]] = {}
+            for p in self.kernels:
+                by_op.setdefault((p.direction, p.op), []).append(f"{p.kernel}={p.backend}")
+            for (direction, op), calls in by_op.items():
+                lines.append(f"  {direction:8s} {op}: {' '.join(calls)}")
+            for backend, reason in dict.fromkeys((p.backend, p.reason) for p in self.kernels):
+                lines.append(f"  {backend}: {reason}")
         return lines
 
     def __str__(self) -> str:
@@ -96,6 +164,10 @@ class Explanation:
     @property
     def records(self) -> list[FusionRecord]:
         return [r for f in self.fusers for r in f.records]
+
+    @property
+    def kernels(self) -> list[KernelPlan]:
+        return [p for f in self.fusers for p in f.kernels]
 
     def __str__(self) -> str:
         header = f"FP8 recipe: {self.recipe}" if self.recipe else "FP8: off (high precision)"

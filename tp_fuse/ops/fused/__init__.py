@@ -16,6 +16,7 @@ from .forward_linear_bias_activation import (
     fuse_forward_linear_bias_activation,
 )
 from .forward_linear_bias_add import ForwardLinearBiasAdd, fuse_forward_linear_bias_add
+from .forward_norm_quantize_linear import ForwardNormQuantizeLinear, fuse_forward_norm_quantize_linear
 from .userbuffers_backward_linear import UserbuffersBackwardLinear, fuse_userbuffers_backward_linear
 from .userbuffers_forward_linear import UserbuffersForwardLinear, fuse_userbuffers_forward_linear
 from .userbuffers_forward_linear_all_reduce import (
@@ -25,6 +26,9 @@ from .userbuffers_forward_linear_all_reduce import (
 
 register_forward_fusion(fuse_forward_linear_bias_add)
 register_forward_fusion(fuse_forward_linear_bias_activation)
+# After the epilogue fusions: the norm's FP8 output feeds a BasicLinear that may already
+# be fused with its bias (and activation / residual).
+register_forward_fusion(fuse_forward_norm_quantize_linear)
 register_backward_fusion(fuse_backward_linear_add)
 register_backward_fusion(fuse_backward_activation_bias)
 # Communication-overlap fusions go in front of all others (prepend), so that they see the
@@ -39,6 +43,7 @@ __all__ = [
     "BackwardLinearAdd",
     "ForwardLinearBiasActivation",
     "ForwardLinearBiasAdd",
+    "ForwardNormQuantizeLinear",
     "UserbuffersBackwardLinear",
     "UserbuffersForwardLinear",
     "UserbuffersForwardLinearAllReduce",
