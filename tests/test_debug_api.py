@@ -163,6 +163,32 @@ def test_log_fp8_tensor_stats_and_fp8_stats_collector_values():
     assert collector.collect() == {}
 
 
+def test_two_features_on_one_tensor_and_micro_batches_combine_correctly(data):
+    x, g = data
+    model = _linear()
+    session = DebugSession(_section(".*", {
+        "LogTensorStats": {"tensors": ["activation", "weight"], "stats": ["mean", "l2_norm"]},
+        "LogFp8TensorStats": {"tensors": ["activation"], "stats": ["underflows%", "mse"]},
+    }))
+    session.attach(model)
+    x2 = x * 3
+    for xi in (x, x2):  # two micro-batches of one iteration
+        _run(model, xi, g, DelayedScaling())
+    ((_, rec),) = session.collect()
+    both = torch.cat([x, x2]).double()
+    # Each feature counts the elements once: the mean is that of both micro-batches.
+    assert rec["debug/0.fc1/activation/mean"] == pytest.approx(float(both.mean()), rel=1e-9)
+    assert rec["debug/0.fc1/activation/l2_norm"] == pytest.approx(float(both.norm()), rel=1e-9)
+    # The weight is one tensor, whatever the number of micro-batches that used it.
+    w = next(model.parameters()).detach().double()
+    assert rec["debug/0.fc1/weight/l2_norm"] == pytest.approx(float(w.norm()), rel=1e-9)
+    # Micro-batch 1 is cast with scale 1 (fresh delayed scaling), micro-batch 2 with the
+    # scale updated from micro-batch 1's amax (each forward has its own autocast).
+    scale2 = float(torch.tensor(448.0 / float(x.abs().max()), dtype=torch.float64).float())
+    m1, m2 = _manual_fp8(x, 1.0), _manual_fp8(x2, scale2)
+    assert rec["debug/0.fc1/activation/mse"] == pytest.approx((m1["mse"] + m2["mse"]) / 2, rel=1e-6)
+
+
 def test_fake_quant_feeds_the_gemm_fake_quantized_values(data):
     x, g = data
     model = _linear()

@@ -208,11 +208,30 @@ class StatsBuffer:
         # iteration -> key -> (stats requested, components)
         self._pending: dict[int, dict[str, tuple[tuple[str, ...], dict[str, torch.Tensor]]]] = {}
 
-    def add(self, iteration: int, key: str, stats: Iterable[str], components: dict[str, torch.Tensor]) -> None:
+    def add(
+        self,
+        iteration: int,
+        key: str,
+        stats: Iterable[str],
+        components: dict[str, torch.Tensor],
+        *,
+        source: str = "",
+        once: bool = False,
+    ) -> None:
+        """Merge one observation into the record ``key`` of ``iteration``.
+
+        ``source`` (e.g. the feature name) keeps components of different recorders of one
+        tensor apart (two features must not both count its elements). ``once``: keep the
+        first observation of the iteration only (a weight seen again by every
+        micro-batch is one tensor, not several).
+        """
         stats = tuple(stats)
         records = self._pending.setdefault(iteration, {})
+        key = f"{key}\x00{source}"
         if key not in records:
             records[key] = (stats, dict(components))
+            return
+        if once:
             return
         old_stats, comps = records[key]
         for name, value in components.items():
@@ -264,8 +283,9 @@ class StatsBuffer:
                 stats, _ = pending[it][key]
                 c = comps[(it, key)]
                 rec = out.setdefault(it, {})
+                name = key.split("\x00", 1)[0]
                 for stat in stats:
-                    rec[f"{key}/{stat}"] = float(ALL_STATS[stat][1](c))
+                    rec[f"{name}/{stat}"] = float(ALL_STATS[stat][1](c))
         return sorted(out.items())
 
 

@@ -65,4 +65,5 @@ class LogFp8TensorStats(DebugFeature):
             )
         stats = config["stats"]
         comps = fp8_components(tensor, dequantized, scale, fp8_max, components_for(stats))
-        self.stats.add(iteration, f"debug/{layer_name}/{tensor_name}", stats, comps)
+        self.stats.add(iteration, f"debug/{layer_name}/{tensor_name}", stats, comps,
+                       source="LogFp8TensorStats", once=tensor_name == "weight")

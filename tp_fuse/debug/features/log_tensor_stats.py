@@ -49,4 +49,5 @@ class LogTensorStats(DebugFeature):
     ) -> None:
         stats = config["stats"]
         comps = tensor_components(tensor, components_for(stats))
-        self.stats.add(iteration, f"debug/{layer_name}/{tensor_name}", stats, comps)
+        self.stats.add(iteration, f"debug/{layer_name}/{tensor_name}", stats, comps,
+                       source="LogTensorStats", once=tensor_name == "weight")
