@@ -54,6 +54,7 @@ from tp_fuse.quantization import DelayedScalingQuantizer
 from tp_fuse.recipe import Recipe
 
 from .data import BatchLoader
+from .model import dropout_seed
 from .runtime import Runtime
 
 __all__ = ["CheckpointError", "CheckpointManager", "TrainingState", "MANIFEST"]
@@ -233,15 +234,21 @@ class CheckpointManager:
     def _state_dict(self, state: TrainingState, *, fp8_rank: int, with_rng: bool, for_load: bool) -> dict[str, Any]:
         rt = self.rt
         sd: dict[str, Any] = {}
+        optimized = {id(p) for g in state.optimizer.param_groups for p in g["params"]}
         for name, p in state.model.named_parameters():
             spec = get_shard_spec(p)
             local = torch.empty_like(p.detach()) if for_load else p.detach()
             sd[f"model/{name}"] = _global_view(local, spec, rt)
+            if id(p) not in optimized:
+                continue  # frozen parameter: no optimizer state
+            # A parameter that never had a gradient has no AdamW state yet: zeros and
+            # step 0 are exactly what AdamW would start from.
             opt_state = state.optimizer.state.get(p, {})
             for key in ("exp_avg", "exp_avg_sq"):
-                t = torch.zeros_like(p.detach()) if for_load else opt_state[key]
-                sd[f"optim/{name}/{key}"] = _global_view(t, spec, rt)
-            sd[f"optim/{name}/step"] = torch.zeros((), dtype=torch.float32) if for_load else opt_state["step"].detach().cpu()
+                t = opt_state.get(key) if not for_load else None
+                sd[f"optim/{name}/{key}"] = _global_view(t if t is not None else torch.zeros_like(p.detach()), spec, rt)
+            step = opt_state.get("step") if not for_load else None
+            sd[f"optim/{name}/step"] = step.detach().cpu() if step is not None else torch.zeros((), dtype=torch.float32)
         sd["train/step"] = torch.tensor(state.step, dtype=torch.int64)
         sd["train/consumed_samples"] = torch.tensor(state.loader.consumed_samples, dtype=torch.int64)
         for qualname, qs in _fp8_quantizers(state).items():
@@ -439,5 +446,6 @@ class CheckpointManager:
         torch.manual_seed(seed + self.rt.rank)
         dropout = getattr(state.model, "dropout_rng", None)
         if dropout is not None:
-            fresh = type(dropout)(seed, self.rt.topology.tp_rank, dropout.device)
+            fresh = type(dropout)(dropout_seed(seed, self.rt.topology.dp_rank), self.rt.topology.tp_rank,
+                                  dropout.device)
             dropout.load_state_dict(fresh.state_dict())

@@ -17,9 +17,10 @@ from tp_fuse.recipe import DelayedScaling, Float8CurrentScaling, Format, Recipe
 from .config import FP8Config, OverlapConfig, TrainConfig
 from .runtime import Runtime
 
-__all__ = ["ModelFactory", "build_model", "build_overlap", "build_recipe", "fp8_autocast"]
+__all__ = ["ModelFactory", "build_model", "build_overlap", "build_recipe", "dropout_seed", "fp8_autocast"]
 
-#: ``factory(gpt_config, tp_group=..., sequence_parallel=..., dtype=..., device=..., seed=..., overlap=...)``
+#: ``factory(gpt_config, tp_group=..., sequence_parallel=..., dtype=..., device=..., seed=..., overlap=...,
+#: dropout_seed=...)`` -- the signature of ``layers.GPT``.
 ModelFactory = Callable[..., torch.nn.Module]
 
 
@@ -48,6 +49,11 @@ def build_overlap(cfg: OverlapConfig) -> TPOverlap:
     return TPOverlap(TPOverlapConfig())
 
 
+def dropout_seed(seed: int, dp_rank: int) -> int:
+    """Seed of the dropout streams of DP replica ``dp_rank``."""
+    return seed + 1_000_003 * dp_rank
+
+
 def build_model(cfg: TrainConfig, rt: Runtime, factory: Optional[ModelFactory] = None) -> torch.nn.Module:
     """``layers.GPT`` (or ``factory``) for this rank's TP shard."""
     factory = factory or GPT
@@ -60,6 +66,9 @@ def build_model(cfg: TrainConfig, rt: Runtime, factory: Optional[ModelFactory] =
         device=rt.device,
         seed=cfg.trainer.seed,
         overlap=build_overlap(cfg.overlap),
+        # Data-parallel replicas draw different dropout masks (TP ranks of a replica share
+        # theirs where activations are replicated: layers.DropoutRNG).
+        dropout_seed=dropout_seed(cfg.trainer.seed, rt.topology.dp_rank),
     )
     model.train()
     return model
