@@ -109,17 +109,19 @@ def test_type_and_unknown_key_errors():
         from_dict(base)
 
 
-def test_cli_reports_config_error_before_starting():
+def test_cli_reports_config_error_before_starting(tmp_path):
     """The command line fails fast with the field name (no process group, no run)."""
     env = {**os.environ, "HYDRA_FULL_ERROR": "1", "WANDB_MODE": "disabled"}
     proc = subprocess.run(
-        [sys.executable, "launch/train.py", "+model=gpt", "fp8=delayed", "model.hidden_size=72", "logger=none",
-         "hydra.run.dir=.", "hydra.output_subdir=null"],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=120,
+        [sys.executable, os.path.join(ROOT, "launch", "train.py"), "+model=gpt", "fp8=delayed",
+         "model.hidden_size=72", "logger=none"],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120,
     )
     assert proc.returncode != 0
     assert "model.hidden_size = 72" in proc.stderr
     assert "ParallelTopology" not in proc.stderr  # validation ran before start-up
+    (run_dir,) = (tmp_path / "outputs").glob("*/*")
+    assert not (run_dir / "metrics.jsonl").exists()
 
 
 def test_lr_schedule_warmup_then_cosine():
