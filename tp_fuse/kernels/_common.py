@@ -181,9 +181,11 @@ def dgelu_grad_torch(grad: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     relative accuracy in the tail (the Triton kernel's accuracy everywhere).
     """
     dx = torch.ops.aten.gelu_backward(grad, x, approximate="tanh")
-    tail = x < DGELU_ATEN_MIN_X
-    if bool(tail.any()):  # a device sync off CPU; the CUDA fast path is Triton
-        idx = tail.nonzero(as_tuple=True)
+    # Usually no element is in the tail: one reduction, no mask. (NaN makes the
+    # comparison false and takes the mask path, which then fixes the real tail.)
+    # A device sync off CPU; the CUDA fast path is Triton.
+    if x.numel() and not bool(x.amin() >= DGELU_ATEN_MIN_X):
+        idx = (x < DGELU_ATEN_MIN_X).nonzero(as_tuple=True)
         dx[idx] = dgelu_torch(x[idx]).mul_(grad[idx])
     return dx
 
