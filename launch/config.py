@@ -406,7 +406,23 @@ def validate(cfg: TrainConfig, world_size: int) -> ParallelLayout:
 
     if cfg.overlap.enabled:
         _need(tp > 1, "overlap=on needs parallel.tp > 1 (got tp=1): there is no TP communication to overlap")
+    if cfg.debug.config is not None:
+        _check_debug_config(cfg)
     return ParallelLayout(world_size=world_size, tp=tp, dp=dp, grad_accum_steps=tr.global_batch_size // per_step)
+
+
+def _check_debug_config(cfg: TrainConfig) -> None:
+    """Parse the debug feature YAML now (every key, feature and option is checked);
+    only matching layer names has to wait for the model."""
+    from tp_fuse.debug import DebugSession
+
+    try:
+        session = DebugSession(cfg.debug.config)
+    except ValueError as exc:
+        raise ValueError(f"debug.config={cfg.debug.config}: {exc}") from exc
+    _need(not ("LogFp8TensorStats" in session.feature_names() and not cfg.fp8.enabled),
+          f"debug.config={cfg.debug.config} enables LogFp8TensorStats, which needs FP8: "
+          "use fp8=delayed or fp8=current")
 
 
 def _check_fp8_dims(cfg: TrainConfig, tp: int) -> None:

@@ -41,11 +41,12 @@ class MetricsSink:
         run_dir: the run directory.
         enabled: True on rank 0.
         wandb: the W&B logger, or None (``logger=none``).
-        resume_step: on resume, records of steps after it (written by the attempt that
-            crashed) are dropped from the files, so they hold one trajectory.
+        resume_step: the step training starts after; records of later steps already in
+            the files (written by an attempt that crashed, or by an earlier run in the same
+            directory) are dropped, so the files hold one trajectory.
     """
 
-    def __init__(self, run_dir: str, enabled: bool, wandb: Optional[WandbLogger], resume_step: Optional[int] = None) -> None:
+    def __init__(self, run_dir: str, enabled: bool, wandb: Optional[WandbLogger], resume_step: int = 0) -> None:
         self.enabled = enabled
         self.wandb = wandb
         self.paths = {k: os.path.join(run_dir, v) for k, v in _FILES.items()}
@@ -53,7 +54,7 @@ class MetricsSink:
         if not enabled:
             return
         for kind, path in self.paths.items():
-            if resume_step is not None and os.path.exists(path):
+            if os.path.exists(path):
                 kept = [r for r in read_jsonl(path) if int(r.get("step", 0)) <= resume_step]
                 tmp = path + ".tmp"
                 with open(tmp, "w") as f:

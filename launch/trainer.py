@@ -101,8 +101,6 @@ class Trainer:
         self.debug: Optional[DebugSession] = None
         if cfg.debug.config is not None:
             self.debug = DebugSession(cfg.debug.config, reduction_group=topo.world_group, iteration=1)
-            if "LogFp8TensorStats" in self.debug.feature_names() and self.recipe is None:
-                raise ValueError("debug.config enables LogFp8TensorStats but fp8=none; use fp8=delayed or fp8=current")
             self.debug.attach(self.model, tp_group=tp_group)
 
         self.state = TrainingState(
@@ -126,7 +124,9 @@ class Trainer:
         wandb = None
         if rt.is_rank0 and cfg.logger.kind == "wandb":
             wandb = WandbLogger(cfg.logger, rt.run_dir, {**cfg.to_dict(), "layout": dataclasses.asdict(rt.layout)})
-        self.sink = MetricsSink(rt.run_dir, rt.is_rank0, wandb, resume_step=self.start_step if self.start_step else None)
+        # Records after the start step (a crashed attempt's, or an older run's in a reused
+        # run directory) are dropped: the files hold one trajectory.
+        self.sink = MetricsSink(rt.run_dir, rt.is_rank0, wandb, resume_step=self.start_step)
 
     # ---- resume --------------------------------------------------------------------
 

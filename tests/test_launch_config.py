@@ -80,6 +80,9 @@ def test_model_presets_validate(preset, world):
         (["optim.min_lr=1.0"], 1, "optim.min_lr must be in [0, optim.lr"),
         (["data=text"], 1, "data.paths must list at least one file"),
         (["trainer.fail_at_step=1000"], 1, "trainer.fail_at_step must be in [1, trainer.max_steps=300]"),
+        ([f"debug.config={os.path.join(ROOT, 'configs', 'debug', 'example_features.yaml')}"], 1,
+         "enables LogFp8TensorStats, which needs FP8: use fp8=delayed or fp8=current"),
+        (["debug.config=/no/such.yaml"], 1, "debug.config=/no/such.yaml: debug config: no such file"),
     ],
 )
 def test_validation_errors_name_the_field(overrides, world, message):
