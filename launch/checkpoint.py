@@ -19,7 +19,7 @@ is removed by the next save), so the previous checkpoint is never damaged.
 
 Safety: no pickle of arbitrary objects is ever loaded. Tensors are read by DCP with
 ``torch.load(weights_only=True)``; DCP's ``.metadata`` (a pickle) is read with an
-unpickler that only admits DCP's metadata classes.
+unpickler that only admits DCP's metadata classes (``launch.safe_dcp``).
 
 Resharding: model and optimizer tensors reshard to any TP/DP layout. Per-rank state
 (RNG, FP8 amax histories) is restored per rank when the layout is unchanged; after a
@@ -31,10 +31,8 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import io
 import json
 import os
-import pickle
 import re
 import shutil
 import time
@@ -43,7 +41,7 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException as DCPCheckpointException
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
@@ -56,6 +54,7 @@ from tp_fuse.recipe import Recipe
 from .data import BatchLoader
 from .model import dropout_seed
 from .runtime import Runtime
+from .safe_dcp import SafeFileSystemReader
 
 __all__ = ["CheckpointError", "CheckpointManager", "TrainingState", "MANIFEST"]
 
@@ -82,55 +81,6 @@ class TrainingState:
     seed: int
     model_config: dict[str, Any]
     step: int = 0
-
-
-# ---- safe metadata reading ---------------------------------------------------------
-
-_SAFE_MODULES = (
-    "torch.distributed.checkpoint.metadata",
-    "torch.distributed.checkpoint.filesystem",
-    "torch.distributed.checkpoint.planner",
-)
-_SAFE_GLOBALS = {
-    ("torch", "Size"),
-    ("torch.serialization", "_get_layout"),
-    ("collections", "OrderedDict"),
-    ("builtins", "set"),
-    ("builtins", "frozenset"),
-    ("builtins", "slice"),
-    # DCP records the checkpoint path it was saved to.
-    ("pathlib", "Path"),
-    ("pathlib", "PosixPath"),
-    ("pathlib", "PurePosixPath"),
-    ("pathlib", "WindowsPath"),
-    ("pathlib", "PureWindowsPath"),
-}
-
-
-class _MetadataUnpickler(pickle.Unpickler):
-    """Admits DCP's metadata dataclasses, torch.Size/dtypes/layouts and plain containers."""
-
-    def find_class(self, module: str, name: str) -> Any:
-        if module in _SAFE_MODULES or (module, name) in _SAFE_GLOBALS:
-            return super().find_class(module, name)
-        if module == "torch" and isinstance(getattr(torch, name, None), (torch.dtype, torch.layout)):
-            return getattr(torch, name)
-        raise pickle.UnpicklingError(f"checkpoint metadata refers to {module}.{name}, which is not allowed")
-
-
-class SafeFileSystemReader(FileSystemReader):
-    """``FileSystemReader`` whose metadata unpickling is restricted (see module docstring)."""
-
-    def read_metadata(self, *args: Any, **kwargs: Any):
-        from torch.distributed.checkpoint.metadata import StorageMeta
-
-        path = os.path.join(str(self.path), ".metadata")
-        with open(path, "rb") as f:
-            metadata = _MetadataUnpickler(io.BytesIO(f.read())).load()
-        if getattr(metadata, "storage_meta", None) is None:
-            metadata.storage_meta = StorageMeta()
-        metadata.storage_meta.load_id = self.load_id
-        return metadata
 
 
 # ---- helpers ------------------------------------------------------------------------

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import sys
-from typing import Optional
-
 __all__ = ["Progress"]
 
 

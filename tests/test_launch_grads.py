@@ -6,7 +6,6 @@ import math
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from dist_utils import run_distributed
 

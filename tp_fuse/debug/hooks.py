@@ -170,7 +170,7 @@ class LinearDebugHooks:
         residual: Optional[torch.Tensor] = None,
     ) -> torch.Tensor:
         """``BasicLinear.forward_gemm`` with feature calls (input already checked by the op)."""
-        from ..quantization import Float8Tensor, active_autocast, fp8_gemm
+        from ..quantization import Float8Tensor, active_autocast
 
         lead = x.shape[:-1]
         x2d = x.reshape(-1, op.in_features)
