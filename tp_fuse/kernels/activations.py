@@ -64,7 +64,7 @@ def gelu_fwd(
     fp8_dtype: Optional[torch.dtype] = None,
     backend: Optional[str] = None,
     with_amax: bool = True,
-) -> tuple[torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """Tanh-approximate GELU. ``x [...]`` -> ``y [...]`` in x.dtype, or fp8_dtype when
     quantizing (``clamp(y32 * scale)``, RTNE). Returns ``(y, amax)``, amax = max |y32|
     (None with ``with_amax=False``: see the module doc)."""
@@ -89,7 +89,7 @@ def swiglu_fwd(
     fp8_dtype: Optional[torch.dtype] = None,
     backend: Optional[str] = None,
     with_amax: bool = True,
-) -> tuple[torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """SwiGLU: ``x [..., 2n]`` -> ``y [..., n] = silu(x[..., :n]) * x[..., n:]``.
 
     ``y`` in x.dtype, or fp8_dtype when quantizing. Returns ``(y, amax)``."""
@@ -119,7 +119,7 @@ def dgelu_dbias(
     fp8_dtype: Optional[torch.dtype] = None,
     backend: Optional[str] = None,
     with_amax: bool = True,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
     """GELU backward fused with the bias gradient of the GEMM that produced ``x``.
 
     Shapes (``n = x.shape[-1]``)::
@@ -174,7 +174,7 @@ def dswiglu(
     fp8_dtype: Optional[torch.dtype] = None,
     backend: Optional[str] = None,
     with_amax: bool = True,
-) -> tuple[torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """SwiGLU backward.
 
     Shapes::

@@ -49,7 +49,7 @@ def layernorm_fwd(
     fp8_dtype: Optional[torch.dtype] = None,
     backend: Optional[str] = None,
     with_amax: bool = True,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
     """LayerNorm over the last dimension.
 
     Shapes (``n = x.shape[-1]``)::
@@ -90,7 +90,7 @@ def rmsnorm_fwd(
     fp8_dtype: Optional[torch.dtype] = None,
     backend: Optional[str] = None,
     with_amax: bool = True,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
     """RMSNorm over the last dimension: ``y = x * rstd * weight``.
 
     Shapes as ``layernorm_fwd`` without ``bias`` and ``mean``. Returns ``(y, rstd, amax)``.
