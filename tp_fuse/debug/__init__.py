@@ -8,7 +8,7 @@ GEMM calls of that API. State lives in a :class:`DebugSession` object, not in a
 global. A layer with a feature runs unfused; a layer without runs fully fused.
 
 :class:`Fp8StatsCollector` is the always-cheap FP8 scaling-statistics tap the
-launcher logs to W&B (no fusion change).
+launcher logs to W&B (numerics unchanged).
 """
 
 from .config import GEMMS, TENSORS, load_debug_config

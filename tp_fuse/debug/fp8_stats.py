@@ -1,8 +1,11 @@
 """FP8 scaling statistics of every GEMM, for the training logs.
 
-``Fp8StatsCollector`` observes the FP8 casts ``BasicLinear`` does anyway (it never
-changes numerics or fusion: a layer it watches runs at full fused speed). It is
-off by default; switch it on for the steps you log::
+``Fp8StatsCollector`` observes the FP8 casts ``BasicLinear`` does anyway and never
+changes numerics. It keeps one fusion from happening: ``ForwardNormQuantizeLinear``
+(the norm kernel writing the next GEMM's FP8 input directly) rejects observed layers,
+since the high-precision norm output that underflow and MSE are computed from does not
+exist there. All other fusions are unchanged. Recording is off by default; switch it
+on for the steps you log::
 
     collector = Fp8StatsCollector(reduction_group=world)
     collector.attach(model)

@@ -9,7 +9,8 @@ an :class:`~tp_fuse.debug.Fp8StatsCollector` was attached. It is a
   GEMMs run here: :meth:`forward_gemm` / :meth:`backward_gemm` make the routing and
   GEMM calls of the feature API for every GEMM tensor.
 * ``fp8_tap`` -- a passive observer of the FP8 casts the layer does anyway
-  (``on_quantized``); it never changes numerics or fusion.
+  (``on_quantized``); it never changes numerics (see ``fp8_stats`` for the one
+  fusion it turns off).
 
 GEMM tensors (TE names): fprop ``y = x W^T`` takes ``activation`` and ``weight`` and
 produces ``output``; dgrad ``dx = dy W`` takes ``gradient`` and ``weight`` and produces
