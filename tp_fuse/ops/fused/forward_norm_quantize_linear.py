@@ -121,12 +121,19 @@ class ForwardNormQuantizeLinear(FusedOperation):
         q = linear.fp8_quantizers()["input"]  # type: ignore[index]
         ctx = basic_op_ctxs[0]
         scale = q.producer_scale(x.device)
-        if scale is not None:
+        # An FP8-stats tap (tp_fuse.debug) observing this step needs the high-precision
+        # norm output beside its FP8 cast; only then is it materialized. Layers with
+        # debug *features* never get here: fuse_by_window rejects them.
+        hooks = linear.debug_hooks
+        observed = hooks is not None and hooks.fp8_tap is not None and hooks.fp8_tap.active
+        if scale is not None and not observed:
             y8, amax = norm.normalize(ctx, x, scale=scale, fp8_dtype=q.fp8_dtype, with_amax=True)
             x_fp8 = q.from_producer(y8, amax, x.dtype)  # type: ignore[attr-defined]
         else:
             y, amax = norm.normalize(ctx, x, with_amax=True)
             x_fp8 = q.quantize_with_amax(y, amax)
+            if hooks is not None:
+                hooks.on_quantized("input", y, x_fp8, q)
         # As BasicLinear.quantize_operands does for an input it quantizes itself.
         state.track_forward(q)
         out, extra = self.linear_op.fuser_forward(
@@ -192,12 +199,6 @@ def fuse_forward_norm_quantize_linear(
         mismatch = norm_linear_mismatch(norm, linear)
         if mismatch is not None:
             return Reject(mismatch, 2)
-        if linear.debug_hooks is not None:
-            return Reject(
-                "BasicLinear has tp_fuse.debug hooks: they observe its input's FP8 cast, "
-                "which the fused norm does not expose",
-                2,
-            )
         fused = ForwardNormQuantizeLinear(
             norm=norm, linear_op=consumer, current_scaling=isinstance(recipe, Float8CurrentScaling)
         )

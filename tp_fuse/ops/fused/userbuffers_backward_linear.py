@@ -24,6 +24,7 @@ from .userbuffers_common import (
     fp8_gather_problem,
     fp8_gemm_from_bytes,
     fp8_wire,
+    observe_cast,
     gemm_label,
     hp_gemm,
     plan_overlap,
@@ -172,6 +173,7 @@ class UserbuffersBackwardLinear(FusedOperation):
         regather = need_dw and getattr(lin_ctx, "regather_input", None) is not None
         if lin_ctx.fp8:
             dy_q = lin_ctx.grad_quantizer.quantize(dy2d)
+            observe_cast(linear, "grad_output", dy2d, dy_q, lin_ctx.grad_quantizer)
             lin_ctx.grad_tracker.track(lin_ctx.grad_quantizer)
             dgrad_in = fp8_wire(dy_q).view(dy2d.shape)
             dgrad = fp8_gemm_from_bytes(dy_q, w_saved.transpose_fp8(), dy.dtype)
@@ -241,6 +243,7 @@ class UserbuffersBackwardLinear(FusedOperation):
             if problem is not None:
                 raise ValueError(f"{problem} (the fusion was decided under another autocast)")
             dy_q = quantize_same_scale_over(lin_ctx.grad_quantizer, dy2d, group)
+            observe_cast(linear, "grad_output", dy2d, dy_q, lin_ctx.grad_quantizer)
             lin_ctx.grad_tracker.track(lin_ctx.grad_quantizer)
             wire = fp8_wire(dy_q).view(dy2d.shape)
             dgrad = fp8_gemm_from_bytes(dy_q, w_saved.transpose_fp8(), dy.dtype)

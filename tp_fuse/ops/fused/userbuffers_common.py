@@ -157,6 +157,15 @@ def quantize_same_scale_over(quantizer: Any, x: torch.Tensor, tp_group: Optional
     return quantizer.quantize(x)
 
 
+def observe_cast(linear: Any, role: str, hp: torch.Tensor, q: Any, quantizer: Any) -> None:
+    """Report an FP8 cast done by an overlap op to the layer's FP8-stats tap, as
+    ``BasicLinear`` does for its own casts (the stats of a gathered operand are those
+    of this rank's shard: the cast happens before the gather)."""
+    hooks = getattr(linear, "debug_hooks", None)
+    if hooks is not None:
+        hooks.on_quantized(role, hp, q, quantizer)
+
+
 def fp8_wire(x_fp8: Any) -> torch.Tensor:
     """The FP8 bytes of a Float8Tensor as a contiguous uint8 tensor (what comm moves)."""
     return x_fp8._data.contiguous().view(torch.uint8)

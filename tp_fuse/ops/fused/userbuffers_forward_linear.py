@@ -28,6 +28,7 @@ from .userbuffers_common import (
     fp8_gather_problem,
     fp8_gemm_from_bytes,
     fp8_wire,
+    observe_cast,
     gemm_label,
     hp_gemm,
     plan_overlap,
@@ -200,6 +201,7 @@ class UserbuffersForwardLinear(FusedOperation):
                 x_fp8 = x2d  # quantized upstream (Quantize op): gathered as it is
             else:
                 x_fp8 = quantize_same_scale_over(qs["input"], x2d, group)
+                observe_cast(linear, "input", x2d, x_fp8, qs["input"])
                 state.track_forward(qs["input"])
             # Quantizes the weight and records the grad quantizer, as forward_gemm does.
             x_fp8, w_saved = linear.quantize_operands(x_fp8, lin_ctx)
