@@ -2,27 +2,17 @@
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterable
 from typing import Any, Optional
 
 import torch
 
 from ... import kernels
-from ..op import BasicOperation, OperationContext
-from ._checks import (
-    check_eps,
-    check_matches_param,
-    check_tensor,
-    check_trailing_shape,
-    compute_dtype,
-    maybe_dequantize,
-    normalized_shape_tuple,
-    param_dtype,
-)
+from ..op import OperationContext
+from ._norm import NormBase
 
 
-class LayerNorm(BasicOperation):
+class LayerNorm(NormBase):
     r"""Layer normalization with Transformer Engine's semantics.
 
     Shapes: ``x [..., *normalized_shape]``; ``weight``, ``bias`` ``[*normalized_shape]``;
@@ -46,6 +36,9 @@ class LayerNorm(BasicOperation):
     (``ForwardNormQuantizeLinear``); the backward is aten's ``native_layer_norm_backward``.
     """
 
+    op_name = "LayerNorm"
+    forward_kernel = "layernorm_fwd"
+
     def __init__(
         self,
         normalized_shape: int | Iterable[int],
@@ -55,81 +48,21 @@ class LayerNorm(BasicOperation):
         dtype: Optional[torch.dtype] = None,
         zero_centered_gamma: bool = False,
     ) -> None:
-        super().__init__()
-        self.normalized_shape = normalized_shape_tuple("LayerNorm", normalized_shape)
-        self.eps = check_eps("LayerNorm", eps)
-        self.zero_centered_gamma = bool(zero_centered_gamma)
-        self.hidden = math.prod(self.normalized_shape)
-        dtype = param_dtype("LayerNorm", dtype)
-        self.weight = torch.nn.Parameter(torch.empty(self.normalized_shape, device=device, dtype=dtype))
-        self.bias = torch.nn.Parameter(torch.empty(self.normalized_shape, device=device, dtype=dtype))
+        super().__init__(normalized_shape, eps, device=device, dtype=dtype, zero_centered_gamma=zero_centered_gamma)
+        self.bias = torch.nn.Parameter(torch.empty_like(self.weight))
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
         """g = 1, bias = 0 (weight stored as 0 with ``zero_centered_gamma``)."""
+        super().reset_parameters()
         with torch.no_grad():
-            if self.zero_centered_gamma:
-                self.weight.zero_()
-            else:
-                self.weight.fill_(1.0)
             self.bias.zero_()
 
-    def extra_repr(self) -> str:
-        return (
-            f"normalized_shape={self.normalized_shape}, eps={self.eps}, "
-            f"zero_centered_gamma={self.zero_centered_gamma}"
-        )
-
-    def check_input(self, x: torch.Tensor) -> None:
-        check_tensor("LayerNorm", x)
-        check_trailing_shape("LayerNorm", x, self.normalized_shape)
-        check_matches_param("LayerNorm", x, self.weight, "weight")
-
-    def _gamma(self, dtype: torch.dtype) -> torch.Tensor:
-        """g as a flat ``[H]`` vector; in ``dtype`` when zero-centered (``1 + w`` must
-        not round in bf16), else the parameter itself (the kernels upcast it)."""
-        if self.zero_centered_gamma:
-            return self.weight.reshape(-1).to(dtype) + 1
-        return self.weight.reshape(-1)
-
-    def kernels_used(self, direction: str) -> tuple[str, ...]:
-        """``tp_fuse.kernels`` functions this op calls in ``direction`` (for ``explain``)."""
-        return ("layernorm_fwd",) if direction == "forward" else ()
-
-    def normalize(
-        self,
-        ctx: OperationContext,
-        x: torch.Tensor,
-        *,
-        scale: Optional[torch.Tensor] = None,
-        fp8_dtype: Optional[torch.dtype] = None,
-        with_amax: bool = False,
-    ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-        """The forward pass: ``(y, amax)``; saves what :meth:`op_backward` needs.
-
-        With ``scale``/``fp8_dtype`` the kernel writes ``y`` in FP8 (for the next GEMM).
-        ``amax`` (max |y| before any rounding) only with ``with_amax``, else None: it
-        costs a read of y on the torch path. Fused forward ops call this, so the ctx
-        is filled exactly as :meth:`op_forward` fills it.
-        """
-        self.check_input(x)
-        x2d = x.reshape(-1, self.hidden)  # [rows, H]
-        y, mean, rstd, amax = kernels.layernorm_fwd(
-            x2d,
-            self._gamma(compute_dtype(x.dtype)),
-            self.bias.reshape(-1),
-            self.eps,
-            scale=scale,
-            fp8_dtype=fp8_dtype,
-            with_amax=with_amax,
-        )
-        if ctx.requires_grad:
-            # The input in its own dtype (not xhat in float32): half the memory for bf16.
-            ctx.save_for_backward(x2d, mean, rstd)
-        return y.reshape(x.shape), amax
-
-    def op_forward(self, ctx: OperationContext, input_: torch.Tensor, **unused: Any) -> torch.Tensor:
-        return self.normalize(ctx, maybe_dequantize(input_))[0]
+    def _run_kernel(
+        self, x2d: torch.Tensor, gamma: torch.Tensor, **fp8: Any
+    ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...], Optional[torch.Tensor]]:
+        y, mean, rstd, amax = kernels.layernorm_fwd(x2d, gamma, self.bias.reshape(-1), self.eps, **fp8)
+        return y, (mean, rstd), amax
 
     def op_backward(
         self, ctx: OperationContext, grad_output: torch.Tensor
