@@ -27,10 +27,12 @@ from .userbuffers_common import (
     observe_cast,
     gemm_label,
     hp_gemm,
+    match_gemm_then,
+    match_linear_bias,
     plan_overlap,
     quantize_same_scale_over,
+    reject_collective_without_gemm,
 )
-from .userbuffers_forward_linear import match_linear_bias
 
 _RS_DGRAD_UNSUPPORTED = {
     "pipeline": "pipeline overlaps a reduce-scatter; this backward all-gathers dy, which "
@@ -335,23 +337,19 @@ def fuse_userbuffers_backward_linear(
         return Fuse(op, length, op.fusion_summary())
 
     def match_reduce_scatter(window: Sequence[FusibleOperation]) -> MatchResult:
-        linear = window[0]
-        assert isinstance(linear, BasicLinear)
-        bias, k = match_linear_bias(window, 1)
-        if len(window) <= k or not isinstance(window[k], ReduceScatter):
-            return None
-        rs = window[k]
-        if bias is not None and linear_bias_mismatch(linear, bias) is not None:
-            return Reject(f"{linear_bias_mismatch(linear, bias)}: the Bias sits between GEMM and reduce-scatter", k + 1)
+        found = match_gemm_then(window, ReduceScatter, "reduce-scatter")
+        if not isinstance(found, tuple):
+            return found
+        linear, bias, rs, length = found
         plan = plan_overlap(rs, linear, "dgrad", "row", _RS_DGRAD_UNSUPPORTED)
         if isinstance(plan, str):
-            return Reject(plan, k + 1)
+            return Reject(plan, length)
         if fp8:
             problem = fp8_gather_problem(rs.process_group, f"dy of {gemm_label(linear)}")
             if problem is not None:
-                return Reject(problem, k + 1)
+                return Reject(problem, length)
         op = UserbuffersBackwardLinear(linear=linear, bias=bias, reduce_scatter=rs, plan=plan, fp8=fp8)
-        return Fuse(op, k + 1, op.fusion_summary())
+        return Fuse(op, length, op.fusion_summary())
 
     def matcher(window: Sequence[FusibleOperation]) -> MatchResult:
         first = window[0]
@@ -359,12 +357,8 @@ def fuse_userbuffers_backward_linear(
             return match_all_gather(window)
         if isinstance(first, BasicLinear):
             return match_reduce_scatter(window)
-        if len(window) > 1 and isinstance(window[1], ReduceScatter) and not isinstance(first, Bias):
-            return Reject(
-                f"ReduceScatter preceded by {type(first).__name__}, not BasicLinear(+Bias): "
-                "no dgrad GEMM to overlap the all-gather of dy with",
-                2,
-            )
-        return None
+        return reject_collective_without_gemm(
+            window, ReduceScatter, "no dgrad GEMM to overlap the all-gather of dy with"
+        )
 
     return fuse_by_window(ops, matcher, fusion_log)

@@ -31,8 +31,11 @@ from .userbuffers_common import (
     observe_cast,
     gemm_label,
     hp_gemm,
+    match_gemm_then,
+    match_linear_bias,
     plan_overlap,
     quantize_same_scale_over,
+    reject_collective_without_gemm,
 )
 
 # Why a method does not apply to a forward window (the matcher rejects with this reason).
@@ -292,13 +295,6 @@ def _name(window: Sequence[FusibleOperation], k: int) -> str:
     return type(window[k]).__name__ if len(window) > k else "nothing (end of the fused group)"
 
 
-def match_linear_bias(window: Sequence[FusibleOperation], start: int) -> tuple[Optional[Bias], int]:
-    """``(Bias or None, index after it)`` for the ops following a BasicLinear at ``start``."""
-    if len(window) > start and isinstance(window[start], Bias):
-        return window[start], start + 1  # type: ignore[return-value]
-    return None, start
-
-
 def fuse_userbuffers_forward_linear(
     ops: list[FusibleOperation],
     *,
@@ -335,19 +331,15 @@ def fuse_userbuffers_forward_linear(
         return Fuse(op, length, op.fusion_summary())
 
     def match_reduce_scatter(window: Sequence[FusibleOperation]) -> MatchResult:
-        linear = window[0]
-        assert isinstance(linear, BasicLinear)
-        bias, k = match_linear_bias(window, 1)
-        if len(window) <= k or not isinstance(window[k], ReduceScatter):
-            return None  # not a GEMM+reduce-scatter window; other fusions report on it
-        rs = window[k]
-        if bias is not None and linear_bias_mismatch(linear, bias) is not None:
-            return Reject(f"{linear_bias_mismatch(linear, bias)}: the Bias sits between GEMM and reduce-scatter", k + 1)
+        found = match_gemm_then(window, ReduceScatter, "reduce-scatter")
+        if not isinstance(found, tuple):
+            return found
+        linear, bias, rs, length = found
         plan = plan_overlap(rs, linear, "fprop", "row", _RS_FPROP_UNSUPPORTED)
         if isinstance(plan, str):
-            return Reject(plan, k + 1)
+            return Reject(plan, length)
         op = UserbuffersForwardLinear(linear=linear, bias=bias, reduce_scatter=rs, plan=plan, fp8=fp8)
-        return Fuse(op, k + 1, op.fusion_summary())
+        return Fuse(op, length, op.fusion_summary())
 
     def matcher(window: Sequence[FusibleOperation]) -> MatchResult:
         first = window[0]
@@ -355,12 +347,6 @@ def fuse_userbuffers_forward_linear(
             return match_all_gather(window)
         if isinstance(first, BasicLinear):
             return match_reduce_scatter(window)
-        if len(window) > 1 and isinstance(window[1], ReduceScatter) and not isinstance(first, Bias):
-            return Reject(
-                f"ReduceScatter preceded by {type(first).__name__}, not BasicLinear(+Bias): "
-                "no GEMM to overlap the reduce-scatter with",
-                2,
-            )
-        return None
+        return reject_collective_without_gemm(window, ReduceScatter, "no GEMM to overlap the reduce-scatter with")
 
     return fuse_by_window(ops, matcher, fusion_log)

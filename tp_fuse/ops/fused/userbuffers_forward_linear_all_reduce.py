@@ -14,7 +14,6 @@ from ..basic.basic_linear import BasicLinear
 from ..basic.bias import Bias
 from ..fusion import Fuse, FusionLog, MatchResult, Reject, fuse_by_window
 from ..op import FusedOperation, FusibleOperation, OperationContext, require
-from .forward_linear_bias_activation import linear_bias_mismatch
 from .userbuffers_common import (
     OverlapPlan,
     effective_splits,
@@ -22,9 +21,10 @@ from .userbuffers_common import (
     fp8_wire,
     gemm_label,
     hp_gemm,
+    match_gemm_then,
     plan_overlap,
+    reject_collective_without_gemm,
 )
-from .userbuffers_forward_linear import match_linear_bias
 
 _AR_FPROP_UNSUPPORTED = {
     "ring_exchange": "a GEMM+all-reduce overlaps by chunks (method pipeline, num_splits chunks); "
@@ -142,25 +142,16 @@ def fuse_userbuffers_forward_linear_all_reduce(
     :class:`UserbuffersForwardLinearAllReduce`, as the overlap config says."""
 
     def matcher(window: Sequence[FusibleOperation]) -> MatchResult:
-        first = window[0]
-        if not isinstance(first, BasicLinear):
-            if len(window) > 1 and isinstance(window[1], AllReduce) and not isinstance(first, Bias):
-                return Reject(
-                    f"AllReduce preceded by {type(first).__name__}, not BasicLinear(+Bias): "
-                    "no GEMM to overlap the all-reduce with",
-                    2,
-                )
-            return None
-        bias, k = match_linear_bias(window, 1)
-        if len(window) <= k or not isinstance(window[k], AllReduce):
-            return None
-        ar = window[k]
-        if bias is not None and linear_bias_mismatch(first, bias) is not None:
-            return Reject(f"{linear_bias_mismatch(first, bias)}: the Bias sits between GEMM and all-reduce", k + 1)
-        plan = plan_overlap(ar, first, "fprop", "row", _AR_FPROP_UNSUPPORTED)
+        if not isinstance(window[0], BasicLinear):
+            return reject_collective_without_gemm(window, AllReduce, "no GEMM to overlap the all-reduce with")
+        found = match_gemm_then(window, AllReduce, "all-reduce")
+        if not isinstance(found, tuple):
+            return found
+        linear, bias, ar, length = found
+        plan = plan_overlap(ar, linear, "fprop", "row", _AR_FPROP_UNSUPPORTED)
         if isinstance(plan, str):
-            return Reject(plan, k + 1)
-        op = UserbuffersForwardLinearAllReduce(linear=first, bias=bias, all_reduce=ar, plan=plan, fp8=recipe is not None)
-        return Fuse(op, k + 1, op.fusion_summary())
+            return Reject(plan, length)
+        op = UserbuffersForwardLinearAllReduce(linear=linear, bias=bias, all_reduce=ar, plan=plan, fp8=recipe is not None)
+        return Fuse(op, length, op.fusion_summary())
 
     return fuse_by_window(ops, matcher, fusion_log)
