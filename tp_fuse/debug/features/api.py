@@ -31,7 +31,7 @@ import torch.distributed as dist
 from ..config import FeatureSpec
 from ..stats import StatsBuffer
 
-__all__ = ["DebugFeature", "RoutingResult", "enabled_at"]
+__all__ = ["DebugFeature", "RoutingResult", "StatsLoggingFeature", "enabled_at"]
 
 RoutingResult = Union[bool, tuple[bool, Optional[int]]]
 
@@ -180,3 +180,30 @@ def check_stats_option(opts: dict[str, Any], where: str, known: Iterable[str]) -
     bad = [s for s in stats if s not in known]
     if bad:
         raise ValueError(f"{where}.stats: unknown statistic(s) {bad}; known: {known}")
+
+
+class StatsLoggingFeature(DebugFeature):
+    """Base of the statistics-logging features: a required ``stats`` list (names from
+    :attr:`known_stats`) recorded as ``debug/<layer>/<tensor>/<stat>`` in the
+    freq/start_step/end_step window. Subclasses turn a tensor into components."""
+
+    options = frozenset({"stats", "freq", "start_step", "end_step"})
+    #: Statistic name -> (components it needs, formula); its keys are the valid names.
+    known_stats: ClassVar[dict[str, Any]] = {}
+    #: The feature's name in error messages and in a record's ``source``.
+    feature_name: ClassVar[str] = ""
+
+    def check(self, opts: dict[str, Any], where: str) -> None:
+        _check_window(opts, where)
+        check_stats_option(opts, where, self.known_stats)
+
+    def inspect_tensor_enabled(self, config, layer_name, tensor_name, iteration):
+        if "stats" not in config:
+            raise ValueError(f"{self.feature_name} on {layer_name}/{tensor_name}: option 'stats' is required")
+        return enabled_at(config, iteration)
+
+    def record(self, config: dict[str, Any], layer_name: str, tensor_name: str, iteration: int, comps: Any) -> None:
+        """Add the components of ``config['stats']``; a weight once per iteration (every
+        micro-batch sees the same one)."""
+        self.stats.add(iteration, f"debug/{layer_name}/{tensor_name}", config["stats"], comps,
+                       source=self.feature_name, once=tensor_name == "weight")

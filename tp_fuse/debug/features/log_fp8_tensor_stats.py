@@ -8,12 +8,12 @@ import torch
 import torch.distributed as dist
 
 from ..stats import FP8_STATS, components_for, fp8_components, simulate_fp8_cast
-from .api import DebugFeature, _check_window, check_stats_option, enabled_at
+from .api import StatsLoggingFeature
 
 __all__ = ["LogFp8TensorStats"]
 
 
-class LogFp8TensorStats(DebugFeature):
+class LogFp8TensorStats(StatsLoggingFeature):
     """Record FP8 cast statistics of GEMM inputs every ``freq`` iterations.
 
     Options: ``tensors`` (activation, weight, gradient), ``stats`` (from
@@ -24,17 +24,9 @@ class LogFp8TensorStats(DebugFeature):
     Needs an FP8 recipe in force (``tp_fuse.autocast``).
     """
 
-    options = frozenset({"stats", "freq", "start_step", "end_step"})
+    feature_name = "LogFp8TensorStats"
+    known_stats = FP8_STATS
     allowed_tensors = frozenset({"activation", "weight", "gradient"})
-
-    def check(self, opts: dict[str, Any], where: str) -> None:
-        _check_window(opts, where)
-        check_stats_option(opts, where, FP8_STATS)
-
-    def inspect_tensor_enabled(self, config, layer_name, tensor_name, iteration):
-        if "stats" not in config:
-            raise ValueError(f"LogFp8TensorStats on {layer_name}/{tensor_name}: option 'stats' is required")
-        return enabled_at(config, iteration)
 
     def inspect_tensor(
         self,
@@ -63,7 +55,5 @@ class LogFp8TensorStats(DebugFeature):
                 f"LogFp8TensorStats on {layer_name}/{tensor_name}: no FP8 recipe in force; "
                 "run the model under tp_fuse.autocast(...) or remove the feature"
             )
-        stats = config["stats"]
-        comps = fp8_components(tensor, dequantized, scale, fp8_max, components_for(stats))
-        self.stats.add(iteration, f"debug/{layer_name}/{tensor_name}", stats, comps,
-                       source="LogFp8TensorStats", once=tensor_name == "weight")
+        comps = fp8_components(tensor, dequantized, scale, fp8_max, components_for(config["stats"]))
+        self.record(config, layer_name, tensor_name, iteration, comps)

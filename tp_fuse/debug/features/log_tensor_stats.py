@@ -8,12 +8,12 @@ import torch
 import torch.distributed as dist
 
 from ..stats import TENSOR_STATS, components_for, tensor_components
-from .api import DebugFeature, _check_window, check_stats_option, enabled_at
+from .api import StatsLoggingFeature
 
 __all__ = ["LogTensorStats"]
 
 
-class LogTensorStats(DebugFeature):
+class LogTensorStats(StatsLoggingFeature):
     """Record ``stats`` of the listed tensors every ``freq`` iterations.
 
     Options: ``tensors`` (any of activation, weight, gradient, output, wgrad, dgrad),
@@ -23,17 +23,9 @@ class LogTensorStats(DebugFeature):
     reduction group (replicated tensors count once per rank in the norms).
     """
 
-    options = frozenset({"stats", "freq", "start_step", "end_step"})
+    feature_name = "LogTensorStats"
+    known_stats = TENSOR_STATS
     allowed_tensors = frozenset({"activation", "weight", "gradient", "output", "wgrad", "dgrad"})
-
-    def check(self, opts: dict[str, Any], where: str) -> None:
-        _check_window(opts, where)
-        check_stats_option(opts, where, TENSOR_STATS)
-
-    def inspect_tensor_enabled(self, config, layer_name, tensor_name, iteration):
-        if "stats" not in config:
-            raise ValueError(f"LogTensorStats on {layer_name}/{tensor_name}: option 'stats' is required")
-        return enabled_at(config, iteration)
 
     def inspect_tensor(
         self,
@@ -47,7 +39,5 @@ class LogTensorStats(DebugFeature):
         iteration: int,
         tp_group: Optional[dist.ProcessGroup],
     ) -> None:
-        stats = config["stats"]
-        comps = tensor_components(tensor, components_for(stats))
-        self.stats.add(iteration, f"debug/{layer_name}/{tensor_name}", stats, comps,
-                       source="LogTensorStats", once=tensor_name == "weight")
+        comps = tensor_components(tensor, components_for(config["stats"]))
+        self.record(config, layer_name, tensor_name, iteration, comps)
