@@ -142,14 +142,28 @@ def check_same_shape(x: torch.Tensor, group: ProcessGroup | None, what: str = "c
         raise ValueError(f"{what}: ranks disagree on the input shape/dtype ({listing})")
 
 
-def _check_out(out: torch.Tensor, shape: tuple[int, ...], like: torch.Tensor, what: str) -> None:
-    if tuple(out.shape) != shape or out.dtype != like.dtype or out.device != like.device:
-        raise ValueError(
-            f"{what}: out must be {shape} {like.dtype} on {like.device}, "
-            f"got {tuple(out.shape)} {out.dtype} on {out.device}"
-        )
-    if not out.is_contiguous():
-        raise ValueError(f"{what}: out must be contiguous")
+def _check_before_communicating(
+    x: torch.Tensor, group: ProcessGroup | None, out: torch.Tensor | None, shape: tuple[int, ...],
+    what: str, check_shapes: bool,
+) -> PendingCollective | None:
+    """The checks of a dim-0 collective with result ``shape``; for TP size 1 the finished
+    result instead (``x`` itself, or ``x`` copied into ``out``): nothing to communicate."""
+    if out is not None:
+        if tuple(out.shape) != shape or out.dtype != x.dtype or out.device != x.device:
+            raise ValueError(
+                f"{what}: out must be {shape} {x.dtype} on {x.device}, "
+                f"got {tuple(out.shape)} {out.dtype} on {out.device}"
+            )
+        if not out.is_contiguous():
+            raise ValueError(f"{what}: out must be contiguous")
+    if group_size(group) == 1:
+        if out is None:
+            return PendingCollective([], x)
+        out.copy_(x)
+        return PendingCollective([], out)
+    if check_shapes:
+        check_same_shape(x, group, what)
+    return None
 
 
 def all_gather_dim0_async(
@@ -166,15 +180,9 @@ def all_gather_dim0_async(
     tp = group_size(group)
     impl = resolve_impl(impl, group, "collective", "p2p", ("auto", "collective", "p2p"))
     shape = (tp * x.shape[0], *x.shape[1:])
-    if out is not None:
-        _check_out(out, shape, x, what)
-    if tp == 1:
-        if out is None:
-            return PendingCollective([], x)
-        out.copy_(x)
-        return PendingCollective([], out)
-    if check_shapes:
-        check_same_shape(x, group, what)
+    single_rank = _check_before_communicating(x, group, out, shape, what, check_shapes)
+    if single_rank is not None:
+        return single_rank
     x = x.contiguous()
     if out is None:
         out = torch.empty(shape, dtype=x.dtype, device=x.device)
@@ -229,15 +237,9 @@ def reduce_scatter_dim0_async(
     impl = resolve_impl(impl, group, "collective", "all_to_all", ("auto", "collective", "all_to_all"))
     m = check_rows_divisible(x.shape[0], tp, what)
     shape = (m, *x.shape[1:])
-    if out is not None:
-        _check_out(out, shape, x, what)
-    if tp == 1:
-        if out is None:
-            return PendingCollective([], x)
-        out.copy_(x)
-        return PendingCollective([], out)
-    if check_shapes:
-        check_same_shape(x, group, what)
+    single_rank = _check_before_communicating(x, group, out, shape, what, check_shapes)
+    if single_rank is not None:
+        return single_rank
     x = x.contiguous()
     if out is None:
         out = torch.empty(shape, dtype=x.dtype, device=x.device)
