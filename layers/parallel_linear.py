@@ -38,7 +38,36 @@ from .tp_regions import GatherFromTensorParallelRegion
 __all__ = ["ColumnParallelLinear", "RowParallelLinear"]
 
 
-class ColumnParallelLinear(torch.nn.Module):
+class _ParallelLinear(torch.nn.Module):
+    """What both layers share: Megatron's attributes, and ``weight``/``bias`` as views of
+    the ops (with ``skip_bias_add`` the bias lives in ``bias_op``, outside the Sequential)."""
+
+    ops: Sequential
+    bias_op: Optional[Bias]
+
+    def _set_attributes(self, ctx: ParallelContext, input_size: int, output_size: int, skip_bias_add: bool) -> None:
+        self.input_size, self.output_size = input_size, output_size
+        self.skip_bias_add = bool(skip_bias_add)
+        self.sequence_parallel = ctx.sequence_parallel
+        self.tp_group = ctx.tp_group
+        self.tp_size = ctx.tp_size
+
+    @property
+    def weight(self) -> torch.nn.Parameter:
+        return self.ops.linear.weight
+
+    @property
+    def bias(self) -> Optional[torch.nn.Parameter]:
+        if self.bias_op is not None:
+            return self.bias_op.bias
+        return self.ops.bias.bias if "bias" in self.ops._modules else None
+
+    def _repr_prefix(self) -> str:
+        return (f"input_size={self.input_size}, output_size={self.output_size}, tp={self.tp_size}, "
+                f"sequence_parallel={self.sequence_parallel}, ")
+
+
+class ColumnParallelLinear(_ParallelLinear):
     """``Y = X A^T + b`` with ``A [output_size, input_size]`` split by rows (output features).
 
     Shapes (``tp`` = size of ``tp_group``, activations ``[s, b, h]``):
@@ -82,13 +111,9 @@ class ColumnParallelLinear(torch.nn.Module):
         super().__init__()
         _check_sizes("ColumnParallelLinear", input_size, output_size)
         ctx = ParallelContext(tp_group, sequence_parallel, dtype, _device(device), overlap, seed)
-        self.input_size, self.output_size = input_size, output_size
+        self._set_attributes(ctx, input_size, output_size, skip_bias_add)
         self.output_size_per_partition = output_size // max(ctx.tp_size, 1)
         self.gather_output = bool(gather_output)
-        self.skip_bias_add = bool(skip_bias_add)
-        self.sequence_parallel = sequence_parallel
-        self.tp_group = tp_group
-        self.tp_size = ctx.tp_size
         ops = column_parallel_ops(
             ctx, input_size, output_size, bias=bias and not skip_bias_add, comm_name=comm_name,
             init_method=init_method or normal_init(0.02),
@@ -100,16 +125,6 @@ class ColumnParallelLinear(torch.nn.Module):
             self.bias_op = bias_op(ctx, self.output_size_per_partition, ShardSpec(dim=0),
                                    sequence_parallel_partial=False)
         self._gather = GatherFromTensorParallelRegion(tp_group) if ctx.tp_size > 1 else None
-
-    @property
-    def weight(self) -> torch.nn.Parameter:
-        return self.ops.linear.weight
-
-    @property
-    def bias(self) -> Optional[torch.nn.Parameter]:
-        if self.bias_op is not None:
-            return self.bias_op.bias
-        return self.ops.bias.bias if "bias" in self.ops._modules else None
 
     def forward(
         self,
@@ -129,12 +144,10 @@ class ColumnParallelLinear(torch.nn.Module):
         return out, (self.bias if self.skip_bias_add else None)
 
     def extra_repr(self) -> str:
-        return (f"input_size={self.input_size}, output_size={self.output_size}, tp={self.tp_size}, "
-                f"sequence_parallel={self.sequence_parallel}, gather_output={self.gather_output}, "
-                f"skip_bias_add={self.skip_bias_add}")
+        return self._repr_prefix() + f"gather_output={self.gather_output}, skip_bias_add={self.skip_bias_add}"
 
 
-class RowParallelLinear(torch.nn.Module):
+class RowParallelLinear(_ParallelLinear):
     """``Y = X A^T + b`` with ``A [output_size, input_size]`` split by columns (input features).
 
     Shapes:
@@ -176,13 +189,9 @@ class RowParallelLinear(torch.nn.Module):
         if sequence_parallel and not input_is_parallel:
             raise ValueError("RowParallelLinear: sequence_parallel=True needs input_is_parallel=True (as in Megatron)")
         ctx = ParallelContext(tp_group, sequence_parallel, dtype, _device(device), overlap, seed)
-        self.input_size, self.output_size = input_size, output_size
+        self._set_attributes(ctx, input_size, output_size, skip_bias_add)
         self.input_size_per_partition = input_size // max(ctx.tp_size, 1)
         self.input_is_parallel = bool(input_is_parallel)
-        self.skip_bias_add = bool(skip_bias_add)
-        self.sequence_parallel = sequence_parallel
-        self.tp_group = tp_group
-        self.tp_size = ctx.tp_size
         sync = bool(sync_sequence_parallel_grads)
         ops = row_parallel_ops(
             ctx, input_size, output_size, bias=bias, comm_name=comm_name,
@@ -199,24 +208,12 @@ class RowParallelLinear(torch.nn.Module):
                 bias_param.sequence_parallel = sequence_parallel  # type: ignore[attr-defined]  # Megatron's tag
         self.ops = Sequential(ops)
 
-    @property
-    def weight(self) -> torch.nn.Parameter:
-        return self.ops.linear.weight
-
-    @property
-    def bias(self) -> Optional[torch.nn.Parameter]:
-        if self.bias_op is not None:
-            return self.bias_op.bias
-        return self.ops.bias.bias if "bias" in self.ops._modules else None
-
     def forward(self, input_: torch.Tensor) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
         out = self.ops(input_)
         return out, (self.bias if self.skip_bias_add else None)
 
     def extra_repr(self) -> str:
-        return (f"input_size={self.input_size}, output_size={self.output_size}, tp={self.tp_size}, "
-                f"sequence_parallel={self.sequence_parallel}, input_is_parallel={self.input_is_parallel}, "
-                f"skip_bias_add={self.skip_bias_add}")
+        return self._repr_prefix() + f"input_is_parallel={self.input_is_parallel}, skip_bias_add={self.skip_bias_add}"
 
 
 def _check_sizes(layer: str, input_size: int, output_size: int) -> None:
