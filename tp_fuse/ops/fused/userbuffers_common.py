@@ -24,7 +24,7 @@ from ..basic._tp import TPCommOperation
 from ..basic.basic_linear import BasicLinear
 from ..basic.bias import Bias
 from ..fusion import Reject
-from ..op import FusibleOperation
+from ..op import FusibleOperation, OperationContext
 from .forward_linear_bias_activation import linear_bias_mismatch
 
 GemmFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -214,6 +214,27 @@ def fp8_gemm_from_bytes(a_like: Any, b_fp8: Any, out_dtype: torch.dtype, bias: O
         return out
 
     return gemm
+
+
+def gemm_then_reduce_operands(
+    linear: BasicLinear, bias_op: Optional[FusibleOperation], lin_ctx: OperationContext,
+    x: torch.Tensor, out_shape: tuple[int, ...], fp8: bool,
+) -> tuple[torch.Tensor, GemmFn, tuple[Any, ...]]:
+    """``(wire, gemm, saved)`` for an fprop GEMM whose output is reduced over the TP group
+    (reduce-scatter or all-reduce): ``x [..., K]`` as the ``[rows, K]`` tensor the overlap
+    chunks (FP8 bytes when ``fp8``), the GEMM with the bias in its epilogue, and the
+    operands backward needs. Checks the bias against ``out_shape`` first (no communication yet)."""
+    bias = None
+    if bias_op is not None:
+        assert isinstance(bias_op, Bias)
+        bias_op.check_input_spec(out_shape, x.dtype, x.device)
+        bias = bias_op.bias
+    x2d = x.reshape(-1, linear.in_features)
+    lin_ctx.fp8 = fp8
+    if fp8:
+        x_fp8, w_fp8 = linear.quantize_operands(x2d, lin_ctx)
+        return fp8_wire(x_fp8).view(x2d.shape), fp8_gemm_from_bytes(x_fp8, w_fp8, x.dtype, bias), (x_fp8, w_fp8)
+    return x2d.contiguous(), hp_gemm(linear.weight.t(), bias), (x2d, linear.weight)
 
 
 def effective_splits(num_splits: int, rows: int) -> int:

@@ -30,6 +30,7 @@ from .userbuffers_common import (
     fp8_wire,
     observe_cast,
     gemm_label,
+    gemm_then_reduce_operands,
     hp_gemm,
     match_gemm_then,
     match_linear_bias,
@@ -254,23 +255,8 @@ class UserbuffersForwardLinear(FusedOperation):
         linear.check_input(x)
         check_first_dim_divisible("ReduceScatter", x, tp)
         full_shape = (*x.shape[:-1], linear.out_features)
-        bias = None
-        if bias_op is not None:
-            assert isinstance(bias_op, Bias)
-            bias_op.check_input_spec(full_shape, x.dtype, x.device)
-            bias = bias_op.bias
-        x2d = x.reshape(-1, linear.in_features)
+        wire, gemm, saved = gemm_then_reduce_operands(linear, bias_op, lin_ctx, x, full_shape, fp8)
         entry = self.plan.entry
-        lin_ctx.fp8 = fp8
-        if fp8:
-            x_fp8, w_fp8 = linear.quantize_operands(x2d, lin_ctx)
-            wire = fp8_wire(x_fp8).view(x2d.shape)
-            gemm = fp8_gemm_from_bytes(x_fp8, w_fp8, x.dtype, bias)
-            saved = (x_fp8, w_fp8)
-        else:
-            wire = x2d.contiguous()
-            gemm = hp_gemm(linear.weight.t(), bias)
-            saved = (x2d, linear.weight)
         overlap = self.plan.overlap
         common = dict(
             out_features=linear.out_features,
@@ -281,7 +267,7 @@ class UserbuffersForwardLinear(FusedOperation):
         if entry.method == "pipeline":
             y2d = gemm_reduce_scatter_pipelined(
                 wire, gemm, group, overlap.pool,
-                num_splits=effective_splits(entry.num_splits, x2d.shape[0] // tp), **common
+                num_splits=effective_splits(entry.num_splits, wire.shape[0] // tp), **common
             )
         else:
             y2d = gemm_reduce_scatter_ring(wire, gemm, group, overlap.pool, **common)

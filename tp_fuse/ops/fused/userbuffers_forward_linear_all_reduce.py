@@ -17,10 +17,8 @@ from ..op import FusedOperation, FusibleOperation, OperationContext, require
 from .userbuffers_common import (
     OverlapPlan,
     effective_splits,
-    fp8_gemm_from_bytes,
-    fp8_wire,
     gemm_label,
-    hp_gemm,
+    gemm_then_reduce_operands,
     match_gemm_then,
     plan_overlap,
     reject_collective_without_gemm,
@@ -100,27 +98,12 @@ class UserbuffersForwardLinearAllReduce(FusedOperation):
         # Local checks, before any communication.
         linear.check_input(x)
         out_shape = (*x.shape[:-1], linear.out_features)
-        bias = None
-        if bias_op is not None:
-            assert isinstance(bias_op, Bias)
-            bias_op.check_input_spec(out_shape, x.dtype, x.device)
-            bias = bias_op.bias
-        x2d = x.reshape(-1, linear.in_features)
-        lin_ctx.fp8 = fp8
-        if fp8:
-            x_fp8, w_fp8 = linear.quantize_operands(x2d, lin_ctx)
-            wire = fp8_wire(x_fp8).view(x2d.shape)
-            gemm = fp8_gemm_from_bytes(x_fp8, w_fp8, x.dtype, bias)
-            saved = (x_fp8, w_fp8)
-        else:
-            wire = x2d.contiguous()
-            gemm = hp_gemm(linear.weight.t(), bias)
-            saved = (x2d, linear.weight)
+        wire, gemm, saved = gemm_then_reduce_operands(linear, bias_op, lin_ctx, x, out_shape, fp8)
         y2d = gemm_all_reduce_chunked(
             wire,
             gemm,
             ar.process_group,
-            num_splits=effective_splits(self.plan.entry.num_splits, x2d.shape[0]),
+            num_splits=effective_splits(self.plan.entry.num_splits, wire.shape[0]),
             out_features=linear.out_features,
             out_dtype=x.dtype,
             check_shapes=self.plan.overlap.check_shapes,
