@@ -182,5 +182,11 @@ def debug_blocked(ops: Sequence[FusibleOperation]) -> Optional[str]:
     return None
 
 
+def describe_next(window: Sequence[FusibleOperation], k: int) -> str:
+    """Name of the op at position ``k`` of ``window`` for rejection reasons, or
+    what lies there when the window ends first."""
+    return type(window[k]).__name__ if len(window) > k else "nothing (end of the fused group)"
+
+
 def type_names(ops: Sequence[FusibleOperation]) -> str:
     return ", ".join(type(op).__name__ for op in ops)

@@ -9,7 +9,7 @@ import torch
 
 from ..basic.basic_linear import BasicLinear
 from ..basic.make_extra_output import MakeExtraOutput
-from ..fusion import Fuse, FusionLog, MatchResult, Reject, fuse_by_window
+from ..fusion import Fuse, FusionLog, MatchResult, Reject, describe_next, fuse_by_window
 from ..op import FusedOperation, FusibleOperation, OperationContext
 
 
@@ -70,9 +70,8 @@ def fuse_backward_linear_add(
         if isinstance(linear, BasicLinear):
             fused = BackwardLinearAdd(backward_add=make_extra, linear=linear, fp8=recipe is not None)
             return Fuse(fused, 2, fused.fusion_summary())
-        nxt = type(linear).__name__ if linear is not None else "nothing (end of the fused group)"
         return Reject(
-            f"MakeExtraOutput is followed by {nxt}, not BasicLinear: "
+            f"MakeExtraOutput is followed by {describe_next(window, 1)}, not BasicLinear: "
             "no dgrad GEMM to accumulate the residual gradient into",
             2 if linear is not None else 1,
         )

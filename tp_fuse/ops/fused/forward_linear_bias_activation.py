@@ -10,7 +10,7 @@ import torch
 from ..basic.activation import GELU, ReLU, _ActivationOperation
 from ..basic.basic_linear import BasicLinear
 from ..basic.bias import Bias
-from ..fusion import Fuse, FusionLog, MatchResult, Reject, fuse_by_window
+from ..fusion import Fuse, FusionLog, MatchResult, Reject, describe_next, fuse_by_window
 from ..op import FusedOperation, FusibleOperation, OperationContext
 
 #: Activations this fusion applies on the GEMM output (elementwise, no extra state).
@@ -90,10 +90,6 @@ def linear_bias_mismatch(linear: BasicLinear, bias: Bias) -> Optional[str]:
     return None
 
 
-def _describe_next(window: Sequence[FusibleOperation], k: int) -> str:
-    return type(window[k]).__name__ if len(window) > k else "nothing (end of the fused group)"
-
-
 def fuse_forward_linear_bias_activation(
     ops: list[FusibleOperation],
     *,
@@ -113,7 +109,7 @@ def fuse_forward_linear_bias_activation(
             return None
         if len(window) < 2 or not isinstance(window[1], Bias):
             return Reject(
-                f"BasicLinear has no Bias after it (followed by {_describe_next(window, 1)}): "
+                f"BasicLinear has no Bias after it (followed by {describe_next(window, 1)}): "
                 "nothing to put in the GEMM epilogue",
                 min(2, len(window)),
             )

@@ -11,7 +11,7 @@ from ..basic._checks import maybe_dequantize
 from ..basic.add_extra_input import AddExtraInput
 from ..basic.basic_linear import BasicLinear
 from ..basic.bias import Bias
-from ..fusion import Fuse, FusionLog, MatchResult, Reject, fuse_by_window
+from ..fusion import Fuse, FusionLog, MatchResult, Reject, describe_next, fuse_by_window
 from ..op import FusedOperation, FusibleOperation, OperationContext
 from .forward_linear_bias_activation import linear_bias_mismatch
 
@@ -99,9 +99,8 @@ def fuse_forward_linear_bias_add(
         add = window[k] if len(window) > k else None
         head = "BasicLinear, Bias" if bias is not None else "BasicLinear"
         if not isinstance(add, AddExtraInput):
-            nxt = type(add).__name__ if add is not None else "nothing (end of the fused group)"
             return Reject(
-                f"{head} is followed by {nxt}, not AddExtraInput: no residual to add in the GEMM",
+                f"{head} is followed by {describe_next(window, k)}, not AddExtraInput: no residual to add in the GEMM",
                 min(k + 1, len(window)),
             )
         if bias is not None:

@@ -15,7 +15,7 @@ from ..basic.basic_linear import BasicLinear
 from ..basic.bias import Bias
 from ..basic.reduce_scatter import ReduceScatter
 from ..basic._checks import compute_dtype
-from ..fusion import Fuse, FusionLog, MatchResult, Reject, fuse_by_window
+from ..fusion import Fuse, FusionLog, MatchResult, Reject, describe_next, fuse_by_window
 from ..op import FusedOperation, FusibleOperation, OperationContext
 from .userbuffers_common import (
     OverlapPlan,
@@ -310,9 +310,8 @@ def fuse_userbuffers_backward_linear(
         assert isinstance(ag, AllGather)
         linear = window[1] if len(window) > 1 else None
         if not isinstance(linear, BasicLinear):
-            nxt = type(linear).__name__ if linear is not None else "nothing (end of the fused group)"
             return Reject(
-                f"AllGather followed by {nxt}, not BasicLinear: no dgrad GEMM to overlap the "
+                f"AllGather followed by {describe_next(window, 1)}, not BasicLinear: no dgrad GEMM to overlap the "
                 "reduce-scatter of dx with",
                 min(2, len(window)),
             )

@@ -18,7 +18,7 @@ from ..basic.all_gather import AllGather, gather_maybe_fp8
 from ..basic.basic_linear import BasicLinear
 from ..basic.bias import Bias
 from ..basic.reduce_scatter import ReduceScatter
-from ..fusion import Fuse, FusionLog, MatchResult, Reject, fuse_by_window
+from ..fusion import Fuse, FusionLog, MatchResult, Reject, describe_next, fuse_by_window
 from ..op import FusedOperation, FusibleOperation, OperationContext, require
 from .forward_linear_bias_activation import linear_bias_mismatch
 from .userbuffers_common import (
@@ -277,10 +277,6 @@ class UserbuffersForwardLinear(FusedOperation):
         return y2d.view(x.shape[0] // tp, *full_shape[1:])
 
 
-def _name(window: Sequence[FusibleOperation], k: int) -> str:
-    return type(window[k]).__name__ if len(window) > k else "nothing (end of the fused group)"
-
-
 def fuse_userbuffers_forward_linear(
     ops: list[FusibleOperation],
     *,
@@ -298,7 +294,7 @@ def fuse_userbuffers_forward_linear(
         linear = window[1] if len(window) > 1 else None
         if not isinstance(linear, BasicLinear):
             return Reject(
-                f"AllGather followed by {_name(window, 1)}, not BasicLinear: no GEMM to overlap the gather with",
+                f"AllGather followed by {describe_next(window, 1)}, not BasicLinear: no GEMM to overlap the gather with",
                 min(2, len(window)),
             )
         bias, length = match_linear_bias(window, 2)
