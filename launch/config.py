@@ -58,10 +58,17 @@ class OverlapConfig:
 
     ``config`` is an optional Megatron ``tp_comm_overlap_cfg`` YAML file (per-GEMM
     methods such as ``qkv_fprop: {method: ring_exchange}``).
+
+    ``method``: what GEMM stages the YAML does not name use. ``auto`` (default) measures
+    the methods that apply and no overlap at the first step with each shape, the same
+    choice on every TP rank (``tp_fuse.overlap_auto``); choices are saved to
+    ``<run dir>/overlap_choices.json`` and reused from there on restart/resume.
+    ``megatron``: Megatron-LM's fixed defaults.
     """
 
     enabled: bool = False
     config: Optional[str] = None
+    method: Literal["auto", "megatron"] = "auto"
 
 
 @dataclass

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import contextlib
+import os
+import sys
 from collections.abc import Callable
 from typing import Any, Optional
 
@@ -10,6 +12,7 @@ import torch
 
 from layers import GPT, GPTConfig
 from tp_fuse import autocast
+from tp_fuse.overlap_auto import OverlapAutoTuner
 from tp_fuse.overlap_config import OverlapConfig as TPOverlapConfig
 from tp_fuse.overlap_config import TPOverlap
 from tp_fuse.recipe import DelayedScaling, Float8CurrentScaling, Format, Recipe
@@ -17,7 +20,18 @@ from tp_fuse.recipe import DelayedScaling, Float8CurrentScaling, Format, Recipe
 from .config import FP8Config, OverlapConfig, TrainConfig
 from .runtime import Runtime
 
-__all__ = ["ModelFactory", "build_model", "build_overlap", "build_recipe", "dropout_seed", "fp8_autocast"]
+__all__ = [
+    "OVERLAP_CHOICE_FILE",
+    "ModelFactory",
+    "build_model",
+    "build_overlap",
+    "build_recipe",
+    "dropout_seed",
+    "fp8_autocast",
+]
+
+#: File in the run directory holding the measured ``overlap.method=auto`` choices.
+OVERLAP_CHOICE_FILE = "overlap_choices.json"
 
 #: ``factory(gpt_config, tp_group=..., sequence_parallel=..., dtype=..., device=..., seed=..., overlap=...,
 #: dropout_seed=...)`` -- the signature of ``layers.GPT``.
@@ -39,14 +53,26 @@ def build_recipe(cfg: FP8Config) -> Optional[Recipe]:
     return None
 
 
-def build_overlap(cfg: OverlapConfig) -> TPOverlap:
-    """``overlap=on``: Megatron-default methods or the given ``tp_comm_overlap_cfg`` YAML;
-    ``overlap=off``: an explicitly disabled config (the layers' default would be on)."""
+def build_overlap(cfg: OverlapConfig, run_dir: Optional[str] = None, is_rank0: bool = False) -> TPOverlap:
+    """``overlap=on``: ``overlap.method`` (``auto`` or Megatron's defaults) for the GEMM
+    stages the ``tp_comm_overlap_cfg`` YAML (if given) does not name; ``overlap=off``: an
+    explicitly disabled config (the layers' default would be on).
+
+    With ``auto`` and a ``run_dir``, choices are read from ``<run_dir>/overlap_choices.json``
+    when it exists (all ranks; a malformed file is a ValueError naming it) and rank 0
+    rewrites it after each new measurement and prints each decision."""
     if not cfg.enabled:
         return TPOverlap(TPOverlapConfig(enabled=False))
-    if cfg.config is not None:
-        return TPOverlap(TPOverlapConfig.from_yaml(cfg.config))
-    return TPOverlap(TPOverlapConfig())
+    auto = cfg.method == "auto"
+    config = TPOverlapConfig.from_yaml(cfg.config, auto=auto) if cfg.config is not None else TPOverlapConfig(auto=auto)
+    if not auto or run_dir is None:
+        return TPOverlap(config)
+    tuner = OverlapAutoTuner(
+        choice_file=os.path.join(run_dir, OVERLAP_CHOICE_FILE),
+        write_choices=is_rank0,
+        log=(lambda line: print(f"[tp-fuse] {line}", file=sys.stderr, flush=True)) if is_rank0 else None,
+    )
+    return TPOverlap(config, tuner=tuner)
 
 
 def dropout_seed(seed: int, dp_rank: int) -> int:
@@ -65,7 +91,7 @@ def build_model(cfg: TrainConfig, rt: Runtime, factory: Optional[ModelFactory] =
         dtype=rt.dtype,
         device=rt.device,
         seed=cfg.trainer.seed,
-        overlap=build_overlap(cfg.overlap),
+        overlap=build_overlap(cfg.overlap, rt.run_dir, rt.is_rank0),
         # Data-parallel replicas draw different dropout masks (TP ranks of a replica share
         # theirs where activations are replicated: layers.DropoutRNG).
         dropout_seed=dropout_seed(cfg.trainer.seed, rt.topology.dp_rank),

@@ -355,3 +355,31 @@ def test_auto_two_ranks(results, topic, minimum) -> None:
 @pytest.mark.multirank
 def test_auto_same_choices_on_both_ranks(results) -> None:
     assert results[0]["data"]["choices"] == results[1]["data"]["choices"]
+
+
+# ---------------------------------------------------------------- launcher
+
+
+def test_launcher_overlap_method(tmp_path) -> None:
+    from launch.config import OverlapConfig as LaunchOverlap
+    from launch.config import from_dict
+    from launch.model import OVERLAP_CHOICE_FILE, build_overlap
+
+    model = {"name": "gpt"}
+    assert from_dict({"model": model, "overlap": {"enabled": True}}).overlap.method == "auto"  # default when on
+    with pytest.raises(ValueError, match="overlap.method"):
+        from_dict({"model": model, "overlap": {"enabled": True, "method": "fastest"}})
+    ov = build_overlap(LaunchOverlap(enabled=True), str(tmp_path), is_rank0=True)
+    assert ov.config.auto and ov.config.entry("fc1_dgrad").method == "auto"
+    assert ov.tuner.choice_file == str(tmp_path / OVERLAP_CHOICE_FILE) and ov.tuner.write_choices
+    assert not build_overlap(LaunchOverlap(enabled=True), str(tmp_path), is_rank0=False).tuner.write_choices
+    yaml_path = tmp_path / "ub.yaml"
+    yaml_path.write_text("fc2_fprop:\n  method: ring_exchange\n")
+    ov = build_overlap(LaunchOverlap(enabled=True, config=str(yaml_path)), str(tmp_path))
+    assert ov.config.entry("fc2_fprop").method == "ring_exchange" and ov.config.entry("fc1_fprop").method == "auto"
+    fixed = build_overlap(LaunchOverlap(enabled=True, method="megatron"), str(tmp_path))
+    assert not fixed.config.auto and fixed.config.entry("fc2_fprop").method == "pipeline"
+    assert not build_overlap(LaunchOverlap(enabled=False), str(tmp_path)).config.enabled
+    (tmp_path / OVERLAP_CHOICE_FILE).write_text('{"format": "tp_fuse.overlap_choices", "version": 1, "choices": 5}')
+    with pytest.raises(ValueError, match=f"{OVERLAP_CHOICE_FILE}: choices: expected a list"):
+        build_overlap(LaunchOverlap(enabled=True), str(tmp_path))
