@@ -169,7 +169,7 @@ class OverlapAutoTuner:
         clock: Optional[Clock] = None,
         *,
         warmup: int = 1,
-        repeats: int = 3,
+        repeats: int = 5,
         splits: Sequence[int] = (2, 4),
         choice_file: Optional[str | os.PathLike] = None,
         write_choices: bool = False,
