@@ -277,6 +277,10 @@ def _reused_from_file(run: Runner, r: int, tp: int, group) -> None:
             assert torch.equal(first[k], again[k]), k
         text = str(case.build(r, group, ov2, "fc2")[0].explain())
         assert f"from {path}" in text, text
+        # only rank 0 has the file (e.g. a run directory that is not shared): both measure
+        ov4 = _auto_overlap(PreferClock(prefer="ring_exchange"), choice_file=path if r == 0 else None)
+        _run_step(case, r, group, ov4, False)
+        assert {(d.choice, d.source) for d in ov4.tuner.decisions} == {("ring_exchange", "measured")}
         # a choice that does not apply to the window: ValueError naming the file
         dist.barrier(group=group)
         if r == 0:

@@ -191,6 +191,8 @@ class OverlapAutoTuner:
         self.write_choices = write_choices
         self.log = log
         self._decisions: dict[tuple[str, str], AutoDecision] = {}
+        # File choices confirmed to be the same on every rank of the group.
+        self._agreed: set[tuple[str, str]] = set()
         #: Wall seconds spent measuring (all decisions of this tuner).
         self.measure_seconds = 0.0
         if self.choice_file is not None and os.path.exists(self.choice_file):
@@ -227,14 +229,25 @@ class OverlapAutoTuner:
         """
         labels = tuple(candidates)
         assert labels and all(_LABEL_RE.match(lb) for lb in labels), labels
-        known = self._decisions.get((gemm, signature))
-        if known is not None:
-            if known.choice not in candidates:
-                where = f"choice file {known.source}" if known.source != "measured" else "cache"
-                raise ValueError(
-                    f"{where}: choice {known.choice!r} for {gemm} [{signature}] is not a candidate of "
-                    f"this window (candidates: {list(labels)})"
-                )
+        key = (gemm, signature)
+        known = self._decisions.get(key)
+        if known is not None and known.choice not in candidates:
+            where = f"choice file {known.source}" if known.source != "measured" else "cache"
+            raise ValueError(
+                f"{where}: choice {known.choice!r} for {gemm} [{signature}] is not a candidate of "
+                f"this window (candidates: {list(labels)})"
+            )
+        if known is not None and (known.source == "measured" or key in self._agreed):
+            return known.choice
+        # First lookup of this key here: a choice read from a file is used only if every rank
+        # read the same one; otherwise all measure together (a rank whose run directory lacks
+        # the file must not measure alone: its collectives would meet nobody).
+        idx = labels.index(known.choice) if known is not None else 0
+        flags = torch.tensor([0.0 if known is not None else 1.0, idx, -idx], dtype=torch.float64)
+        need, hi, neg_lo = comm.all_reduce(flags.to(device), group, op=dist.ReduceOp.MAX).cpu().tolist()
+        if need == 0 and hi == -neg_lo:
+            assert known is not None
+            self._agreed.add(key)
             return known.choice
         start = time.perf_counter()
         for _ in range(self.warmup):
