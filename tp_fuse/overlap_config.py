@@ -34,6 +34,11 @@ stage         column-parallel     row-parallel
               behind wgrad GEMM
 ============  ==================  ==========================================================
 
+``method: auto`` (per entry, or ``OverlapConfig(auto=True)`` for every entry not given
+explicitly) measures the methods that apply to the window and no overlap at the first call
+with a new shape and runs the fastest, the same on every TP rank
+(:mod:`tp_fuse.overlap_auto`; the tuner is :attr:`TPOverlap.tuner`).
+
 A method that cannot apply to a window (e.g. ``bulk`` for a forward GEMM, which has no
 independent computation to hide behind) makes the fusion matcher reject the window with
 that reason, which ``explain`` shows; nothing falls back silently.
