@@ -230,6 +230,19 @@ def _agree_across_ranks(run: Runner, r: int, tp: int, group) -> None:
 
     run.run("agree", "max over ranks", one)
 
+    def explicit_wins() -> None:
+        from tp_fuse.overlap_config import TPOverlap
+
+        clock = PreferClock(prefer="unfused")
+        cfg = OverlapConfig(auto=True).with_entry("fc2_fprop", method="pipeline", num_splits=2)
+        ov = TPOverlap(cfg, tuner=OverlapAutoTuner(clock, repeats=1))
+        case = Case("row", tp, 4, (), 6, 8, False, seed=8)
+        seq, _, _ = _run_step(case, r, group, ov, False)
+        assert [d.gemm for d in ov.tuner.decisions] == ["fc2_dgrad"], ov.tuner.decisions
+        assert "fc2_fprop: pipeline (num_splits=2)" in str(seq.explain())
+
+    run.run("agree", "explicit entry wins", explicit_wins)
+
 
 def _cached_and_new_shape(run: Runner, r: int, tp: int, group) -> None:
     def one() -> None:
