@@ -17,9 +17,13 @@ only after all ranks finished and the manifest is on disk; ``latest`` is then re
 atomically. A crash mid-save leaves a ``.tmp-*`` directory that is never read (and
 is removed by the next save), so the previous checkpoint is never damaged.
 
-Safety: no pickle of arbitrary objects is ever loaded. Tensors are read by DCP with
-``torch.load(weights_only=True)``; DCP's ``.metadata`` (a pickle) is read with an
-unpickler that only admits DCP's metadata classes (``launch.safe_dcp``).
+Safety: a checkpoint directory is untrusted. Nothing in it is unpickled beyond tensors
+(``torch.load(weights_only=True)``) and DCP's ``.metadata``, which is read by an unpickler
+admitting exact (module, name) pairs of data classes and then checked to hold tensor
+entries only (``launch.safe_dcp``). Non-tensor state is stored as tensors or JSON.
+Parameters or optimizer state that are not finite are never saved, and retention never
+deletes the newest checkpoint. Which run a directory belongs to, and which checkpoint a
+start resumes, is decided in ``launch.run_identity``.
 
 Resharding: model and optimizer tensors reshard to any TP/DP layout. Per-rank state
 (RNG, FP8 amax histories) is restored per rank when the layout is unchanged; after a
@@ -30,13 +34,14 @@ with ``fp8.group=world``) and RNG streams are re-seeded from ``trainer.seed`` an
 from __future__ import annotations
 
 import dataclasses
+import errno
 import hashlib
 import json
 import os
-import re
 import shutil
+import sys
 import time
-from typing import Any, Optional
+from typing import Any, Callable, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -46,27 +51,22 @@ from torch.distributed.checkpoint.api import CheckpointException as DCPCheckpoin
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from layers import get_shard_spec
-from tp_fuse import autocast
-from tp_fuse.debug import name_linears
 from tp_fuse.quantization import DelayedScalingQuantizer
 from tp_fuse.recipe import Recipe
 
 from .data import BatchLoader
-from .model import dropout_seed
+from .model import dropout_seed, fp8_quantizers
 from .runtime import Runtime
-from .safe_dcp import SafeFileSystemReader
+from .run_identity import MANIFEST, decide_start, decision_from_box, decision_to_box, list_step_dirs
+from .run_identity import read_manifest_run_id
+from .safe_dcp import DATA_FILE, METADATA_FILE, CheckpointError, SafeFileSystemReader, SafeLoadPlanner
+from .safe_dcp import read_metadata
 
 __all__ = ["CheckpointError", "CheckpointManager", "TrainingState", "MANIFEST"]
 
-MANIFEST = "tp_fuse_checkpoint.json"
 LATEST = "latest"
 FORMAT_VERSION = 1
-_STEP_DIR = re.compile(r"^step_(\d{8})$")
 _QUANTIZER_FIELDS = ("scale", "amax_history", "last_amax", "nonfinite_amax_count")
-
-
-class CheckpointError(ValueError):
-    """A checkpoint is missing, incomplete, corrupt or incompatible with the config."""
 
 
 @dataclasses.dataclass
@@ -81,6 +81,7 @@ class TrainingState:
     seed: int
     model_config: dict[str, Any]
     step: int = 0
+    last_loss: Optional[float] = None  # training loss of ``step`` (recorded in the manifest)
 
 
 # ---- helpers ------------------------------------------------------------------------
@@ -112,6 +113,69 @@ def _write_atomic(path: str, text: str) -> None:
     os.replace(tmp, path)
 
 
+def _chain(exc: BaseException) -> list[BaseException]:
+    """``exc``, its causes/contexts and, for DCP's CheckpointException, every rank's failure."""
+    out, todo = [], [exc]
+    while todo:
+        e = todo.pop()
+        if e is None or any(e is seen for seen in out):
+            continue
+        out.append(e)
+        todo += [e.__cause__, e.__context__]
+        if isinstance(e, DCPCheckpointException):
+            todo += [pair[0] for pair in e.failures.values()]
+    return out
+
+
+def _describe_os_error(exc: OSError, directory: str) -> str:
+    if exc.errno == errno.ENOSPC:
+        return f"no space left on the device of {directory}"
+    return f"{exc.strerror or exc} ({exc.filename or directory})"
+
+
+def _describe_write_failure(exc: BaseException, directory: str, sd: dict[str, Any]) -> str:
+    """One line naming the cause of a failed DCP write (DCP's own report is a traceback per rank)."""
+    errors = _chain(exc)
+    for e in errors:
+        if isinstance(e, OSError) and e.errno is not None:
+            return _describe_os_error(e, directory)
+    # torch.save reports a full disk as e.g. "unexpected pos 704 vs 598": check the space.
+    need = sum(t.numel() * t.element_size() for t in sd.values() if isinstance(t, torch.Tensor))
+    try:
+        st = os.statvfs(directory if os.path.isdir(directory) else os.path.dirname(directory))
+        free = st.f_bavail * st.f_frsize
+    except OSError:
+        free = None
+    if free is not None and free < need:
+        return (f"no space left on the device of {directory} ({free} bytes free, this rank's part of the "
+                f"checkpoint needs about {need})")
+    inner = errors[-1] if len(errors) > 1 else exc
+    return f"{type(inner).__name__}: {str(inner).splitlines()[0] if str(inner) else ''}"
+
+
+_MANIFEST_FIELDS: dict[str, Any] = {
+    "step": int, "world_size": int, "tp": int, "dp": int, "consumed_samples": int, "model": dict, "files": dict,
+}
+
+
+def _check_manifest_fields(mpath: str, manifest: dict[str, Any]) -> None:
+    """A manifest is untrusted JSON: check the fields loading relies on (types, file names)."""
+    for key, tp in _MANIFEST_FIELDS.items():
+        value = manifest.get(key)
+        if not isinstance(value, tp) or isinstance(value, bool):
+            raise CheckpointError(f"{mpath}: field {key!r} is {value!r}, expected a {tp.__name__}")
+    for name, info in manifest["files"].items():
+        if not (name == METADATA_FILE or DATA_FILE.match(name)):
+            raise CheckpointError(f"{mpath}: files lists {name!r}, expected .metadata or __<rank>_<n>.distcp")
+        ok = isinstance(info, dict) and all(
+            isinstance(info.get(k), t) and not isinstance(info.get(k), bool) for k, t in (("size", int), ("sha256", str))
+        )
+        if not ok:
+            raise CheckpointError(f"{mpath}: files[{name!r}] is {info!r}, expected {{size: int, sha256: str}}")
+    if manifest.get("fp8_recipe") is not None and not isinstance(manifest["fp8_recipe"], str):
+        raise CheckpointError(f"{mpath}: field 'fp8_recipe' is {manifest['fp8_recipe']!r}, expected a string or null")
+
+
 def _global_view(local: torch.Tensor, spec: Any, rt: Runtime) -> torch.Tensor:
     """A TP shard as a DTensor of the full tensor (replicated tensors as they are).
 
@@ -128,20 +192,13 @@ def _global_view(local: torch.Tensor, spec: Any, rt: Runtime) -> torch.Tensor:
 
 
 def _fp8_quantizers(state: TrainingState) -> dict[str, dict[str, DelayedScalingQuantizer]]:
-    """Delayed-scaling quantizers of every BasicLinear, by module path and role.
-
-    Asking the ops inside an autocast creates missing quantizers (e.g. before the first
-    step of a resumed run) with the recipe the training loop uses.
-    """
-    if state.recipe is None:
-        return {}
+    """Delayed-scaling quantizers of every BasicLinear, by module path and role (their
+    state is what a checkpoint carries; current scaling has none)."""
     out: dict[str, dict[str, DelayedScalingQuantizer]] = {}
-    with autocast(recipe=state.recipe, amax_reduction_group=state.fp8_group):
-        for name in name_linears(state.model):
-            qs = name.op.fp8_quantizers() or {}
-            delayed = {role: q for role, q in qs.items() if isinstance(q, DelayedScalingQuantizer)}
-            if delayed:
-                out[name.qualname] = delayed
+    for qualname, qs in fp8_quantizers(state.model, state.recipe, state.fp8_group).items():
+        delayed = {role: q for role, q in qs.items() if isinstance(q, DelayedScalingQuantizer)}
+        if delayed:
+            out[qualname] = delayed
     return out
 
 
@@ -151,33 +208,70 @@ class CheckpointManager:
     Args:
         root: the checkpoint directory (shared by all ranks).
         rt: the runtime (groups, mesh, rank).
-        keep: number of checkpoints to keep.
-        verify: check file sizes and hashes before loading.
+        keep: number of checkpoints of this run to keep.
+        verify: check SHA-256 hashes before loading (sizes are always checked).
+        writer_factory: builds DCP's storage writer for a directory (tests inject faults).
     """
 
-    def __init__(self, root: str, rt: Runtime, *, keep: int = 2, verify: bool = True) -> None:
+    def __init__(
+        self,
+        root: str,
+        rt: Runtime,
+        *,
+        keep: int = 2,
+        verify: bool = True,
+        writer_factory: Callable[[str], Any] = FileSystemWriter,
+    ) -> None:
         self.root = os.path.abspath(root)
         self.rt = rt
         self.keep = keep
         self.verify = verify
+        self.writer_factory = writer_factory
+        self.run_id: Optional[str] = None  # set by :meth:`start`
 
     # ---- discovery ----------------------------------------------------------
 
-    def complete_checkpoints(self) -> list[str]:
-        """Complete checkpoint directories (manifest present), oldest first."""
-        if not os.path.isdir(self.root):
-            return []
-        found = []
-        for name in os.listdir(self.root):
-            m = _STEP_DIR.match(name)
-            if m and os.path.isfile(os.path.join(self.root, name, MANIFEST)):
-                found.append((int(m.group(1)), os.path.join(self.root, name)))
-        return [p for _, p in sorted(found)]
+    def complete_checkpoints(self, run_id: Optional[str] = None) -> list[str]:
+        """Complete checkpoint directories (manifest present), oldest first; only ``run_id``'s if given."""
+        found = [p for _, p, complete in list_step_dirs(self.root) if complete]
+        if run_id is not None:
+            found = [p for p in found if read_manifest_run_id(p) == run_id]
+        return found
 
     def latest(self) -> Optional[str]:
         """The newest complete checkpoint, or None."""
         found = self.complete_checkpoints()
         return found[-1] if found else None
+
+    def latest_of_run(self) -> Optional[str]:
+        """The newest complete checkpoint of this run (the one it resumed counts), or None."""
+        found = self.complete_checkpoints(self.run_id) if self.run_id is not None else []
+        return found[-1] if found else None
+
+    def start(self, resume: Union[bool, str], *, restarted: bool, job: str, overwrite: bool) -> Optional[str]:
+        """Decide (rank 0) and agree (all ranks) on the run id and the checkpoint to resume.
+
+        Returns the checkpoint directory to :meth:`load`, or None to start at step 0.
+        Raises :class:`CheckpointError` on every rank when the directory belongs to
+        another run (see :mod:`launch.run_identity`).
+        """
+        box: list[Any] = [None, None, [], None]
+        if self.rt.is_rank0:
+            try:
+                box = decision_to_box(decide_start(self.root, resume, restarted=restarted, job=job,
+                                                   overwrite=overwrite))
+            except OSError as exc:
+                box = ["", None, [], f"checkpoint.dir {self.root}: {exc.strerror or exc} ({exc.filename or ''})"]
+        if self.rt.layout.world_size > 1:
+            dist.broadcast_object_list(box, src=0, group=self.rt.topology.world_group)
+        decision = decision_from_box(box)
+        if decision.error is not None:
+            raise CheckpointError(decision.error)
+        if self.rt.is_rank0:
+            for line in decision.messages:
+                print(f"[tp-fuse] {line}", file=sys.stderr, flush=True)
+        self.run_id = decision.run_id
+        return decision.resume_from
 
     # ---- state dict -----------------------------------------------------------
 
@@ -223,49 +317,115 @@ class CheckpointManager:
     # ---- save -------------------------------------------------------------------
 
     def save(self, state: TrainingState, extra: Optional[dict[str, Any]] = None) -> str:
-        """Write a checkpoint of ``state`` atomically; returns its directory."""
+        """Write a checkpoint of ``state`` atomically; returns its directory.
+
+        Raises :class:`CheckpointError` on every rank, with the previous checkpoint
+        intact, when parameters or optimizer state are not finite, or when writing fails
+        (the cause named: e.g. no space left on the device of the checkpoint directory).
+        """
         rt = self.rt
         name = f"step_{state.step:08d}"
         final = os.path.join(self.root, name)
         tmp = os.path.join(self.root, f".tmp-{name}")
+        self._refuse_nonfinite(state)
+        problem = None
         if rt.is_rank0:
-            os.makedirs(self.root, exist_ok=True)
-            shutil.rmtree(tmp, ignore_errors=True)  # leftovers of a crashed save
-            os.makedirs(tmp)
-        rt.barrier()
+            try:
+                os.makedirs(self.root, exist_ok=True)
+                shutil.rmtree(tmp, ignore_errors=True)  # leftovers of a crashed save
+                os.makedirs(tmp)
+            except OSError as exc:
+                problem = f"cannot create {tmp}: {exc.strerror or exc}"
+        self._raise_if_any(problem, state.step)
         sd = self._state_dict(state, fp8_rank=rt.rank, with_rng=True, for_load=False)
-        dcp.save(sd, storage_writer=FileSystemWriter(tmp), process_group=rt.topology.world_group)
+        try:
+            dcp.save(sd, storage_writer=self.writer_factory(tmp), process_group=rt.topology.world_group)
+        except (Exception, DCPCheckpointException) as exc:  # DCP raises the same failure on every rank
+            cause = _describe_write_failure(exc, tmp, sd)
+            if rt.is_rank0:
+                shutil.rmtree(tmp, ignore_errors=True)  # give the space back; the last good one stays
+            raise CheckpointError(self._save_failed(state.step, cause)) from None
         rt.barrier()
+        problem = None
         if rt.is_rank0:
-            manifest = {
-                "format": FORMAT_VERSION,
-                "step": state.step,
-                "consumed_samples": state.loader.consumed_samples,
-                "world_size": rt.layout.world_size,
-                "tp": rt.layout.tp,
-                "dp": rt.layout.dp,
-                "model": state.model_config,
-                "fp8_recipe": None if state.recipe is None else repr(state.recipe),
-                "amax_history_len": getattr(state.recipe, "amax_history_len", None),
-                "time": time.time(),
-                "files": _file_table(tmp),
-                **(extra or {}),
-            }
-            _write_atomic(os.path.join(tmp, MANIFEST), json.dumps(manifest, indent=1))
-            if os.path.exists(final):
-                # Same step saved again (e.g. after a restart): swap, never leave no copy.
-                old = os.path.join(self.root, f".old-{name}")
-                shutil.rmtree(old, ignore_errors=True)
-                os.rename(final, old)
-                os.rename(tmp, final)
-                shutil.rmtree(old, ignore_errors=True)
-            else:
-                os.rename(tmp, final)
-            _write_atomic(os.path.join(self.root, LATEST), name + "\n")
-            for path in self.complete_checkpoints()[: -self.keep]:
-                shutil.rmtree(path, ignore_errors=True)
-        rt.barrier()
+            try:
+                self._finish_save(state, tmp, final, name, extra)
+            except OSError as exc:
+                shutil.rmtree(tmp, ignore_errors=True)
+                problem = _describe_os_error(exc, tmp)
+        self._raise_if_any(problem, state.step)
         return final
+
+    def _finish_save(self, state: TrainingState, tmp: str, final: str, name: str,
+                     extra: Optional[dict[str, Any]]) -> None:
+        """Rank 0: manifest, rename into place, ``latest``, retention (this run's only)."""
+        manifest = {
+            "format": FORMAT_VERSION,
+            "run_id": self.run_id,
+            "step": state.step,
+            "loss": state.last_loss,
+            "consumed_samples": state.loader.consumed_samples,
+            "world_size": self.rt.layout.world_size,
+            "tp": self.rt.layout.tp,
+            "dp": self.rt.layout.dp,
+            "model": state.model_config,
+            "fp8_recipe": None if state.recipe is None else repr(state.recipe),
+            "amax_history_len": getattr(state.recipe, "amax_history_len", None),
+            "time": time.time(),
+            "files": _file_table(tmp),
+            **(extra or {}),
+        }
+        _write_atomic(os.path.join(tmp, MANIFEST), json.dumps(manifest, indent=1))
+        if os.path.exists(final):
+            # Same step saved again (e.g. after a restart): swap, never leave no copy.
+            old = os.path.join(self.root, f".old-{name}")
+            shutil.rmtree(old, ignore_errors=True)
+            os.rename(final, old)
+            os.rename(tmp, final)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.rename(tmp, final)
+        _write_atomic(os.path.join(self.root, LATEST), name + "\n")
+        # Only this run's checkpoints are pruned, never the one just written.
+        own = [p for p in self.complete_checkpoints(self.run_id) if p != final]
+        for path in own[: max(0, len(own) - (self.keep - 1))]:
+            shutil.rmtree(path, ignore_errors=True)
+
+    def _raise_if_any(self, problem: Optional[str], step: int) -> None:
+        """Rank 0's problem (or None) raised as the same CheckpointError on every rank."""
+        box = [problem]
+        if self.rt.layout.world_size > 1:
+            dist.broadcast_object_list(box, src=0, group=self.rt.topology.world_group)
+        if box[0] is not None:
+            raise CheckpointError(self._save_failed(step, box[0]))
+
+    def _save_failed(self, step: int, cause: str) -> str:
+        last = self.complete_checkpoints(self.run_id)
+        kept = f"the last good checkpoint {last[-1]} is intact" if last else "no earlier checkpoint of this run exists"
+        return f"saving checkpoint step {step} in {self.root} failed: {cause}; {kept}"
+
+    def _refuse_nonfinite(self, state: TrainingState) -> None:
+        """Raise on every rank if any rank's parameters or optimizer state hold NaN/inf."""
+        bad = None
+        for name, p in state.model.named_parameters():
+            tensors = {"parameter": p.detach(), **{
+                f"optimizer state {k} of": t for k, t in state.optimizer.state.get(p, {}).items()
+                if torch.is_tensor(t) and t.is_floating_point()
+            }}
+            for what, t in tensors.items():
+                if not bool(torch.isfinite(t).all()):
+                    bad = f"{what} {name}"
+                    break
+            if bad is not None:
+                break
+        flag = torch.tensor([0.0 if bad is None else 1.0], device=self.rt.device)
+        if self.rt.layout.world_size > 1:
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.rt.topology.world_group)
+        if float(flag) > 0:
+            where = f"{bad} is" if bad is not None else "another rank's parameters or optimizer state are"
+            raise CheckpointError(self._save_failed(
+                state.step, f"refusing to save: {where} not finite (NaN/inf); training has diverged"
+            ))
 
     # ---- load -------------------------------------------------------------------
 
@@ -281,14 +441,18 @@ class CheckpointManager:
         try:
             with open(mpath) as f:
                 manifest = json.load(f)
-        except (OSError, json.JSONDecodeError) as exc:
+        except (OSError, ValueError) as exc:
             raise CheckpointError(f"checkpoint {path}: unreadable {MANIFEST}: {exc}") from exc
+        if not isinstance(manifest, dict):
+            raise CheckpointError(f"{mpath}: expected a JSON object, got {type(manifest).__name__}")
         if manifest.get("format") != FORMAT_VERSION:
             raise CheckpointError(f"checkpoint {path}: format {manifest.get('format')!r}, expected {FORMAT_VERSION}")
+        _check_manifest_fields(mpath, manifest)
         return manifest
 
     def _verify_files(self, path: str, manifest: dict[str, Any]) -> Optional[str]:
-        for name, info in manifest.get("files", {}).items():
+        files = manifest["files"]
+        for name, info in files.items():
             fpath = os.path.join(path, name)
             if not os.path.isfile(fpath):
                 return f"file {name} is missing"
@@ -297,6 +461,11 @@ class CheckpointManager:
                 return f"file {name} has {size} bytes, the manifest says {info['size']}"
             if self.verify and _sha256(fpath) != info["sha256"]:
                 return f"file {name} does not match its SHA-256 in the manifest (corrupt)"
+        # Every file DCP will open must be one the manifest vouches for.
+        metadata = read_metadata(path)
+        for info in metadata.storage_data.values():
+            if info.relative_path not in files:
+                return f"{METADATA_FILE} refers to {info.relative_path}, which the manifest does not list"
         return None
 
     def load(self, path: str, state: TrainingState) -> int:
@@ -314,11 +483,14 @@ class CheckpointManager:
                 problem[0] = self._verify_files(path, manifest)
                 if problem[0] is not None:
                     problem[0] = f"checkpoint {path} is corrupt: {problem[0]}"
+                elif not self.verify:
+                    print(f"[tp-fuse] checkpoint.verify=false: loading {path} WITHOUT checking file hashes "
+                          "(sizes only); flipped bytes would go unnoticed", file=sys.stderr, flush=True)
             except CheckpointError as exc:
                 problem[0] = str(exc)
         box = [problem[0], manifest]
         if rt.layout.world_size > 1:
-            dist.broadcast_object_list(box, src=0)
+            dist.broadcast_object_list(box, src=0, group=rt.topology.world_group)
         if box[0] is not None:
             raise CheckpointError(box[0])
         manifest = box[1]
@@ -332,11 +504,17 @@ class CheckpointManager:
             state_for_load, fp8_rank=rt.rank if same_layout else 0, with_rng=same_layout, for_load=True
         )
         try:
-            dcp.load(sd, storage_reader=SafeFileSystemReader(path), process_group=rt.topology.world_group)
+            dcp.load(sd, storage_reader=SafeFileSystemReader(path), planner=SafeLoadPlanner(),
+                     process_group=rt.topology.world_group)
         except (Exception, DCPCheckpointException) as exc:  # DCP's is a BaseException; name the checkpoint
+            ours = next((e for e in _chain(exc) if isinstance(e, CheckpointError)), None)
+            if ours is not None:
+                raise CheckpointError(f"checkpoint {path}: {ours}") from None
             raise CheckpointError(f"checkpoint {path} could not be loaded: {type(exc).__name__}: {exc}") from exc
         self._apply(sd, state_for_load, same_layout)
         state.step = int(sd["train/step"])
+        loss = manifest.get("loss")
+        state.last_loss = float(loss) if isinstance(loss, (int, float)) and not isinstance(loss, bool) else None
         state.loader.load_state_dict({"consumed_samples": int(sd["train/consumed_samples"])})
         if not same_layout:
             self._reseed_rng(state)

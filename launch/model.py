@@ -12,6 +12,7 @@ import torch
 
 from layers import GPT, GPTConfig
 from tp_fuse import autocast
+from tp_fuse.debug import name_linears
 from tp_fuse.overlap_auto import OverlapAutoTuner
 from tp_fuse.overlap_config import OverlapConfig as TPOverlapConfig
 from tp_fuse.overlap_config import TPOverlap
@@ -28,6 +29,7 @@ __all__ = [
     "build_recipe",
     "dropout_seed",
     "fp8_autocast",
+    "fp8_quantizers",
 ]
 
 #: File in the run directory holding the measured ``overlap.method=auto`` choices.
@@ -105,3 +107,20 @@ def fp8_autocast(recipe: Optional[Recipe], group: Any) -> contextlib.AbstractCon
     if recipe is None:
         return contextlib.nullcontext()
     return autocast(recipe=recipe, amax_reduction_group=group)
+
+
+def fp8_quantizers(model: torch.nn.Module, recipe: Optional[Recipe], group: Any) -> dict[str, dict[str, Any]]:
+    """FP8 quantizers of every ``BasicLinear`` under ``recipe``: ``{module path: {role: quantizer}}``.
+
+    Asking the ops inside an autocast creates missing quantizers (e.g. before the first
+    step of a resumed run) with the recipe the training loop uses.
+    """
+    if recipe is None:
+        return {}
+    out: dict[str, dict[str, Any]] = {}
+    with autocast(recipe=recipe, amax_reduction_group=group):
+        for name in name_linears(model):
+            qs = name.op.fp8_quantizers() or {}
+            if qs:
+                out[name.qualname] = dict(qs)
+    return out

@@ -34,8 +34,10 @@ def run(raw: DictConfig) -> float:
     rt = start(cfg, layout, HydraConfig.get().runtime.output_dir)
     try:
         result = Trainer(cfg, rt).fit()
-    finally:
-        rt.shutdown()
+    except BaseException:
+        rt.abort()  # peers blocked in a collective with this rank fail now, not at the timeout
+        raise
+    rt.shutdown()
     return result.final_loss
 
 

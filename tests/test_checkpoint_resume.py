@@ -56,10 +56,12 @@ def test_crash_during_save_keeps_the_last_good_checkpoint(straight, tmp_path, mo
             raise RuntimeError("simulated crash in the middle of a save")  # ... but never completed
 
     monkeypatch.setattr(ckpt_mod.dcp, "save", save_then_crash)
-    with pytest.raises(RuntimeError, match="simulated crash"):
+    with pytest.raises(CheckpointError, match=r"saving checkpoint step 8 .* failed: RuntimeError: simulated crash"
+                       r".*the last good checkpoint .*step_00000004 is intact"):
         train([*COMMON, "checkpoint.interval=4", f"checkpoint.dir={ck}"], str(tmp_path / "run"))
     monkeypatch.setattr(ckpt_mod.dcp, "save", real_save)
-    assert sorted(os.listdir(ck)) == [".tmp-step_00000008", "latest", "step_00000004"]
+    # The partial step 8 was removed (its space given back); step 4 and its pointer are untouched.
+    assert sorted(os.listdir(ck)) == ["latest", "run.json", "step_00000004"]
     assert open(os.path.join(ck, "latest")).read().strip() == "step_00000004"
 
     resumed = train([*COMMON, "checkpoint.resume=true", f"checkpoint.dir={ck}"], str(tmp_path / "run"))
