@@ -210,7 +210,8 @@ class CheckpointManager:
         rt: the runtime (groups, mesh, rank).
         keep: number of checkpoints of this run to keep.
         verify: check SHA-256 hashes before loading (sizes are always checked).
-        writer_factory: builds DCP's storage writer for a directory (tests inject faults).
+        writer_factory: builds DCP's storage writer for a directory (default: DCP's
+            ``FileSystemWriter``; tests inject faults).
     """
 
     def __init__(
@@ -220,7 +221,7 @@ class CheckpointManager:
         *,
         keep: int = 2,
         verify: bool = True,
-        writer_factory: Callable[[str], Any] = FileSystemWriter,
+        writer_factory: Optional[Callable[[str], Any]] = None,
     ) -> None:
         self.root = os.path.abspath(root)
         self.rt = rt
@@ -339,7 +340,8 @@ class CheckpointManager:
         self._raise_if_any(problem, state.step)
         sd = self._state_dict(state, fp8_rank=rt.rank, with_rng=True, for_load=False)
         try:
-            dcp.save(sd, storage_writer=self.writer_factory(tmp), process_group=rt.topology.world_group)
+            writer = (self.writer_factory or FileSystemWriter)(tmp)
+            dcp.save(sd, storage_writer=writer, process_group=rt.topology.world_group)
         except (Exception, DCPCheckpointException) as exc:  # DCP raises the same failure on every rank
             cause = _describe_write_failure(exc, tmp, sd)
             if rt.is_rank0:

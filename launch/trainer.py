@@ -246,7 +246,6 @@ class Trainer:
                         print(f"[tp-fuse] step {step}: {'; '.join(health.reasons)}: optimizer step skipped "
                               f"({health.in_a_row} in a row, trainer.max_nonfinite_steps="
                               f"{tr.max_nonfinite_steps})", file=sys.stderr, flush=True)
-                    self.guard.stop_if_diverged(step, health, last_ckpt or self.ckpt.latest_of_run())
                 self.optimizer.zero_grad(set_to_none=True)
                 self.loader.advance()
                 self.state.step = step
@@ -287,6 +286,8 @@ class Trainer:
                         f"step {step:>6}/{tr.max_steps}  loss {loss_value:.4f}{val}  lr {lr:.2e}  "
                         f"grad_norm {float(norm):.3f}  {metrics['tokens_per_s']:,.0f} tok/s"
                     )
+                # After logging (the failing step is in the logs), before any save.
+                self.guard.stop_if_diverged(step, health, last_ckpt or self.ckpt.latest_of_run())
                 ck = cfg.checkpoint
                 exiting = tr.exit_at_step == step and step < tr.max_steps
                 if (ck.interval and step % ck.interval == 0) or (ck.save_final and step == tr.max_steps) or exiting:
