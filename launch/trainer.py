@@ -32,7 +32,7 @@ import torch.distributed as dist
 
 from tp_fuse.debug import DebugSession, Fp8StatsCollector
 
-from .checkpoint import CheckpointError, CheckpointManager, TrainingState
+from .checkpoint import CheckpointManager, TrainingState
 from .config import TrainConfig
 from .data import BatchLoader, TokenData
 from .grads import allreduce_dp_grads, clip_grads, global_grad_norm

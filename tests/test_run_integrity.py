@@ -8,7 +8,6 @@ needs is validated before any process group starts.
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 
