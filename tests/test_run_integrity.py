@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import subprocess
+import sys
 
 import pytest
 import torch
@@ -187,3 +188,17 @@ def test_timeout_reaches_the_process_group(tmp_path, monkeypatch):
     monkeypatch.setattr(dist, "init_process_group", spy)
     train([*SMALL, "trainer.max_steps=1", "parallel.timeout_s=42.5"], str(tmp_path / "run"))
     assert seen["timeout"].total_seconds() == 42.5
+
+
+def test_command_line_divergence_is_one_clear_line_and_exit_status_1(tmp_path):
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    args = [a for a in COMMON if not a.startswith(("optim.", "trainer.max_steps", "fp8"))]
+    proc = subprocess.run(
+        [sys.executable, os.path.join(root, "launch", "train.py"), *args, "trainer.max_steps=30", "optim.lr=1e4",
+         "optim.min_lr=0", "optim.warmup_steps=0", f"hydra.run.dir={tmp_path / 'run'}"],
+        cwd=str(tmp_path), capture_output=True, text=True, timeout=300,
+        env={**os.environ, "PYTHONPATH": root, "OMP_NUM_THREADS": "1"},
+    )
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert "[tp-fuse] error: training diverged: step" in proc.stderr
+    assert "Traceback" not in proc.stderr
