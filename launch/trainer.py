@@ -274,7 +274,7 @@ class Trainer:
                     if not finite:
                         metrics["skipped_step"] = 1.0
                     if self.recipe is not None:
-                        metrics["fp8/nonfinite_amax_count"] = float(health.nonfinite_amax_total)
+                        metrics["fp8_nonfinite_amax_count"] = float(health.nonfinite_amax_total)
                     if val_now:
                         val_losses[step] = metrics["val_loss"] = self._validate()
                     fp8 = self.fp8_stats.collect() if self.fp8_stats is not None else None

@@ -46,7 +46,7 @@ def test_inf_weight_under_fp8_stops_the_run_and_reaches_the_logs(tmp_path, recip
         train([*SMALL, f"fp8={recipe}"], str(run), model_factory=_inf_weight_factory)
     metrics = read_jsonl(str(run / "metrics.jsonl"))
     assert [m["step"] for m in metrics] == [1, 2, 3, 4]
-    assert all(m["skipped_step"] == 1.0 and m["fp8/nonfinite_amax_count"] > 0 for m in metrics)
+    assert all(m["skipped_step"] == 1.0 and m["fp8_nonfinite_amax_count"] > 0 for m in metrics)
     fp8 = read_jsonl(str(run / "fp8_stats.jsonl"))
     counts = {k: v for k, v in fp8[-1].items() if k.endswith("/nonfinite_amax_count")}
     assert counts and max(counts.values()) > 0
