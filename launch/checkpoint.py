@@ -34,8 +34,6 @@ with ``fp8.group=world``) and RNG streams are re-seeded from ``trainer.seed`` an
 from __future__ import annotations
 
 import dataclasses
-import errno
-import hashlib
 import json
 import os
 import shutil
@@ -57,15 +55,15 @@ from tp_fuse.recipe import Recipe
 from .data import BatchLoader
 from .model import dropout_seed, fp8_quantizers
 from .runtime import Runtime
+from .checkpoint_files import FORMAT_VERSION, chain, describe_os_error, describe_write_failure, file_table
+from .checkpoint_files import read_manifest, verify_files, write_atomic
 from .run_identity import MANIFEST, decide_start, decision_from_box, decision_to_box, list_step_dirs
 from .run_identity import read_manifest_run_id
-from .safe_dcp import DATA_FILE, METADATA_FILE, CheckpointError, SafeFileSystemReader, SafeLoadPlanner
-from .safe_dcp import read_metadata
+from .safe_dcp import CheckpointError, SafeFileSystemReader, SafeLoadPlanner
 
 __all__ = ["CheckpointError", "CheckpointManager", "TrainingState", "MANIFEST"]
 
 LATEST = "latest"
-FORMAT_VERSION = 1
 _QUANTIZER_FIELDS = ("scale", "amax_history", "last_amax", "nonfinite_amax_count")
 
 
@@ -85,95 +83,6 @@ class TrainingState:
 
 
 # ---- helpers ------------------------------------------------------------------------
-
-
-def _sha256(path: str) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
-def _file_table(directory: str) -> dict[str, dict[str, Any]]:
-    out = {}
-    for name in sorted(os.listdir(directory)):
-        path = os.path.join(directory, name)
-        if os.path.isfile(path) and name != MANIFEST:
-            out[name] = {"size": os.path.getsize(path), "sha256": _sha256(path)}
-    return out
-
-
-def _write_atomic(path: str, text: str) -> None:
-    tmp = f"{path}.tmp"
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
-def _chain(exc: BaseException) -> list[BaseException]:
-    """``exc``, its causes/contexts and, for DCP's CheckpointException, every rank's failure."""
-    out, todo = [], [exc]
-    while todo:
-        e = todo.pop()
-        if e is None or any(e is seen for seen in out):
-            continue
-        out.append(e)
-        todo += [e.__cause__, e.__context__]
-        if isinstance(e, DCPCheckpointException):
-            todo += [pair[0] for pair in e.failures.values()]
-    return out
-
-
-def _describe_os_error(exc: OSError, directory: str) -> str:
-    if exc.errno == errno.ENOSPC:
-        return f"no space left on the device of {directory}"
-    return f"{exc.strerror or exc} ({exc.filename or directory})"
-
-
-def _describe_write_failure(exc: BaseException, directory: str, sd: dict[str, Any]) -> str:
-    """One line naming the cause of a failed DCP write (DCP's own report is a traceback per rank)."""
-    errors = _chain(exc)
-    for e in errors:
-        if isinstance(e, OSError) and e.errno is not None:
-            return _describe_os_error(e, directory)
-    # torch.save reports a full disk as e.g. "unexpected pos 704 vs 598": check the space.
-    need = sum(t.numel() * t.element_size() for t in sd.values() if isinstance(t, torch.Tensor))
-    try:
-        st = os.statvfs(directory if os.path.isdir(directory) else os.path.dirname(directory))
-        free = st.f_bavail * st.f_frsize
-    except OSError:
-        free = None
-    if free is not None and free < need:
-        return (f"no space left on the device of {directory} ({free} bytes free, this rank's part of the "
-                f"checkpoint needs about {need})")
-    inner = errors[-1] if len(errors) > 1 else exc
-    return f"{type(inner).__name__}: {str(inner).splitlines()[0] if str(inner) else ''}"
-
-
-_MANIFEST_FIELDS: dict[str, Any] = {
-    "step": int, "world_size": int, "tp": int, "dp": int, "consumed_samples": int, "model": dict, "files": dict,
-}
-
-
-def _check_manifest_fields(mpath: str, manifest: dict[str, Any]) -> None:
-    """A manifest is untrusted JSON: check the fields loading relies on (types, file names)."""
-    for key, tp in _MANIFEST_FIELDS.items():
-        value = manifest.get(key)
-        if not isinstance(value, tp) or isinstance(value, bool):
-            raise CheckpointError(f"{mpath}: field {key!r} is {value!r}, expected a {tp.__name__}")
-    for name, info in manifest["files"].items():
-        if not (name == METADATA_FILE or DATA_FILE.match(name)):
-            raise CheckpointError(f"{mpath}: files lists {name!r}, expected .metadata or __<rank>_<n>.distcp")
-        ok = isinstance(info, dict) and all(
-            isinstance(info.get(k), t) and not isinstance(info.get(k), bool) for k, t in (("size", int), ("sha256", str))
-        )
-        if not ok:
-            raise CheckpointError(f"{mpath}: files[{name!r}] is {info!r}, expected {{size: int, sha256: str}}")
-    if manifest.get("fp8_recipe") is not None and not isinstance(manifest["fp8_recipe"], str):
-        raise CheckpointError(f"{mpath}: field 'fp8_recipe' is {manifest['fp8_recipe']!r}, expected a string or null")
 
 
 def _global_view(local: torch.Tensor, spec: Any, rt: Runtime) -> torch.Tensor:
@@ -210,7 +119,8 @@ class CheckpointManager:
         rt: the runtime (groups, mesh, rank).
         keep: number of checkpoints of this run to keep.
         verify: check SHA-256 hashes before loading (sizes are always checked).
-        writer_factory: builds DCP's storage writer for a directory (tests inject faults).
+        writer_factory: builds DCP's storage writer for a directory (default: DCP's
+            ``FileSystemWriter``; tests inject faults).
     """
 
     def __init__(
@@ -220,7 +130,7 @@ class CheckpointManager:
         *,
         keep: int = 2,
         verify: bool = True,
-        writer_factory: Callable[[str], Any] = FileSystemWriter,
+        writer_factory: Optional[Callable[[str], Any]] = None,
     ) -> None:
         self.root = os.path.abspath(root)
         self.rt = rt
@@ -339,9 +249,10 @@ class CheckpointManager:
         self._raise_if_any(problem, state.step)
         sd = self._state_dict(state, fp8_rank=rt.rank, with_rng=True, for_load=False)
         try:
-            dcp.save(sd, storage_writer=self.writer_factory(tmp), process_group=rt.topology.world_group)
+            writer = (self.writer_factory or FileSystemWriter)(tmp)
+            dcp.save(sd, storage_writer=writer, process_group=rt.topology.world_group)
         except (Exception, DCPCheckpointException) as exc:  # DCP raises the same failure on every rank
-            cause = _describe_write_failure(exc, tmp, sd)
+            cause = describe_write_failure(exc, tmp, sd)
             if rt.is_rank0:
                 shutil.rmtree(tmp, ignore_errors=True)  # give the space back; the last good one stays
             raise CheckpointError(self._save_failed(state.step, cause)) from None
@@ -352,7 +263,7 @@ class CheckpointManager:
                 self._finish_save(state, tmp, final, name, extra)
             except OSError as exc:
                 shutil.rmtree(tmp, ignore_errors=True)
-                problem = _describe_os_error(exc, tmp)
+                problem = describe_os_error(exc, tmp)
         self._raise_if_any(problem, state.step)
         return final
 
@@ -372,10 +283,10 @@ class CheckpointManager:
             "fp8_recipe": None if state.recipe is None else repr(state.recipe),
             "amax_history_len": getattr(state.recipe, "amax_history_len", None),
             "time": time.time(),
-            "files": _file_table(tmp),
+            "files": file_table(tmp),
             **(extra or {}),
         }
-        _write_atomic(os.path.join(tmp, MANIFEST), json.dumps(manifest, indent=1))
+        write_atomic(os.path.join(tmp, MANIFEST), json.dumps(manifest, indent=1))
         if os.path.exists(final):
             # Same step saved again (e.g. after a restart): swap, never leave no copy.
             old = os.path.join(self.root, f".old-{name}")
@@ -385,7 +296,7 @@ class CheckpointManager:
             shutil.rmtree(old, ignore_errors=True)
         else:
             os.rename(tmp, final)
-        _write_atomic(os.path.join(self.root, LATEST), name + "\n")
+        write_atomic(os.path.join(self.root, LATEST), name + "\n")
         # Only this run's checkpoints are pruned, never the one just written.
         own = [p for p in self.complete_checkpoints(self.run_id) if p != final]
         for path in own[: max(0, len(own) - (self.keep - 1))]:
@@ -429,45 +340,6 @@ class CheckpointManager:
 
     # ---- load -------------------------------------------------------------------
 
-    def _read_manifest(self, path: str) -> dict[str, Any]:
-        mpath = os.path.join(path, MANIFEST)
-        if not os.path.isdir(path):
-            raise CheckpointError(f"checkpoint {path} does not exist")
-        if not os.path.isfile(mpath):
-            raise CheckpointError(
-                f"checkpoint {path} is incomplete or not a tp-fuse checkpoint (no {MANIFEST}); "
-                "it may be a save that crashed"
-            )
-        try:
-            with open(mpath) as f:
-                manifest = json.load(f)
-        except (OSError, ValueError) as exc:
-            raise CheckpointError(f"checkpoint {path}: unreadable {MANIFEST}: {exc}") from exc
-        if not isinstance(manifest, dict):
-            raise CheckpointError(f"{mpath}: expected a JSON object, got {type(manifest).__name__}")
-        if manifest.get("format") != FORMAT_VERSION:
-            raise CheckpointError(f"checkpoint {path}: format {manifest.get('format')!r}, expected {FORMAT_VERSION}")
-        _check_manifest_fields(mpath, manifest)
-        return manifest
-
-    def _verify_files(self, path: str, manifest: dict[str, Any]) -> Optional[str]:
-        files = manifest["files"]
-        for name, info in files.items():
-            fpath = os.path.join(path, name)
-            if not os.path.isfile(fpath):
-                return f"file {name} is missing"
-            size = os.path.getsize(fpath)
-            if size != info["size"]:
-                return f"file {name} has {size} bytes, the manifest says {info['size']}"
-            if self.verify and _sha256(fpath) != info["sha256"]:
-                return f"file {name} does not match its SHA-256 in the manifest (corrupt)"
-        # Every file DCP will open must be one the manifest vouches for.
-        metadata = read_metadata(path)
-        for info in metadata.storage_data.values():
-            if info.relative_path not in files:
-                return f"{METADATA_FILE} refers to {info.relative_path}, which the manifest does not list"
-        return None
-
     def load(self, path: str, state: TrainingState) -> int:
         """Restore ``state`` from the checkpoint at ``path``; returns its step.
 
@@ -479,8 +351,8 @@ class CheckpointManager:
         manifest: dict[str, Any] = {}
         if rt.is_rank0:
             try:
-                manifest = self._read_manifest(path)
-                problem[0] = self._verify_files(path, manifest)
+                manifest = read_manifest(path)
+                problem[0] = verify_files(path, manifest, verify_hashes=self.verify)
                 if problem[0] is not None:
                     problem[0] = f"checkpoint {path} is corrupt: {problem[0]}"
                 elif not self.verify:
@@ -507,7 +379,7 @@ class CheckpointManager:
             dcp.load(sd, storage_reader=SafeFileSystemReader(path), planner=SafeLoadPlanner(),
                      process_group=rt.topology.world_group)
         except (Exception, DCPCheckpointException) as exc:  # DCP's is a BaseException; name the checkpoint
-            ours = next((e for e in _chain(exc) if isinstance(e, CheckpointError)), None)
+            ours = next((e for e in chain(exc) if isinstance(e, CheckpointError)), None)
             if ours is not None:
                 raise CheckpointError(f"checkpoint {path}: {ours}") from None
             raise CheckpointError(f"checkpoint {path} could not be loaded: {type(exc).__name__}: {exc}") from exc

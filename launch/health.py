@@ -103,7 +103,7 @@ class NonfiniteGuard:
             return
         where = f"the last good checkpoint is {last_checkpoint}" if last_checkpoint else "no checkpoint was saved"
         raise TrainingDivergedError(
-            f"training diverged: step {step} is the {health.in_a_row}th non-finite step in a row "
+            f"training diverged: step {step} makes {health.in_a_row} non-finite steps in a row "
             f"({'; '.join(health.reasons)}), more than trainer.max_nonfinite_steps={self.max_nonfinite_steps}; "
             f"{where}. Lower optim.lr, check the data, or raise trainer.max_nonfinite_steps"
         )

@@ -31,7 +31,6 @@ import shutil
 import uuid
 from typing import Any, Optional, Union
 
-from .safe_dcp import CheckpointError
 
 __all__ = ["IDENTITY_FILE", "StartDecision", "decide_start", "list_step_dirs", "read_manifest_run_id"]
 

@@ -32,7 +32,7 @@ import torch.distributed as dist
 
 from tp_fuse.debug import DebugSession, Fp8StatsCollector
 
-from .checkpoint import CheckpointError, CheckpointManager, TrainingState
+from .checkpoint import CheckpointManager, TrainingState
 from .config import TrainConfig
 from .data import BatchLoader, TokenData
 from .grads import allreduce_dp_grads, clip_grads, global_grad_norm
@@ -246,7 +246,6 @@ class Trainer:
                         print(f"[tp-fuse] step {step}: {'; '.join(health.reasons)}: optimizer step skipped "
                               f"({health.in_a_row} in a row, trainer.max_nonfinite_steps="
                               f"{tr.max_nonfinite_steps})", file=sys.stderr, flush=True)
-                    self.guard.stop_if_diverged(step, health, last_ckpt or self.ckpt.latest_of_run())
                 self.optimizer.zero_grad(set_to_none=True)
                 self.loader.advance()
                 self.state.step = step
@@ -275,7 +274,7 @@ class Trainer:
                     if not finite:
                         metrics["skipped_step"] = 1.0
                     if self.recipe is not None:
-                        metrics["fp8/nonfinite_amax_count"] = float(health.nonfinite_amax_total)
+                        metrics["fp8_nonfinite_amax_count"] = float(health.nonfinite_amax_total)
                     if val_now:
                         val_losses[step] = metrics["val_loss"] = self._validate()
                     fp8 = self.fp8_stats.collect() if self.fp8_stats is not None else None
@@ -287,6 +286,8 @@ class Trainer:
                         f"step {step:>6}/{tr.max_steps}  loss {loss_value:.4f}{val}  lr {lr:.2e}  "
                         f"grad_norm {float(norm):.3f}  {metrics['tokens_per_s']:,.0f} tok/s"
                     )
+                # After logging (the failing step is in the logs), before any save.
+                self.guard.stop_if_diverged(step, health, last_ckpt or self.ckpt.latest_of_run())
                 ck = cfg.checkpoint
                 exiting = tr.exit_at_step == step and step < tr.max_steps
                 if (ck.interval and step % ck.interval == 0) or (ck.save_final and step == tr.max_steps) or exiting:

@@ -12,6 +12,7 @@ import pytest
 import launch.checkpoint as ckpt_mod
 from launch.api import train
 from launch.checkpoint import MANIFEST, CheckpointError
+from launch.checkpoint_files import read_manifest
 from launch.metrics import read_jsonl
 
 COMMON = [
@@ -115,9 +116,8 @@ def test_incomplete_checkpoint_is_skipped_and_explicit_one_rejected(saved, tmp_p
     # Without a manifest the directory is not a complete checkpoint: nothing to resume.
     with pytest.raises(CheckpointError, match="no complete checkpoint"):
         _resume(ck, tmp_path)
-    mgr = ckpt_mod.CheckpointManager.__new__(ckpt_mod.CheckpointManager)
     with pytest.raises(CheckpointError, match="is incomplete or not a tp-fuse checkpoint"):
-        mgr._read_manifest(str(ck / "step_00000004"))
+        read_manifest(str(ck / "step_00000004"))
 
 
 def test_metadata_is_never_unpickled_into_arbitrary_objects(saved, tmp_path):

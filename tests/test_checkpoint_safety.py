@@ -8,6 +8,7 @@ resumes) another run's checkpoints; a finished run reports that it is complete.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import enum
 import hashlib
@@ -90,7 +91,7 @@ def test_dotted_name_through_an_allowed_module_does_not_run_code(saved, tmp_path
 def test_every_allowed_global_is_plain_data():
     """Property: the allowlist holds classes of data (dataclasses, enums, sizes, paths, dicts)
     and dtypes -- nothing that can be called for its side effects -- and names them exactly."""
-    data_types = (torch.Size, collections_ordered_dict(), pathlib.PurePath)
+    data_types = (torch.Size, collections.OrderedDict, pathlib.PurePath)
     for (module, name), value in safe_dcp.ALLOWED_GLOBALS.items():
         assert "." not in name, (module, name)
         if isinstance(value, torch.dtype):
@@ -103,12 +104,6 @@ def test_every_allowed_global_is_plain_data():
             continue
         assert inspect.isclass(value), (module, name, value)
         assert dataclasses.is_dataclass(value) or issubclass(value, (enum.Enum, *data_types)), (module, name)
-
-
-def collections_ordered_dict():
-    import collections
-
-    return collections.OrderedDict
 
 
 @settings(max_examples=60, deadline=None)
