@@ -183,6 +183,7 @@ def test_strict_mode_rejects_a_transposed_fp8_operand(monkeypatch):
     a = torch.ones(16, 32).to(E4M3)
     w_t = torch.ones(32, 48).to(E4M3).t()  # [N, K] as a transposed view: not K-major
     sa = torch.tensor(1.0)
+    monkeypatch.delenv(STRICT_ENV, raising=False)
     assert kernels.fp8_gemm(a, w_t, sa, sa, torch.float32)[0].shape == (16, 48)  # copied on CPU
     monkeypatch.setenv(STRICT_ENV, "1")
     with pytest.raises(CudaConformanceError, match="mat2 .* must be column-major"):
