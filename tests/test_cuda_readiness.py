@@ -268,6 +268,12 @@ def _strict_cases(rank: int, world: int) -> dict:
     record("p2p sizes differ", lambda: wait_all(exchange(torch.ones(4), peer, torch.empty(5), peer, group)))
     record("p2p sizes agree", lambda: wait_all(exchange(torch.ones(4), peer, torch.empty(4), peer, group)))
     record("fp8 all_gather as bytes", lambda: comm.all_gather_dim0(torch.ones(2, 4).to(E4M3).view(torch.uint8), group))
+    # A non-contiguous shard (a transposed view) is gathered into contiguous buffers.
+    from layers.sharding import ShardSpec, gather_tensor
+
+    shard = torch.arange(12.0).reshape(3, 4).t() + rank  # [4, 3], not contiguous
+    record("gather_tensor of a transposed shard", lambda: out.__setitem__(
+        "gathered", gather_tensor(shard, ShardSpec(dim=0), group)))
     os.environ.pop(STRICT_ENV, None)
     return out
 
@@ -279,6 +285,9 @@ def test_strict_mode_on_two_gloo_ranks():
         assert r["BAND all_reduce, not strict"] == "ok"  # gloo takes it...
         assert "reduction BAND is not supported by NCCL" in r["BAND all_reduce, strict"]  # ...NCCL would not
         assert r["p2p sizes agree"] == "ok" and r["fp8 all_gather as bytes"] == "ok"
+        assert r["gather_tensor of a transposed shard"] == "ok"
+        base = torch.arange(12.0).reshape(3, 4).t()
+        assert torch.equal(r["gathered"], torch.cat([base, base + 1]))
         # Different shapes on the ranks: every rank raises before the all-gather.
         assert "ranks disagree on the input shape/dtype" in r["all_gather shapes differ"]
         assert r["p2p sizes differ"].startswith("CudaConformanceError")
