@@ -12,6 +12,7 @@ from .backend import (
     device_type_for_backend,
     init_distributed,
 )
+from .nccl_rules import CudaConformanceError, check_collective, collective_violations, strict_cuda_enabled
 from .overlap import (
     PendingCollective,
     all_gather_dim0,
@@ -33,6 +34,7 @@ from .topology import FP8_GROUP_KINDS, ParallelTopology, resolve_parallel_sizes
 from .userbuffers import UserBufferPool, symmetric_memory_available
 
 __all__ = [
+    "CudaConformanceError",
     "DistributedContext",
     "FP8_GROUP_KINDS",
     "ParallelTopology",
@@ -45,8 +47,10 @@ __all__ = [
     "backend_for_device",
     "bulk_overlap",
     "ShapeAgreement",
+    "check_collective",
     "check_same_shape",
     "check_same_signature",
+    "collective_violations",
     "device_for_local_rank",
     "device_type_for_backend",
     "gemm_all_reduce_chunked",
@@ -56,6 +60,7 @@ __all__ = [
     "reduce_scatter_dim0",
     "reduce_scatter_dim0_async",
     "resolve_parallel_sizes",
+    "strict_cuda_enabled",
     "ring_exchange_ag_gemm",
     "symmetric_memory_available",
 ]

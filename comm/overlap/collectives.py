@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup, Work
 
+from ..nccl_rules import check_collective, strict_cuda_enabled
 from ..userbuffers import UserBufferPool
 from ._common import (
     backend_name,
@@ -148,6 +149,7 @@ def check_same_signature(
     desc = torch.tensor(_signature(tensors, what), dtype=torch.int64, device=tensors[0].device)
     # Flat output: gloo accepts only the concatenated form, not [tp, len].
     gathered = torch.empty(tp * desc.numel(), dtype=torch.int64, device=desc.device)
+    check_collective("all_gather_flat", [desc], [gathered], world_size=tp)
     _all_gather_single(gathered, desc, group=group)
     rows = gathered.view(tp, -1).cpu().tolist()
     if any(r != rows[0] for r in rows):
@@ -206,7 +208,7 @@ def _check_before_communicating(
             return PendingCollective([], x)
         out.copy_(x)
         return PendingCollective([], out)
-    if check_shapes:
+    if check_shapes or strict_cuda_enabled():  # strict: ranks must agree, as NCCL needs
         check_same_shape(x, group, what)
     return None
 
@@ -232,9 +234,12 @@ def all_gather_dim0_async(
     if out is None:
         out = torch.empty(shape, dtype=x.dtype, device=x.device)
     if impl == "collective":
+        check_collective("all_gather_flat", [x], [out], world_size=tp)
         return PendingCollective([_all_gather_single(out, x, group=group, async_op=True)], out)
     rank = group_rank(group)
     blocks = out.view(tp, *x.shape)
+    check_collective("p2p", [x], [blocks[r] for r in range(tp) if r != rank], rank=global_rank(group, rank),
+                     peers=[global_rank(group, r) for r in range(tp) if r != rank])
     ops = []
     for r in range(tp):
         if r != rank:
@@ -289,11 +294,13 @@ def reduce_scatter_dim0_async(
     if out is None:
         out = torch.empty(shape, dtype=x.dtype, device=x.device)
     if impl == "collective":
+        check_collective("reduce_scatter_flat", [x], [out], world_size=tp, op=dist.ReduceOp.SUM)
         return PendingCollective([_reduce_scatter_single(out, x, group=group, async_op=True)], out)
     if pool is None:
         recv = torch.empty_like(x)
     else:
         recv = pool.get(group, "reduce_scatter_dim0.recv", tuple(x.shape), x.dtype, x.device)
+    check_collective("all_to_all_single", [x], [recv], world_size=tp)
     work = dist.all_to_all_single(recv, x, group=group, async_op=True)
     assert work is not None
     result = out
@@ -337,11 +344,12 @@ def all_reduce_async(
     check_wire_tensor(x, what, min_dim=0)
     if group_size(group) == 1:
         return PendingCollective([], x)
-    if check_shapes:
+    if check_shapes or strict_cuda_enabled():  # strict: ranks must agree, as NCCL needs
         check_same_shape(x, group, what)
     if inplace and not x.is_contiguous():
         raise ValueError(f"{what}: inplace=True needs a contiguous tensor")
     buf = x if inplace else x.contiguous().clone()
+    check_collective("all_reduce", [buf], world_size=group_size(group), op=op)
     work = dist.all_reduce(buf, op=op, group=group, async_op=True)
     assert work is not None
     return PendingCollective([work], buf)

@@ -31,6 +31,8 @@ from typing import Any, Optional, Union
 import torch
 import torch.distributed as dist
 
+from comm.nccl_rules import check_collective
+
 from .. import kernels
 from ..recipe import DelayedScaling, Float8CurrentScaling, Recipe, fp8_dtype_max
 from . import scaling
@@ -289,6 +291,7 @@ class CurrentScalingQuantizer(Quantizer):
         if group is None or dist.get_world_size(group) == 1:
             return amax
         amax = scaling.nan_to_inf(amax).reshape(1)
+        check_collective("all_reduce", [amax], world_size=dist.get_world_size(group), op=dist.ReduceOp.MAX)
         dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=group)
         return amax.reshape(())
 
