@@ -102,7 +102,12 @@ class _OperationFuserAutogradFunction(torch.autograd.Function):
         for ctx in basic_op_ctxs:
             start = len(to_save)
             if requires_grad and ctx.to_save is not None:
-                to_save.extend(ctx.to_save)
+                # Autograd refuses to save inference tensors (e.g. parameters built
+                # under torch.inference_mode, then trained): save normal copies.
+                to_save.extend(
+                    t.clone() if isinstance(t, torch.Tensor) and t.is_inference() else t
+                    for t in ctx.to_save
+                )
             ranges.append((start, len(to_save)))
             ctx.to_save = None
         func_ctx.save_for_backward(*to_save)

@@ -127,6 +127,15 @@ class Quantizer(abc.ABC):
             return _Quantize.apply(x, self, transpose)
         return self._quantize_impl(x, transpose)
 
+    def quantize_or_pass(self, x: torch.Tensor, *, transpose: bool = False) -> tuple[Float8Tensor, bool]:
+        """``(x_fp8, quantized_here)``: ``x`` itself when it already is a
+        Float8Tensor (e.g. a gradient quantized by a ``Quantize(backward=True)``
+        op after this one), else :meth:`quantize`. Callers register this
+        quantizer's amax only when ``quantized_here``."""
+        if isinstance(x, Float8Tensor):
+            return x, False
+        return self.quantize(x, transpose=transpose), True
+
     @abc.abstractmethod
     def _quantize_impl(self, x: torch.Tensor, transpose: bool = False) -> Float8Tensor:
         """Quantize without autograd."""
@@ -180,10 +189,13 @@ class DelayedScalingQuantizer(Quantizer):
         self.recipe = recipe
         self.margin = recipe.margin
         kw = {"dtype": torch.float32, "device": device}
-        self.scale = torch.ones((), **kw)
-        self.amax_history = torch.zeros(recipe.amax_history_len, **kw)
-        self.last_amax = torch.zeros((), **kw)
-        self.nonfinite_amax_count = torch.zeros((), dtype=torch.int64, device=device)
+        # Normal tensors even when built under torch.inference_mode: the state is
+        # updated in place by later training steps, which inference tensors forbid.
+        with torch.inference_mode(False):
+            self.scale = torch.ones((), **kw)
+            self.amax_history = torch.zeros(recipe.amax_history_len, **kw)
+            self.last_amax = torch.zeros((), **kw)
+            self.nonfinite_amax_count = torch.zeros((), dtype=torch.int64, device=device)
 
     def _quantize_impl(self, x: torch.Tensor, transpose: bool = False) -> Float8Tensor:
         with torch.no_grad():
@@ -214,8 +226,24 @@ class DelayedScalingQuantizer(Quantizer):
     def _to_device(self, device: torch.device) -> None:
         # State follows the data on first use (modules may be moved after init).
         if self.scale.device != device:
-            for name in ("scale", "amax_history", "last_amax", "nonfinite_amax_count"):
-                setattr(self, name, getattr(self, name).to(device))
+            with torch.inference_mode(False):  # see __init__
+                for name in ("scale", "amax_history", "last_amax", "nonfinite_amax_count"):
+                    setattr(self, name, getattr(self, name).to(device))
+
+    @torch.no_grad()
+    def calibrate(self, x: torch.Tensor) -> None:
+        """Forget the history and derive the scale from ``x`` alone.
+
+        For a tensor whose value was replaced wholesale (a new FP8 weight, or one
+        loaded from a checkpoint with ``copy_``): the old scale describes values
+        that no longer exist and would clip larger new ones. The amax of ``x``
+        is recorded and :meth:`update` run once, so the next ``quantize`` uses
+        ``scale = fp8_max / amax(|x|) / 2**margin``.
+        """
+        self._to_device(x.device)
+        self.amax_history.zero_()
+        self.amax_history[0] = _amax(x).to(self.amax_history.device)
+        self.update()
 
     @property
     def current_amax(self) -> torch.Tensor:

@@ -239,9 +239,10 @@ class BasicLinear(BasicOperation):
         if ctx.fp8:
             from ...quantization import fp8_gemm
 
-            dy_fp8 = ctx.grad_quantizer.quantize(dy2d, transpose=self.weight.requires_grad)
-            ctx.grad_tracker.track(ctx.grad_quantizer)
-            if self.debug_hooks is not None:
+            dy_fp8, fresh = ctx.grad_quantizer.quantize_or_pass(dy2d, transpose=self.weight.requires_grad)
+            if fresh:
+                ctx.grad_tracker.track(ctx.grad_quantizer)
+            if fresh and self.debug_hooks is not None:
                 self.debug_hooks.on_quantized("grad_output", dy2d, dy_fp8, ctx.grad_quantizer)
             # dx[M, in] = dy[M, out] @ W[out, in]: _scaled_mm wants b as [in, out].
             dx = fp8_gemm(dy_fp8, w_saved.transpose_fp8(), out_dtype=dy.dtype)

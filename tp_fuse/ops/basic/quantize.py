@@ -51,6 +51,7 @@ class Quantize(BasicOperation):
     def op_backward(self, ctx: OperationContext, grad_output: torch.Tensor):
         if not ctx.quantize_grad:
             return grad_output, ()
-        dy = ctx.grad_quantizer.quantize(grad_output)
-        ctx.grad_tracker.track(ctx.grad_quantizer)
-        return dy.dequantize(), ()
+        dy, fresh = ctx.grad_quantizer.quantize_or_pass(grad_output)
+        if fresh:
+            ctx.grad_tracker.track(ctx.grad_quantizer)
+        return dy, ()
