@@ -32,6 +32,9 @@ class OperationContext:
         self.saved_tensors: tuple[Optional[torch.Tensor], ...] = ()
         # Whether any gradient is needed from this op's backward.
         self.requires_grad: bool = True
+        # torch.autocast's dtype when the fuser was called inside torch.autocast, else
+        # None (Transformer Engine's ctx.dtype); ops then compute in their own dtype.
+        self.dtype: Optional[torch.dtype] = None
 
     def save_for_backward(self, *tensors: Optional[torch.Tensor]) -> None:
         self.to_save = tensors
@@ -132,6 +135,16 @@ class BasicOperation(FusibleOperation):
     @property
     def basic_op_list(self) -> list["BasicOperation"]:
         return [self]
+
+    def input_dtype(self, autocast_dtype: Optional[torch.dtype]) -> Optional[torch.dtype]:
+        """The dtype the fuser casts this op's input to before it runs, or None (no cast).
+
+        ``autocast_dtype`` is ``torch.autocast``'s dtype (None outside it). Ops that
+        compute (GEMMs, norms, activations) return the autocast dtype, else the dtype of
+        their parameters, as Transformer Engine's ops do; data-movement ops return None.
+        The input's gradient is cast back to the input's dtype.
+        """
+        return None
 
     def op_forward(self, ctx: OperationContext, input_: torch.Tensor, **kwargs: Any) -> torch.Tensor:
         """Forward pass; may save state in ``ctx`` for the backward pass."""

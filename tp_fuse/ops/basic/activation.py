@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import abc
-from typing import Any
+from typing import Any, Optional
 
 import torch
 
@@ -23,6 +23,10 @@ class _ActivationOperation(BasicOperation):
 
     def check_input(self, x: torch.Tensor) -> None:
         check_tensor(type(self).__name__, x)
+
+    def input_dtype(self, autocast_dtype: Optional[torch.dtype]) -> Optional[torch.dtype]:
+        """torch.autocast's dtype (the fuser casts the input to it), else no cast."""
+        return autocast_dtype
 
     @abc.abstractmethod
     def _activation_forward(self, x: torch.Tensor) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:

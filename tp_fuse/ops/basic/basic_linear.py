@@ -9,6 +9,7 @@ from typing import Any, Optional
 import torch
 
 from ..op import BasicOperation, OperationContext, require
+from ._checks import maybe_dequantize
 
 
 class BasicLinear(BasicOperation):
@@ -86,8 +87,27 @@ class BasicLinear(BasicOperation):
 
     # ---- validation ------------------------------------------------------
 
+    def input_dtype(self, autocast_dtype: Optional[torch.dtype]) -> Optional[torch.dtype]:
+        """torch.autocast's dtype, else the weight's: the fuser casts the input to it."""
+        return autocast_dtype or self.weight.dtype
+
+    def weight_in(self, dtype: torch.dtype) -> torch.Tensor:
+        """The weight for a high-precision GEMM in ``dtype`` (itself when it matches;
+        an FP8 weight dequantized, not converted as a parameter with its master)."""
+        w = self.weight
+        if w.dtype == dtype:
+            return w
+        from ...quantization import Float8Tensor
+
+        if isinstance(w, Float8Tensor):
+            return w.dequantize(dtype)
+        return w.detach().to(dtype)
+
     def check_input(self, x: torch.Tensor) -> None:
-        """Shape and dtype checks, raised before any compute or communication.
+        """Shape and device checks, raised before any compute or communication.
+
+        The dtype is not checked: the fuser casts the input to :meth:`input_dtype`
+        and the weight is cast to the input's dtype (:meth:`weight_in`).
 
         Runs on every call (twice in fused forwards): the messages are built only on
         failure.
@@ -98,8 +118,6 @@ class BasicLinear(BasicOperation):
                 f"BasicLinear: expected input with last dimension in_features={self.in_features}, "
                 f"got shape {tuple(x.shape)}"
             )
-        if x.dtype != weight.dtype:
-            raise ValueError(f"BasicLinear: input dtype {x.dtype} does not match weight dtype {weight.dtype}")
         if x.device != weight.device:
             raise ValueError(f"BasicLinear: input on {x.device}, weight on {weight.device}")
 
@@ -186,6 +204,8 @@ class BasicLinear(BasicOperation):
             # Debug features (tp_fuse.debug) make the feature API's calls around each GEMM.
             return hooks.forward_gemm(self, ctx, x, bias=bias, residual=residual)
         ctx.fp8 = self.fp8_quantizers() is not None
+        if bias is not None and bias.dtype != x.dtype:
+            bias = bias.to(x.dtype)
         if ctx.fp8:
             from ...quantization import fp8_gemm
 
@@ -196,7 +216,8 @@ class BasicLinear(BasicOperation):
                 y = y + residual.reshape(-1, self.out_features)
             saved = (x_fp8, w_fp8)
         else:
-            w = self.weight
+            x2d = maybe_dequantize(x2d)
+            w = self.weight_in(x2d.dtype)
             if residual is not None:
                 base = residual.reshape(-1, self.out_features)
                 if bias is not None:
@@ -261,6 +282,8 @@ class BasicLinear(BasicOperation):
             dw = None
             if self.weight.requires_grad:
                 dw = dy2d.t() @ self.input_for_wgrad(ctx, x_saved)
+        if dw is not None and dw.dtype != self.weight.dtype:
+            dw = dw.to(self.weight.dtype)  # computed in the input's (autocast) dtype
         return dx.reshape(ctx.input_shape), dw
 
     # ---- basic-op interface ------------------------------------------------
