@@ -249,3 +249,95 @@ def test_quantize_backward_returns_fp8_gradient(name):
     with te.autocast(recipe=recipe):
         seq(x2).backward(dy)
     assert torch.isfinite(x2.grad).all() and seq[0].weight.grad is not None
+
+
+# ---- state_dict carries the FP8 state -------------------------------------------
+
+
+def _train_step(model, opt, recipe, x, dy):
+    opt.zero_grad()
+    with te.autocast(recipe=recipe):
+        y = model(x)
+    y.backward(dy)
+    opt.step()
+    return y.detach()
+
+
+@pytest.mark.parametrize("quantized_weight", [False, True])
+def test_state_dict_round_trip_resumes_exactly(quantized_weight):
+    """Old: state_dict() had no amax histories/scales and saved FP8 weights as
+    Float8Tensor objects (torch.load(weights_only=True) refused them); a model loaded
+    from it diverged from the original. TE keeps that state in ``_extra_state``."""
+    import io
+
+    torch.manual_seed(0)
+    recipe = DelayedScaling(amax_history_len=8)
+    with te.quantized_model_init(enabled=quantized_weight, recipe=recipe):
+        model = ops.Sequential(ops.Linear(32, 32), ops.GELU(), ops.Linear(32, 32))
+    opt = torch.optim.SGD(model.parameters(), lr=0.25)
+    for _ in range(2):
+        _train_step(model, opt, recipe, torch.randn(32, 32), torch.randn(32, 32))
+    buf = io.BytesIO()
+    torch.save({"model": model.state_dict(), "optim": opt.state_dict()}, buf)
+    xs = [torch.randn(32, 32, requires_grad=True) for _ in range(2)]
+    dys = [torch.randn(32, 32) for _ in range(2)]
+    ys = [_train_step(model, opt, recipe, x, dy) for x, dy in zip(xs, dys)]
+
+    with te.quantized_model_init(enabled=quantized_weight, recipe=recipe):
+        loaded = ops.Sequential(ops.Linear(32, 32), ops.GELU(), ops.Linear(32, 32))
+    opt2 = torch.optim.SGD(loaded.parameters(), lr=0.25)
+    ckpt = torch.load(io.BytesIO(buf.getvalue()), weights_only=True)  # plain tensors only
+    extra = [k for k in ckpt["model"] if k.endswith("_extra_state")]
+    assert len(extra) == 2 and all(ckpt["model"][k].dtype == torch.uint8 for k in extra)
+    assert all(type(v) is torch.Tensor for v in ckpt["model"].values())
+    loaded.load_state_dict(ckpt["model"])
+    opt2.load_state_dict(ckpt["optim"])
+    ys2 = [_train_step(loaded, opt2, recipe, x.detach().clone(), dy) for x, dy in zip(xs, dys)]
+    for a, b in zip(ys, ys2):
+        assert torch.equal(a, b)
+    for p, q in zip(model.parameters(), loaded.parameters()):
+        assert torch.equal(p.detach().double(), q.detach().double())
+        if quantized_weight and isinstance(p, Float8Tensor):
+            assert torch.equal(p.master, q.master) and torch.equal(p._data, q._data)
+            assert torch.equal(p.quantizer.amax_history, q.quantizer.amax_history)
+
+
+def test_extra_state_rejects_pickle_and_malformed_payloads():
+    """The payload is parsed as JSON: a pickle (TE's format, which can run code) and
+    malformed documents are refused with a ValueError naming the op."""
+    import pickle
+
+    lin = ops.BasicLinear(8, 8)
+
+    class Boom:
+        def __reduce__(self):
+            return (pytest.fail, ("unpickled!",))
+
+    evil = torch.frombuffer(bytearray(pickle.dumps({"x": Boom()})), dtype=torch.uint8)
+    with pytest.raises(ValueError, match="BasicLinear _extra_state: not UTF-8 JSON"):
+        lin.set_extra_state(evil)
+    bad = torch.frombuffer(bytearray(b'{"format": "other", "version": 1}'), dtype=torch.uint8)
+    with pytest.raises(ValueError, match="expected format 'tp_fuse.op_fp8_state'"):
+        lin.set_extra_state(bad)
+    with pytest.raises(ValueError, match="expected a 1-D uint8 tensor"):
+        lin.set_extra_state({"scale": 1.0})
+    # A history of another length is refused rather than truncated.
+    recipe = DelayedScaling(amax_history_len=4)
+    with te.autocast(recipe=recipe):
+        lin(torch.randn(8, 8))
+    state = lin.get_extra_state()
+    other = ops.BasicLinear(8, 8)
+    with te.autocast(recipe=DelayedScaling(amax_history_len=5)):
+        other(torch.randn(8, 8))
+    with pytest.raises(ValueError, match="amax_history: shape \\(4,\\) in the checkpoint, \\(5,\\) here"):
+        other.set_extra_state(state)
+    # A fresh op rebuilds its quantizers from the stored recipe.
+    fresh = ops.BasicLinear(8, 8)
+    fresh.set_extra_state(state)
+    q = fresh._quantizers.quantizers["input"]
+    assert torch.equal(q.amax_history, lin._quantizers.quantizers["input"].amax_history)
+    # Current scaling keeps no state across steps: nothing is stored.
+    cur = ops.BasicLinear(8, 8)
+    with te.autocast(recipe=Float8CurrentScaling()):
+        cur(torch.randn(8, 8))
+    assert cur.get_extra_state().numel() == 0

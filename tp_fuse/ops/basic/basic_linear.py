@@ -8,11 +8,12 @@ from typing import Any, Optional
 
 import torch
 
+from ..extra_state import QuantizerStateMixin
 from ..op import BasicOperation, OperationContext, require
 from ._checks import maybe_dequantize
 
 
-class BasicLinear(BasicOperation):
+class BasicLinear(QuantizerStateMixin, BasicOperation):
     """Matrix multiply with a weight: ``y = x W^T`` (no bias; see ``Bias``).
 
     Shapes: ``x [..., in_features]``, ``W [out_features, in_features]``,
@@ -31,6 +32,10 @@ class BasicLinear(BasicOperation):
 
     ``userbuffers_options={"comm_name": "fc1"}`` names the GEMM for the
     communication-overlap configuration (Transformer Engine's convention).
+
+    ``state_dict()`` carries the delayed-scaling state (scales, amax histories) in
+    ``_extra_state`` as JSON in a uint8 tensor, and an FP8 weight as its master copy;
+    see ``tp_fuse.ops.extra_state``.
 
     ``debug_hooks`` (None unless ``tp_fuse.debug`` attached a ``LinearDebugHooks``):
     its ``on_quantized`` observes every FP8 cast; when the layer has debug features

@@ -6,10 +6,11 @@ from typing import Any
 
 import torch
 
+from ..extra_state import QuantizerStateMixin
 from ..op import BasicOperation, OperationContext
 
 
-class Quantize(BasicOperation):
+class Quantize(QuantizerStateMixin, BasicOperation):
     """Quantize the tensor passing through (forward) and/or its gradient.
 
     Under ``tp_fuse.autocast`` the forward output is a ``Float8Tensor`` that a
