@@ -341,3 +341,30 @@ def test_extra_state_rejects_pickle_and_malformed_payloads():
     with te.autocast(recipe=Float8CurrentScaling()):
         cur(torch.randn(8, 8))
     assert cur.get_extra_state().numel() == 0
+
+
+def test_fill_that_fits_keeps_delayed_scale():
+    """An overwrite the current scale can represent leaves the scale to the end-of-step
+    update (TE's delayed scaling): scales follow max(history) / 2**margin."""
+    margin, size = 2, 16
+    recipe = DelayedScaling(margin=margin, fp8_format=Format.HYBRID, amax_history_len=8)
+    with te.quantized_model_init(recipe=recipe):
+        lin = ops.BasicLinear(size, size)
+    w_vals, x_vals, dy_vals = [2, 5, 3, 11], [7, 3, 5], [1, 2, 1]
+    with torch.no_grad():
+        lin.weight.fill_(w_vals[0])  # clips at the init scale: re-derived
+    for step in range(3):
+        x = torch.full((size, size), float(x_vals[step]), requires_grad=True)
+        with te.autocast(recipe=recipe):
+            y = lin(x)
+        y.backward(torch.full((size, size), float(dy_vals[step])))
+        with torch.no_grad():
+            lin.weight.fill_(w_vals[step + 1])
+        assert_close(y.detach(), torch.full_like(y, w_vals[step] * x_vals[step] * size).double(), "fp8_e4m3")
+        qs = lin._quantizers.quantizers
+        w_scale = Format.HYBRID.fwd_max / max(w_vals[: step + 1]) / 2**margin
+        if w_vals[step + 1] * w_scale > Format.HYBRID.fwd_max:  # the fill clipped: re-derived
+            w_scale = Format.HYBRID.fwd_max / max(w_vals[: step + 2]) / 2**margin
+        assert float(lin.weight.quantizer.scale) == pytest.approx(w_scale, rel=1e-6)
+        assert float(qs["input"].scale) == pytest.approx(Format.HYBRID.fwd_max / max(x_vals[: step + 1]) / 4, rel=1e-6)
+        assert float(qs["grad_output"].scale) == pytest.approx(Format.HYBRID.bwd_max / max(dy_vals[: step + 1]) / 4, rel=1e-6)

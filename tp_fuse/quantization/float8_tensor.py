@@ -251,14 +251,14 @@ class Float8Tensor(torch.Tensor):
 
         ``overwrite``: the op replaced the whole value (``copy_``, ``fill_``,
         ``zero_``: loading a checkpoint). A delayed-scaling quantizer's scale was
-        derived from the old values and would clip the new ones, so it is derived
-        again from the new master first (``calibrate``), as at initialization.
+        derived from the old values and may clip the new ones: the quantizer first
+        re-derives it if it would (``rescale_to_fit``).
         """
         self._alias.generation += 1
         if self._quantizer is not None:
-            calibrate = getattr(self._quantizer, "calibrate", None)
-            if overwrite and calibrate is not None:
-                calibrate(value.detach())
+            rescale = getattr(self._quantizer, "rescale_to_fit", None)
+            if overwrite and rescale is not None:
+                rescale(value.detach())
             q = self._quantizer.quantize(value.detach())
             self._data.copy_(q._data)
             self._scale_inv.copy_(q._scale_inv)

@@ -69,7 +69,8 @@ def make_fp8_parameter(
         master = master.contiguous()
     with torch.no_grad():
         if isinstance(quantizer, DelayedScalingQuantizer) and not bool(quantizer.amax_history.any()):
-            quantizer.calibrate(master)
+            quantizer.quantize(master)
+            quantizer.update()
         q = quantizer.quantize(master)
     fp8 = Float8Tensor(q._data, q._scale_inv, master.dtype, master=master, quantizer=quantizer)
     return torch.nn.Parameter(fp8, requires_grad=requires_grad)

@@ -231,19 +231,27 @@ class DelayedScalingQuantizer(Quantizer):
                     setattr(self, name, getattr(self, name).to(device))
 
     @torch.no_grad()
-    def calibrate(self, x: torch.Tensor) -> None:
-        """Forget the history and derive the scale from ``x`` alone.
+    def rescale_to_fit(self, x: torch.Tensor) -> None:
+        """Prepare to quantize ``x``, a new value for the whole tensor (an FP8 weight
+        overwritten by ``copy_``/``fill_``, e.g. when a checkpoint is loaded).
 
-        For a tensor whose value was replaced wholesale (a new FP8 weight, or one
-        loaded from a checkpoint with ``copy_``): the old scale describes values
-        that no longer exist and would clip larger new ones. The amax of ``x``
-        is recorded and :meth:`update` run once, so the next ``quantize`` uses
-        ``scale = fp8_max / amax(|x|) / 2**margin``.
+        ``amax(|x|)`` is folded into this step's history slot, as ``quantize`` does.
+        If the current scale would saturate ``x`` (``amax * scale > fp8_max``), the
+        scale is derived again from the history now, instead of at the end of the
+        step: otherwise the loaded values would be clipped (the scale was fitted to
+        the old values). A scale that already fits is kept, so delayed scaling's
+        step-to-step behaviour (Transformer Engine's) is unchanged. The history is
+        not rolled.
         """
         self._to_device(x.device)
-        self.amax_history.zero_()
-        self.amax_history[0] = _amax(x).to(self.amax_history.device)
-        self.update()
+        amax = _amax(x).to(self.amax_history.device)
+        self.amax_history[0] = torch.maximum(self.amax_history[0], amax)
+        if bool(amax * self.scale > self.fp8_max):
+            r = self.recipe
+            hist_amax = scaling.amax_from_history(self.amax_history, r.amax_compute_algo)
+            self.scale.copy_(
+                scaling.delayed_scale(hist_amax, self.scale, self.fp8_max, self.margin, r.scaling_factor_compute_algo, r)
+            )
 
     @property
     def current_amax(self) -> torch.Tensor:
