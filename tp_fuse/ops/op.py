@@ -17,6 +17,8 @@ from typing import Any, Optional
 
 import torch
 
+from ..quantization.quantizer import Quantizer, is_backward_role
+
 
 class OperationContext:
     """State carried from one basic op's forward pass to its backward pass.
@@ -60,6 +62,26 @@ class FusibleOperation(torch.nn.Module, metaclass=abc.ABCMeta):
 
     def pre_first_fuser_forward(self) -> None:
         """Hook run once before the first forward pass through a fuser."""
+
+    def get_quantizer(self, mode: str, index: int) -> Optional[Quantizer]:
+        """This op's quantizer number ``index`` for ``mode`` (Transformer Engine's API).
+
+        ``mode`` is ``"forward"`` (e.g. ``BasicLinear``: 0 input, 1 weight) or
+        ``"backward"`` (0 grad_output). None when the op has no quantizer there yet:
+        quantizers are built at the first forward under ``tp_fuse.autocast`` (or in
+        ``quantized_model_init``).
+        """
+        if mode not in ("forward", "backward"):
+            raise ValueError(f"get_quantizer mode: expected 'forward' or 'backward', got {mode!r}")
+        quantizers = getattr(self, "_quantizers", None)
+        roles = [] if quantizers is None else [r for r in quantizers.roles if is_backward_role(r) == (mode == "backward")]
+        if not isinstance(index, int) or not 0 <= index < max(len(roles), 1):
+            raise ValueError(
+                f"{type(self).__name__}.get_quantizer: {mode} index must be in [0, {len(roles)}), got {index!r}"
+            )
+        if not roles:
+            return None
+        return quantizers.quantizers.get(roles[index])
 
     def fuser_forward(
         self,

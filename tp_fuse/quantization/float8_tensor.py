@@ -35,6 +35,8 @@ from typing import Any, Optional
 import torch
 from torch.utils._pytree import tree_map
 
+from .quantized_tensor import QuantizedTensor
+
 __all__ = ["Float8Tensor"]
 
 aten = torch.ops.aten
@@ -72,7 +74,7 @@ class _Dequantize(torch.autograd.Function):
         return grad_out.to(ctx.nominal_dtype), None
 
 
-class Float8Tensor(torch.Tensor):
+class Float8Tensor(QuantizedTensor):
     """FP8 data with a per-tensor scale, behaving like a high-precision tensor.
 
     Args:
