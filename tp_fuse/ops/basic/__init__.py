@@ -12,6 +12,7 @@ from .dropout import Dropout
 from .identity import Identity
 from .layer_norm import LayerNorm
 from .make_extra_output import MakeExtraOutput
+from .more_activations import GEGLU, GLU, QGEGLU, QGELU, ClampedSwiGLU, ReGLU, SiLU, SiTUGLU, SReGLU, SReLU
 from .reduce_scatter import ReduceScatter
 from .reshape import Reshape
 from .rmsnorm import RMSNorm
