@@ -7,7 +7,7 @@ import torch
 import tp_fuse as te
 from tp_fuse import ops
 from tp_fuse.recipe import DelayedScaling, Format
-from tolerances import FP8_UNIT_ROUNDOFF
+from tolerances import FP8_UNIT_ROUNDOFF, assert_close
 
 
 def test_format_values_carry_max_fwd_and_bwd():
@@ -88,3 +88,42 @@ def test_get_quantizer():
     with pytest.raises(ValueError, match="mode: expected 'forward' or 'backward'"):
         lin.get_quantizer("fwd", 0)
     assert ops.GELU().get_quantizer("forward", 0) is None
+
+
+def test_sequential_pop():
+    a, b, c = ops.Identity(), ops.GELU(), ops.ReLU()
+    seq = ops.Sequential(a, b, c)
+    assert seq.pop(1) is b and list(seq) == [a, c]
+    assert seq.pop() is c and list(seq) == [a]
+    seq = ops.Sequential(a, b, c)
+    popped = seq.pop(slice(0, 2))
+    assert isinstance(popped, ops.Sequential) and list(popped) == [a, b] and list(seq) == [c]
+    x = torch.randn(3)
+    assert torch.equal(seq(x), torch.relu(x))  # fusers rebuilt after the change
+
+
+@pytest.mark.parametrize("fused", [False, True])
+@pytest.mark.parametrize("overwrite", [False, True])
+def test_accumulate_into_main_grad(fused, overwrite):
+    """Megatron's wgrad fusion: dW goes into weight.main_grad (fp32), weight.grad stays None."""
+    torch.manual_seed(0)
+    lin = ops.Linear(8, 4, accumulate_into_main_grad=True, dtype=torch.bfloat16)
+    seq = ops.Sequential(lin, ops.GELU()) if fused else ops.Sequential(lin)
+    lin.weight.main_grad = torch.full((4, 8), 0.5)
+    if overwrite:
+        lin.weight.overwrite_main_grad = True
+    x = torch.randn(6, 8, dtype=torch.float64)
+    dy = torch.randn(6, 4, dtype=torch.float64)
+    seq(x.to(torch.bfloat16)).backward(dy.to(torch.bfloat16))
+    assert lin.weight.grad is None and lin.weight.grad_added_to_main_grad is True
+    xr = x.to(torch.bfloat16).double()
+    w = lin.weight.detach().double().requires_grad_()
+    z = xr @ w.t() + lin.bias.detach().double()
+    (torch.nn.functional.gelu(z, approximate="tanh") if fused else z).backward(dy.to(torch.bfloat16).double())
+    expected = w.grad + (0 if overwrite else 0.5)
+    assert_close(lin.weight.main_grad, expected, torch.bfloat16)  # dW rounded to bf16 once
+    if fused:
+        assert "ForwardLinearBiasActivation" in str(seq.explain())
+    lin.weight.main_grad = None
+    with pytest.raises(ValueError, match="weight.main_grad must be a tensor of shape"):
+        seq(x.to(torch.bfloat16)).backward(dy.to(torch.bfloat16))

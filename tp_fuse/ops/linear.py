@@ -29,6 +29,7 @@ class Linear(FusedOperation):
         device: Optional[torch.device | str] = None,
         dtype: Optional[torch.dtype] = None,
         userbuffers_options: Optional[dict[str, Any]] = None,
+        accumulate_into_main_grad: bool = False,
     ) -> None:
         linear = BasicLinear(
             in_features,
@@ -36,6 +37,7 @@ class Linear(FusedOperation):
             device=device,
             dtype=dtype,
             userbuffers_options=userbuffers_options,
+            accumulate_into_main_grad=accumulate_into_main_grad,
         )
         ops: list = [linear]
         if bias:

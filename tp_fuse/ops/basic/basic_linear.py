@@ -33,6 +33,11 @@ class BasicLinear(QuantizerStateMixin, BasicOperation):
     ``userbuffers_options={"comm_name": "fc1"}`` names the GEMM for the
     communication-overlap configuration (Transformer Engine's convention).
 
+    ``accumulate_into_main_grad=True`` (Megatron-LM's wgrad fusion, TE's option): dW is
+    added into ``weight.main_grad`` (an fp32 buffer the caller attaches; overwritten
+    instead when ``weight.overwrite_main_grad`` is True), ``weight.grad`` stays None and
+    ``weight.grad_added_to_main_grad`` is set.
+
     ``state_dict()`` carries the delayed-scaling state (scales, amax histories) in
     ``_extra_state`` as JSON in a uint8 tensor, and an FP8 weight as its master copy;
     see ``tp_fuse.ops.extra_state``.
@@ -51,8 +56,10 @@ class BasicLinear(QuantizerStateMixin, BasicOperation):
         dtype: Optional[torch.dtype] = None,
         init_method: Optional[Callable[[torch.Tensor], Any]] = None,
         userbuffers_options: Optional[dict[str, Any]] = None,
+        accumulate_into_main_grad: bool = False,
     ) -> None:
         super().__init__()
+        self._accumulate_into_main_grad = bool(accumulate_into_main_grad)
         for name, value in (("in_features", in_features), ("out_features", out_features)):
             if not isinstance(value, int) or value <= 0:
                 raise ValueError(f"BasicLinear: {name} must be a positive int, got {value!r}")
@@ -287,9 +294,30 @@ class BasicLinear(QuantizerStateMixin, BasicOperation):
             dw = None
             if self.weight.requires_grad:
                 dw = dy2d.t() @ self.input_for_wgrad(ctx, x_saved)
-        if dw is not None and dw.dtype != self.weight.dtype:
+        if dw is not None and dw.dtype != self.weight.dtype and not self._accumulate_into_main_grad:
             dw = dw.to(self.weight.dtype)  # computed in the input's (autocast) dtype
-        return dx.reshape(ctx.input_shape), dw
+        return dx.reshape(ctx.input_shape), self.finish_wgrad(dw)
+
+    def finish_wgrad(self, dw: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+        """The weight gradient to return to autograd: ``dw`` itself, or None after adding
+        it into ``weight.main_grad`` (``accumulate_into_main_grad``). Every backward
+        (fused or not) passes its dW through here."""
+        if dw is None or not self._accumulate_into_main_grad:
+            return dw
+        w = self.weight
+        main_grad = getattr(w, "main_grad", None)
+        if not isinstance(main_grad, torch.Tensor) or main_grad.shape != w.shape:
+            raise ValueError(
+                "BasicLinear(accumulate_into_main_grad=True): weight.main_grad must be a tensor "
+                f"of shape {tuple(w.shape)} (attach it before backward), got {type(main_grad).__name__}"
+            )
+        with torch.no_grad():
+            if getattr(w, "overwrite_main_grad", False):
+                main_grad.copy_(dw)
+            else:
+                main_grad.add_(dw)
+        w.grad_added_to_main_grad = True
+        return None
 
     # ---- basic-op interface ------------------------------------------------
 

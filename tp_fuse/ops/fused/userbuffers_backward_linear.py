@@ -225,7 +225,7 @@ class UserbuffersBackwardLinear(FusedOperation):
         else:
             dw = wgrad()
         dx = dx2d.view(dy.shape[0] // tp, *dy.shape[1:-1], linear.in_features)
-        grads = [(), (dw,)] + ([(db,)] if bias_op is not None else [])
+        grads = [(), (linear.finish_wgrad(dw),)] + ([(db,)] if bias_op is not None else [])
         return dx, grads, [() for _ in self.basic_ops]
 
     # ---- row-parallel ------------------------------------------------------------
@@ -289,7 +289,7 @@ class UserbuffersBackwardLinear(FusedOperation):
             else:
                 dw = gathered.t() @ x_full
         dx = dx2d.view(full_rows, *dy.shape[1:-1], linear.in_features)
-        grads = [(dw,)] + ([(db,)] if bias_op is not None else []) + [()]
+        grads = [(linear.finish_wgrad(dw),)] + ([(db,)] if bias_op is not None else []) + [()]
         return dx, grads, [() for _ in self.basic_ops]
 
 
