@@ -220,7 +220,7 @@ class OperationFuser:
         for op in ops:
             if not isinstance(op, FusibleOperation):
                 raise ValueError(f"OperationFuser expects FusibleOperations, got {type(op).__name__}")
-            basic_ops.extend(op.basic_op_list)
+            basic_ops.extend(op.expanded_ops())
         if not basic_ops:
             raise ValueError("OperationFuser needs at least one operation")
         self.basic_ops: list[BasicOperation] = basic_ops

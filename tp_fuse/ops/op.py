@@ -63,6 +63,12 @@ class FusibleOperation(torch.nn.Module, metaclass=abc.ABCMeta):
     def pre_first_fuser_forward(self) -> None:
         """Hook run once before the first forward pass through a fuser."""
 
+    def expanded_ops(self) -> list["BasicOperation"]:
+        """The basic ops a fuser runs for this op when a user puts it in a list: its
+        ``basic_op_list``, plus any ops it implies (a ``BasicLinear`` with
+        ``tensor_parallel_mode`` adds its collectives)."""
+        return self.basic_op_list
+
     def get_quantizer(self, mode: str, index: int) -> Optional[Quantizer]:
         """This op's quantizer number ``index`` for ``mode`` (Transformer Engine's API).
 
@@ -133,7 +139,7 @@ class FusibleOperation(torch.nn.Module, metaclass=abc.ABCMeta):
             fuser = OperationFuser([self])
             # Plain attribute on purpose: the fuser is not a submodule.
             self.__dict__["_standalone_fuser"] = fuser
-        basic_ops = self.basic_op_list
+        basic_ops = self.expanded_ops()
         return fuser(input_, *extra_inputs, basic_op_kwargs=[kwargs] * len(basic_ops))
 
 

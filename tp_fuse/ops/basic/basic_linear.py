@@ -8,9 +8,15 @@ from typing import Any, Optional
 
 import torch
 
+from comm import all_reduce
+
 from ..extra_state import QuantizerStateMixin
 from ..op import BasicOperation, OperationContext, require
 from ._checks import maybe_dequantize
+from ._tp import TPCommOperation, group_size
+from .all_gather import AllGather
+from .all_reduce import AllReduce
+from .reduce_scatter import ReduceScatter
 
 
 class BasicLinear(QuantizerStateMixin, BasicOperation):
@@ -32,6 +38,16 @@ class BasicLinear(QuantizerStateMixin, BasicOperation):
 
     ``userbuffers_options={"comm_name": "fc1"}`` names the GEMM for the
     communication-overlap configuration (Transformer Engine's convention).
+
+    Tensor parallelism (Transformer Engine's arguments): ``tensor_parallel_mode="column"``
+    splits W's rows (this rank holds ``[out/tp, in]``), ``"row"`` its columns
+    (``[out, in/tp]``) over ``tensor_parallel_group``. The op then stands for the
+    collectives around its GEMM (``expanded_ops()``): column with ``sequence_parallel``
+    ``[AllGather, BasicLinear]``; row ``[BasicLinear, ReduceScatter]`` (sequence
+    parallel) or ``[BasicLinear, AllReduce]``; column without sequence parallelism
+    all-reduces dx in its backward. Unlike TE, ``in_features``/``out_features`` are the
+    LOCAL GEMM sizes after construction (``global_in_features``/``global_out_features``
+    keep the arguments).
 
     ``accumulate_into_main_grad=True`` (Megatron-LM's wgrad fusion, TE's option): dW is
     added into ``weight.main_grad`` (an fp32 buffer the caller attaches; overwritten
@@ -57,12 +73,18 @@ class BasicLinear(QuantizerStateMixin, BasicOperation):
         init_method: Optional[Callable[[torch.Tensor], Any]] = None,
         userbuffers_options: Optional[dict[str, Any]] = None,
         accumulate_into_main_grad: bool = False,
+        tensor_parallel_mode: Optional[str] = None,
+        tensor_parallel_group: Optional[Any] = None,
+        sequence_parallel: bool = False,
     ) -> None:
         super().__init__()
         self._accumulate_into_main_grad = bool(accumulate_into_main_grad)
         for name, value in (("in_features", in_features), ("out_features", out_features)):
             if not isinstance(value, int) or value <= 0:
                 raise ValueError(f"BasicLinear: {name} must be a positive int, got {value!r}")
+        in_features, out_features = self._setup_tensor_parallel(
+            in_features, out_features, tensor_parallel_mode, tensor_parallel_group, sequence_parallel
+        )
         if userbuffers_options is not None and not isinstance(userbuffers_options, dict):
             raise ValueError(
                 f"BasicLinear: userbuffers_options must be a dict like {{'comm_name': 'fc1'}}, "
@@ -89,6 +111,66 @@ class BasicLinear(QuantizerStateMixin, BasicOperation):
             self.weight = make_fp8_parameter(weight, quantizer)
         else:
             self.weight = torch.nn.Parameter(weight)
+
+    # ---- tensor parallelism (Transformer Engine's tensor_parallel_mode) ----------
+
+    def _setup_tensor_parallel(
+        self, in_features: int, out_features: int, mode: Optional[str], group: Any, sequence_parallel: bool
+    ) -> tuple[int, int]:
+        """Validate the TP arguments; build the comm ops; return the local GEMM sizes."""
+        if mode not in (None, "column", "row"):
+            raise ValueError(f"BasicLinear: tensor_parallel_mode must be None, 'column' or 'row', got {mode!r}")
+        if mode is None and (group is not None or sequence_parallel):
+            raise ValueError("BasicLinear: tensor_parallel_group/sequence_parallel need tensor_parallel_mode")
+        self.tensor_parallel_mode = mode
+        self.tensor_parallel_group = group
+        self.sequence_parallel = bool(sequence_parallel)
+        tp = group_size(group) if mode is not None else 1
+        self.tensor_parallel_size = tp
+        self.global_in_features, self.global_out_features = in_features, out_features
+        split = out_features if mode == "column" else in_features
+        if split % tp:
+            name = "out_features" if mode == "column" else "in_features"
+            raise ValueError(f"BasicLinear({mode} parallel): {name}={split} is not divisible by the TP size {tp}")
+        pre: list[TPCommOperation] = []
+        post: list[TPCommOperation] = []
+        if mode == "column" and sequence_parallel:
+            pre.append(AllGather(group))
+        elif mode == "row":
+            post.append(ReduceScatter(group) if sequence_parallel else AllReduce(group))
+        # Plain attributes (not submodules): the comm ops hold no state of their own.
+        self.__dict__["_tp_ops"] = (tuple(pre), tuple(post))
+        # Column parallel without sequence parallelism: the input is replicated, so its
+        # gradient is the sum of every rank's dgrad (Megatron's copy-to-TP-region).
+        self.reduces_dgrad = mode == "column" and not sequence_parallel and tp > 1
+        if mode == "column":
+            return in_features, out_features // tp
+        if mode == "row":
+            return in_features // tp, out_features
+        return in_features, out_features
+
+    def expanded_ops(self) -> list[BasicOperation]:
+        """This op with the collectives its ``tensor_parallel_mode`` implies:
+        column+SP ``[AllGather, BasicLinear]``, row ``[BasicLinear, ReduceScatter|AllReduce]``
+        -- ordinary comm ops, so the userbuffers overlap fusions apply to them."""
+        pre, post = self.__dict__.get("_tp_ops", ((), ()))
+        return [*pre, self, *post]
+
+    @property
+    def local_in_features(self) -> int:
+        """Input features of this rank's GEMM (= ``in_features``; see the class docstring)."""
+        return self.in_features
+
+    @property
+    def local_out_features(self) -> int:
+        """Output features of this rank's GEMM (= ``out_features``)."""
+        return self.out_features
+
+    def reduce_dgrad(self, dx: torch.Tensor) -> torch.Tensor:
+        """dx summed over the TP group when the input was replicated (column, no SP)."""
+        if not self.reduces_dgrad:
+            return dx
+        return all_reduce(maybe_dequantize(dx).contiguous(), self.tensor_parallel_group)
 
     @property
     def comm_name(self) -> Optional[str]:
@@ -263,7 +345,8 @@ class BasicLinear(QuantizerStateMixin, BasicOperation):
     ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
         """``dx = dy W (+ grad_input_accumulate)``, ``dW = dy^T x``."""
         if getattr(ctx, "debug", False):
-            return self.debug_hooks.backward_gemm(self, ctx, dy, grad_input_accumulate=grad_input_accumulate)
+            dx, dw = self.debug_hooks.backward_gemm(self, ctx, dy, grad_input_accumulate=grad_input_accumulate)
+            return self.reduce_dgrad(dx), dw
         x_saved, w_saved = ctx.saved_tensors
         dy2d = dy.reshape(-1, self.out_features)
         acc = None
@@ -296,7 +379,7 @@ class BasicLinear(QuantizerStateMixin, BasicOperation):
                 dw = dy2d.t() @ self.input_for_wgrad(ctx, x_saved)
         if dw is not None and dw.dtype != self.weight.dtype and not self._accumulate_into_main_grad:
             dw = dw.to(self.weight.dtype)  # computed in the input's (autocast) dtype
-        return dx.reshape(ctx.input_shape), self.finish_wgrad(dw)
+        return self.reduce_dgrad(dx.reshape(ctx.input_shape)), self.finish_wgrad(dw)
 
     def finish_wgrad(self, dw: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
         """The weight gradient to return to autograd: ``dw`` itself, or None after adding

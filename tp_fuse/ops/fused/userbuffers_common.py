@@ -93,6 +93,11 @@ def plan_overlap(
     tp = comm_op.tp_size
     if tp == 1:
         return "TP size 1: nothing to overlap"
+    if linear.reduces_dgrad:
+        return (
+            "BasicLinear(tensor_parallel_mode='column', sequence_parallel=False) all-reduces its "
+            "dgrad itself: no overlap plan for an extra collective around it"
+        )
     overlap = resolve_overlap(linear, comm_op)
     if not overlap.config.enabled:
         return "overlap disabled by config (OverlapConfig.enabled=False)"
