@@ -107,3 +107,15 @@ def test_activation_argument_errors():
         ops.GEGLU()(torch.randn(2, 5))
     with pytest.raises(ValueError, match=r"SwiGLU: expected a last dimension divisible by 8"):
         ops.SwiGLU(glu_interleave_size=4)(torch.randn(2, 12))
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+def test_l2normalization(dtype):
+    torch.manual_seed(3)
+    eps = 1e-3
+    x = torch.randn(4, 3, 16, dtype=torch.float64)
+    x[0, 0] = 0.0  # eps matters for an all-zero row
+    ref = lambda t: t * torch.rsqrt(t.square().sum(-1, keepdim=True) + eps)  # noqa: E731
+    _check(ops.L2Normalization(eps=eps), ref, x, dtype)
+    with pytest.raises(ValueError, match="L2Normalization: eps must be a non-negative float"):
+        ops.L2Normalization(eps=-1.0)
