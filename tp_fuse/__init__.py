@@ -6,8 +6,41 @@ FP8 entry points ``te.autocast``, ``te.quantized_model_init`` and
 """
 
 from . import ops, recipe
+from .availability import (
+    is_bf16_available,
+    is_fp8_available,
+    is_fp8_block_scaling_available,
+    is_mxfp8_available,
+    is_nvfp4_available,
+)
 from .ops.explain import explain
-from .quantization import Float8Tensor, autocast, quantized_model_init
+from .quantization import (
+    DType,
+    Float8CurrentScalingQuantizer,
+    Float8Quantizer,
+    Float8Tensor,
+    QuantizedTensor,
+    Quantizer,
+    autocast,
+    quantized_model_init,
+)
 
-__all__ = ["Float8Tensor", "autocast", "explain", "ops", "quantized_model_init", "recipe"]
+__all__ = [
+    "DType",
+    "Float8CurrentScalingQuantizer",
+    "Float8Quantizer",
+    "Float8Tensor",
+    "QuantizedTensor",
+    "Quantizer",
+    "autocast",
+    "explain",
+    "is_bf16_available",
+    "is_fp8_available",
+    "is_fp8_block_scaling_available",
+    "is_mxfp8_available",
+    "is_nvfp4_available",
+    "ops",
+    "quantized_model_init",
+    "recipe",
+]
 __version__ = "0.1.0"

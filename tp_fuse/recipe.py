@@ -19,11 +19,19 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
-from typing import Any, Callable, Optional, Union
+from typing import Any, Callable, NamedTuple, Optional, Union
 
 import torch
 
 __all__ = ["Format", "Recipe", "DelayedScaling", "Float8CurrentScaling"]
+
+
+class _FormatHelper(NamedTuple):
+    """A :class:`Format`'s value, as in Transformer Engine: the largest finite
+    values of its forward and backward FP8 dtypes (``Format.HYBRID.value.max_fwd``)."""
+
+    max_fwd: float
+    max_bwd: float
 
 
 class Format(enum.Enum):
@@ -33,11 +41,13 @@ class Format(enum.Enum):
     ``E5M2``: E5M2 everywhere (max 57344, wider range).
     ``HYBRID``: E4M3 for forward tensors, E5M2 for gradients -- gradients need
     range more than precision.
+
+    Values are ``(max_fwd, max_bwd)`` named tuples, as in Transformer Engine.
     """
 
-    E4M3 = "E4M3"
-    E5M2 = "E5M2"
-    HYBRID = "HYBRID"
+    E4M3 = _FormatHelper(max_fwd=448.0, max_bwd=448.0)
+    E5M2 = _FormatHelper(max_fwd=57344.0, max_bwd=57344.0)
+    HYBRID = _FormatHelper(max_fwd=448.0, max_bwd=57344.0)
 
     @property
     def fwd_dtype(self) -> torch.dtype:

@@ -264,7 +264,7 @@ class LinearDebugHooks:
             x_op = op.input_for_wgrad(ctx, x_op)
             dw = self._gemm("wgrad", a, x_op, out_dtype=dy.dtype, out_features=op.out_features)
             self._inspect("wgrad", dw, None, None)
-        return dx.reshape(ctx.input_shape), dw
+        return dx.reshape(ctx.input_shape), op.finish_wgrad(dw)
 
     def _gemm(
         self,

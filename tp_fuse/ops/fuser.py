@@ -39,6 +39,23 @@ def _fusion_key() -> Any:
     return (type(state.recipe).__name__, repr(state.recipe))
 
 
+def _autocast_dtype(device_type: str) -> Optional[torch.dtype]:
+    """``torch.autocast``'s dtype for ``device_type``, or None when it is off."""
+    if torch.is_autocast_enabled(device_type):
+        return torch.get_autocast_dtype(device_type)
+    return None
+
+
+def _cast(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``x`` in ``dtype``; a Float8Tensor keeps its bytes and only changes its nominal
+    dtype (the dtype it dequantizes to and GEMMs write)."""
+    from ..quantization import Float8Tensor
+
+    if isinstance(x, Float8Tensor):
+        return Float8Tensor.from_parts(x._data, x._scale_inv, dtype)
+    return x.to(dtype)
+
+
 def _current_recipe() -> Any:
     from ..quantization import active_autocast
 
@@ -74,19 +91,32 @@ class _OperationFuserAutogradFunction(torch.autograd.Function):
         num_params = fuser.num_params
         extra_inputs = params_and_extra_inputs[num_params:]
         basic_op_extra_inputs = fuser.split_extra_inputs(extra_inputs)
+        device_type = input_.device.type
+        autocast_dtype = _autocast_dtype(device_type)
         basic_op_ctxs = [OperationContext() for _ in basic_ops]
         for ctx in basic_op_ctxs:
             ctx.requires_grad = requires_grad
+            ctx.dtype = autocast_dtype
 
         x = input_
         extra_outputs: list[Optional[tuple[torch.Tensor, ...]]] = [None] * len(basic_ops)
+        # Per basic op, the dtype its input had before the fuser cast it (None: not
+        # cast); the backward casts the input gradient back to it.
+        cast_from: list[Optional[torch.dtype]] = [None] * len(basic_ops)
         for op, idxs in fuser.forward_ops:
-            x, fused_extra_outputs = op.fuser_forward(
-                [basic_op_ctxs[i] for i in idxs],
-                x,
-                basic_op_extra_inputs=[basic_op_extra_inputs[i] for i in idxs],
-                basic_op_kwargs=[basic_op_kwargs[i] for i in idxs],
-            )
+            want = basic_ops[idxs[0]].input_dtype(autocast_dtype)
+            if want is not None and x.dtype != want:
+                cast_from[idxs[0]] = x.dtype
+                x = _cast(x, want)
+            # Ops choose their dtypes themselves (above); torch.autocast inside them
+            # would re-cast GEMM operands behind their backward's back.
+            with torch.autocast(device_type, enabled=False):
+                x, fused_extra_outputs = op.fuser_forward(
+                    [basic_op_ctxs[i] for i in idxs],
+                    x,
+                    basic_op_extra_inputs=[basic_op_extra_inputs[i] for i in idxs],
+                    basic_op_kwargs=[basic_op_kwargs[i] for i in idxs],
+                )
             fused_extra_outputs = list(fused_extra_outputs)
             check_sequence_length(op, "extra-output tuples", fused_extra_outputs, len(idxs))
             for i, outs in zip(idxs, fused_extra_outputs):
@@ -102,7 +132,12 @@ class _OperationFuserAutogradFunction(torch.autograd.Function):
         for ctx in basic_op_ctxs:
             start = len(to_save)
             if requires_grad and ctx.to_save is not None:
-                to_save.extend(ctx.to_save)
+                # Autograd refuses to save inference tensors (e.g. parameters built
+                # under torch.inference_mode, then trained): save normal copies.
+                to_save.extend(
+                    t.clone() if isinstance(t, torch.Tensor) and t.is_inference() else t
+                    for t in ctx.to_save
+                )
             ranges.append((start, len(to_save)))
             ctx.to_save = None
         func_ctx.save_for_backward(*to_save)
@@ -110,6 +145,7 @@ class _OperationFuserAutogradFunction(torch.autograd.Function):
         func_ctx.fuser = fuser
         func_ctx.basic_op_ctxs = basic_op_ctxs
         func_ctx.num_extra_inputs = len(extra_inputs)
+        func_ctx.cast_from = cast_from
 
         outputs = [x] + [t for outs in extra_outputs for t in (outs or ())]
         # A tensor returned twice (or an input returned as-is) would get only
@@ -140,12 +176,17 @@ class _OperationFuserAutogradFunction(torch.autograd.Function):
         grad_params: list[Optional[list[Optional[torch.Tensor]]]] = [None] * len(basic_ops)
         grad_extra_inputs: list[Optional[tuple]] = [None] * len(basic_ops)
         dx: Optional[torch.Tensor] = grad_output
+        cast_from: list[Optional[torch.dtype]] = func_ctx.cast_from
         for op, idxs in reversed(fuser.backward_ops):
-            dx, fused_grad_params, fused_grad_extra_inputs = op.fuser_backward(
-                [basic_op_ctxs[i] for i in idxs],
-                dx,
-                basic_op_grad_extra_outputs=[grad_extra_per_op[i] for i in idxs],
-            )
+            with torch.autocast(grad_output.device.type, enabled=False):
+                dx, fused_grad_params, fused_grad_extra_inputs = op.fuser_backward(
+                    [basic_op_ctxs[i] for i in idxs],
+                    dx,
+                    basic_op_grad_extra_outputs=[grad_extra_per_op[i] for i in idxs],
+                )
+            back = cast_from[idxs[0]]
+            if back is not None and dx is not None and dx.dtype != back:
+                dx = _cast(dx, back)
             fused_grad_params = list(fused_grad_params)
             fused_grad_extra_inputs = list(fused_grad_extra_inputs)
             check_sequence_length(op, "param-grad lists", fused_grad_params, len(idxs))
@@ -179,7 +220,7 @@ class OperationFuser:
         for op in ops:
             if not isinstance(op, FusibleOperation):
                 raise ValueError(f"OperationFuser expects FusibleOperations, got {type(op).__name__}")
-            basic_ops.extend(op.basic_op_list)
+            basic_ops.extend(op.expanded_ops())
         if not basic_ops:
             raise ValueError("OperationFuser needs at least one operation")
         self.basic_ops: list[BasicOperation] = basic_ops

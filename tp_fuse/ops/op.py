@@ -17,6 +17,8 @@ from typing import Any, Optional
 
 import torch
 
+from ..quantization.quantizer import Quantizer, is_backward_role
+
 
 class OperationContext:
     """State carried from one basic op's forward pass to its backward pass.
@@ -32,6 +34,9 @@ class OperationContext:
         self.saved_tensors: tuple[Optional[torch.Tensor], ...] = ()
         # Whether any gradient is needed from this op's backward.
         self.requires_grad: bool = True
+        # torch.autocast's dtype when the fuser was called inside torch.autocast, else
+        # None (Transformer Engine's ctx.dtype); ops then compute in their own dtype.
+        self.dtype: Optional[torch.dtype] = None
 
     def save_for_backward(self, *tensors: Optional[torch.Tensor]) -> None:
         self.to_save = tensors
@@ -57,6 +62,32 @@ class FusibleOperation(torch.nn.Module, metaclass=abc.ABCMeta):
 
     def pre_first_fuser_forward(self) -> None:
         """Hook run once before the first forward pass through a fuser."""
+
+    def expanded_ops(self) -> list["BasicOperation"]:
+        """The basic ops a fuser runs for this op when a user puts it in a list: its
+        ``basic_op_list``, plus any ops it implies (a ``BasicLinear`` with
+        ``tensor_parallel_mode`` adds its collectives)."""
+        return self.basic_op_list
+
+    def get_quantizer(self, mode: str, index: int) -> Optional[Quantizer]:
+        """This op's quantizer number ``index`` for ``mode`` (Transformer Engine's API).
+
+        ``mode`` is ``"forward"`` (e.g. ``BasicLinear``: 0 input, 1 weight) or
+        ``"backward"`` (0 grad_output). None when the op has no quantizer there yet:
+        quantizers are built at the first forward under ``tp_fuse.autocast`` (or in
+        ``quantized_model_init``).
+        """
+        if mode not in ("forward", "backward"):
+            raise ValueError(f"get_quantizer mode: expected 'forward' or 'backward', got {mode!r}")
+        quantizers = getattr(self, "_quantizers", None)
+        roles = [] if quantizers is None else [r for r in quantizers.roles if is_backward_role(r) == (mode == "backward")]
+        if not isinstance(index, int) or not 0 <= index < max(len(roles), 1):
+            raise ValueError(
+                f"{type(self).__name__}.get_quantizer: {mode} index must be in [0, {len(roles)}), got {index!r}"
+            )
+        if not roles:
+            return None
+        return quantizers.quantizers.get(roles[index])
 
     def fuser_forward(
         self,
@@ -108,7 +139,7 @@ class FusibleOperation(torch.nn.Module, metaclass=abc.ABCMeta):
             fuser = OperationFuser([self])
             # Plain attribute on purpose: the fuser is not a submodule.
             self.__dict__["_standalone_fuser"] = fuser
-        basic_ops = self.basic_op_list
+        basic_ops = self.expanded_ops()
         return fuser(input_, *extra_inputs, basic_op_kwargs=[kwargs] * len(basic_ops))
 
 
@@ -132,6 +163,16 @@ class BasicOperation(FusibleOperation):
     @property
     def basic_op_list(self) -> list["BasicOperation"]:
         return [self]
+
+    def input_dtype(self, autocast_dtype: Optional[torch.dtype]) -> Optional[torch.dtype]:
+        """The dtype the fuser casts this op's input to before it runs, or None (no cast).
+
+        ``autocast_dtype`` is ``torch.autocast``'s dtype (None outside it). Ops that
+        compute (GEMMs, norms, activations) return the autocast dtype, else the dtype of
+        their parameters, as Transformer Engine's ops do; data-movement ops return None.
+        The input's gradient is cast back to the input's dtype.
+        """
+        return None
 
     def op_forward(self, ctx: OperationContext, input_: torch.Tensor, **kwargs: Any) -> torch.Tensor:
         """Forward pass; may save state in ``ctx`` for the backward pass."""

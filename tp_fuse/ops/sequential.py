@@ -67,10 +67,17 @@ class Sequential(torch.nn.Module):
         self._modules[key] = self._checked(module)
         self._invalidate()
 
-    def __delitem__(self, idx: int) -> None:
-        key = list(self._modules.keys())[self._index(idx)]
-        del self._modules[key]
+    def __delitem__(self, idx: Union[int, slice]) -> None:
+        keys = list(self._modules.keys())
+        for key in keys[idx] if isinstance(idx, slice) else [keys[self._index(idx)]]:
+            del self._modules[key]
         self._renumber()
+
+    def pop(self, idx: Union[int, slice] = -1) -> Union[torch.nn.Module, "Sequential"]:
+        """Remove and return the module at ``idx`` (a ``Sequential`` of them for a slice)."""
+        out = self[idx]
+        del self[idx]
+        return out
 
     def _index(self, idx: int) -> int:
         n = len(self._modules)

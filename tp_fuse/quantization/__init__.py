@@ -12,6 +12,8 @@ from .autocast import (
     quantized_model_init,
 )
 from .float8_tensor import Float8Tensor
+from .quantized_tensor import QuantizedTensor
+from .te_quantizers import DType, Float8CurrentScalingQuantizer, Float8Quantizer
 from .gemm import fp8_gemm
 from .parameter import is_fp8_parameter, make_fp8_parameter
 from .quantizer import (
@@ -28,8 +30,12 @@ __all__ = [
     "AutocastContext",
     "BackwardAmaxTracker",
     "CurrentScalingQuantizer",
+    "DType",
     "DelayedScalingQuantizer",
+    "Float8CurrentScalingQuantizer",
+    "Float8Quantizer",
     "Float8Tensor",
+    "QuantizedTensor",
     "OpQuantizers",
     "Quantizer",
     "active_autocast",

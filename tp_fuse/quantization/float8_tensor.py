@@ -35,6 +35,8 @@ from typing import Any, Optional
 import torch
 from torch.utils._pytree import tree_map
 
+from .quantized_tensor import QuantizedTensor
+
 __all__ = ["Float8Tensor"]
 
 aten = torch.ops.aten
@@ -72,7 +74,7 @@ class _Dequantize(torch.autograd.Function):
         return grad_out.to(ctx.nominal_dtype), None
 
 
-class Float8Tensor(torch.Tensor):
+class Float8Tensor(QuantizedTensor):
     """FP8 data with a per-tensor scale, behaving like a high-precision tensor.
 
     Args:
@@ -222,6 +224,14 @@ class Float8Tensor(torch.Tensor):
     @classmethod
     def __torch_dispatch__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
+        if torch.is_inference_mode_enabled() and any(
+            isinstance(a, Float8Tensor) and not a.is_inference() for a in args
+        ) and (func in _ALIASING or _is_view_of_first_arg(func, args)):
+            # A view/detach of a normal tensor must share its version counter, which
+            # autograd cannot set on an inference tensor: build the result as a normal
+            # tensor, as a view of a normal tensor in inference mode is.
+            with torch.inference_mode(False):
+                return cls.__torch_dispatch__(func, types, args, kwargs)
         handler = _HANDLERS.get(func)
         if handler is not None:
             return handler(*args, **kwargs)
@@ -234,15 +244,23 @@ class Float8Tensor(torch.Tensor):
         return func(*args, **kwargs)
 
     # -------------------------------------------------------- re-quantization
-    def _requantize_from(self, value: torch.Tensor) -> None:
+    def _requantize_from(self, value: torch.Tensor, overwrite: bool = False) -> None:
         """Overwrite the FP8 buffers in place from high-precision ``value``.
 
         In place (``copy_``) so that every alias made by detach/view -- e.g. the
         tensor ``nn.Parameter`` returned and the one a module registered -- sees
         the new bytes and scale.
+
+        ``overwrite``: the op replaced the whole value (``copy_``, ``fill_``,
+        ``zero_``: loading a checkpoint). A delayed-scaling quantizer's scale was
+        derived from the old values and may clip the new ones: the quantizer first
+        re-derives it if it would (``rescale_to_fit``).
         """
         self._alias.generation += 1
         if self._quantizer is not None:
+            rescale = getattr(self._quantizer, "rescale_to_fit", None)
+            if overwrite and rescale is not None:
+                rescale(value.detach())
             q = self._quantizer.quantize(value.detach())
             self._data.copy_(q._data)
             self._scale_inv.copy_(q._scale_inv)
@@ -266,7 +284,7 @@ def _unwrap(x: Any) -> Any:
     return _dequantize_impl(x) if isinstance(x, Float8Tensor) else x
 
 
-def _inplace(func: Any, args: tuple, kwargs: dict) -> Any:
+def _inplace(func: Any, args: tuple, kwargs: dict, overwrite: bool = False) -> Any:
     """In-place/out= op with Float8Tensor operands being written.
 
     Written Float8Tensors are replaced by a high-precision working tensor (the
@@ -304,7 +322,7 @@ def _inplace(func: Any, args: tuple, kwargs: dict) -> Any:
     out = func(*new_args, **new_kwargs)
     with torch.no_grad():
         for t, hp in written.values():
-            t._requantize_from(hp)
+            t._requantize_from(hp, overwrite)
     # Results alias the written operands: hand back the Float8Tensors themselves.
     by_work = {id(hp): t for t, hp in written.values()}
     return tree_map(lambda x: by_work.get(id(x), x), out)
@@ -366,7 +384,17 @@ def _copy_(self: Any, src: Any, non_blocking: bool = False) -> Any:
     # master, not its FP8 rounding, so a save/load round trip is lossless.
     if isinstance(src, Float8Tensor) and src._master is not None:
         src = src._master
-    return _inplace(aten.copy_.default, (self, src), {"non_blocking": non_blocking})
+    return _inplace(aten.copy_.default, (self, src), {"non_blocking": non_blocking}, overwrite=True)
+
+
+def _overwrite(func: Any) -> Any:
+    """Handler for ops that replace the whole value (``fill_``, ``zero_``): the
+    written FP8 parameter's scale is derived again from its new value."""
+
+    def handler(*args: Any, **kwargs: Any) -> Any:
+        return _inplace(func, args, kwargs, overwrite=True)
+
+    return handler
 
 
 def _to_copy(self: Float8Tensor, **kwargs: Any) -> torch.Tensor:
@@ -390,10 +418,15 @@ def _to_copy(self: Float8Tensor, **kwargs: Any) -> torch.Tensor:
     )
 
 
+_ALIASING = (aten.detach.default, aten._unsafe_view.default)
+
 _HANDLERS = {
     aten._to_copy.default: _to_copy,
     aten.copy_.default: _copy_,
     aten.detach.default: _detach,
     aten._unsafe_view.default: _view,
     aten.clone.default: _clone,
+    aten.fill_.Scalar: _overwrite(aten.fill_.Scalar),
+    aten.fill_.Tensor: _overwrite(aten.fill_.Tensor),
+    aten.zero_.default: _overwrite(aten.zero_.default),
 }

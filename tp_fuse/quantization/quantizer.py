@@ -129,6 +129,15 @@ class Quantizer(abc.ABC):
             return _Quantize.apply(x, self, transpose)
         return self._quantize_impl(x, transpose)
 
+    def quantize_or_pass(self, x: torch.Tensor, *, transpose: bool = False) -> tuple[Float8Tensor, bool]:
+        """``(x_fp8, quantized_here)``: ``x`` itself when it already is a
+        Float8Tensor (e.g. a gradient quantized by a ``Quantize(backward=True)``
+        op after this one), else :meth:`quantize`. Callers register this
+        quantizer's amax only when ``quantized_here``."""
+        if isinstance(x, Float8Tensor):
+            return x, False
+        return self.quantize(x, transpose=transpose), True
+
     @abc.abstractmethod
     def _quantize_impl(self, x: torch.Tensor, transpose: bool = False) -> Float8Tensor:
         """Quantize without autograd."""
@@ -182,10 +191,13 @@ class DelayedScalingQuantizer(Quantizer):
         self.recipe = recipe
         self.margin = recipe.margin
         kw = {"dtype": torch.float32, "device": device}
-        self.scale = torch.ones((), **kw)
-        self.amax_history = torch.zeros(recipe.amax_history_len, **kw)
-        self.last_amax = torch.zeros((), **kw)
-        self.nonfinite_amax_count = torch.zeros((), dtype=torch.int64, device=device)
+        # Normal tensors even when built under torch.inference_mode: the state is
+        # updated in place by later training steps, which inference tensors forbid.
+        with torch.inference_mode(False):
+            self.scale = torch.ones((), **kw)
+            self.amax_history = torch.zeros(recipe.amax_history_len, **kw)
+            self.last_amax = torch.zeros((), **kw)
+            self.nonfinite_amax_count = torch.zeros((), dtype=torch.int64, device=device)
 
     def _quantize_impl(self, x: torch.Tensor, transpose: bool = False) -> Float8Tensor:
         with torch.no_grad():
@@ -216,8 +228,32 @@ class DelayedScalingQuantizer(Quantizer):
     def _to_device(self, device: torch.device) -> None:
         # State follows the data on first use (modules may be moved after init).
         if self.scale.device != device:
-            for name in ("scale", "amax_history", "last_amax", "nonfinite_amax_count"):
-                setattr(self, name, getattr(self, name).to(device))
+            with torch.inference_mode(False):  # see __init__
+                for name in ("scale", "amax_history", "last_amax", "nonfinite_amax_count"):
+                    setattr(self, name, getattr(self, name).to(device))
+
+    @torch.no_grad()
+    def rescale_to_fit(self, x: torch.Tensor) -> None:
+        """Prepare to quantize ``x``, a new value for the whole tensor (an FP8 weight
+        overwritten by ``copy_``/``fill_``, e.g. when a checkpoint is loaded).
+
+        ``amax(|x|)`` is folded into this step's history slot, as ``quantize`` does.
+        If the current scale would saturate ``x`` (``amax * scale > fp8_max``), the
+        scale is derived again from the history now, instead of at the end of the
+        step: otherwise the loaded values would be clipped (the scale was fitted to
+        the old values). A scale that already fits is kept, so delayed scaling's
+        step-to-step behaviour (Transformer Engine's) is unchanged. The history is
+        not rolled.
+        """
+        self._to_device(x.device)
+        amax = _amax(x).to(self.amax_history.device)
+        self.amax_history[0] = torch.maximum(self.amax_history[0], amax)
+        if bool(amax * self.scale > self.fp8_max):
+            r = self.recipe
+            hist_amax = scaling.amax_from_history(self.amax_history, r.amax_compute_algo)
+            self.scale.copy_(
+                scaling.delayed_scale(hist_amax, self.scale, self.fp8_max, self.margin, r.scaling_factor_compute_algo, r)
+            )
 
     @property
     def current_amax(self) -> torch.Tensor:

@@ -10,8 +10,10 @@ from .bias import Bias
 from .constant_scale import ConstantScale
 from .dropout import Dropout
 from .identity import Identity
+from .l2normalization import L2Normalization
 from .layer_norm import LayerNorm
 from .make_extra_output import MakeExtraOutput
+from .more_activations import GEGLU, GLU, QGEGLU, QGELU, ClampedSwiGLU, ReGLU, SiLU, SiTUGLU, SReGLU, SReLU
 from .reduce_scatter import ReduceScatter
 from .reshape import Reshape
 from .rmsnorm import RMSNorm

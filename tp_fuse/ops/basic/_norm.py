@@ -68,6 +68,10 @@ class NormBase(BasicOperation):
             f"zero_centered_gamma={self.zero_centered_gamma}"
         )
 
+    def input_dtype(self, autocast_dtype: Optional[torch.dtype]) -> Optional[torch.dtype]:
+        """torch.autocast's dtype, else the weight's: the fuser casts the input to it."""
+        return autocast_dtype or self.weight.dtype
+
     def check_input(self, x: torch.Tensor) -> None:
         check_tensor(self.op_name, x)
         check_trailing_shape(self.op_name, x, self.normalized_shape)

@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import abc
-from typing import Any
+from typing import Any, Optional
 
 import torch
 
 from ... import kernels
+from ...quantization import Float8CurrentScalingQuantizer
 from ..op import BasicOperation, OperationContext, require
 from ._checks import check_tensor, maybe_dequantize
+from ._glu import check_interleave, deinterleave, interleave
 
 
 class _ActivationOperation(BasicOperation):
@@ -19,10 +21,22 @@ class _ActivationOperation(BasicOperation):
     the tensors the backward needs) and :meth:`_activation_backward`.
     :meth:`activation_backward` is the entry point fused backward ops use, so
     their input gradient is the one this op would produce.
+
+    ``cache_quantized_input`` (Transformer Engine's option): the floating-point
+    tensors saved for the backward are kept in FP8 (E4M3, current scaling) and
+    dequantized there: less activation memory, FP8 rounding in the input gradient.
     """
+
+    def __init__(self, *, cache_quantized_input: bool = False) -> None:
+        super().__init__()
+        self.cache_quantized_input = bool(cache_quantized_input)
 
     def check_input(self, x: torch.Tensor) -> None:
         check_tensor(type(self).__name__, x)
+
+    def input_dtype(self, autocast_dtype: Optional[torch.dtype]) -> Optional[torch.dtype]:
+        """torch.autocast's dtype (the fuser casts the input to it), else no cast."""
+        return autocast_dtype
 
     @abc.abstractmethod
     def _activation_forward(self, x: torch.Tensor) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
@@ -37,6 +51,8 @@ class _ActivationOperation(BasicOperation):
         self.check_input(x)
         y, saved = self._activation_forward(x)
         if ctx.requires_grad:
+            if self.cache_quantized_input:
+                saved = tuple(_cache_fp8(t) for t in saved)
             ctx.save_for_backward(*saved)
         return y
 
@@ -46,10 +62,18 @@ class _ActivationOperation(BasicOperation):
 
     def activation_backward(self, ctx: OperationContext, grad_output: torch.Tensor) -> torch.Tensor:
         """Input gradient from this op's ctx (filled by its forward or a fused forward)."""
-        return self._activation_backward(ctx.saved_tensors, grad_output)
+        saved = tuple(maybe_dequantize(t) if t is not None else t for t in ctx.saved_tensors)
+        return self._activation_backward(saved, maybe_dequantize(grad_output))
 
     def op_backward(self, ctx: OperationContext, grad_output: torch.Tensor) -> tuple[torch.Tensor, tuple[()]]:
         return self.activation_backward(ctx, grad_output), ()
+
+
+def _cache_fp8(t: torch.Tensor) -> torch.Tensor:
+    """A saved floating-point tensor in FP8 (E4M3, its own current scale)."""
+    if not t.is_floating_point():
+        return t  # e.g. ReLU's bool mask: already 1 byte per element
+    return Float8CurrentScalingQuantizer(torch.float8_e4m3fn, columnwise=False)(t.detach())
 
 
 class GELU(_ActivationOperation):
@@ -114,16 +138,33 @@ class SwiGLU(_ActivationOperation):
 
     Saved for backward: the input.
 
+    ``glu_interleave_size=k`` (Transformer Engine's option): the last dim holds
+    alternating blocks of k gate and k value columns ``[a1..ak, b1..bk, ...]``
+    instead of the two halves; the output is the same ``[..., n]``.
+
     Kernels: ``tp_fuse.kernels.swiglu_fwd`` forward, ``dswiglu`` backward.
     """
 
+    def __init__(self, *, cache_quantized_input: bool = False, glu_interleave_size: Optional[int] = None) -> None:
+        super().__init__(cache_quantized_input=cache_quantized_input)
+        self.glu_interleave_size = check_interleave(type(self).__name__, glu_interleave_size)
+
     def check_input(self, x: torch.Tensor) -> None:
         super().check_input(x)
+        k = self.glu_interleave_size
         require(
-            x.dim() >= 1 and x.shape[-1] % 2 == 0,
-            f"SwiGLU: expected an even last dimension (gate and value halves), "
-            f"got input of shape {tuple(x.shape)}",
+            x.dim() >= 1 and x.shape[-1] % (2 * (k or 1)) == 0,
+            f"{type(self).__name__}: expected a last dimension divisible by {2 * (k or 1)} "
+            f"(gate and value {'blocks of ' + str(k) if k else 'halves'}), got input of shape {tuple(x.shape)}",
         )
+
+    def op_forward(self, ctx: OperationContext, input_: torch.Tensor, **unused: Any) -> torch.Tensor:
+        x = maybe_dequantize(input_)
+        self.check_input(x)
+        return super().op_forward(ctx, deinterleave(x, self.glu_interleave_size))
+
+    def activation_backward(self, ctx: OperationContext, grad_output: torch.Tensor) -> torch.Tensor:
+        return interleave(super().activation_backward(ctx, grad_output), self.glu_interleave_size)
 
     def kernels_used(self, direction: str) -> tuple[str, ...]:
         return ("swiglu_fwd",) if direction == "forward" else ("dswiglu",)

@@ -8,10 +8,18 @@ from typing import Any, Optional
 
 import torch
 
+from comm import all_reduce
+
+from ..extra_state import QuantizerStateMixin
 from ..op import BasicOperation, OperationContext, require
+from ._checks import maybe_dequantize
+from ._tp import TPCommOperation, group_size
+from .all_gather import AllGather
+from .all_reduce import AllReduce
+from .reduce_scatter import ReduceScatter
 
 
-class BasicLinear(BasicOperation):
+class BasicLinear(QuantizerStateMixin, BasicOperation):
     """Matrix multiply with a weight: ``y = x W^T`` (no bias; see ``Bias``).
 
     Shapes: ``x [..., in_features]``, ``W [out_features, in_features]``,
@@ -31,6 +39,25 @@ class BasicLinear(BasicOperation):
     ``userbuffers_options={"comm_name": "fc1"}`` names the GEMM for the
     communication-overlap configuration (Transformer Engine's convention).
 
+    Tensor parallelism (Transformer Engine's arguments): ``tensor_parallel_mode="column"``
+    splits W's rows (this rank holds ``[out/tp, in]``), ``"row"`` its columns
+    (``[out, in/tp]``) over ``tensor_parallel_group``. The op then stands for the
+    collectives around its GEMM (``expanded_ops()``): column with ``sequence_parallel``
+    ``[AllGather, BasicLinear]``; row ``[BasicLinear, ReduceScatter]`` (sequence
+    parallel) or ``[BasicLinear, AllReduce]``; column without sequence parallelism
+    all-reduces dx in its backward. Unlike TE, ``in_features``/``out_features`` are the
+    LOCAL GEMM sizes after construction (``global_in_features``/``global_out_features``
+    keep the arguments).
+
+    ``accumulate_into_main_grad=True`` (Megatron-LM's wgrad fusion, TE's option): dW is
+    added into ``weight.main_grad`` (an fp32 buffer the caller attaches; overwritten
+    instead when ``weight.overwrite_main_grad`` is True), ``weight.grad`` stays None and
+    ``weight.grad_added_to_main_grad`` is set.
+
+    ``state_dict()`` carries the delayed-scaling state (scales, amax histories) in
+    ``_extra_state`` as JSON in a uint8 tensor, and an FP8 weight as its master copy;
+    see ``tp_fuse.ops.extra_state``.
+
     ``debug_hooks`` (None unless ``tp_fuse.debug`` attached a ``LinearDebugHooks``):
     its ``on_quantized`` observes every FP8 cast; when the layer has debug features
     (``features_enabled``) its GEMMs run through the hooks and fusions skip it.
@@ -45,11 +72,19 @@ class BasicLinear(BasicOperation):
         dtype: Optional[torch.dtype] = None,
         init_method: Optional[Callable[[torch.Tensor], Any]] = None,
         userbuffers_options: Optional[dict[str, Any]] = None,
+        accumulate_into_main_grad: bool = False,
+        tensor_parallel_mode: Optional[str] = None,
+        tensor_parallel_group: Optional[Any] = None,
+        sequence_parallel: bool = False,
     ) -> None:
         super().__init__()
+        self._accumulate_into_main_grad = bool(accumulate_into_main_grad)
         for name, value in (("in_features", in_features), ("out_features", out_features)):
             if not isinstance(value, int) or value <= 0:
                 raise ValueError(f"BasicLinear: {name} must be a positive int, got {value!r}")
+        in_features, out_features = self._setup_tensor_parallel(
+            in_features, out_features, tensor_parallel_mode, tensor_parallel_group, sequence_parallel
+        )
         if userbuffers_options is not None and not isinstance(userbuffers_options, dict):
             raise ValueError(
                 f"BasicLinear: userbuffers_options must be a dict like {{'comm_name': 'fc1'}}, "
@@ -77,6 +112,66 @@ class BasicLinear(BasicOperation):
         else:
             self.weight = torch.nn.Parameter(weight)
 
+    # ---- tensor parallelism (Transformer Engine's tensor_parallel_mode) ----------
+
+    def _setup_tensor_parallel(
+        self, in_features: int, out_features: int, mode: Optional[str], group: Any, sequence_parallel: bool
+    ) -> tuple[int, int]:
+        """Validate the TP arguments; build the comm ops; return the local GEMM sizes."""
+        if mode not in (None, "column", "row"):
+            raise ValueError(f"BasicLinear: tensor_parallel_mode must be None, 'column' or 'row', got {mode!r}")
+        if mode is None and (group is not None or sequence_parallel):
+            raise ValueError("BasicLinear: tensor_parallel_group/sequence_parallel need tensor_parallel_mode")
+        self.tensor_parallel_mode = mode
+        self.tensor_parallel_group = group
+        self.sequence_parallel = bool(sequence_parallel)
+        tp = group_size(group) if mode is not None else 1
+        self.tensor_parallel_size = tp
+        self.global_in_features, self.global_out_features = in_features, out_features
+        split = out_features if mode == "column" else in_features
+        if split % tp:
+            name = "out_features" if mode == "column" else "in_features"
+            raise ValueError(f"BasicLinear({mode} parallel): {name}={split} is not divisible by the TP size {tp}")
+        pre: list[TPCommOperation] = []
+        post: list[TPCommOperation] = []
+        if mode == "column" and sequence_parallel:
+            pre.append(AllGather(group))
+        elif mode == "row":
+            post.append(ReduceScatter(group) if sequence_parallel else AllReduce(group))
+        # Plain attributes (not submodules): the comm ops hold no state of their own.
+        self.__dict__["_tp_ops"] = (tuple(pre), tuple(post))
+        # Column parallel without sequence parallelism: the input is replicated, so its
+        # gradient is the sum of every rank's dgrad (Megatron's copy-to-TP-region).
+        self.reduces_dgrad = mode == "column" and not sequence_parallel and tp > 1
+        if mode == "column":
+            return in_features, out_features // tp
+        if mode == "row":
+            return in_features // tp, out_features
+        return in_features, out_features
+
+    def expanded_ops(self) -> list[BasicOperation]:
+        """This op with the collectives its ``tensor_parallel_mode`` implies:
+        column+SP ``[AllGather, BasicLinear]``, row ``[BasicLinear, ReduceScatter|AllReduce]``
+        -- ordinary comm ops, so the userbuffers overlap fusions apply to them."""
+        pre, post = self.__dict__.get("_tp_ops", ((), ()))
+        return [*pre, self, *post]
+
+    @property
+    def local_in_features(self) -> int:
+        """Input features of this rank's GEMM (= ``in_features``; see the class docstring)."""
+        return self.in_features
+
+    @property
+    def local_out_features(self) -> int:
+        """Output features of this rank's GEMM (= ``out_features``)."""
+        return self.out_features
+
+    def reduce_dgrad(self, dx: torch.Tensor) -> torch.Tensor:
+        """dx summed over the TP group when the input was replicated (column, no SP)."""
+        if not self.reduces_dgrad:
+            return dx
+        return all_reduce(maybe_dequantize(dx).contiguous(), self.tensor_parallel_group)
+
     @property
     def comm_name(self) -> Optional[str]:
         return self.userbuffers_options.get("comm_name")
@@ -86,8 +181,27 @@ class BasicLinear(BasicOperation):
 
     # ---- validation ------------------------------------------------------
 
+    def input_dtype(self, autocast_dtype: Optional[torch.dtype]) -> Optional[torch.dtype]:
+        """torch.autocast's dtype, else the weight's: the fuser casts the input to it."""
+        return autocast_dtype or self.weight.dtype
+
+    def weight_in(self, dtype: torch.dtype) -> torch.Tensor:
+        """The weight for a high-precision GEMM in ``dtype`` (itself when it matches;
+        an FP8 weight dequantized, not converted as a parameter with its master)."""
+        w = self.weight
+        if w.dtype == dtype:
+            return w
+        from ...quantization import Float8Tensor
+
+        if isinstance(w, Float8Tensor):
+            return w.dequantize(dtype)
+        return w.detach().to(dtype)
+
     def check_input(self, x: torch.Tensor) -> None:
-        """Shape and dtype checks, raised before any compute or communication.
+        """Shape and device checks, raised before any compute or communication.
+
+        The dtype is not checked: the fuser casts the input to :meth:`input_dtype`
+        and the weight is cast to the input's dtype (:meth:`weight_in`).
 
         Runs on every call (twice in fused forwards): the messages are built only on
         failure.
@@ -98,8 +212,6 @@ class BasicLinear(BasicOperation):
                 f"BasicLinear: expected input with last dimension in_features={self.in_features}, "
                 f"got shape {tuple(x.shape)}"
             )
-        if x.dtype != weight.dtype:
-            raise ValueError(f"BasicLinear: input dtype {x.dtype} does not match weight dtype {weight.dtype}")
         if x.device != weight.device:
             raise ValueError(f"BasicLinear: input on {x.device}, weight on {weight.device}")
 
@@ -186,6 +298,8 @@ class BasicLinear(BasicOperation):
             # Debug features (tp_fuse.debug) make the feature API's calls around each GEMM.
             return hooks.forward_gemm(self, ctx, x, bias=bias, residual=residual)
         ctx.fp8 = self.fp8_quantizers() is not None
+        if bias is not None and bias.dtype != x.dtype:
+            bias = bias.to(x.dtype)
         if ctx.fp8:
             from ...quantization import fp8_gemm
 
@@ -196,7 +310,8 @@ class BasicLinear(BasicOperation):
                 y = y + residual.reshape(-1, self.out_features)
             saved = (x_fp8, w_fp8)
         else:
-            w = self.weight
+            x2d = maybe_dequantize(x2d)
+            w = self.weight_in(x2d.dtype)
             if residual is not None:
                 base = residual.reshape(-1, self.out_features)
                 if bias is not None:
@@ -230,7 +345,8 @@ class BasicLinear(BasicOperation):
     ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
         """``dx = dy W (+ grad_input_accumulate)``, ``dW = dy^T x``."""
         if getattr(ctx, "debug", False):
-            return self.debug_hooks.backward_gemm(self, ctx, dy, grad_input_accumulate=grad_input_accumulate)
+            dx, dw = self.debug_hooks.backward_gemm(self, ctx, dy, grad_input_accumulate=grad_input_accumulate)
+            return self.reduce_dgrad(dx), dw
         x_saved, w_saved = ctx.saved_tensors
         dy2d = dy.reshape(-1, self.out_features)
         acc = None
@@ -239,9 +355,10 @@ class BasicLinear(BasicOperation):
         if ctx.fp8:
             from ...quantization import fp8_gemm
 
-            dy_fp8 = ctx.grad_quantizer.quantize(dy2d, transpose=self.weight.requires_grad)
-            ctx.grad_tracker.track(ctx.grad_quantizer)
-            if self.debug_hooks is not None:
+            dy_fp8, fresh = ctx.grad_quantizer.quantize_or_pass(dy2d, transpose=self.weight.requires_grad)
+            if fresh:
+                ctx.grad_tracker.track(ctx.grad_quantizer)
+            if fresh and self.debug_hooks is not None:
                 self.debug_hooks.on_quantized("grad_output", dy2d, dy_fp8, ctx.grad_quantizer)
             # dx[M, in] = dy[M, out] @ W[out, in]: _scaled_mm wants b as [in, out].
             dx = fp8_gemm(dy_fp8, w_saved.transpose_fp8(), out_dtype=dy.dtype)
@@ -260,7 +377,30 @@ class BasicLinear(BasicOperation):
             dw = None
             if self.weight.requires_grad:
                 dw = dy2d.t() @ self.input_for_wgrad(ctx, x_saved)
-        return dx.reshape(ctx.input_shape), dw
+        if dw is not None and dw.dtype != self.weight.dtype and not self._accumulate_into_main_grad:
+            dw = dw.to(self.weight.dtype)  # computed in the input's (autocast) dtype
+        return self.reduce_dgrad(dx.reshape(ctx.input_shape)), self.finish_wgrad(dw)
+
+    def finish_wgrad(self, dw: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+        """The weight gradient to return to autograd: ``dw`` itself, or None after adding
+        it into ``weight.main_grad`` (``accumulate_into_main_grad``). Every backward
+        (fused or not) passes its dW through here."""
+        if dw is None or not self._accumulate_into_main_grad:
+            return dw
+        w = self.weight
+        main_grad = getattr(w, "main_grad", None)
+        if not isinstance(main_grad, torch.Tensor) or main_grad.shape != w.shape:
+            raise ValueError(
+                "BasicLinear(accumulate_into_main_grad=True): weight.main_grad must be a tensor "
+                f"of shape {tuple(w.shape)} (attach it before backward), got {type(main_grad).__name__}"
+            )
+        with torch.no_grad():
+            if getattr(w, "overwrite_main_grad", False):
+                main_grad.copy_(dw)
+            else:
+                main_grad.add_(dw)
+        w.grad_added_to_main_grad = True
+        return None
 
     # ---- basic-op interface ------------------------------------------------
 

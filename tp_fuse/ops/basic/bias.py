@@ -49,20 +49,21 @@ class Bias(BasicOperation):
 
     # ---- validation and math shared with fused ops ----------------------
 
+    def input_dtype(self, autocast_dtype: Optional[torch.dtype]) -> Optional[torch.dtype]:
+        """torch.autocast's dtype, else the bias's: the fuser casts the input to it."""
+        return autocast_dtype or self.bias.dtype
+
     def check_input_spec(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> None:
         """Validate an input described by shape/dtype/device.
 
         Fused ops (e.g. bias in a GEMM epilogue) call this with the GEMM's
         output description before computing, so they raise exactly what
-        ``Bias`` would.
+        ``Bias`` would. ``dtype`` is not checked: the bias is cast to the input's
+        dtype (under ``torch.autocast`` they differ).
         """
         require(
             len(shape) >= 1 and shape[-1] == self.size,
             f"Bias: expected last dimension {self.size}, got input of shape {tuple(shape)}",
-        )
-        require(
-            dtype == self.bias.dtype,
-            f"Bias: input dtype {dtype} does not match bias dtype {self.bias.dtype}",
         )
         require(device == self.bias.device, f"Bias: input on {device}, bias on {self.bias.device}")
 
@@ -86,7 +87,7 @@ class Bias(BasicOperation):
     def op_forward(self, ctx: OperationContext, input_: torch.Tensor, **unused: Any) -> torch.Tensor:
         x = maybe_dequantize(input_)
         self.check_input(x)
-        return x + self.bias
+        return x + self.bias.to(x.dtype)
 
     def op_backward(
         self, ctx: OperationContext, grad_output: torch.Tensor

@@ -33,7 +33,9 @@ class LayerNorm(NormBase):
 
     Kernels: the forward is ``tp_fuse.kernels.layernorm_fwd`` (Triton on CUDA, aten's
     ``native_layer_norm`` otherwise), which can also write FP8 for a following GEMM
-    (``ForwardNormQuantizeLinear``); the backward is aten's ``native_layer_norm_backward``.
+    (``ForwardNormQuantizeLinear``). In the backward, dx is aten's
+    ``native_layer_norm_backward``; dweight and dbias are summed over rows in float32
+    (float64 for float64 inputs) whatever the input dtype.
     """
 
     op_name = "LayerNorm"
@@ -75,10 +77,19 @@ class LayerNorm(NormBase):
         # Parameters in the compute dtype: aten's mixed-precision path (bf16 input, fp32
         # statistics) wants fp32 parameters and then returns fp32 dweight/dbias.
         gamma = self._gamma(cdtype).to(cdtype)
-        mask = [True, self.weight.requires_grad, self.bias.requires_grad]
-        dx, dweight, dbias = torch.ops.aten.native_layer_norm_backward(
-            dy, x2d, [self.hidden], mean, rstd, gamma, self.bias.reshape(-1).to(cdtype), mask
+        # dx from aten; the parameter gradients are sums over all rows, which aten's
+        # CPU kernel accumulates in the input dtype (fp16/bf16: errors of the order of
+        # the sum itself), so they are summed here in the compute dtype (fp32).
+        dx, _, _ = torch.ops.aten.native_layer_norm_backward(
+            dy, x2d, [self.hidden], mean, rstd, gamma, self.bias.reshape(-1).to(cdtype), [True, False, False]
         )
+        dy_c = dy.to(cdtype)  # no copy when the input is fp32/fp64
+        dweight = dbias = None
+        if self.weight.requires_grad:
+            xhat = (x2d.to(cdtype) - mean.reshape(-1, 1)) * rstd.reshape(-1, 1)
+            dweight = (dy_c * xhat).sum(dim=0)
+        if self.bias.requires_grad:
+            dbias = dy_c.sum(dim=0)
         return (
             dx.reshape(grad_output.shape),
             (

@@ -6,10 +6,11 @@ from typing import Any
 
 import torch
 
+from ..extra_state import QuantizerStateMixin
 from ..op import BasicOperation, OperationContext
 
 
-class Quantize(BasicOperation):
+class Quantize(QuantizerStateMixin, BasicOperation):
     """Quantize the tensor passing through (forward) and/or its gradient.
 
     Under ``tp_fuse.autocast`` the forward output is a ``Float8Tensor`` that a
@@ -51,6 +52,7 @@ class Quantize(BasicOperation):
     def op_backward(self, ctx: OperationContext, grad_output: torch.Tensor):
         if not ctx.quantize_grad:
             return grad_output, ()
-        dy = ctx.grad_quantizer.quantize(grad_output)
-        ctx.grad_tracker.track(ctx.grad_quantizer)
-        return dy.dequantize(), ()
+        dy, fresh = ctx.grad_quantizer.quantize_or_pass(grad_output)
+        if fresh:
+            ctx.grad_tracker.track(ctx.grad_quantizer)
+        return dy, ()

@@ -9,6 +9,7 @@ import torch
 
 from ... import kernels
 from ..basic.activation import GELU, _ActivationOperation
+from ..basic._checks import maybe_dequantize
 from ..basic.bias import Bias
 from ..fusion import Fuse, FusionLog, MatchResult, Reject, fuse_by_window
 from ..op import FusedOperation, FusibleOperation, OperationContext
@@ -58,7 +59,8 @@ class BackwardActivationBias(FusedOperation):
         assert isinstance(bias_op, Bias) and isinstance(activation, _ActivationOperation)
         if isinstance(activation, GELU):
             (x,) = basic_op_ctxs[1].saved_tensors
-            dz, db, _ = kernels.dgelu_dbias(grad_output, x, with_amax=False)
+            # cache_quantized_input keeps x in FP8: the kernel reads high precision.
+            dz, db, _ = kernels.dgelu_dbias(maybe_dequantize(grad_output), maybe_dequantize(x), with_amax=False)
             db = db.to(bias_op.bias.dtype) if bias_op.bias.requires_grad else None
         else:
             dz = activation.activation_backward(basic_op_ctxs[1], grad_output)

@@ -183,9 +183,10 @@ class UserbuffersBackwardLinear(FusedOperation):
         # The forward kept only this rank's shard: gather it for wgrad behind the dgrad GEMM.
         regather = need_dw and getattr(lin_ctx, "regather_input", None) is not None
         if lin_ctx.fp8:
-            dy_q = lin_ctx.grad_quantizer.quantize(dy2d)
-            observe_cast(linear, "grad_output", dy2d, dy_q, lin_ctx.grad_quantizer)
-            lin_ctx.grad_tracker.track(lin_ctx.grad_quantizer)
+            dy_q, fresh = lin_ctx.grad_quantizer.quantize_or_pass(dy2d)
+            if fresh:
+                observe_cast(linear, "grad_output", dy2d, dy_q, lin_ctx.grad_quantizer)
+                lin_ctx.grad_tracker.track(lin_ctx.grad_quantizer)
             dgrad_in = fp8_wire(dy_q).view(dy2d.shape)
             dgrad = fp8_gemm_from_bytes(dy_q, w_saved.transpose_fp8(), dy.dtype)
             x_wire = fp8_wire(x_saved) if regather else None
@@ -246,7 +247,7 @@ class UserbuffersBackwardLinear(FusedOperation):
             extra=", dgrad" + (" re-gather" if regather else "") + ("" if need_dw else " no-wgrad"),
         )
         dx = dx2d.view(dy.shape[0] // tp, *dy.shape[1:-1], linear.in_features)
-        grads = [(), (dw,)] + ([(db,)] if bias_op is not None else [])
+        grads = [(), (linear.finish_wgrad(dw),)] + ([(db,)] if bias_op is not None else [])
         return dx, grads, [() for _ in self.basic_ops]
 
     # ---- row-parallel ------------------------------------------------------------
@@ -320,7 +321,7 @@ class UserbuffersBackwardLinear(FusedOperation):
             else:
                 dw = gathered.t() @ x_full
         dx = dx2d.view(full_rows, *dy.shape[1:-1], linear.in_features)
-        grads = [(dw,)] + ([(db,)] if bias_op is not None else []) + [()]
+        grads = [(linear.finish_wgrad(dw),)] + ([(db,)] if bias_op is not None else []) + [()]
         return dx, grads, [() for _ in self.basic_ops]
 
 

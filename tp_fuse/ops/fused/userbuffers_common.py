@@ -110,6 +110,11 @@ def plan_overlap(
     tp = comm_op.tp_size
     if tp == 1:
         return "TP size 1: nothing to overlap"
+    if linear.reduces_dgrad:
+        return (
+            "BasicLinear(tensor_parallel_mode='column', sequence_parallel=False) all-reduces its "
+            "dgrad itself: no overlap plan for an extra collective around it"
+        )
     overlap = resolve_overlap(linear, comm_op)
     if not overlap.config.enabled:
         return "overlap disabled by config (OverlapConfig.enabled=False)"
@@ -287,13 +292,14 @@ def gemm_then_reduce_operands(
     if bias_op is not None:
         assert isinstance(bias_op, Bias)
         bias_op.check_input_spec(out_shape, x.dtype, x.device)
-        bias = bias_op.bias
+        bias = bias_op.bias.to(x.dtype)  # under torch.autocast the GEMM runs in x's dtype
     x2d = x.reshape(-1, linear.in_features)
     lin_ctx.fp8 = fp8
     if fp8:
         x_fp8, w_fp8 = linear.quantize_operands(x2d, lin_ctx)
         return fp8_wire(x_fp8).view(x2d.shape), fp8_gemm_from_bytes(x_fp8, w_fp8, x.dtype, bias), (x_fp8, w_fp8)
-    return x2d.contiguous(), hp_gemm(linear.weight.t(), bias), (x2d, linear.weight)
+    w = linear.weight_in(x.dtype)
+    return x2d.contiguous(), hp_gemm(w.t(), bias), (x2d, w)
 
 
 def effective_splits(num_splits: int, rows: int) -> int:

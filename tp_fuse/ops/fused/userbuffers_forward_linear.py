@@ -196,7 +196,7 @@ class UserbuffersForwardLinear(FusedOperation):
         if bias_op is not None:
             assert isinstance(bias_op, Bias)
             bias_op.check_input_spec(out_shape, x.dtype, x.device)
-            bias = bias_op.bias
+            bias = bias_op.bias.to(x.dtype)  # under torch.autocast the GEMM runs in x's dtype
         x2d = x.reshape(-1, linear.in_features)  # [s/tp * ..., in]: dim-0 blocks stay in rank order
         lin_ctx.fp8 = fp8
         x_fp8 = None
@@ -218,7 +218,7 @@ class UserbuffersForwardLinear(FusedOperation):
             wire = fp8_wire(x_fp8)
             gemm = fp8_gemm_from_bytes(x_fp8, w_saved, x.dtype, bias)
         else:
-            w_saved = linear.weight
+            w_saved = linear.weight_in(x.dtype)
             wire = x2d.contiguous()
             gemm = hp_gemm(w_saved.t(), bias)
         overlap = self.plan.overlap
