@@ -181,7 +181,7 @@ class _OperationFuserAutogradFunction(torch.autograd.Function):
                 gp, ge = list(gp), tuple(ge)
                 check_sequence_length(basic_ops[i], "param grads", gp, fuser.params_per_op[i])
                 check_sequence_length(basic_ops[i], "extra-input grads", ge, basic_ops[i].num_extra_inputs)
-                grad_params[i] = gp
+                grad_params[i] = basic_ops[i].finish_param_grads(gp)
                 grad_extra_inputs[i] = ge
 
         for ctx in basic_op_ctxs:

@@ -143,6 +143,13 @@ class BasicOperation(FusibleOperation):
         """Backward pass: returns ``(grad_input, param_grads)``."""
         raise NotImplementedError(f"{type(self).__name__} does not implement op_backward")
 
+    def finish_param_grads(self, grads: list[Optional[torch.Tensor]]) -> list[Optional[torch.Tensor]]:
+        """The parameter gradients handed to autograd, after this op's (possibly fused)
+        backward produced ``grads``. The fuser calls it for every basic op, whichever
+        fused op computed the gradients; e.g. ``BasicLinear`` with
+        ``accumulate_into_main_grad`` moves its wgrad into ``weight.main_grad`` here."""
+        return grads
+
     def fuser_forward(
         self,
         basic_op_ctxs: list[OperationContext],

@@ -31,6 +31,13 @@ class BasicLinear(BasicOperation):
     ``userbuffers_options={"comm_name": "fc1"}`` names the GEMM for the
     communication-overlap configuration (Transformer Engine's convention).
 
+    ``accumulate_into_main_grad=True`` (Transformer Engine's option, for Megatron-LM's
+    ``gradient_accumulation_fusion``): the wgrad is added into ``weight.main_grad`` (a
+    buffer that the caller, e.g. Megatron's DDP, attaches) instead of being returned to
+    autograd. When the weight has Megatron's ``grad_added_to_main_grad`` flag, it is set
+    and a zero dummy wgrad is returned, so that the grad-accumulation hooks of Megatron's
+    DDP still fire (and skip their own add); otherwise no wgrad is returned.
+
     ``debug_hooks`` (None unless ``tp_fuse.debug`` attached a ``LinearDebugHooks``):
     its ``on_quantized`` observes every FP8 cast; when the layer has debug features
     (``features_enabled``) its GEMMs run through the hooks and fusions skip it.
@@ -45,8 +52,11 @@ class BasicLinear(BasicOperation):
         dtype: Optional[torch.dtype] = None,
         init_method: Optional[Callable[[torch.Tensor], Any]] = None,
         userbuffers_options: Optional[dict[str, Any]] = None,
+        accumulate_into_main_grad: bool = False,
     ) -> None:
         super().__init__()
+        self.accumulate_into_main_grad = bool(accumulate_into_main_grad)
+        self._dummy_wgrad: Optional[torch.Tensor] = None
         for name, value in (("in_features", in_features), ("out_features", out_features)):
             if not isinstance(value, int) or value <= 0:
                 raise ValueError(f"BasicLinear: {name} must be a positive int, got {value!r}")
@@ -261,6 +271,30 @@ class BasicLinear(BasicOperation):
             if self.weight.requires_grad:
                 dw = dy2d.t() @ self.input_for_wgrad(ctx, x_saved)
         return dx.reshape(ctx.input_shape), dw
+
+    def finish_param_grads(self, grads: list[Optional[torch.Tensor]]) -> list[Optional[torch.Tensor]]:
+        """With ``accumulate_into_main_grad``: ``weight.main_grad += dW``; see the class docs."""
+        (dw,) = grads
+        if not self.accumulate_into_main_grad or dw is None:
+            return grads
+        weight = self.weight
+        main_grad = getattr(weight, "main_grad", None)
+        if main_grad is None:
+            raise ValueError(
+                "BasicLinear(accumulate_into_main_grad=True): weight.main_grad is not set; attach the "
+                "gradient buffer (e.g. Megatron's DistributedDataParallel) before the backward pass"
+            )
+        if main_grad.shape != dw.shape:
+            raise ValueError(f"BasicLinear: weight.main_grad has shape {tuple(main_grad.shape)}, "
+                             f"the weight gradient is {tuple(dw.shape)}")
+        main_grad.add_(dw.to(main_grad.dtype))
+        if not hasattr(weight, "grad_added_to_main_grad"):
+            return [None]
+        weight.grad_added_to_main_grad = True
+        dummy = self._dummy_wgrad
+        if dummy is None or dummy.shape != dw.shape or dummy.dtype != dw.dtype or dummy.device != dw.device:
+            dummy = self._dummy_wgrad = torch.zeros_like(dw)
+        return [dummy]
 
     # ---- basic-op interface ------------------------------------------------
 
