@@ -87,3 +87,39 @@ def init_model_parallel(tp: int, seed: int = 1234) -> None:
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp)
     mrandom.get_cuda_rng_tracker().reset()
     mrandom.model_parallel_cuda_manual_seed(seed)
+
+
+class SequenceParallelTorchNorm:
+    """torch ``LayerNorm``/``RMSNorm`` for a megatron-core layer spec, usable with
+    ``sequence_parallel=True`` (megatron's ``WrappedTorchNorm`` refuses it; its SP norm is
+    apex's, which needs CUDA). Parameters are tagged ``sequence_parallel`` as Megatron's
+    own norms are, for ``finalize_model_grads`` (here: :func:`allreduce_sequence_parallel_grads`)."""
+
+    def __new__(cls, config: Any, hidden_size: int, eps: float = 1e-5, **unused: Any) -> torch.nn.Module:
+        norm_cls = torch.nn.RMSNorm if config.normalization == "RMSNorm" else torch.nn.LayerNorm
+        norm = norm_cls(hidden_size, eps=eps)
+        for p in norm.parameters():
+            p.sequence_parallel = config.sequence_parallel
+        return norm
+
+
+def local_spec(normalization: str, sequence_parallel_norms: bool, num_layers: int) -> Any:
+    """megatron-core's local GPT spec; with SP-capable torch norms when asked (final norm too)."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
+
+    spec = get_gpt_layer_local_spec(normalization=normalization)
+    if not sequence_parallel_norms:
+        return spec
+    spec.submodules.input_layernorm = SequenceParallelTorchNorm
+    spec.submodules.pre_mlp_layernorm = SequenceParallelTorchNorm
+    return TransformerBlockSubmodules(layer_specs=[spec] * num_layers, layer_norm=SequenceParallelTorchNorm)
+
+
+def allreduce_sequence_parallel_grads(model: torch.nn.Module, group: Any) -> None:
+    """What Megatron's ``finalize_model_grads`` does for ``sequence_parallel``-tagged params."""
+    import torch.distributed as dist
+
+    for p in model.parameters():
+        if getattr(p, "sequence_parallel", False) and p.grad is not None:
+            dist.all_reduce(p.grad, group=group)

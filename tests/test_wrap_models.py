@@ -54,20 +54,21 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 # ---- megatron-core GPTModel ---------------------------------------------------------------
 
 
-def _megatron_gpt(world: int, llama: bool, **overrides: Any) -> nn.Module:
+def _megatron_gpt(world: int, llama: bool, sp: bool = False, **overrides: Any) -> nn.Module:
+    import megatron_cpu
     from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     kw: dict[str, Any] = dict(num_layers=2, hidden_size=16, num_attention_heads=4, use_cpu_initialization=True,
                               tensor_model_parallel_size=world, params_dtype=torch.float32,
-                              attention_dropout=0.0, hidden_dropout=0.0)
+                              attention_dropout=0.0, hidden_dropout=0.0, sequence_parallel=sp)
     if llama:
         kw.update(gated_linear_unit=True, activation_func=F.silu, normalization="RMSNorm", add_bias_linear=False,
                   num_query_groups=2)
     kw.update(overrides)
     torch.manual_seed(7)
-    return GPTModel(TransformerConfig(**kw), get_gpt_layer_local_spec(normalization="RMSNorm" if llama else None),
+    spec = megatron_cpu.local_spec("RMSNorm" if llama else "LayerNorm", sp, kw["num_layers"])
+    return GPTModel(TransformerConfig(**kw), spec,
                     vocab_size=V, max_sequence_length=S, share_embeddings_and_output_weights=llama,
                     position_embedding_type="rope" if llama else "learned_absolute")
 
@@ -78,14 +79,14 @@ def _megatron_loss(model: nn.Module, seed: int = 0) -> torch.Tensor:
     return model(tokens, pos, None, labels=_tokens(seed + 100)).mean()
 
 
-def _megatron_case(rank: int, world: int, llama: bool) -> dict[str, Any]:
+def _megatron_case(rank: int, world: int, llama: bool, sp: bool) -> dict[str, Any]:
     import megatron_cpu
     from layers import full_grads, full_state_dict, grad_norm, wrap
 
     megatron_cpu.init_model_parallel(world)
     group = dist.new_group(list(range(world)))
-    model = _megatron_gpt(world, llama)
-    ref = _megatron_gpt(world, llama)  # same seed: same weights (process groups cannot be deep-copied)
+    model = _megatron_gpt(world, llama, sp)
+    ref = _megatron_gpt(world, llama, sp)  # same seed: same weights (process groups cannot be deep-copied)
     keys_before = {k: tuple(v.shape) for k, v in model.state_dict().items() if isinstance(v, torch.Tensor)}
     all_keys_before = sorted(model.state_dict())
     sharded_before = sorted(model.sharded_state_dict(metadata={"dp_cp_group": group}))
@@ -103,6 +104,7 @@ def _megatron_case(rank: int, world: int, llama: bool) -> dict[str, Any]:
             o.zero_grad()
             loss = _megatron_loss(m, step)
             loss.backward()
+            megatron_cpu.allreduce_sequence_parallel_grads(m, group)  # finalize_model_grads' SP part
             ls.append(loss.item())
         if step == 0:
             g, g_ref = _grads(model), _grads(ref)
@@ -116,21 +118,24 @@ def _megatron_case(rank: int, world: int, llama: bool) -> dict[str, Any]:
         opt.step()
         opt_ref.step()
     out["losses"], out["losses_ref"], out["grad_rel"] = losses, losses_ref, grad_rel
+    out["fused_ops"] = sorted({type(op).__name__ for m in model.modules() if hasattr(m, "fusers")
+                               for f in m.fusers() for op, _ in (*f.forward_ops, *f.backward_ops)})
     return out
 
 
-@case
-def megatron_gpt(rank: int, world: int) -> Any:
-    if not HAVE_MEGATRON:
-        return {"skipped": "megatron.core is not installed"}
-    return _megatron_case(rank, world, llama=False)
+def _megatron(llama: bool, sp: bool) -> None:
+    def run(rank: int, world: int) -> Any:
+        if not HAVE_MEGATRON:
+            return {"skipped": "megatron.core is not installed"}
+        return _megatron_case(rank, world, llama, sp)
+
+    run.__name__ = f"megatron_{'llama' if llama else 'gpt'}{'_sp' if sp else ''}"
+    case(run)
 
 
-@case
-def megatron_llama(rank: int, world: int) -> Any:
-    if not HAVE_MEGATRON:
-        return {"skipped": "megatron.core is not installed"}
-    return _megatron_case(rank, world, llama=True)
+for _llama in (False, True):
+    for _sp in (False, True):
+        _megatron(_llama, _sp)
 
 
 @case
@@ -367,7 +372,7 @@ def _values(results: list[dict], name: str) -> list[Any]:
     return values
 
 
-@pytest.mark.parametrize("style", ["megatron_gpt", "megatron_llama"])
+@pytest.mark.parametrize("style", ["megatron_gpt", "megatron_llama", "megatron_gpt_sp", "megatron_llama_sp"])
 def test_megatron_gpt_model_trains_unchanged(results, style: str) -> None:
     for v in _values(results, style):
         assert v["state_dict_same"], "state_dict keys/shapes changed by wrap"
@@ -378,7 +383,11 @@ def test_megatron_gpt_model_trains_unchanged(results, style: str) -> None:
             assert abs(a - b) <= 1e-5 * abs(b), (v["losses"], v["losses_ref"])
         assert v["grad_norm"] > 0
         assert "Megatron column-parallel" in v["report"]
-    if style == "megatron_llama":
+        # Overlap (the layers' default TPOverlap) fused every TP GEMM with its collective.
+        want = (["UserbuffersBackwardLinear", "UserbuffersForwardLinear"] if style.endswith("_sp")
+                else ["UserbuffersForwardLinearAllReduce"])
+        assert set(want) <= set(v["fused_ops"]), v["fused_ops"]
+    if style.startswith("megatron_llama"):
         report = v["report"]
         assert "stride-2 blocks ([gate; up])" in report and "weight at call time" in report, report
 
