@@ -17,11 +17,15 @@ Two kinds of modules are converted:
    Sequence-parallel row biases keep Megatron's contract: their gradient is left as the
    per-rank partial sum, tagged ``sequence_parallel=True``, for Megatron's
    ``finalize_model_grads`` to all-reduce -- so gradients are the same as before.
+   Also: a column layer with stride-2 weights (SwiGLU fc1, per rank ``[gate_r; up_r]``,
+   recorded as ``ShardSpec(blocks=2)``), a column layer whose weight arrives at call time
+   (tied output layer), ``gradient_accumulation_fusion`` (wgrads into ``main_grad``).
 
 2. Plain ``nn.Linear`` / norm modules named by a ``plan`` ``{module-name glob: style}``:
 
-   * ``"column"``: ``nn.Linear`` -> column-parallel (output features split; the output's
-     last dim is ``out/tp``);
+   * ``"column"``: ``nn.Linear`` (or GPT-2 ``Conv1D``) -> column-parallel (output
+     features split; the output's last dim is ``out/tp``);
+   * ``FusedColumn(parts)``: a fused ``[q; k; v]``-style projection, each part split;
    * ``"row"``: ``nn.Linear`` -> row-parallel (input's last dim is ``in/tp``; the
      output is reduced over TP, then the bias is added once);
    * ``"sequence_parallel"``: ``nn.LayerNorm`` / ``nn.RMSNorm`` kept as they are; with
@@ -36,7 +40,10 @@ Everything is validated before anything is changed: problems (a plan entry that 
 nothing or the wrong module type, sizes not divisible by the TP size, unsupported
 Megatron features, a different TP group, weights differing across ranks) are reported
 together in ONE ``ValueError``; nothing is skipped silently. Modules neither
-Megatron-style nor named in the plan are left untouched (replicated).
+Megatron-style nor named in the plan, and those matched by ``exclude``, are left
+untouched (replicated); the :class:`WrapReport` lists them with the reason. With
+``plan=None`` a Hugging Face model gets its family's plan (``layers.hf_plans``).
+The replacements keep the model's ``state_dict`` keys (``layers.wrap_modules``).
 
 ``fp8=recipe`` makes the model's forward run inside ``tp_fuse.autocast(recipe,
 amax_reduction_group=fp8_group)`` (one autocast for the whole forward: one amax
