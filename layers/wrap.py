@@ -278,7 +278,7 @@ def wrap(
     fp8: Optional[Recipe] = None,
     fp8_group: Optional[dist.ProcessGroup] = None,
     overlap: Optional[TPOverlap] = None,
-    verbose: bool = False,
+    verbose: bool = True,
 ) -> torch.nn.Module:
     """Convert ``model`` in place (see the module docstring) and return it.
 
@@ -296,7 +296,7 @@ def wrap(
         fp8: run the model's forward inside ``tp_fuse.autocast(fp8, fp8_group)``.
         fp8_group: amax reduction group (None: torch's default group, i.e. the world).
         overlap: ``TPOverlap`` for every converted GEMM and comm op.
-        verbose: print the :class:`WrapReport` (on TP rank 0).
+        verbose: print the :class:`WrapReport` (on TP rank 0; False: only store it).
 
     The report of what was converted and what was left, and why, is stored as
     ``model.tp_fuse_wrap_report``.

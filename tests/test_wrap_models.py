@@ -294,7 +294,7 @@ def _hf(kind: str) -> Callable[[int, int], Any]:
     return case(run)
 
 
-for _kind in ("llama", "qwen2", "gpt_neox", "gpt2"):
+for _kind in ("llama", "mistral", "qwen2", "gpt_neox", "gpt2"):
     _hf(_kind)
 
 
@@ -443,7 +443,7 @@ def test_megatron_fp8_and_main_grad(results) -> None:
         assert v["dummy_grads_zero"] and v["hooks_fired_for_fused"] and v["tied_main_grad_is_output_layer_part"]
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen2", "gpt_neox", "gpt2"])
+@pytest.mark.parametrize("kind", ["llama", "mistral", "qwen2", "gpt_neox", "gpt2"])
 def test_hf_family_plan_matches_unwrapped(results, kind: str) -> None:
     for v in _values(results, f"hf_{kind}"):
         assert v["keys_same"], "state_dict keys changed by wrap"
