@@ -65,7 +65,7 @@ from tp_fuse.recipe import Recipe
 from .grad_sync import sync_sequence_parallel_grad
 from .parallel_linear import ColumnParallelLinear, RowParallelLinear
 from .sharding import ShardSpec, set_shard_spec, shard_tensor, tp_rank_and_size
-from .wrap_modules import MegatronLinearAdapter, ParallelLinearAdapter
+from .wrap_modules import MegatronLinearAdapter, ParallelLinearAdapter, megatron_adapter
 from .wrap_report import WrapReport
 from .hf_plans import FamilyPlan, FusedColumn, family_plan
 
@@ -159,7 +159,7 @@ def _convert_megatron(m: torch.nn.Module, kind: str, tp_group: dist.ProcessGroup
         _tag(m.bias, spec if kind == "column" else None)
         if sp_tag is not None:
             m.bias.sequence_parallel = sp_tag  # keep Megatron's tag as it was
-    return MegatronLinearAdapter(m, new, kind)
+    return megatron_adapter(m, new, kind)
 
 
 def _tag(p: torch.Tensor, spec: Optional[ShardSpec]) -> None:

@@ -22,7 +22,7 @@ import torch
 
 from .parallel_linear import ColumnParallelLinear, RowParallelLinear
 
-__all__ = ["MegatronLinearAdapter", "ParallelLinearAdapter"]
+__all__ = ["MegatronLinearAdapter", "ParallelLinearAdapter", "megatron_adapter"]
 
 # Megatron layer attributes that model code reads (copied onto the adapter as they were).
 _MEGATRON_ATTRS = ("input_size", "output_size", "output_size_per_partition", "input_size_per_partition",
@@ -46,7 +46,7 @@ class _KeepsOriginalKeys(torch.nn.Module):
         self.bias = bias
         self._tp = tp_layer
         self._register_state_dict_hook(_drop_inner_keys)
-        self._register_load_state_dict_pre_hook(_fill_inner_keys)
+        self._register_load_state_dict_pre_hook(_fill_inner_keys, with_module=True)
 
     def _inner_aliases(self) -> dict[str, str]:
         """``{inner name under _tp: outer name}`` for the shared parameters."""
@@ -127,44 +127,13 @@ class MegatronLinearAdapter(_KeepsOriginalKeys):
         self.kind = kind
         weight = None if original.weight is None else tp_layer.weight
         self._adopt(tp_layer, weight, tp_layer.bias)
-        self._lent_weight: Optional[torch.nn.Parameter] = None
+        self.__dict__["_lent_weight"] = None  # the tied weight lent at call time (not registered)
         for attr in _MEGATRON_ATTRS:
             if attr in vars(original) or hasattr(type(original), attr) and not callable(getattr(type(original), attr)):
                 object.__setattr__(self, attr, getattr(original, attr))
         self._original_class = type(original)
-        self._has_extra_state = type(original).get_extra_state is not torch.nn.Module.get_extra_state
-        self._extra_state = original.get_extra_state() if self._has_extra_state else None
         if hasattr(type(original), "sharded_state_dict"):
             self.sharded_state_dict = types.MethodType(type(original).sharded_state_dict, self)
-
-    # Megatron's layers store `_extra_state` (None) for Transformer Engine compatibility.
-    def get_extra_state(self) -> Any:
-        return self._extra_state
-
-    def set_extra_state(self, state: Any) -> None:
-        self._extra_state = state
-
-    def _save_to_state_dict(self, destination: dict, prefix: str, keep_vars: bool) -> None:
-        for name, param in self._parameters.items():
-            if param is not None:
-                destination[prefix + name] = param if keep_vars else param.detach()
-        if self._has_extra_state:
-            destination[prefix + "_extra_state"] = self.get_extra_state()
-
-    def _load_from_state_dict(self, state_dict: dict, prefix: str, local_metadata: Any, strict: bool,
-                              missing_keys: list, unexpected_keys: list, error_msgs: list) -> None:
-        if not self._has_extra_state:
-            state_dict.pop(prefix + "_extra_state", None)
-        elif prefix + "_extra_state" in state_dict:
-            self.set_extra_state(state_dict.pop(prefix + "_extra_state"))
-        elif strict:
-            missing_keys.append(prefix + "_extra_state")
-        has_extra, self._has_extra_state = self._has_extra_state, False  # handled above
-        try:
-            super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys,
-                                          unexpected_keys, error_msgs)
-        finally:
-            self._has_extra_state = has_extra
 
     def _lend_weight(self, weight: torch.Tensor) -> None:
         """Make the GEMM use ``weight`` (a tied output layer's call-time weight)."""
@@ -181,7 +150,8 @@ class MegatronLinearAdapter(_KeepsOriginalKeys):
             # The op's weight slot points at the lent Parameter: autograd sees it as this
             # GEMM's parameter, so its gradient accumulates into the owner's .grad.
             linear._parameters["weight"] = weight
-            self._lent_weight = weight
+            # A plain attribute, not a registered Parameter: its owner saves and loads it.
+            self.__dict__["_lent_weight"] = weight
 
     def forward(self, input_: torch.Tensor, weight: Optional[torch.Tensor] = None,
                 runtime_gather_output: Optional[bool] = None) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
@@ -201,3 +171,27 @@ class MegatronLinearAdapter(_KeepsOriginalKeys):
 
     def extra_repr(self) -> str:
         return f"kind={self.kind}, original={self._original_class.__name__}"
+
+
+class _MegatronLinearAdapterWithExtraState(MegatronLinearAdapter):
+    """For originals that store ``_extra_state`` (megatron-core's layers: None, kept for
+    Transformer Engine compatibility): the adapter stores and restores it the same way."""
+
+    def __init__(self, original: torch.nn.Module, tp_layer: ColumnParallelLinear | RowParallelLinear,
+                 kind: str) -> None:
+        super().__init__(original, tp_layer, kind)
+        self._extra_state = original.get_extra_state()
+
+    def get_extra_state(self) -> Any:
+        return self._extra_state
+
+    def set_extra_state(self, state: Any) -> None:
+        self._extra_state = state
+
+
+def megatron_adapter(original: torch.nn.Module, tp_layer: ColumnParallelLinear | RowParallelLinear,
+                     kind: str) -> MegatronLinearAdapter:
+    """The adapter for ``original``, with ``_extra_state`` exactly when the original has it."""
+    has_extra = type(original).get_extra_state is not torch.nn.Module.get_extra_state
+    cls = _MegatronLinearAdapterWithExtraState if has_extra else MegatronLinearAdapter
+    return cls(original, tp_layer, kind)

@@ -468,7 +468,7 @@ def _values(results: list[dict], name: str) -> list[Any]:
 def _check_before_after(result: dict[str, Any], tol: float = 1e-5) -> None:
     assert result["same_objects"], "wrap must keep the Megatron layers' Parameter objects"
     assert result["tuple"]
-    assert result["types"]["fc1"] == result["types"]["fc2"] == "MegatronLinearAdapter"
+    assert "MegatronLinearAdapter" in result["types"]["fc1"] and "MegatronLinearAdapter" in result["types"]["fc2"]
     bad = {k: v for k, v in result["diffs"].items() if v > tol}
     assert not bad, f"outputs/grads changed by wrap: {bad}"
 

@@ -118,6 +118,13 @@ def _megatron_case(rank: int, world: int, llama: bool, sp: bool) -> dict[str, An
         opt.step()
         opt_ref.step()
     out["losses"], out["losses_ref"], out["grad_rel"] = losses, losses_ref, grad_rel
+    # Checkpoints cross-load both ways (strict): the wrapped model's state_dict is Megatron's.
+    fresh = _megatron_gpt(world, llama, sp)
+    fresh.load_state_dict(model.state_dict(), strict=True)
+    wrap(fresh, group, verbose=False)
+    fresh.load_state_dict(ref.state_dict(), strict=True)
+    ref_params = dict(ref.named_parameters())
+    out["cross_load_equal"] = all(torch.equal(p, ref_params[n]) for n, p in fresh.named_parameters())
     out["fused_ops"] = sorted({type(op).__name__ for m in model.modules() if hasattr(m, "fusers")
                                for f in m.fusers() for op, _ in (*f.forward_ops, *f.backward_ops)})
     return out
@@ -281,6 +288,14 @@ def _hf_case(rank: int, world: int, kind: str) -> dict[str, Any]:
             o.step()
             o.zero_grad()
     out["losses"], out["losses_ref"] = losses, losses_ref
+    # state_dict round trip into a freshly wrapped copy (strict); GPT-2 Conv1D saved as [in, out/tp].
+    fresh = wrap(_hf_model(kind), group, verbose=False)
+    sd = model.state_dict()
+    fresh.load_state_dict(sd, strict=True)
+    mine = dict(model.named_parameters())
+    out["round_trip_equal"] = all(torch.equal(p, mine[n]) for n, p in fresh.named_parameters())
+    out["saved_shapes"] = {k: tuple(v.shape) for k, v in sd.items() if k.endswith(("mlp.c_fc.weight",
+                                                                                  "mlp.up_proj.weight", "mlp.dense_h_to_4h.weight"))}
     return out
 
 
@@ -420,6 +435,7 @@ def test_megatron_gpt_model_trains_unchanged(results, style: str) -> None:
         assert v["state_dict_same"], "state_dict keys/shapes changed by wrap"
         assert v["sharded_same"], "sharded_state_dict keys changed by wrap"
         assert v["named_params_same"] and v["grad_names_same"] and v["full_state_keys_same"]
+        assert v["cross_load_equal"]
         assert v["grad_rel"] < 1e-5, v["grad_rel"]
         for a, b in zip(v["losses"], v["losses_ref"]):
             assert abs(a - b) <= 1e-5 * abs(b), (v["losses"], v["losses_ref"])
@@ -451,6 +467,9 @@ def test_hf_family_plan_matches_unwrapped(results, kind: str) -> None:
         for a, b in zip(v["losses"], v["losses_ref"]):
             assert abs(a - b) <= 1e-5 * abs(b), (v["losses"], v["losses_ref"])
         assert f"plan for model_type {kind!r}" in v["report"]
+        assert v["round_trip_equal"]
+        want = {"gpt2": (32, 128 // 2)}.get(kind, (64 // 2, 32))  # Conv1D [in, out/tp]; Linear [out/tp, in]
+        assert set(v["saved_shapes"].values()) == {want}, v["saved_shapes"]
 
 
 def test_hf_mqa_refused_and_exclusion_reported(results) -> None:
