@@ -21,6 +21,8 @@ from typing import Any, Literal, Optional, Union
 from layers.config import GPTConfig
 from tp_fuse.overlap_config import OverlapConfig as TPOverlapConfig
 
+from .hf_model import gpt_fields
+
 __all__ = [
     "CheckpointConfig",
     "DataConfig",
@@ -45,6 +47,9 @@ class ModelConfig:
 
     name: str = "gpt"
     gpt: GPTConfig = field(default_factory=GPTConfig)
+    #: ``+model=hf``: the local Hugging Face model directory (config.json, tokenizer.json,
+    #: optional *.safetensors); ``gpt`` then holds the sizes read from its config.json.
+    path: Optional[str] = None
 
 
 @dataclass
@@ -225,6 +230,8 @@ class TrainConfig:
         out = dataclasses.asdict(self)
         gpt = out["model"].pop("gpt")
         out["model"].update(gpt)
+        if out["model"].get("path") is None:
+            out["model"].pop("path", None)
         return out
 
 
@@ -326,7 +333,17 @@ def from_dict(data: dict[str, Any]) -> TrainConfig:
     name = model.pop("name", "gpt")
     if not isinstance(name, str):
         raise ValueError(f"model.name: expected a string, got {name!r}")
-    gpt = _build(GPTConfig, model, "model")
+    path = model.pop("path", None)
+    if name == "hf":
+        extra = sorted(model)
+        if extra:
+            raise ValueError(f"unknown key(s) {', '.join(f'model.{k}' for k in extra)}: +model=hf takes model.path "
+                             f"(the sizes come from the directory's config.json)")
+        gpt = GPTConfig(**gpt_fields(path))
+    else:
+        if path is not None:
+            raise ValueError(f"model.path: only +model=hf takes a model directory (model.name is {name!r})")
+        gpt = _build(GPTConfig, model, "model")
     sections = {
         "parallel": ParallelConfig,
         "overlap": OverlapConfig,
@@ -344,7 +361,7 @@ def from_dict(data: dict[str, Any]) -> TrainConfig:
             f"unknown top-level key(s) {', '.join(unknown)}; known: model, {', '.join(sections)}"
         )
     built = {k: _build(cls, data[k] if data.get(k) is not None else {}, k) for k, cls in sections.items()}
-    return TrainConfig(model=ModelConfig(name=name, gpt=gpt), **built)
+    return TrainConfig(model=ModelConfig(name=name, gpt=gpt, path=path), **built)
 
 
 # ---- cross-field validation -----------------------------------------------------
@@ -373,7 +390,12 @@ def validate(cfg: TrainConfig, world_size: int) -> ParallelLayout:
     dp = world_size // tp
     _need(not (par.sequence_parallel and tp == 1),
           "parallel.sequence_parallel=true needs parallel.tp > 1 (got tp=1): there is no sequence to split")
-    gpt.validate(tp)  # tp vs heads, query groups, hidden, ffn, vocab -- names the field
+    if cfg.model.name == "hf":
+        # Family plans shard attention and MLP; embeddings and lm_head stay replicated, so
+        # the vocabulary need not divide by TP (vocab_size=tp below only skips that check).
+        dataclasses.replace(gpt, vocab_size=tp).validate(tp)
+    else:
+        gpt.validate(tp)  # tp vs heads, query groups, hidden, ffn, vocab -- names the field
 
     for name in ("max_steps", "log_interval", "global_batch_size", "micro_batch_size"):
         _positive(f"trainer.{name}", getattr(tr, name))
@@ -399,7 +421,10 @@ def validate(cfg: TrainConfig, world_size: int) -> ParallelLayout:
     if cfg.data.source in ("text", "bin"):
         _need(bool(cfg.data.paths), f"data.paths must list at least one file for data.source={cfg.data.source}")
         _check_data_files(cfg)
-    if cfg.data.tokenizer == "byte" and cfg.data.source != "bin":
+    if cfg.model.name == "hf":  # tokenized with the model directory's tokenizer.json; no SP for [b, s, h] models
+        _need(not par.sequence_parallel, "parallel.sequence_parallel=true does not apply to +model=hf "
+              "(Hugging Face activations are [batch, seq, hidden])")
+    elif cfg.data.tokenizer == "byte" and cfg.data.source != "bin":
         _need(gpt.vocab_size >= 256, f"model.vocab_size ({gpt.vocab_size}) must be >= 256 for the byte tokenizer")
     if par.sequence_parallel:
         _need(seq % tp == 0, f"data.seq_len ({seq}) must be divisible by parallel.tp ({tp}) with sequence parallel")

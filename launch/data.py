@@ -22,6 +22,7 @@ on the step, not on how many processes there are, and resuming only needs
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Optional
 
@@ -72,8 +73,11 @@ def _read_bin(path: str, dtype_name: str) -> torch.Tensor:
     return raw.view(dtype).to(torch.int64)
 
 
-def load_tokens(cfg: DataConfig, vocab_size: int) -> torch.Tensor:
-    """The whole token stream (int64) for ``cfg``; ValueError for bad files or ids."""
+def load_tokens(cfg: DataConfig, vocab_size: int, encode: Optional[Callable[[str], list[int]]] = None) -> torch.Tensor:
+    """The whole token stream (int64) for ``cfg``; ValueError for bad files or ids.
+
+    ``encode``: a text tokenizer (``+model=hf``: the model directory's) instead of bytes.
+    """
     for i, path in enumerate(cfg.paths):
         if not os.path.isfile(path):
             raise ValueError(f"data.paths[{i}]: no such file: {path!r}")
@@ -89,7 +93,10 @@ def load_tokens(cfg: DataConfig, vocab_size: int) -> torch.Tensor:
                 with open(p, "rb") as f:
                     parts.append(f.read())
             text_bytes = b"\n\n".join(parts)
-        tokens = torch.frombuffer(bytearray(text_bytes), dtype=torch.uint8).to(torch.int64)
+        if encode is not None:
+            tokens = torch.tensor(encode(text_bytes.decode("utf-8", errors="replace")), dtype=torch.int64)
+        else:
+            tokens = torch.frombuffer(bytearray(text_bytes), dtype=torch.uint8).to(torch.int64)
     if tokens.numel() == 0:
         raise ValueError(f"data: the {cfg.source} corpus is empty")
     top = int(tokens.max())
@@ -109,8 +116,9 @@ class TokenData:
     seq_len: int
 
     @classmethod
-    def build(cls, cfg: DataConfig, seq_len: int, vocab_size: int) -> "TokenData":
-        tokens = load_tokens(cfg, vocab_size)
+    def build(cls, cfg: DataConfig, seq_len: int, vocab_size: int,
+              encode: Optional[Callable[[str], list[int]]] = None) -> "TokenData":
+        tokens = load_tokens(cfg, vocab_size, encode)
         n_val = max(int(tokens.numel() * cfg.val_fraction), seq_len + 1)
         n_train = tokens.numel() - n_val
         if n_train < 2 * (seq_len + 1):

@@ -19,6 +19,8 @@ from tp_fuse.overlap_config import TPOverlap
 from tp_fuse.recipe import DelayedScaling, Float8CurrentScaling, Format, Recipe
 
 from .config import FP8Config, OverlapConfig, TrainConfig
+from .hf_model import build_hf_model
+from .megatron_model import build_megatron_gpt, require_cuda
 from .runtime import Runtime
 
 __all__ = [
@@ -83,9 +85,23 @@ def dropout_seed(seed: int, dp_rank: int) -> int:
 
 
 def build_model(cfg: TrainConfig, rt: Runtime, factory: Optional[ModelFactory] = None) -> torch.nn.Module:
-    """``layers.GPT`` (or ``factory``) for this rank's TP shard."""
-    factory = factory or GPT
+    """``layers.GPT`` (or ``factory``) for this rank's TP shard; ``+model=hf`` and
+    ``+model=megatron_gpt`` build and wrap a Hugging Face / megatron-core model instead."""
     tp_group = rt.topology.tp_group if rt.layout.tp > 1 else None
+    if factory is None and cfg.model.name == "hf":
+        # Wrapped also at TP size 1 (a one-rank group) so that FP8 reaches the GEMMs.
+        model = build_hf_model(cfg.model.path, tp_group=rt.topology.tp_group, dtype=rt.dtype, device=rt.device,
+                               seed=cfg.trainer.seed, overlap=build_overlap(cfg.overlap))
+        model.train()
+        return model
+    if factory is None and cfg.model.name == "megatron_gpt":
+        require_cuda()
+        model = build_megatron_gpt(cfg.model.gpt, tp_group=tp_group, sequence_parallel=cfg.parallel.sequence_parallel,
+                                   dtype=rt.dtype, device=rt.device, seed=cfg.trainer.seed,
+                                   overlap=build_overlap(cfg.overlap))
+        model.train()
+        return model
+    factory = factory or GPT
     model = factory(
         GPTConfig(**vars(cfg.model.gpt)),
         tp_group=tp_group,

@@ -39,6 +39,7 @@ from .grads import allreduce_dp_grads, clip_grads, global_grad_norm
 from .health import NonfiniteGuard, TrainingDivergedError
 from .logging_wandb import WandbLogger
 from .metrics import MetricsSink
+from .hf_model import load_tokenizer
 from .model import ModelFactory, build_model, build_recipe, fp8_autocast, fp8_quantizers
 from .optim import build_optimizer, lr_at, set_lr
 from .progress import Progress
@@ -84,7 +85,8 @@ class Trainer:
         self.rt = rt
         tr, topo = cfg.trainer, rt.topology
         torch.manual_seed(tr.seed)
-        self.data = TokenData.build(cfg.data, cfg.seq_len, cfg.model.gpt.vocab_size)
+        encode = load_tokenizer(cfg.model.path) if cfg.model.name == "hf" else None  # else bytes
+        self.data = TokenData.build(cfg.data, cfg.seq_len, cfg.model.gpt.vocab_size, encode)
         self.loader = BatchLoader(
             self.data,
             global_batch_size=tr.global_batch_size,

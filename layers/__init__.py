@@ -26,7 +26,8 @@ from .sharding import (
 )
 from .tp_regions import CopyToTensorParallelRegion, GatherFromTensorParallelRegion, ScatterToTensorParallelRegion
 from .transformer import TransformerLayer
-from .wrap import ParallelLinearAdapter, wrap
+from .hf_plans import FusedColumn
+from .wrap import ParallelLinearAdapter, WrapReport, wrap
 
 __all__ = [
     "ColumnParallelLinear",
@@ -40,6 +41,8 @@ __all__ = [
     "LayerNormMLP",
     "MultiheadAttention",
     "ParallelLinearAdapter",
+    "FusedColumn",
+    "WrapReport",
     "PositionEmbedding",
     "RowParallelLinear",
     "ScatterToTensorParallelRegion",

@@ -17,11 +17,15 @@ Two kinds of modules are converted:
    Sequence-parallel row biases keep Megatron's contract: their gradient is left as the
    per-rank partial sum, tagged ``sequence_parallel=True``, for Megatron's
    ``finalize_model_grads`` to all-reduce -- so gradients are the same as before.
+   Also: a column layer with stride-2 weights (SwiGLU fc1, per rank ``[gate_r; up_r]``,
+   recorded as ``ShardSpec(blocks=2)``), a column layer whose weight arrives at call time
+   (tied output layer), ``gradient_accumulation_fusion`` (wgrads into ``main_grad``).
 
 2. Plain ``nn.Linear`` / norm modules named by a ``plan`` ``{module-name glob: style}``:
 
-   * ``"column"``: ``nn.Linear`` -> column-parallel (output features split; the output's
-     last dim is ``out/tp``);
+   * ``"column"``: ``nn.Linear`` (or GPT-2 ``Conv1D``) -> column-parallel (output
+     features split; the output's last dim is ``out/tp``);
+   * ``FusedColumn(parts)``: a fused ``[q; k; v]``-style projection, each part split;
    * ``"row"``: ``nn.Linear`` -> row-parallel (input's last dim is ``in/tp``; the
      output is reduced over TP, then the bias is added once);
    * ``"sequence_parallel"``: ``nn.LayerNorm`` / ``nn.RMSNorm`` kept as they are; with
@@ -36,7 +40,10 @@ Everything is validated before anything is changed: problems (a plan entry that 
 nothing or the wrong module type, sizes not divisible by the TP size, unsupported
 Megatron features, a different TP group, weights differing across ranks) are reported
 together in ONE ``ValueError``; nothing is skipped silently. Modules neither
-Megatron-style nor named in the plan are left untouched (replicated).
+Megatron-style nor named in the plan, and those matched by ``exclude``, are left
+untouched (replicated); the :class:`WrapReport` lists them with the reason. With
+``plan=None`` a Hugging Face model gets its family's plan (``layers.hf_plans``).
+The replacements keep the model's ``state_dict`` keys (``layers.wrap_modules``).
 
 ``fp8=recipe`` makes the model's forward run inside ``tp_fuse.autocast(recipe,
 amax_reduction_group=fp8_group)`` (one autocast for the whole forward: one amax
@@ -46,7 +53,7 @@ all-reduce per direction per step); ``overlap`` is the ``TPOverlap`` of every GE
 from __future__ import annotations
 
 import fnmatch
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any, Literal, Optional
 
 import torch
@@ -58,8 +65,11 @@ from tp_fuse.recipe import Recipe
 from .grad_sync import sync_sequence_parallel_grad
 from .parallel_linear import ColumnParallelLinear, RowParallelLinear
 from .sharding import ShardSpec, set_shard_spec, shard_tensor, tp_rank_and_size
+from .wrap_modules import MegatronLinearAdapter, ParallelLinearAdapter, megatron_adapter
+from .wrap_report import WrapReport
+from .hf_plans import FamilyPlan, FusedColumn, family_plan
 
-__all__ = ["wrap", "ParallelLinearAdapter"]
+__all__ = ["wrap", "ParallelLinearAdapter", "WrapReport"]
 
 Style = Literal["column", "row", "sequence_parallel"]
 _STYLES = ("column", "row", "sequence_parallel")
@@ -70,33 +80,9 @@ _ROW_ATTRS = ("input_size", "output_size", "input_size_per_partition", "input_is
 _NORMS: tuple[type, ...] = tuple(t for t in (torch.nn.LayerNorm, getattr(torch.nn, "RMSNorm", None)) if t)
 
 
-class ParallelLinearAdapter(torch.nn.Module):
-    """A column/row-parallel layer behind ``nn.Linear``'s call interface (returns a tensor).
-
-    Shapes: column ``[..., in] -> [..., out/tp]``; row ``[..., in/tp] -> [..., out]``
-    (first dim split over TP with sequence parallelism, as for the wrapped layers).
-    """
-
-    def __init__(self, layer: torch.nn.Module, in_features: int, out_features: int) -> None:
-        super().__init__()
-        self.layer = layer
-        self.in_features, self.out_features = in_features, out_features
-
-    @property
-    def weight(self) -> torch.nn.Parameter:
-        return self.layer.weight
-
-    @property
-    def bias(self) -> Optional[torch.nn.Parameter]:
-        return self.layer.bias
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out, _ = self.layer(x)
-        return out
-
-
 def _is_megatron(module: torch.nn.Module, attrs: tuple[str, ...]) -> bool:
-    return all(hasattr(module, a) for a in attrs) and not isinstance(module, (ColumnParallelLinear, RowParallelLinear))
+    return all(hasattr(module, a) for a in attrs) and not isinstance(
+        module, (ColumnParallelLinear, RowParallelLinear, MegatronLinearAdapter, ParallelLinearAdapter))
 
 
 def _same_group(a: dist.ProcessGroup, b: dist.ProcessGroup) -> bool:
@@ -107,9 +93,9 @@ def _megatron_problems(name: str, m: torch.nn.Module, kind: str, tp_group: dist.
                        sequence_parallel: Optional[bool]) -> list[str]:
     problems = []
     _, tp = tp_rank_and_size(tp_group)
-    if m.weight is None:
-        problems.append(f"{name}: weight passed at call time (skip_weight_param_allocation) is not supported")
-    for flag in ("is_expert", "explicit_expert_comm", "disable_grad_reduce", "gradient_accumulation_fusion"):
+    if m.weight is None and kind != "column":
+        problems.append(f"{name}: a row-parallel layer without a weight is not supported")
+    for flag in ("is_expert", "explicit_expert_comm", "disable_grad_reduce"):
         if getattr(m, flag, False):
             problems.append(f"{name}: {flag}=True is not supported")
     config = getattr(m, "config", None)
@@ -120,8 +106,10 @@ def _megatron_problems(name: str, m: torch.nn.Module, kind: str, tp_group: dist.
         problems.append(f"{name}: its tp_group (ranks {dist.get_process_group_ranks(group)}) is not the "
                         f"tp_group given to wrap (ranks {dist.get_process_group_ranks(tp_group)})")
     if m.weight is not None:
-        if getattr(m.weight, "partition_stride", 1) != 1:
-            problems.append(f"{name}: strided weight partitioning (stride {m.weight.partition_stride}) is not supported")
+        stride = getattr(m.weight, "partition_stride", 1)
+        if stride != 1 and (kind != "column" or m.output_size_per_partition % stride):
+            problems.append(f"{name}: strided weight partitioning (stride {stride}) is supported for column-parallel "
+                            f"layers whose per-rank rows divide by the stride (Megatron's [gate; up] SwiGLU fc1)")
         want = ((m.output_size_per_partition, m.input_size) if kind == "column"
                 else (m.output_size, m.input_size_per_partition))
         if tuple(m.weight.shape) != want:
@@ -139,65 +127,125 @@ def _megatron_problems(name: str, m: torch.nn.Module, kind: str, tp_group: dist.
 def _convert_megatron(m: torch.nn.Module, kind: str, tp_group: dist.ProcessGroup,
                       overlap: Optional[TPOverlap]) -> torch.nn.Module:
     w = m.weight
+    dtype = w.dtype if w is not None else m.config.params_dtype
+    device = w.device if w is not None else None
     common = dict(tp_group=tp_group, bias=m.bias is not None, skip_bias_add=bool(m.skip_bias_add),
                   sequence_parallel=bool(getattr(m, "sequence_parallel", False)), init_method=_no_init,
-                  seed=None, overlap=overlap, dtype=w.dtype, device=w.device)
+                  seed=None, overlap=overlap, dtype=dtype, device=device)
     if kind == "column":
-        new: torch.nn.Module = ColumnParallelLinear(m.input_size, m.output_size, gather_output=bool(m.gather_output),
-                                                    **common)
-        spec: Optional[ShardSpec] = ShardSpec(dim=0)
+        new: ColumnParallelLinear | RowParallelLinear = ColumnParallelLinear(
+            m.input_size, m.output_size, gather_output=bool(m.gather_output), **common)
+        # Megatron's stride-s column layout: rank r holds [part0_r; ...; part(s-1)_r]
+        # (SwiGLU fc1: [gate_r; up_r]) -- exactly ShardSpec(blocks=s); the local GEMM and
+        # Megatron's local chunk(2) pairing need nothing else.
+        stride = getattr(w, "partition_stride", 1) if w is not None else 1
+        spec: Optional[ShardSpec] = ShardSpec(dim=0, blocks=stride)
     else:
         new = RowParallelLinear(m.input_size, m.output_size, input_is_parallel=bool(m.input_is_parallel),
                                 sync_sequence_parallel_grads=False, **common)
         spec = ShardSpec(dim=1)
+    linear = new.ops.linear
+    linear.accumulate_into_main_grad = bool(getattr(m, "gradient_accumulation_fusion", False))
     # Reuse the very Parameters: optimizers and Megatron's grad buffers keep pointing at them.
-    new.ops.linear.weight = w
-    set_shard_spec(w, spec)
+    if w is not None:
+        linear.weight = w
+        _tag(w, spec)
+    else:
+        linear._parameters["weight"] = None  # lent at call time (tied output layer)
     if m.bias is not None:
         owner = new.bias_op if new.bias_op is not None else new.ops.bias
         sp_tag = getattr(m.bias, "sequence_parallel", None)
         owner.bias = m.bias
-        set_shard_spec(m.bias, ShardSpec(dim=0) if kind == "column" else None)
+        _tag(m.bias, spec if kind == "column" else None)
         if sp_tag is not None:
             m.bias.sequence_parallel = sp_tag  # keep Megatron's tag as it was
-    return new
+    return megatron_adapter(m, new, kind)
+
+
+def _tag(p: torch.Tensor, spec: Optional[ShardSpec]) -> None:
+    """tp-fuse's layout tag, keeping Megatron's own attributes (stride included) as they are."""
+    p.tp_shard = spec  # type: ignore[attr-defined]
+    if not hasattr(p, "tensor_model_parallel"):
+        set_shard_spec(p, spec)
+
+
+def _tag_untouched(model: torch.nn.Module) -> None:
+    """Give every parameter wrap did not convert a ``tp_shard`` (for ``grad_norm``,
+    ``full_state_dict``...): Megatron's ``tensor_model_parallel``/``partition_dim``/
+    ``partition_stride`` attributes where present (e.g. ``VocabParallelEmbedding``),
+    replicated otherwise."""
+    for p in model.parameters():
+        if hasattr(p, "tp_shard"):
+            continue
+        if getattr(p, "tensor_model_parallel", False):
+            p.tp_shard = ShardSpec(dim=int(p.partition_dim), blocks=int(getattr(p, "partition_stride", 1)))
+        else:
+            p.tp_shard = None
 
 
 def _no_init(t: torch.Tensor) -> None:
     """The weight is replaced right after construction: skip drawing random numbers."""
 
 
-def _plain_problems(name: str, m: torch.nn.Module, style: str, tp: int) -> list[str]:
-    if style in ("column", "row"):
-        if type(m) is not torch.nn.Linear:
-            return [f"{name}: plan style {style!r} needs a torch.nn.Linear, got {type(m).__name__}"]
-        if style == "column" and m.out_features % tp:
-            return [f"{name}: out_features ({m.out_features}) is not divisible by the TP size ({tp})"]
-        if style == "row" and m.in_features % tp:
-            return [f"{name}: in_features ({m.in_features}) is not divisible by the TP size ({tp})"]
+def _is_conv1d(m: torch.nn.Module) -> bool:
+    """GPT-2's ``Conv1D`` (transformers.pytorch_utils), by name and layout: ``y = x W + b``
+    with ``W [in, out]`` (the transpose of ``nn.Linear``'s)."""
+    return (type(m).__name__ == "Conv1D" and isinstance(getattr(m, "weight", None), torch.Tensor)
+            and m.weight.dim() == 2 and getattr(m, "nf", None) == m.weight.shape[1])
+
+
+def _linear_sizes(m: torch.nn.Module) -> tuple[int, int]:
+    """``(in_features, out_features)`` of an ``nn.Linear`` or a ``Conv1D``."""
+    if _is_conv1d(m):
+        return int(m.weight.shape[0]), int(m.weight.shape[1])
+    return m.in_features, m.out_features
+
+
+def _style_name(style: Any) -> str:
+    return f"fused_column(parts={style.parts})" if isinstance(style, FusedColumn) else str(style)
+
+
+def _plain_problems(name: str, m: torch.nn.Module, style: Any, tp: int) -> list[str]:
+    if style in ("column", "row") or isinstance(style, FusedColumn):
+        if type(m) is not torch.nn.Linear and not _is_conv1d(m):
+            return [f"{name}: plan style {_style_name(style)!r} needs a torch.nn.Linear (or GPT-2 Conv1D), "
+                    f"got {type(m).__name__}"]
+        in_f, out_f = _linear_sizes(m)
+        parts = style.parts if isinstance(style, FusedColumn) else 1
+        if style != "row" and out_f % (tp * parts):
+            what = f"{parts} parts x TP size ({tp})" if parts > 1 else f"the TP size ({tp})"
+            return [f"{name}: out_features ({out_f}) is not divisible by {what}"]
+        if style == "row" and in_f % tp:
+            return [f"{name}: in_features ({in_f}) is not divisible by the TP size ({tp})"]
         return []
     if not isinstance(m, _NORMS):
         return [f"{name}: plan style 'sequence_parallel' needs a LayerNorm/RMSNorm, got {type(m).__name__}"]
     return []
 
 
-def _convert_plain(m: torch.nn.Linear, style: str, tp_group: dist.ProcessGroup, sequence_parallel: bool,
+def _convert_plain(m: torch.nn.Module, style: Any, tp_group: dist.ProcessGroup, sequence_parallel: bool,
                    overlap: Optional[TPOverlap]) -> torch.nn.Module:
     rank, size = tp_rank_and_size(tp_group)
-    w = m.weight
+    conv1d = _is_conv1d(m)
+    w = m.weight.t() if conv1d else m.weight  # [out, in]
+    in_f, out_f = _linear_sizes(m)
     common = dict(tp_group=tp_group, bias=m.bias is not None, sequence_parallel=sequence_parallel,
                   init_method=_no_init, seed=None, overlap=overlap, dtype=w.dtype, device=w.device)
-    if style == "column":
-        layer: torch.nn.Module = ColumnParallelLinear(m.in_features, m.out_features, **common)
-        wspec, bspec = ShardSpec(dim=0), ShardSpec(dim=0)
-    else:
-        layer = RowParallelLinear(m.in_features, m.out_features, **common)
+    if style == "row":
+        layer: torch.nn.Module = RowParallelLinear(in_f, out_f, **common)
         wspec, bspec = ShardSpec(dim=1), None
+    else:
+        layer = ColumnParallelLinear(in_f, out_f, **common)
+        parts = style.parts if isinstance(style, FusedColumn) else 1
+        wspec = bspec = ShardSpec(dim=0, blocks=parts)
     with torch.no_grad():
         layer.weight.copy_(shard_tensor(w, wspec, rank, size))
         if m.bias is not None:
             layer.bias.copy_(shard_tensor(m.bias, bspec, rank, size))
-    return ParallelLinearAdapter(layer, m.in_features, m.out_features)
+    set_shard_spec(layer.weight, wspec)
+    if m.bias is not None:
+        set_shard_spec(layer.bias, bspec)
+    return ParallelLinearAdapter(layer, in_f, out_f, transposed=conv1d)
 
 
 def _check_replicated(named: list[tuple[str, torch.nn.Module]], tp_group: dist.ProcessGroup) -> list[str]:
@@ -224,11 +272,13 @@ def wrap(
     model: torch.nn.Module,
     tp_group: dist.ProcessGroup,
     *,
-    plan: Optional[Mapping[str, Style]] = None,
+    plan: Optional[Mapping[str, Any]] = None,
+    exclude: Sequence[str] = (),
     sequence_parallel: Optional[bool] = None,
     fp8: Optional[Recipe] = None,
     fp8_group: Optional[dist.ProcessGroup] = None,
     overlap: Optional[TPOverlap] = None,
+    verbose: bool = True,
 ) -> torch.nn.Module:
     """Convert ``model`` in place (see the module docstring) and return it.
 
@@ -236,12 +286,20 @@ def wrap(
         model: the model; its Megatron-style parallel linears and the modules named in
             ``plan`` are replaced (the root module itself cannot be).
         tp_group: the TP process group (collective: call on every rank of it).
-        plan: ``{glob over module names: "column" | "row" | "sequence_parallel"}``.
+        plan: ``{glob over module names: "column" | "row" | "sequence_parallel" |
+            FusedColumn(parts)}``. None for a Hugging Face model (``model.config.model_type``
+            in ``layers.hf_plans.FAMILIES``) uses the family's built-in plan.
+        exclude: globs over module names left exactly as they are (not converted, not
+            checked); they are listed in the report.
         sequence_parallel: for plan modules (default False); for Megatron modules it
             must agree with theirs if given.
         fp8: run the model's forward inside ``tp_fuse.autocast(fp8, fp8_group)``.
         fp8_group: amax reduction group (None: torch's default group, i.e. the world).
         overlap: ``TPOverlap`` for every converted GEMM and comm op.
+        verbose: print the :class:`WrapReport` (on TP rank 0; False: only store it).
+
+    The report of what was converted and what was left, and why, is stored as
+    ``model.tp_fuse_wrap_report``.
     """
     if not isinstance(model, torch.nn.Module):
         raise ValueError(f"wrap: model must be a torch.nn.Module, got {type(model).__name__}")
@@ -249,21 +307,41 @@ def wrap(
         raise ValueError(f"wrap: tp_group must be a torch.distributed.ProcessGroup, got {type(tp_group).__name__}")
     if fp8 is not None and not isinstance(fp8, Recipe):
         raise ValueError(f"wrap: fp8 must be a tp_fuse.recipe.Recipe or None, got {type(fp8).__name__}")
-    _, tp = tp_rank_and_size(tp_group)
-    plan = dict(plan or {})
+    if isinstance(exclude, str):
+        raise ValueError(f"wrap: exclude must be a list of globs, got the string {exclude!r}")
+    rank, tp = tp_rank_and_size(tp_group)
     problems: list[str] = []
-    bad_styles = {g: s for g, s in plan.items() if s not in _STYLES}
+    family: Optional[FamilyPlan] = None
+    if plan is None:
+        family = family_plan(model)
+        if family is not None:
+            problems += [f"{family.model_type}: {p}" for p in family.check(model.config, tp)]
+            if sequence_parallel:
+                problems.append(f"{family.model_type}: sequence_parallel=True does not apply to Hugging Face "
+                                f"models (activations are [batch, seq, hidden]; SP splits dim 0)")
+    plan = dict(family.plan if family is not None else (plan or {}))
+    bad_styles = {g: s for g, s in plan.items() if not (isinstance(s, FusedColumn) or s in _STYLES)}
     for glob, style in bad_styles.items():
-        problems.append(f"plan[{glob!r}]: unknown style {style!r}; expected one of {_STYLES}")
+        problems.append(f"plan[{glob!r}]: unknown style {style!r}; expected one of {_STYLES} or FusedColumn(parts)")
+    report = WrapReport(family=family.model_type if family is not None else None)
 
     megatron: dict[str, str] = {}
-    planned: dict[str, str] = {}
+    planned: dict[str, Any] = {}
     matched_globs: set[str] = set()
+    excluded_prefixes: list[str] = []
     for name, m in model.named_modules():
-        kind = ("column" if _is_megatron(m, _COLUMN_ATTRS) else "row" if _is_megatron(m, _ROW_ATTRS) else None)
-        styles = {plan[g] for g in plan if g not in bad_styles and fnmatch.fnmatchcase(name, g)}
-        matched_globs |= {g for g in plan if fnmatch.fnmatchcase(name, g)}
         label = name or "<root>"
+        if any(name == p or name.startswith(p + ".") for p in excluded_prefixes):
+            continue
+        if name and any(fnmatch.fnmatchcase(name, g) for g in exclude):
+            excluded_prefixes.append(name)
+            report.left.append((label, "excluded by the caller"))
+            matched_globs |= {g for g in plan if fnmatch.fnmatchcase(name, g)}
+            continue
+        kind = ("column" if _is_megatron(m, _COLUMN_ATTRS) else "row" if _is_megatron(m, _ROW_ATTRS) else None)
+        matching = [g for g in plan if g not in bad_styles and fnmatch.fnmatchcase(name, g)]
+        styles = {_style_name(plan[g]): plan[g] for g in matching}
+        matched_globs |= {g for g in plan if fnmatch.fnmatchcase(name, g)}
         if kind is not None:
             if styles:
                 problems.append(f"{label}: Megatron-style {kind}-parallel module is converted automatically; "
@@ -273,31 +351,52 @@ def wrap(
         elif len(styles) > 1:
             problems.append(f"{label}: matched by plan entries with different styles {sorted(styles)}")
         elif styles:
-            planned[name] = styles.pop()
+            planned[name] = next(iter(styles.values()))
             problems += _plain_problems(label, m, planned[name], tp)
+        elif type(m) is torch.nn.Linear or _is_conv1d(m):
+            report.left.append((label, "not named by the plan: replicated, runs unsharded"))
         if name == "" and (kind is not None or name in planned):
             problems.append("<root>: the root module itself cannot be replaced in place; wrap its parent")
     for glob in plan:
         if glob not in matched_globs:
             problems.append(f"plan[{glob!r}]: matches no module")
+    for glob in exclude:
+        if not any(fnmatch.fnmatchcase(n, glob) for n, _ in model.named_modules() if n):
+            problems.append(f"exclude[{glob!r}]: matches no module")
     modules = dict(model.named_modules())
-    problems += _check_replicated([(n, modules[n]) for n, s in planned.items() if s in ("column", "row")], tp_group)
+    problems += _check_replicated([(n, modules[n]) for n, s in planned.items() if s != "sequence_parallel"],
+                                  tp_group)
     if problems:
         raise ValueError("wrap: cannot convert the model:\n  - " + "\n  - ".join(problems))
 
     sp = bool(sequence_parallel)
     for name, kind in megatron.items():
-        _replace(model, name, _convert_megatron(modules[name], kind, tp_group, overlap))
+        m = modules[name]
+        new = _convert_megatron(m, kind, tp_group, overlap)
+        stride = getattr(m.weight, "partition_stride", 1) if m.weight is not None else 1
+        how = f"Megatron {kind}-parallel" + (f", stride-{stride} blocks ([gate; up])" if stride > 1 else "")
+        how += ", weight at call time" if m.weight is None else ""
+        how += ", accumulate_into_main_grad" if getattr(m, "gradient_accumulation_fusion", False) else ""
+        report.converted.append((name, how))
+        _replace(model, name, new)
     for name, style in planned.items():
         m = modules[name]
         if style == "sequence_parallel":
             if sp:
                 for p in m.parameters():
                     sync_sequence_parallel_grad(p, tp_group)
+            report.converted.append((name, "norm, grads synced over TP" if sp else "norm (replicated; SP off)"))
             continue
+        report.converted.append((name, f"{type(m).__name__} -> {_style_name(style)}-parallel"))
         _replace(model, name, _convert_plain(m, style, tp_group, sp, overlap))
+    if family is not None and family.fixup is not None:
+        family.fixup(model, tp)
+    _tag_untouched(model)
     if fp8 is not None:
         _run_forward_in_autocast(model, fp8, fp8_group)
+    model.tp_fuse_wrap_report = report
+    if verbose and rank == 0:
+        print(report)
     return model
 
 

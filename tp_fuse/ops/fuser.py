@@ -63,6 +63,40 @@ def _current_recipe() -> Any:
     return None if state is None else state.recipe
 
 
+def _outputs_safe_for_inplace(outputs: list[torch.Tensor], inputs: Sequence[Any]) -> list[torch.Tensor]:
+    """The fuser's outputs, made safe to hand to callers who modify them in place.
+
+    Autograd forbids in-place ops on an output of a custom Function that is a view
+    (``relu_``, Megatron's in-place cross-entropy on logits would raise). Two cases:
+
+    * a view of a tensor made inside the forward (``BasicLinear`` reshapes its 2-D GEMM
+      result, ``Reshape``): returned as ``detach()``, a non-view alias that shares the
+      storage AND the version counter, so a saved tensor sharing that storage is still
+      caught by autograd's version check if the caller modifies the output. No copy.
+    * an input returned as-is (or a view of one), or one tensor returned twice
+      (``MakeExtraOutput``, ``Identity``, TP size 1 comm ops): copied. An alias would let
+      an in-place op change the caller's input, or the other output, behind autograd's
+      back (values of the other consumers would change, their gradients would not).
+    """
+    taken = set()
+    for t in inputs:
+        if isinstance(t, torch.Tensor):
+            taken.add(id(t))
+            if t._is_view():
+                taken.add(id(t._base))
+    safe = []
+    for t in outputs:
+        root = t._base if t._is_view() else t
+        if id(t) in taken or id(root) in taken:
+            t = t.clone()
+        elif t._is_view():
+            t = t.detach()
+        taken.add(id(t))
+        taken.add(id(root))
+        safe.append(t)
+    return safe
+
+
 class _OperationFuserAutogradFunction(torch.autograd.Function):
     """Forward and backward of a fused op group, as one autograd node.
 
@@ -148,14 +182,7 @@ class _OperationFuserAutogradFunction(torch.autograd.Function):
         func_ctx.cast_from = cast_from
 
         outputs = [x] + [t for outs in extra_outputs for t in (outs or ())]
-        # A tensor returned twice (or an input returned as-is) would get only
-        # one grad_fn slot and silently lose a gradient: return aliases.
-        seen = {id(t) for t in (input_, *params_and_extra_inputs) if isinstance(t, torch.Tensor)}
-        for k, t in enumerate(outputs):
-            if id(t) in seen:
-                outputs[k] = t.view_as(t)
-            seen.add(id(outputs[k]))
-        return tuple(outputs)
+        return tuple(_outputs_safe_for_inplace(outputs, (input_, *params_and_extra_inputs)))
 
     @staticmethod
     def backward(func_ctx: Any, grad_output: torch.Tensor, *grad_extra_outputs: torch.Tensor):

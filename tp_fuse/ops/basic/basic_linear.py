@@ -49,10 +49,13 @@ class BasicLinear(QuantizerStateMixin, BasicOperation):
     LOCAL GEMM sizes after construction (``global_in_features``/``global_out_features``
     keep the arguments).
 
-    ``accumulate_into_main_grad=True`` (Megatron-LM's wgrad fusion, TE's option): dW is
-    added into ``weight.main_grad`` (an fp32 buffer the caller attaches; overwritten
-    instead when ``weight.overwrite_main_grad`` is True), ``weight.grad`` stays None and
-    ``weight.grad_added_to_main_grad`` is set.
+    ``accumulate_into_main_grad=True`` (Transformer Engine's option, for Megatron-LM's
+    ``gradient_accumulation_fusion``): dW is added into ``weight.main_grad`` (a buffer the
+    caller, e.g. Megatron's DDP, attaches; overwritten instead when
+    ``weight.overwrite_main_grad`` is True) by every backward, fused or not. When the
+    weight has Megatron's ``grad_added_to_main_grad`` flag, it is set and a zero dummy
+    wgrad is returned so that Megatron DDP's grad hooks still fire (and skip their own
+    add); otherwise no wgrad is returned (``weight.grad`` stays None).
 
     ``state_dict()`` carries the delayed-scaling state (scales, amax histories) in
     ``_extra_state`` as JSON in a uint8 tensor, and an FP8 weight as its master copy;
@@ -79,6 +82,7 @@ class BasicLinear(QuantizerStateMixin, BasicOperation):
     ) -> None:
         super().__init__()
         self._accumulate_into_main_grad = bool(accumulate_into_main_grad)
+        self._dummy_wgrad: Optional[torch.Tensor] = None
         for name, value in (("in_features", in_features), ("out_features", out_features)):
             if not isinstance(value, int) or value <= 0:
                 raise ValueError(f"BasicLinear: {name} must be a positive int, got {value!r}")
@@ -381,26 +385,42 @@ class BasicLinear(QuantizerStateMixin, BasicOperation):
             dw = dw.to(self.weight.dtype)  # computed in the input's (autocast) dtype
         return self.reduce_dgrad(dx.reshape(ctx.input_shape)), self.finish_wgrad(dw)
 
+    @property
+    def accumulate_into_main_grad(self) -> bool:
+        """Whether dW goes into ``weight.main_grad`` (see the class docs)."""
+        return self._accumulate_into_main_grad
+
+    @accumulate_into_main_grad.setter
+    def accumulate_into_main_grad(self, value: bool) -> None:
+        self._accumulate_into_main_grad = bool(value)
+
     def finish_wgrad(self, dw: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
-        """The weight gradient to return to autograd: ``dw`` itself, or None after adding
-        it into ``weight.main_grad`` (``accumulate_into_main_grad``). Every backward
-        (fused or not) passes its dW through here."""
+        """The weight gradient to return to autograd: ``dw`` itself, or -- with
+        ``accumulate_into_main_grad`` -- None / a zero dummy after adding it into
+        ``weight.main_grad``. Every backward (fused or not) passes its dW through here."""
         if dw is None or not self._accumulate_into_main_grad:
             return dw
         w = self.weight
         main_grad = getattr(w, "main_grad", None)
         if not isinstance(main_grad, torch.Tensor) or main_grad.shape != w.shape:
             raise ValueError(
-                "BasicLinear(accumulate_into_main_grad=True): weight.main_grad must be a tensor "
-                f"of shape {tuple(w.shape)} (attach it before backward), got {type(main_grad).__name__}"
+                "BasicLinear(accumulate_into_main_grad=True): weight.main_grad is not set or has the wrong "
+                f"shape: weight.main_grad must be a tensor of shape {tuple(w.shape)} (attach it before the "
+                f"backward pass, e.g. Megatron's DistributedDataParallel does), got "
+                f"{tuple(main_grad.shape) if isinstance(main_grad, torch.Tensor) else type(main_grad).__name__}"
             )
         with torch.no_grad():
             if getattr(w, "overwrite_main_grad", False):
                 main_grad.copy_(dw)
             else:
-                main_grad.add_(dw)
+                main_grad.add_(dw.to(main_grad.dtype))
+        if not hasattr(w, "grad_added_to_main_grad"):
+            return None
         w.grad_added_to_main_grad = True
-        return None
+        dummy = self._dummy_wgrad
+        if dummy is None or dummy.shape != w.shape or dummy.dtype != w.dtype or dummy.device != w.device:
+            dummy = self._dummy_wgrad = torch.zeros_like(w.detach())
+        return dummy
 
     # ---- basic-op interface ------------------------------------------------
 

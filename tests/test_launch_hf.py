@@ -1,0 +1,109 @@
+"""``+model=hf model.path=<dir>`` end to end (torchrun, 2 ranks, TP=2, FP8, overlap), and the
+model directory's handling: sizes from config.json, tokenizer.json, safetensors weights
+loaded, pickled weights refused, errors naming the file. Directories are written here
+(tiny Llama config, a BPE tokenizer trained on a few kB); nothing is downloaded.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import math
+import os
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers", reason="transformers is not installed (pip install -e .[hf])")
+tokenizers = pytest.importorskip("tokenizers", reason="tokenizers is not installed (pip install -e .[hf])")
+
+from launch.api import compose  # noqa: E402
+from launch.config import validate  # noqa: E402
+from launch.data import stdlib_corpus  # noqa: E402
+from launch.hf_model import build_hf_model, load_tokenizer  # noqa: E402
+from launch.metrics import read_jsonl  # noqa: E402
+from test_launch_train import torchrun  # noqa: E402
+
+VOCAB = 320
+
+
+def _model_dir(root, *, weights: bool, seed: int = 0, kv_heads: int = 2) -> str:
+    path = str(root)
+    os.makedirs(path, exist_ok=True)
+    cfg = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=kv_heads, max_position_embeddings=64)
+    if weights:
+        torch.manual_seed(seed)
+        transformers.LlamaForCausalLM(cfg).save_pretrained(path, safe_serialization=True)
+    else:
+        cfg.save_pretrained(path)
+    tok = tokenizers.Tokenizer(tokenizers.models.BPE(unk_token="[UNK]"))
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
+    trainer = tokenizers.trainers.BpeTrainer(vocab_size=VOCAB, special_tokens=["[UNK]"],
+                                             initial_alphabet=tokenizers.pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator([stdlib_corpus()[:20000]], trainer=trainer)
+    tok.save(os.path.join(path, "tokenizer.json"))
+    return path
+
+
+@pytest.mark.multirank
+def test_torchrun_hf_llama_tp2_fp8_overlap(tmp_path):
+    model_dir = _model_dir(tmp_path / "model", weights=False)
+    os.makedirs(tmp_path / "run")
+    proc = torchrun(["+model=hf", f"model.path={model_dir}", "parallel.tp=2", "fp8=delayed", "overlap=on",
+                     "data.seq_len=32", "trainer.global_batch_size=4", "trainer.micro_batch_size=4",
+                     "trainer.max_steps=4", "trainer.log_interval=1", "trainer.val_interval=0", "logger=none",
+                     "trainer.progress=false", "optim.warmup_steps=1", "optim.lr=3e-3"],
+                    cwd=str(tmp_path / "run"), env={"HOME": str(tmp_path / "home")})
+    run_dirs = glob.glob(str(tmp_path / "run" / "outputs" / "*" / "*"))
+    assert len(run_dirs) == 1, (run_dirs, proc.stdout[-2000:])
+    metrics = read_jsonl(os.path.join(run_dirs[0], "metrics.jsonl"))
+    assert [m["step"] for m in metrics] == [1, 2, 3, 4]
+    assert all(math.isfinite(m["loss"]) for m in metrics)
+    # Tokens come from the model's tokenizer (vocab 320): the first loss is about ln(320), not ln(256).
+    assert abs(metrics[0]["loss"] - math.log(VOCAB)) < 0.5, metrics[0]["loss"]
+    assert os.path.exists(os.path.join(run_dirs[0], "fp8_stats.jsonl"))
+
+
+def test_sizes_come_from_config_json_and_are_validated(tmp_path):
+    model_dir = _model_dir(tmp_path, weights=False)
+    cfg = compose(["+model=hf", f"model.path={model_dir}"])
+    assert (cfg.model.gpt.hidden_size, cfg.model.gpt.num_heads, cfg.model.gpt.num_query_groups) == (32, 4, 2)
+    assert cfg.model.gpt.vocab_size == VOCAB and cfg.model.gpt.max_seq_len == 64
+    with pytest.raises(ValueError, match=r"parallel.tp \(4\) must divide model.num_query_groups \(2\)"):
+        validate(cfg, world_size=4)
+    with pytest.raises(ValueError, match="does not apply to \\+model=hf"):
+        validate(compose(["+model=hf", f"model.path={model_dir}", "parallel.sequence_parallel=true"]), 2)
+    with pytest.raises(ValueError, match="needs model.path"):
+        compose(["+model=hf"])
+    with pytest.raises(ValueError, match="model.hidden_size: \\+model=hf takes model.path"):
+        compose(["+model=hf", f"model.path={model_dir}", "+model.hidden_size=64"])
+    with open(os.path.join(model_dir, "config.json"), "w") as f:
+        json.dump({"model_type": "bert"}, f)
+    with pytest.raises(ValueError, match="model_type 'bert' has no built-in wrap plan"):
+        compose(["+model=hf", f"model.path={model_dir}"])
+
+
+def test_weights_loaded_from_safetensors_pickle_refused_tokenizer(tmp_path):
+    model_dir = _model_dir(tmp_path / "w", weights=True, seed=5)
+    torch.manual_seed(5)
+    expected = transformers.LlamaForCausalLM(transformers.AutoConfig.from_pretrained(model_dir)).state_dict()
+    model = build_hf_model(model_dir, tp_group=None, dtype=torch.float32, device=torch.device("cpu"), seed=0,
+                           overlap=None)
+    got = model.model.state_dict()
+    assert sorted(got) == sorted(expected)
+    assert all(torch.equal(got[k], expected[k]) for k in expected)
+
+    pickled = _model_dir(tmp_path / "p", weights=False)
+    torch.save({}, os.path.join(pickled, "pytorch_model.bin"))
+    with pytest.raises(ValueError, match="only pickled weights .*Convert them to safetensors"):
+        build_hf_model(pickled, tp_group=None, dtype=torch.float32, device=torch.device("cpu"), seed=0, overlap=None)
+
+    encode = load_tokenizer(model_dir)
+    ids = encode("def f(x): return x")
+    assert ids and max(ids) < VOCAB
+    ref = tokenizers.Tokenizer.from_file(os.path.join(model_dir, "tokenizer.json"))
+    assert ids == ref.encode("def f(x): return x", add_special_tokens=False).ids
+    os.remove(os.path.join(model_dir, "tokenizer.json"))
+    with pytest.raises(ValueError, match="tokenizer.json does not exist"):
+        load_tokenizer(model_dir)
