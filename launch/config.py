@@ -11,6 +11,7 @@ dataclasses; nothing else touches Hydra or OmegaConf.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import types
 import typing
 from dataclasses import dataclass, field
@@ -280,6 +281,12 @@ def _coerce(value: Any, tp: Any, name: str) -> Any:
     raise AssertionError(f"unsupported annotation {tp!r} for {name}")
 
 
+def _did_you_mean(prefix: str, name: str, known: list[str]) -> str:
+    """``; did you mean <prefix>.<closest known key>?`` (empty when nothing is close)."""
+    guess = difflib.get_close_matches(name, known, n=1, cutoff=0.6)
+    return f"; did you mean {prefix}.{guess[0]}?" if guess else ""
+
+
 def _build(cls: type, data: Any, prefix: str) -> Any:
     if not isinstance(data, dict):
         raise ValueError(f"{prefix}: expected a mapping, got {data!r}")
@@ -289,7 +296,7 @@ def _build(cls: type, data: Any, prefix: str) -> Any:
     if unknown:
         raise ValueError(
             f"unknown key(s) {', '.join(f'{prefix}.{k}' for k in unknown)}; "
-            f"known keys of {prefix}: {', '.join(known)}"
+            f"known keys of {prefix}: {', '.join(known)}" + _did_you_mean(prefix, unknown[0], known)
         )
     kwargs = {k: _coerce(v, hints[k], f"{prefix}.{k}") for k, v in data.items()}
     return cls(**kwargs)

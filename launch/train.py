@@ -21,7 +21,8 @@ from hydra.core.hydra_config import HydraConfig  # noqa: E402
 from omegaconf import DictConfig, OmegaConf  # noqa: E402
 
 from launch.config import from_dict, validate  # noqa: E402
-from launch.runtime import env_world_size, rank_overrides, start  # noqa: E402
+from launch.config_errors import CONFIG_DIR, precheck, report_and_exit  # noqa: E402
+from launch.runtime import env_rank, env_world_size, rank_overrides, start  # noqa: E402
 
 
 def run(raw: DictConfig) -> float:
@@ -45,5 +46,9 @@ def main(raw: DictConfig) -> float:
 
 
 if __name__ == "__main__":
+    # Config errors are reported before Hydra creates a run directory: one line, rank 0 only.
+    error = precheck(sys.argv[1:], CONFIG_DIR, env_world_size())
+    if error is not None:
+        report_and_exit(error, env_rank())
     sys.argv += rank_overrides(sys.argv[1:])
     main()
