@@ -138,7 +138,9 @@ class TrainerConfig:
 
     ``global_batch_size`` sequences per optimizer step over all DP ranks;
     ``micro_batch_size`` per DP rank per forward; gradient accumulation makes up the
-    rest. ``exit_at_step`` stops after that step and saves a checkpoint (e.g. to fit
+    rest. Validation uses the first ``val_tokens`` tokens of the validation split (whole
+    ``seq_len`` windows, at most the split), the same sequences for every TP/DP layout.
+    ``exit_at_step`` stops after that step and saves a checkpoint (e.g. to fit
     a job's time limit; the LR schedule still spans ``max_steps``). ``fail_at_step``
     kills ``fail_rank`` at that step on the first attempt only
     (``TORCHELASTIC_RESTART_COUNT`` 0): a fault-injection switch for restart tests.
@@ -147,7 +149,7 @@ class TrainerConfig:
     max_steps: int = 300
     log_interval: int = 10
     val_interval: int = 100
-    val_batches: int = 4
+    val_tokens: int = 262144
     seed: int = 1234
     global_batch_size: int = 16
     micro_batch_size: int = 8
@@ -367,7 +369,7 @@ def validate(cfg: TrainConfig, world_size: int) -> ParallelLayout:
     for name in ("max_steps", "log_interval", "global_batch_size", "micro_batch_size"):
         _positive(f"trainer.{name}", getattr(tr, name))
     _need(tr.val_interval >= 0, f"trainer.val_interval must be >= 0 (0 = off), got {tr.val_interval}")
-    _need(tr.val_batches >= 1, f"trainer.val_batches must be >= 1, got {tr.val_batches}")
+    _need(tr.val_tokens >= 1, f"trainer.val_tokens must be >= 1, got {tr.val_tokens}")
     per_step = tr.micro_batch_size * dp
     _need(tr.global_batch_size % per_step == 0,
           f"trainer.global_batch_size ({tr.global_batch_size}) must be a multiple of "

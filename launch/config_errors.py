@@ -69,6 +69,12 @@ _SECTIONS: dict[str, type] = {
 }
 
 
+#: Keys that were replaced: the message says what to use instead.
+_REPLACED = {
+    "trainer.val_batches": "trainer.val_tokens (validation is sized in tokens, the same set for every layout)",
+}
+
+
 def known_keys(section: str) -> list[str]:
     """Field names of config group ``section`` (``model``: ``name`` + every GPTConfig field)."""
     if section == "model":
@@ -106,6 +112,8 @@ def override_key_error(override: str) -> Optional[str]:
         return (f"unknown config group {section!r} in {override!r}; groups: {', '.join(sections)}"
                 + _did_you_mean("", section, sections))
     keys = known_keys(section)
+    if f"{section}.{field}" in _REPLACED:
+        return f"{section}.{field} was replaced by {_REPLACED[f'{section}.{field}']}"
     if field not in keys:
         return (f"unknown key {section}.{field} in {override!r}; known keys of {section}: {', '.join(keys)}"
                 + _did_you_mean(f"{section}.", field, keys))

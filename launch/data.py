@@ -198,14 +198,22 @@ class BatchLoader:
         """The step is done: move to the next global batch."""
         self.consumed_samples += self.global_batch_size
 
-    def val_batches(self, num_batches: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """The fixed validation micro-batches of this DP rank (same every call)."""
-        n = self.data.num_val_windows
-        out = []
-        for b in range(num_batches):
-            first = (b * self.dp_size + self.dp_rank) * self.micro_batch_size
-            out.append(self._rows(self.data.val, [(first + i) % n for i in range(self.micro_batch_size)]))
-        return out
+    def val_windows(self, val_tokens: int) -> int:
+        """How many ``seq_len`` windows the validation set has: ``val_tokens // seq_len``
+        (at least 1), at most the whole validation split."""
+        return max(1, min(self.data.num_val_windows, val_tokens // self.data.seq_len))
+
+    def val_batches(self, val_tokens: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """This DP rank's share of the fixed validation set (same every call).
+
+        The set is the first :meth:`val_windows` windows of the validation split, whatever
+        the layout: DP rank ``d`` takes windows ``d, d + dp, d + 2 dp, ...`` in micro-batches
+        of up to ``micro_batch_size`` rows (the last one may be shorter; a rank may get
+        none). Callers weight each batch's mean loss by its rows and sum over DP ranks.
+        """
+        mine = list(range(self.dp_rank, self.val_windows(val_tokens), self.dp_size))
+        step = self.micro_batch_size
+        return [self._rows(self.data.val, mine[i : i + step]) for i in range(0, len(mine), step)]
 
     def state_dict(self) -> dict[str, int]:
         return {"consumed_samples": self.consumed_samples}

@@ -164,21 +164,25 @@ class Trainer:
         return total / accum
 
     def _validate(self) -> float:
-        """Mean validation loss over ``trainer.val_batches`` micro-batches and DP ranks."""
+        """Mean validation loss over the fixed validation set (``trainer.val_tokens``).
+
+        Every layout evaluates the same sequences: each DP rank a share, each batch's mean
+        weighted by its rows, sums and row counts added over the DP group.
+        """
         self.model.eval()
-        total = torch.zeros((), dtype=torch.float64, device=self.rt.device)
-        batches = self.loader.val_batches(self.cfg.trainer.val_batches)
+        sums = torch.zeros(2, dtype=torch.float64, device=self.rt.device)  # [loss * rows, rows]
+        batches = self.loader.val_batches(self.cfg.trainer.val_tokens)
         # Debug features observe training only (validation runs in high precision).
         paused = self.debug.paused() if self.debug is not None else contextlib.nullcontext()
         with torch.no_grad(), paused:
             for tokens, labels in batches:
-                total += self.model(tokens, labels).double()
+                rows = tokens.shape[0]
+                sums[0] += self.model(tokens, labels).double() * rows
+                sums[1] += rows
         self.model.train()
-        total /= len(batches)
         if self.rt.layout.dp > 1:
-            dist.all_reduce(total, group=self.rt.topology.dp_group)
-            total /= self.rt.layout.dp
-        return float(total)
+            dist.all_reduce(sums, group=self.rt.topology.dp_group)
+        return float(sums[0] / sums[1])
 
     def _maybe_fail(self, step: int) -> None:
         tr = self.cfg.trainer

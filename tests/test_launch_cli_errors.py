@@ -31,6 +31,7 @@ def test_typo_in_existing_group_names_valid_keys_and_closest_match():
     for ok in ("trainer.max_steps=5", "fp8=delayed", "+trainer.extra=1", "hydra.run.dir=x", "model.hidden_size=8"):
         assert override_key_error(ok) is None, ok
     assert closest("zzz", ["max_steps"]) is None
+    assert "replaced by trainer.val_tokens" in override_key_error("trainer.val_batches=4")
 
 
 def test_precheck_reports_every_kind_of_config_error():
