@@ -130,6 +130,8 @@ class LoggerConfig:
     name: Optional[str] = None
     mode: Literal["auto", "offline", "online"] = "auto"
     tags: list[str] = field(default_factory=list)
+    # Online start-up gives up after this long and the run goes on offline (with a warning).
+    init_timeout_s: float = 30.0
 
 
 @dataclass

@@ -17,7 +17,8 @@ from tp_fuse.recipe import DelayedScaling, Float8CurrentScaling, Format, Recipe
 from .config import FP8Config, OverlapConfig, TrainConfig
 from .runtime import Runtime
 
-__all__ = ["ModelFactory", "build_model", "build_overlap", "build_recipe", "dropout_seed", "fp8_autocast"]
+__all__ = ["ModelFactory", "build_model", "build_overlap", "build_recipe", "dropout_seed", "fp8_autocast",
+           "ignored_summary"]
 
 #: ``factory(gpt_config, tp_group=..., sequence_parallel=..., dtype=..., device=..., seed=..., overlap=...,
 #: dropout_seed=...)`` -- the signature of ``layers.GPT``.
@@ -39,14 +40,34 @@ def build_recipe(cfg: FP8Config) -> Optional[Recipe]:
     return None
 
 
-def build_overlap(cfg: OverlapConfig) -> TPOverlap:
+def build_overlap(cfg: OverlapConfig, report: Optional[Callable[[str], None]] = None) -> TPOverlap:
     """``overlap=on``: Megatron-default methods or the given ``tp_comm_overlap_cfg`` YAML;
-    ``overlap=off``: an explicitly disabled config (the layers' default would be on)."""
+    ``overlap=off``: an explicitly disabled config (the layers' default would be on).
+
+    Settings of the YAML without effect on this build (GPU-only knobs such as ``num_sm``)
+    are summarized in one short line passed to ``report`` (rank 0's printer; None: silent)
+    instead of ``OverlapConfig``'s full per-field warning on every rank.
+    """
     if not cfg.enabled:
         return TPOverlap(TPOverlapConfig(enabled=False))
     if cfg.config is not None:
-        return TPOverlap(TPOverlapConfig.from_yaml(cfg.config))
+        config = TPOverlapConfig.from_yaml(cfg.config, warn_ignored=False)
+        if report is not None:
+            line = ignored_summary(config, cfg.config)
+            if line:
+                report(line)
+        return TPOverlap(config)
     return TPOverlap(TPOverlapConfig())
+
+
+def ignored_summary(config: TPOverlapConfig, path: str) -> Optional[str]:
+    """``overlap.config=<path>: N settings have no effect here (num_sm, cga_size, ...)``, or None."""
+    ignored = config.ignored_fields()  # "<gemm>.<field>=<value> (why)"
+    if not ignored:
+        return None
+    fields = sorted({item.split(".", 1)[1].split("=", 1)[0] for item in ignored})
+    return (f"overlap.config={path}: {len(ignored)} setting(s) have no effect on this build "
+            f"({', '.join(fields)}); OverlapConfig.ignored_fields() lists them")
 
 
 def dropout_seed(seed: int, dp_rank: int) -> int:
@@ -54,8 +75,9 @@ def dropout_seed(seed: int, dp_rank: int) -> int:
     return seed + 1_000_003 * dp_rank
 
 
-def build_model(cfg: TrainConfig, rt: Runtime, factory: Optional[ModelFactory] = None) -> torch.nn.Module:
-    """``layers.GPT`` (or ``factory``) for this rank's TP shard."""
+def build_model(cfg: TrainConfig, rt: Runtime, factory: Optional[ModelFactory] = None,
+                report: Optional[Callable[[str], None]] = None) -> torch.nn.Module:
+    """``layers.GPT`` (or ``factory``) for this rank's TP shard; ``report``: see :func:`build_overlap`."""
     factory = factory or GPT
     tp_group = rt.topology.tp_group if rt.layout.tp > 1 else None
     model = factory(
@@ -65,7 +87,7 @@ def build_model(cfg: TrainConfig, rt: Runtime, factory: Optional[ModelFactory] =
         dtype=rt.dtype,
         device=rt.device,
         seed=cfg.trainer.seed,
-        overlap=build_overlap(cfg.overlap),
+        overlap=build_overlap(cfg.overlap, report),
         # Data-parallel replicas draw different dropout masks (TP ranks of a replica share
         # theirs where activations are replicated: layers.DropoutRNG).
         dropout_seed=dropout_seed(cfg.trainer.seed, rt.topology.dp_rank),

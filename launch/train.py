@@ -22,6 +22,7 @@ from omegaconf import DictConfig, OmegaConf  # noqa: E402
 
 from launch.config import from_dict, validate  # noqa: E402
 from launch.config_errors import CONFIG_DIR, precheck, report_and_exit  # noqa: E402
+from launch.runlog import tee_output  # noqa: E402
 from launch.runtime import env_rank, env_world_size, rank_overrides, start  # noqa: E402
 
 
@@ -34,7 +35,8 @@ def run(raw: DictConfig) -> float:
 
     rt = start(cfg, layout, HydraConfig.get().runtime.output_dir)
     try:
-        result = Trainer(cfg, rt).fit()
+        with tee_output(os.path.join(rt.run_dir, "train.log"), rt.is_rank0):
+            result = Trainer(cfg, rt).fit()
     finally:
         rt.shutdown()
     return result.final_loss

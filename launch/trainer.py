@@ -41,7 +41,9 @@ from .metrics import MetricsSink
 from .model import ModelFactory, build_model, build_recipe, fp8_autocast
 from .optim import build_optimizer, lr_at, set_lr
 from .progress import Progress
+from .report import format_eta
 from .runtime import Runtime, restart_count
+from .startup import announce, presize_overlap_buffers, say
 
 __all__ = ["TrainResult", "Trainer"]
 
@@ -86,7 +88,7 @@ class Trainer:
             seed=tr.seed,
             device=rt.device,
         )
-        self.model = build_model(cfg, rt, model_factory)
+        self.model = build_model(cfg, rt, model_factory, say if rt.is_rank0 else None)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = build_optimizer(self.model, cfg.optim)
         self.recipe = build_recipe(cfg.fp8)
@@ -102,6 +104,9 @@ class Trainer:
         if cfg.debug.config is not None:
             self.debug = DebugSession(cfg.debug.config, reduction_group=topo.world_group, iteration=1)
             self.debug.attach(self.model, tp_group=tp_group)
+
+        # Overlap workspaces at their largest (high-precision) size before training.
+        presize_overlap_buffers(cfg, self.model, self.loader, self.fp8_stats, self.debug)
 
         self.state = TrainingState(
             model=self.model,
@@ -127,6 +132,8 @@ class Trainer:
         # Records after the start step (a crashed attempt's, or an older run's in a reused
         # run directory) are dropped: the files hold one trajectory.
         self.sink = MetricsSink(rt.run_dir, rt.is_rank0, wandb, resume_step=self.start_step)
+        self.meter = announce(cfg, rt, self.model, self.loader, self.start_step,
+                              wandb.describe() if wandb is not None else None)
 
     # ---- resume --------------------------------------------------------------------
 
@@ -240,14 +247,14 @@ class Trainer:
                 losses[step] = loss_value
                 step_time = time.perf_counter() - t0
                 progress.update(step, loss_value, tokens_per_step / step_time)
+                perf = self.meter.metrics(step, step_time, rt.device)
 
                 if log_now:
                     metrics = {
                         "loss": loss_value,
                         "lr": lr,
                         "grad_norm": float(norm),
-                        "tokens_per_s": tokens_per_step / step_time,
-                        "step_time_s": step_time,
+                        **perf,  # step_time_s, tokens_per_s, eta_s, mfu (if a peak is known), peak_mem_gib
                         "comm/dp_grad_allreduce_s": t_comm,
                         "consumed_samples": float(self.loader.consumed_samples),
                     }
@@ -262,7 +269,10 @@ class Trainer:
                     val = f"  val {metrics['val_loss']:.4f}" if "val_loss" in metrics else ""
                     progress.line(
                         f"step {step:>6}/{tr.max_steps}  loss {loss_value:.4f}{val}  lr {lr:.2e}  "
-                        f"grad_norm {float(norm):.3f}  {metrics['tokens_per_s']:,.0f} tok/s"
+                        f"grad_norm {float(norm):.3f}  {perf['step_time_s'] * 1e3:,.0f} ms/step  "
+                        f"{perf['tokens_per_s']:,.0f} tok/s  "
+                        + (f"MFU {perf['mfu']:.1%}  " if "mfu" in perf else "MFU n/a  ")
+                        + f"mem {perf['peak_mem_gib']:.2f} GiB  ETA {format_eta(perf['eta_s'])}"
                     )
                 ck = cfg.checkpoint
                 exiting = tr.exit_at_step == step and step < tr.max_steps
