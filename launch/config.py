@@ -19,6 +19,8 @@ from typing import Any, Literal, Optional, Union
 
 from layers.config import GPTConfig
 
+from .tokenizer import check_tokenizer_choice
+
 __all__ = [
     "CheckpointConfig",
     "DataConfig",
@@ -93,7 +95,7 @@ class DataConfig:
 
     ``source``: ``stdlib`` (no download: the Python reference text shipped with the
     standard library in ``pydoc_data.topics``), ``text`` (your UTF-8 files in
-    ``paths``, byte-tokenized), ``bin`` (pre-tokenized ``uint16``/``uint32`` token
+    ``paths``), ``bin`` (pre-tokenized ``uint16``/``uint32`` token
     files, nanoGPT/Megatron style). The last ``val_fraction`` of the token stream is
     the validation split.
     """
@@ -101,7 +103,9 @@ class DataConfig:
     source: Literal["stdlib", "text", "bin"] = "stdlib"
     paths: list[str] = field(default_factory=list)
     bin_dtype: Literal["uint16", "uint32"] = "uint16"
-    tokenizer: Literal["byte"] = "byte"
+    # auto | byte | bpe | <path to tokenizer.json> (launch.tokenizer): auto = byte for
+    # model.vocab_size 256, else a BPE of model.vocab_size trained on the corpus.
+    tokenizer: str = "auto"
     val_fraction: float = 0.05
     seq_len: Optional[int] = None  # None: model.max_seq_len
 
@@ -391,8 +395,7 @@ def validate(cfg: TrainConfig, world_size: int) -> ParallelLayout:
     _need(0.0 < cfg.data.val_fraction < 1.0, f"data.val_fraction must be in (0, 1), got {cfg.data.val_fraction}")
     if cfg.data.source in ("text", "bin"):
         _need(bool(cfg.data.paths), f"data.paths must list at least one file for data.source={cfg.data.source}")
-    if cfg.data.tokenizer == "byte" and cfg.data.source != "bin":
-        _need(gpt.vocab_size >= 256, f"model.vocab_size ({gpt.vocab_size}) must be >= 256 for the byte tokenizer")
+    check_tokenizer_choice(cfg.data.tokenizer, cfg.data.source, gpt.vocab_size)  # vs model.vocab_size
     if par.sequence_parallel:
         _need(seq % tp == 0, f"data.seq_len ({seq}) must be divisible by parallel.tp ({tp}) with sequence parallel")
 

@@ -23,25 +23,14 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
 from .config import DataConfig
+from .tokenizer import ByteTokenizer, Tok, build_tokenizer
 
-__all__ = ["ByteTokenizer", "TokenData", "BatchLoader", "load_tokens", "stdlib_corpus"]
-
-
-class ByteTokenizer:
-    """UTF-8 bytes as tokens: vocabulary of 256, lossless for any text."""
-
-    vocab_size = 256
-
-    def encode(self, text: str) -> torch.Tensor:
-        return torch.frombuffer(bytearray(text.encode("utf-8")), dtype=torch.uint8).clone()
-
-    def decode(self, tokens: torch.Tensor) -> str:
-        return bytes(tokens.to(torch.uint8).tolist()).decode("utf-8", errors="replace")
+__all__ = ["ByteTokenizer", "TokenData", "BatchLoader", "corpus_bytes", "load_tokens", "make_tokenizer", "stdlib_corpus"]
 
 
 def stdlib_corpus() -> str:
@@ -72,24 +61,56 @@ def _read_bin(path: str, dtype_name: str) -> torch.Tensor:
     return raw.view(dtype).to(torch.int64)
 
 
-def load_tokens(cfg: DataConfig, vocab_size: int) -> torch.Tensor:
-    """The whole token stream (int64) for ``cfg``; ValueError for bad files or ids."""
+def corpus_bytes(cfg: DataConfig) -> bytes:
+    """The text corpus of ``data.source=stdlib|text`` as UTF-8 bytes (files joined by a blank line)."""
+    for i, path in enumerate(cfg.paths):
+        if not os.path.isfile(path):
+            raise ValueError(f"data.paths[{i}]: no such file: {path!r}")
+    if cfg.source == "stdlib":
+        return stdlib_corpus().encode("utf-8")
+    parts = []
+    for p in cfg.paths:
+        with open(p, "rb") as f:
+            parts.append(f.read())
+    return b"\n\n".join(parts)
+
+
+def make_tokenizer(cfg: DataConfig, vocab_size: int, is_rank0: bool = True,
+                   barrier: Callable[[], None] = lambda: None) -> Optional[Tok]:
+    """The tokenizer of ``data.tokenizer`` (None for pre-tokenized ``bin`` data).
+
+    A BPE is trained on the training part of the corpus (the first ``1 - val_fraction``
+    of its bytes) by rank 0 and cached (``launch.tokenizer``).
+    """
+    if cfg.source == "bin":
+        return None
+
+    def training_text() -> bytes:
+        data = corpus_bytes(cfg)
+        return data[: max(1, int(len(data) * (1.0 - cfg.val_fraction)))]
+
+    return build_tokenizer(cfg.tokenizer, vocab_size, training_text, list(cfg.paths), is_rank0, barrier)
+
+
+def load_tokens(cfg: DataConfig, vocab_size: int, tokenizer: Optional[Tok] = None) -> torch.Tensor:
+    """The whole token stream (int64) for ``cfg``; ValueError for bad files or ids.
+
+    ``tokenizer`` None: :func:`make_tokenizer` (for text sources).
+    """
     for i, path in enumerate(cfg.paths):
         if not os.path.isfile(path):
             raise ValueError(f"data.paths[{i}]: no such file: {path!r}")
     if cfg.source == "bin":
         tokens = torch.cat([_read_bin(p, cfg.bin_dtype) for p in cfg.paths])
     else:
-        # The byte tokenizer's tokens of UTF-8 text are its bytes: no decode/encode round trip.
-        if cfg.source == "stdlib":
-            text_bytes = stdlib_corpus().encode("utf-8")
+        if tokenizer is None:
+            tokenizer = make_tokenizer(cfg, vocab_size)
+        text_bytes = corpus_bytes(cfg)
+        if isinstance(tokenizer, ByteTokenizer):
+            # The byte tokenizer's tokens of UTF-8 text are its bytes: no decode/encode round trip.
+            tokens = torch.frombuffer(bytearray(text_bytes), dtype=torch.uint8).to(torch.int64)
         else:
-            parts = []
-            for p in cfg.paths:
-                with open(p, "rb") as f:
-                    parts.append(f.read())
-            text_bytes = b"\n\n".join(parts)
-        tokens = torch.frombuffer(bytearray(text_bytes), dtype=torch.uint8).to(torch.int64)
+            tokens = tokenizer.encode(text_bytes.decode("utf-8", errors="replace")).to(torch.int64)
     if tokens.numel() == 0:
         raise ValueError(f"data: the {cfg.source} corpus is empty")
     top = int(tokens.max())
@@ -109,8 +130,8 @@ class TokenData:
     seq_len: int
 
     @classmethod
-    def build(cls, cfg: DataConfig, seq_len: int, vocab_size: int) -> "TokenData":
-        tokens = load_tokens(cfg, vocab_size)
+    def build(cls, cfg: DataConfig, seq_len: int, vocab_size: int, tokenizer: Optional[Tok] = None) -> "TokenData":
+        tokens = load_tokens(cfg, vocab_size, tokenizer)
         n_val = max(int(tokens.numel() * cfg.val_fraction), seq_len + 1)
         n_train = tokens.numel() - n_val
         if n_train < 2 * (seq_len + 1):

@@ -65,7 +65,7 @@ def _fmt_count(n: int) -> str:
 
 
 def announce(cfg: TrainConfig, rt: Runtime, model: torch.nn.Module, loader: BatchLoader,
-             start_step: int, wandb_line: Optional[str]) -> StepMeter:
+             start_step: int, wandb_line: Optional[str], tokenizer: Any = None) -> StepMeter:
     """Print the start-of-run report on rank 0 (collectives on every rank); the step meter."""
     topo = rt.topology
     total, per_rank = count_parameters(model, topo.tp_group if rt.layout.tp > 1 else None, rt.layout.tp)
@@ -77,6 +77,9 @@ def announce(cfg: TrainConfig, rt: Runtime, model: torch.nn.Module, loader: Batc
               file=sys.stderr, flush=True)
         say(f"parameters: {_fmt_count(total)} total ({total:,}), {_fmt_count(per_rank)} per rank "
             f"({per_rank:,}; TP={rt.layout.tp} x DP={rt.layout.dp})")
+        if tokenizer is not None:
+            say(f"tokenizer: {tokenizer.name}, {tokenizer.vocab_size:,} tokens for model.vocab_size="
+                f"{cfg.model.gpt.vocab_size:,}; corpus {loader.data.train.numel() + loader.data.val.numel():,} tokens")
         n_val = loader.val_windows(cfg.trainer.val_tokens)
         say(f"validation set: {n_val} sequences x {cfg.seq_len} tokens = {n_val * cfg.seq_len:,} tokens "
             f"(trainer.val_tokens={cfg.trainer.val_tokens}, validation split {loader.data.val.numel():,} tokens), "

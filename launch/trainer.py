@@ -34,7 +34,7 @@ from tp_fuse.debug import DebugSession, Fp8StatsCollector
 
 from .checkpoint import CheckpointError, CheckpointManager, TrainingState
 from .config import TrainConfig
-from .data import BatchLoader, TokenData
+from .data import BatchLoader, TokenData, make_tokenizer
 from .grads import allreduce_dp_grads, clip_grads, global_grad_norm
 from .logging_wandb import WandbLogger
 from .metrics import MetricsSink
@@ -78,7 +78,9 @@ class Trainer:
         self.rt = rt
         tr, topo = cfg.trainer, rt.topology
         torch.manual_seed(tr.seed)
-        self.data = TokenData.build(cfg.data, cfg.seq_len, cfg.model.gpt.vocab_size)
+        # A trained BPE is built by rank 0 (and cached beside the data); the others wait.
+        self.tokenizer = make_tokenizer(cfg.data, cfg.model.gpt.vocab_size, rt.is_rank0, rt.barrier)
+        self.data = TokenData.build(cfg.data, cfg.seq_len, cfg.model.gpt.vocab_size, self.tokenizer)
         self.loader = BatchLoader(
             self.data,
             global_batch_size=tr.global_batch_size,
@@ -133,7 +135,7 @@ class Trainer:
         # run directory) are dropped: the files hold one trajectory.
         self.sink = MetricsSink(rt.run_dir, rt.is_rank0, wandb, resume_step=self.start_step)
         self.meter = announce(cfg, rt, self.model, self.loader, self.start_step,
-                              wandb.describe() if wandb is not None else None)
+                              wandb.describe() if wandb is not None else None, self.tokenizer)
 
     # ---- resume --------------------------------------------------------------------
 
