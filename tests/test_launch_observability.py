@@ -52,6 +52,10 @@ def test_quiet_informative_run_with_restart(tmp_path):
     assert last["step"] == 4
     assert {"step_time_s", "tokens_per_s", "eta_s", "mfu", "peak_mem_gib"} <= set(last)
     assert 0 < last["mfu"] < 1 and last["peak_mem_gib"] > 0 and last["eta_s"] == 0
+    # FP8 statistics still flow with the presized workspaces (the presizing forward is not recorded).
+    fp8 = read_jsonl(os.path.join(run_dir, "fp8_stats.jsonl"))
+    assert [r["step"] for r in fp8] == [1, 2, 3, 4]
+    assert fp8[-1]["fp8/layers.0/fc1/input/amax"] > 0
     # Two attempts, one W&B run id.
     runs = glob.glob(os.path.join(run_dir, "wandb", "offline-run-*"))
     assert len(runs) == 2
