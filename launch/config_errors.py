@@ -24,8 +24,10 @@ import difflib
 import os
 import sys
 import time
+from datetime import timedelta
 from typing import Optional
 
+import torch.distributed as dist
 from hydra import compose as hydra_compose
 from hydra import initialize_config_dir
 from omegaconf import OmegaConf
@@ -50,8 +52,10 @@ __all__ = ["CONFIG_DIR", "CONFIG_ERROR_EXIT", "closest", "known_keys", "override
 
 #: Exit status for a configuration error (as argparse uses for usage errors).
 CONFIG_ERROR_EXIT = 2
-#: How long ranks != 0 wait before exiting, so that rank 0's message is printed first.
+#: Without torchrun's store: how long ranks != 0 wait before exiting, so that rank 0's
+#: message is printed first. With it: the longest they wait for rank 0.
 _OTHER_RANKS_DELAY_S = 2.0
+_OTHER_RANKS_WAIT_S = 60.0
 
 #: The Hydra config directory (``configs/`` at the repository root).
 CONFIG_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
@@ -160,12 +164,35 @@ def precheck(argv: list[str], config_dir: str, world_size: int) -> Optional[str]
     return None
 
 
+def _torchrun_store() -> Optional[dist.TCPStore]:
+    """A client of torchrun's agent store (None when not under torchrun or unreachable)."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    try:
+        return dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                             timeout=timedelta(seconds=_OTHER_RANKS_WAIT_S))
+    except (KeyError, ValueError, RuntimeError):
+        return None
+
+
 def report_and_exit(message: str, rank: int) -> None:
-    """Print ``message`` once (rank 0), without a traceback; exit non-zero on every rank."""
+    """Print ``message`` once (rank 0), without a traceback; exit non-zero on every rank.
+
+    torchrun stops the other workers as soon as one exits, so ranks != 0 wait until rank 0
+    has printed (a key in torchrun's store; a short sleep where there is no store).
+    """
+    key = f"tp_fuse/config_error_printed/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+    store = _torchrun_store() if os.environ.get("WORLD_SIZE", "1") != "1" else None
     if rank == 0:
         print(f"[tp-fuse] config error: {message}", file=sys.stderr, flush=True)
+        if store is not None:
+            store.set(key, "1")
+    elif store is not None:
+        try:
+            store.wait([key])
+        except RuntimeError:  # rank 0 never got there: exit anyway
+            pass
     else:
-        # torchrun stops the other workers as soon as one exits: give rank 0 time to print.
         time.sleep(_OTHER_RANKS_DELAY_S)
     raise SystemExit(CONFIG_ERROR_EXIT)
 
