@@ -115,7 +115,7 @@ def _cases():
             runnable = [c for c in cmds if _skip_reason(c) is None and c not in seen]
             seen.update(runnable)
             if runnable:
-                yield pytest.param(runnable, id=f"{doc}#{b}")
+                yield pytest.param(runnable, id=f"{os.path.basename(doc).split('.')[0]}_{b}")
 
 
 def test_the_extraction_finds_the_documented_commands():
