@@ -10,6 +10,7 @@ import torch
 
 from layers import GPT, GPTConfig
 from tp_fuse import autocast
+from tp_fuse.debug import name_linears
 from tp_fuse.overlap_config import OverlapConfig as TPOverlapConfig
 from tp_fuse.overlap_config import TPOverlap
 from tp_fuse.recipe import DelayedScaling, Float8CurrentScaling, Format, Recipe
@@ -17,8 +18,16 @@ from tp_fuse.recipe import DelayedScaling, Float8CurrentScaling, Format, Recipe
 from .config import FP8Config, OverlapConfig, TrainConfig
 from .runtime import Runtime
 
-__all__ = ["ModelFactory", "build_model", "build_overlap", "build_recipe", "dropout_seed", "fp8_autocast",
-           "ignored_summary"]
+__all__ = [
+    "ModelFactory",
+    "build_model",
+    "build_overlap",
+    "build_recipe",
+    "dropout_seed",
+    "fp8_autocast",
+    "fp8_quantizers",
+    "ignored_summary",
+]
 
 #: ``factory(gpt_config, tp_group=..., sequence_parallel=..., dtype=..., device=..., seed=..., overlap=...,
 #: dropout_seed=...)`` -- the signature of ``layers.GPT``.
@@ -101,3 +110,20 @@ def fp8_autocast(recipe: Optional[Recipe], group: Any) -> contextlib.AbstractCon
     if recipe is None:
         return contextlib.nullcontext()
     return autocast(recipe=recipe, amax_reduction_group=group)
+
+
+def fp8_quantizers(model: torch.nn.Module, recipe: Optional[Recipe], group: Any) -> dict[str, dict[str, Any]]:
+    """FP8 quantizers of every ``BasicLinear`` under ``recipe``: ``{module path: {role: quantizer}}``.
+
+    Asking the ops inside an autocast creates missing quantizers (e.g. before the first
+    step of a resumed run) with the recipe the training loop uses.
+    """
+    if recipe is None:
+        return {}
+    out: dict[str, dict[str, Any]] = {}
+    with autocast(recipe=recipe, amax_reduction_group=group):
+        for name in name_linears(model):
+            qs = name.op.fp8_quantizers() or {}
+            if qs:
+                out[name.qualname] = dict(qs)
+    return out

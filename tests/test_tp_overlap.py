@@ -527,7 +527,40 @@ def _error_cases(run: Runner, r: int, tp: int, group) -> None:
         seq = Sequential(AllGather(group), lin)
         messages["comm_name"] = _expect_error(lambda: seq(torch.randn(2, 4)), "'attn'", "attn_fprop")
 
-    for label, fn in [("non-divisible", non_divisible), ("in_features", wrong_features),
+    def disagreeing_shapes():
+        """Ranks passing different shapes/dtypes: a ValueError on every rank naming each
+        rank's shape, by default, fused or not (gloo used to abort with SIGABRT)."""
+        from tp_fuse.ops import AllReduce, Bias, ReduceScatter
+
+        rows = 2 * tp + 2 * tp * r  # rank-dependent, divisible by tp
+        want = [f"rank {q}: input ({2 * tp + 2 * tp * q}, 4)" for q in range(tp)]
+        ov = TPOverlap(OverlapConfig())
+
+        def lin(name):
+            return BasicLinear(4, 4, userbuffers_options={"comm_name": name, "overlap": ov})
+
+        seqs = {
+            "AllGather": Sequential(AllGather(group)),
+            "ReduceScatter": Sequential(ReduceScatter(group)),
+            "AllReduce": Sequential(AllReduce(group)),
+            "AllGather+GEMM": Sequential(AllGather(group), lin("fc1")),
+            "GEMM+ReduceScatter": Sequential(lin("fc2"), ReduceScatter(group)),
+            "GEMM+AllReduce": Sequential(lin("fc2"), Bias(4), AllReduce(group)),
+        }
+        for what, seq in seqs.items():
+            messages[f"shapes {what}"] = _expect_error(
+                lambda: seq(torch.randn(rows, 4)), f"{what}: ranks disagree on the input shape/dtype", *want)
+        dtype = torch.float32 if r == 0 else torch.float64
+        messages["dtypes"] = _expect_error(lambda: Sequential(AllReduce(group))(torch.randn(4, 4, dtype=dtype)),
+                                           "rank 0: input (4, 4) torch.float32", "rank 1: input (4, 4) torch.float64")
+        # Agreed signatures are checked once: the second call adds no collective check.
+        ag = AllGather(group)
+        for _ in range(3):
+            ag(torch.randn(2, 4))
+        assert ag.shape_agreement.checks == 1, ag.shape_agreement.checks
+
+    for label, fn in [("disagreeing shapes", disagreeing_shapes),
+                      ("non-divisible", non_divisible), ("in_features", wrong_features),
                       ("conflicting TPOverlap", conflicting_overlap), ("unknown comm_name", unknown_comm_name)]:
         run.run("errors", label, fn)
     # Communication still pairs up after the errors above.
@@ -717,11 +750,14 @@ def test_fp8_all_gather_moves_one_byte_per_element(results_2):
 
 
 def test_errors_raise_on_every_rank_before_communication(results_2):
-    _check(results_2, "errors", 5)
+    _check(results_2, "errors", 6)
     for res in results_2:
         msgs = res["data"]["error_messages"]
         assert msgs["non-divisible fused=True"] == msgs["non-divisible fused=False"], msgs
         assert "first (sequence) dimension 5 is not divisible by the tensor-parallel size 2" in msgs["non-divisible fused=True"]
+        assert "GEMM+ReduceScatter: ranks disagree on the input shape/dtype (rank 0: input (4, 4) torch.float32, " \
+               "weight (4, 4) torch.float32; rank 1: input (8, 4) torch.float32, weight (4, 4) torch.float32)" \
+               == msgs["shapes GEMM+ReduceScatter"], msgs
 
 
 def test_tp1_group_is_identity_without_fusion(results_2):

@@ -54,6 +54,8 @@ import warnings
 from collections.abc import Iterable, Mapping
 from typing import Any, Optional, Union
 
+import yaml
+
 __all__ = [
     "GEMM_LAYERS",
     "GEMM_STAGES",
@@ -257,9 +259,10 @@ class OverlapConfig:
         extra_layers: Iterable[str] = (),
         warn_ignored: bool = True,
     ) -> "OverlapConfig":
-        """Load a Megatron-LM ``tp_comm_overlap_cfg`` YAML file (or YAML text) as it is."""
-        import yaml
+        """Load a Megatron-LM ``tp_comm_overlap_cfg`` YAML file (or YAML text) as it is.
 
+        A YAML syntax error is a ValueError naming the file, line and column.
+        """
         text = os.fspath(path_or_text)
         source = "<yaml text>"
         if os.path.exists(text):
@@ -268,8 +271,15 @@ class OverlapConfig:
                 text = f.read()
         elif "\n" not in text and text.endswith((".yaml", ".yml")):
             raise ValueError(f"OverlapConfig.from_yaml: file not found: {text}")
+        try:
+            data = yaml.safe_load(text)
+        except yaml.YAMLError as exc:
+            mark = getattr(exc, "problem_mark", None)
+            where = f"{source}:{mark.line + 1}:{mark.column + 1}" if mark is not None else source
+            problem = getattr(exc, "problem", None) or str(exc)
+            raise ValueError(f"OverlapConfig.from_yaml: {where}: invalid YAML: {problem}") from None
         return cls.from_dict(
-            yaml.safe_load(text) or {},
+            data or {},
             enabled=enabled,
             extra_layers=extra_layers,
             source=source,

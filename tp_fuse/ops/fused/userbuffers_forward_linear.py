@@ -182,8 +182,9 @@ class UserbuffersForwardLinear(FusedOperation):
         fp8 = linear.fp8_quantizers() is not None
         if not fp8:
             x = maybe_dequantize(x)
-        # Every check is local and happens before any communication: all ranks raise.
+        # Every check happens before any other communication: all ranks raise.
         linear.check_input(x)
+        ag.check_agreement("AllGather+GEMM", [x, linear.weight], ("input", "weight"))
         gathered_shape = torch.Size((x.shape[0] * tp, *x.shape[1:]))
         out_shape = (*gathered_shape[:-1], linear.out_features)
         bias = None
@@ -254,6 +255,7 @@ class UserbuffersForwardLinear(FusedOperation):
             x = maybe_dequantize(x)
         linear.check_input(x)
         check_first_dim_divisible("ReduceScatter", x, tp)
+        rs.check_agreement("GEMM+ReduceScatter", [x, linear.weight], ("input", "weight"))
         full_shape = (*x.shape[:-1], linear.out_features)
         wire, gemm, saved = gemm_then_reduce_operands(linear, bias_op, lin_ctx, x, full_shape, fp8)
         entry = self.plan.entry

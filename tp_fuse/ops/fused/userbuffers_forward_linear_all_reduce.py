@@ -95,8 +95,9 @@ class UserbuffersForwardLinearAllReduce(FusedOperation):
         fp8 = linear.fp8_quantizers() is not None
         if not fp8:
             x = maybe_dequantize(x)
-        # Local checks, before any communication.
+        # Checks before any other communication.
         linear.check_input(x)
+        ar.check_agreement("GEMM+AllReduce", [x, linear.weight], ("input", "weight"))
         out_shape = (*x.shape[:-1], linear.out_features)
         wire, gemm, saved = gemm_then_reduce_operands(linear, bias_op, lin_ctx, x, out_shape, fp8)
         y2d = gemm_all_reduce_chunked(
