@@ -5,14 +5,29 @@ PYTHON ?= python3
 # make train NPROC=2 ARGS="fp8=delayed parallel.tp=2"  (any launch/train.py override)
 NPROC ?= 1
 ARGS ?=
+# Install once: the stamp's name carries a checksum of pyproject.toml, so editing the
+# dependencies reinstalls, and every later call runs offline (no pip at all).
+STAMP_DIR ?= .make
+PYPROJECT_SUM := $(shell cksum pyproject.toml | cut -d' ' -f1)
+STAMP := $(STAMP_DIR)/installed-$(PYPROJECT_SUM)
 
 .PHONY: install train test bench gpu-check
 
-install:
-	$(PYTHON) -m pip install -q "torch==2.13.0" || $(PYTHON) -m pip install -q "torch>=2.6"
-	$(PYTHON) -m pip install -q -e ".[test]"
+install: $(STAMP)
+
+# The editable build needs setuptools>=68 (pyproject's build-system). When it is
+# already installed, build without isolation: pip then fetches nothing it already has.
+$(STAMP): pyproject.toml
+	$(PYTHON) -c "import torch" 2>/dev/null || $(PYTHON) -m pip install -q "torch==2.13.0" || $(PYTHON) -m pip install -q "torch>=2.6"
+	if $(PYTHON) -c "import setuptools, sys; sys.exit(int(setuptools.__version__.split('.')[0]) < 68)" 2>/dev/null; then \
+		$(PYTHON) -m pip install -q --no-build-isolation -e ".[test]"; \
+	else \
+		$(PYTHON) -m pip install -q -e ".[test]"; \
+	fi
+	mkdir -p $(STAMP_DIR) && rm -f $(STAMP_DIR)/installed-* && touch $(STAMP)
 
 train: install
+	WORLD_SIZE=$(NPROC) $(PYTHON) -m launch.config_errors +model=gpt $(ARGS)
 	$(PYTHON) -m torch.distributed.run --nproc-per-node=$(NPROC) --rdzv-backend=c10d --rdzv-endpoint=localhost:0 \
 		launch/train.py +model=gpt $(ARGS)
 

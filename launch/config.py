@@ -11,6 +11,7 @@ dataclasses; nothing else touches Hydra or OmegaConf.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import math
 import os
 import types
@@ -22,6 +23,7 @@ from layers.config import GPTConfig
 from tp_fuse.overlap_config import OverlapConfig as TPOverlapConfig
 
 from .hf_model import gpt_fields
+from .tokenizer import check_tokenizer_choice
 
 __all__ = [
     "CheckpointConfig",
@@ -110,7 +112,7 @@ class DataConfig:
 
     ``source``: ``stdlib`` (no download: the Python reference text shipped with the
     standard library in ``pydoc_data.topics``), ``text`` (your UTF-8 files in
-    ``paths``, byte-tokenized), ``bin`` (pre-tokenized ``uint16``/``uint32`` token
+    ``paths``), ``bin`` (pre-tokenized ``uint16``/``uint32`` token
     files, nanoGPT/Megatron style). The last ``val_fraction`` of the token stream is
     the validation split.
     """
@@ -118,7 +120,9 @@ class DataConfig:
     source: Literal["stdlib", "text", "bin"] = "stdlib"
     paths: list[str] = field(default_factory=list)
     bin_dtype: Literal["uint16", "uint32"] = "uint16"
-    tokenizer: Literal["byte"] = "byte"
+    # auto | byte | bpe | <path to tokenizer.json> (launch.tokenizer): auto = byte for
+    # model.vocab_size 256, else a BPE of model.vocab_size trained on the corpus.
+    tokenizer: str = "auto"
     val_fraction: float = 0.05
     seq_len: Optional[int] = None  # None: model.max_seq_len
 
@@ -147,6 +151,8 @@ class LoggerConfig:
     name: Optional[str] = None
     mode: Literal["auto", "offline", "online"] = "auto"
     tags: list[str] = field(default_factory=list)
+    # Online start-up gives up after this long and the run goes on offline (with a warning).
+    init_timeout_s: float = 30.0
 
 
 @dataclass
@@ -155,7 +161,9 @@ class TrainerConfig:
 
     ``global_batch_size`` sequences per optimizer step over all DP ranks;
     ``micro_batch_size`` per DP rank per forward; gradient accumulation makes up the
-    rest. ``exit_at_step`` stops after that step and saves a checkpoint (e.g. to fit
+    rest. Validation uses the first ``val_tokens`` tokens of the validation split (whole
+    ``seq_len`` windows, at most the split), the same sequences for every TP/DP layout.
+    ``exit_at_step`` stops after that step and saves a checkpoint (e.g. to fit
     a job's time limit; the LR schedule still spans ``max_steps``). ``fail_at_step``
     kills ``fail_rank`` at that step on the first attempt only
     (``TORCHELASTIC_RESTART_COUNT`` 0): a fault-injection switch for restart tests.
@@ -164,7 +172,7 @@ class TrainerConfig:
     max_steps: int = 300
     log_interval: int = 10
     val_interval: int = 100
-    val_batches: int = 4
+    val_tokens: int = 262144
     seed: int = 1234
     global_batch_size: int = 16
     micro_batch_size: int = 8
@@ -305,6 +313,12 @@ def _coerce(value: Any, tp: Any, name: str) -> Any:
     raise AssertionError(f"unsupported annotation {tp!r} for {name}")
 
 
+def _did_you_mean(prefix: str, name: str, known: list[str]) -> str:
+    """``; did you mean <prefix>.<closest known key>?`` (empty when nothing is close)."""
+    guess = difflib.get_close_matches(name, known, n=1, cutoff=0.6)
+    return f"; did you mean {prefix}.{guess[0]}?" if guess else ""
+
+
 def _build(cls: type, data: Any, prefix: str) -> Any:
     if not isinstance(data, dict):
         raise ValueError(f"{prefix}: expected a mapping, got {data!r}")
@@ -314,7 +328,7 @@ def _build(cls: type, data: Any, prefix: str) -> Any:
     if unknown:
         raise ValueError(
             f"unknown key(s) {', '.join(f'{prefix}.{k}' for k in unknown)}; "
-            f"known keys of {prefix}: {', '.join(known)}"
+            f"known keys of {prefix}: {', '.join(known)}" + _did_you_mean(prefix, unknown[0], known)
         )
     kwargs = {k: _coerce(v, hints[k], f"{prefix}.{k}") for k, v in data.items()}
     return cls(**kwargs)
@@ -400,7 +414,7 @@ def validate(cfg: TrainConfig, world_size: int) -> ParallelLayout:
     for name in ("max_steps", "log_interval", "global_batch_size", "micro_batch_size"):
         _positive(f"trainer.{name}", getattr(tr, name))
     _need(tr.val_interval >= 0, f"trainer.val_interval must be >= 0 (0 = off), got {tr.val_interval}")
-    _need(tr.val_batches >= 1, f"trainer.val_batches must be >= 1, got {tr.val_batches}")
+    _need(tr.val_tokens >= 1, f"trainer.val_tokens must be >= 1, got {tr.val_tokens}")
     per_step = tr.micro_batch_size * dp
     _need(tr.global_batch_size % per_step == 0,
           f"trainer.global_batch_size ({tr.global_batch_size}) must be a multiple of "
@@ -424,8 +438,8 @@ def validate(cfg: TrainConfig, world_size: int) -> ParallelLayout:
     if cfg.model.name == "hf":  # tokenized with the model directory's tokenizer.json; no SP for [b, s, h] models
         _need(not par.sequence_parallel, "parallel.sequence_parallel=true does not apply to +model=hf "
               "(Hugging Face activations are [batch, seq, hidden])")
-    elif cfg.data.tokenizer == "byte" and cfg.data.source != "bin":
-        _need(gpt.vocab_size >= 256, f"model.vocab_size ({gpt.vocab_size}) must be >= 256 for the byte tokenizer")
+    else:
+        check_tokenizer_choice(cfg.data.tokenizer, cfg.data.source, gpt.vocab_size)  # vs model.vocab_size
     if par.sequence_parallel:
         _need(seq % tp == 0, f"data.seq_len ({seq}) must be divisible by parallel.tp ({tp}) with sequence parallel")
 

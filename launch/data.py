@@ -29,20 +29,9 @@ from typing import Optional
 import torch
 
 from .config import DataConfig
+from .tokenizer import ByteTokenizer, Tok, build_tokenizer
 
-__all__ = ["ByteTokenizer", "TokenData", "BatchLoader", "load_tokens", "stdlib_corpus"]
-
-
-class ByteTokenizer:
-    """UTF-8 bytes as tokens: vocabulary of 256, lossless for any text."""
-
-    vocab_size = 256
-
-    def encode(self, text: str) -> torch.Tensor:
-        return torch.frombuffer(bytearray(text.encode("utf-8")), dtype=torch.uint8).clone()
-
-    def decode(self, tokens: torch.Tensor) -> str:
-        return bytes(tokens.to(torch.uint8).tolist()).decode("utf-8", errors="replace")
+__all__ = ["ByteTokenizer", "TokenData", "BatchLoader", "corpus_bytes", "load_tokens", "make_tokenizer", "stdlib_corpus"]
 
 
 def stdlib_corpus() -> str:
@@ -73,10 +62,41 @@ def _read_bin(path: str, dtype_name: str) -> torch.Tensor:
     return raw.view(dtype).to(torch.int64)
 
 
-def load_tokens(cfg: DataConfig, vocab_size: int, encode: Optional[Callable[[str], list[int]]] = None) -> torch.Tensor:
+def corpus_bytes(cfg: DataConfig) -> bytes:
+    """The text corpus of ``data.source=stdlib|text`` as UTF-8 bytes (files joined by a blank line)."""
+    for i, path in enumerate(cfg.paths):
+        if not os.path.isfile(path):
+            raise ValueError(f"data.paths[{i}]: no such file: {path!r}")
+    if cfg.source == "stdlib":
+        return stdlib_corpus().encode("utf-8")
+    parts = []
+    for p in cfg.paths:
+        with open(p, "rb") as f:
+            parts.append(f.read())
+    return b"\n\n".join(parts)
+
+
+def make_tokenizer(cfg: DataConfig, vocab_size: int, is_rank0: bool = True,
+                   barrier: Callable[[], None] = lambda: None) -> Optional[Tok]:
+    """The tokenizer of ``data.tokenizer`` (None for pre-tokenized ``bin`` data).
+
+    A BPE is trained on the training part of the corpus (the first ``1 - val_fraction``
+    of its bytes) by rank 0 and cached (``launch.tokenizer``).
+    """
+    if cfg.source == "bin":
+        return None
+
+    def training_text() -> bytes:
+        data = corpus_bytes(cfg)
+        return data[: max(1, int(len(data) * (1.0 - cfg.val_fraction)))]
+
+    return build_tokenizer(cfg.tokenizer, vocab_size, training_text, list(cfg.paths), is_rank0, barrier)
+
+
+def load_tokens(cfg: DataConfig, vocab_size: int, tokenizer: Optional[Tok] = None) -> torch.Tensor:
     """The whole token stream (int64) for ``cfg``; ValueError for bad files or ids.
 
-    ``encode``: a text tokenizer (``+model=hf``: the model directory's) instead of bytes.
+    ``tokenizer`` None: :func:`make_tokenizer` (for text sources).
     """
     for i, path in enumerate(cfg.paths):
         if not os.path.isfile(path):
@@ -84,19 +104,14 @@ def load_tokens(cfg: DataConfig, vocab_size: int, encode: Optional[Callable[[str
     if cfg.source == "bin":
         tokens = torch.cat([_read_bin(p, cfg.bin_dtype) for p in cfg.paths])
     else:
-        # The byte tokenizer's tokens of UTF-8 text are its bytes: no decode/encode round trip.
-        if cfg.source == "stdlib":
-            text_bytes = stdlib_corpus().encode("utf-8")
-        else:
-            parts = []
-            for p in cfg.paths:
-                with open(p, "rb") as f:
-                    parts.append(f.read())
-            text_bytes = b"\n\n".join(parts)
-        if encode is not None:
-            tokens = torch.tensor(encode(text_bytes.decode("utf-8", errors="replace")), dtype=torch.int64)
-        else:
+        if tokenizer is None:
+            tokenizer = make_tokenizer(cfg, vocab_size)
+        text_bytes = corpus_bytes(cfg)
+        if isinstance(tokenizer, ByteTokenizer):
+            # The byte tokenizer's tokens of UTF-8 text are its bytes: no decode/encode round trip.
             tokens = torch.frombuffer(bytearray(text_bytes), dtype=torch.uint8).to(torch.int64)
+        else:
+            tokens = tokenizer.encode(text_bytes.decode("utf-8", errors="replace")).to(torch.int64)
     if tokens.numel() == 0:
         raise ValueError(f"data: the {cfg.source} corpus is empty")
     top = int(tokens.max())
@@ -116,9 +131,8 @@ class TokenData:
     seq_len: int
 
     @classmethod
-    def build(cls, cfg: DataConfig, seq_len: int, vocab_size: int,
-              encode: Optional[Callable[[str], list[int]]] = None) -> "TokenData":
-        tokens = load_tokens(cfg, vocab_size, encode)
+    def build(cls, cfg: DataConfig, seq_len: int, vocab_size: int, tokenizer: Optional[Tok] = None) -> "TokenData":
+        tokens = load_tokens(cfg, vocab_size, tokenizer)
         n_val = max(int(tokens.numel() * cfg.val_fraction), seq_len + 1)
         n_train = tokens.numel() - n_val
         if n_train < 2 * (seq_len + 1):
@@ -206,14 +220,22 @@ class BatchLoader:
         """The step is done: move to the next global batch."""
         self.consumed_samples += self.global_batch_size
 
-    def val_batches(self, num_batches: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """The fixed validation micro-batches of this DP rank (same every call)."""
-        n = self.data.num_val_windows
-        out = []
-        for b in range(num_batches):
-            first = (b * self.dp_size + self.dp_rank) * self.micro_batch_size
-            out.append(self._rows(self.data.val, [(first + i) % n for i in range(self.micro_batch_size)]))
-        return out
+    def val_windows(self, val_tokens: int) -> int:
+        """How many ``seq_len`` windows the validation set has: ``val_tokens // seq_len``
+        (at least 1), at most the whole validation split."""
+        return max(1, min(self.data.num_val_windows, val_tokens // self.data.seq_len))
+
+    def val_batches(self, val_tokens: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """This DP rank's share of the fixed validation set (same every call).
+
+        The set is the first :meth:`val_windows` windows of the validation split, whatever
+        the layout: DP rank ``d`` takes windows ``d, d + dp, d + 2 dp, ...`` in micro-batches
+        of up to ``micro_batch_size`` rows (the last one may be shorter; a rank may get
+        none). Callers weight each batch's mean loss by its rows and sum over DP ranks.
+        """
+        mine = list(range(self.dp_rank, self.val_windows(val_tokens), self.dp_size))
+        step = self.micro_batch_size
+        return [self._rows(self.data.val, mine[i : i + step]) for i in range(0, len(mine), step)]
 
     def state_dict(self) -> dict[str, int]:
         return {"consumed_samples": self.consumed_samples}

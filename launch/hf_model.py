@@ -26,6 +26,8 @@ import torch
 import torch.nn.functional as F
 
 from layers import wrap
+
+from .tokenizer import FileTokenizer
 from layers.hf_plans import FAMILIES
 
 __all__ = ["read_hf_config", "gpt_fields", "load_tokenizer", "build_hf_model", "CausalLMLoss"]
@@ -87,23 +89,13 @@ def gpt_fields(path: str) -> dict[str, Any]:
     return fields
 
 
-def load_tokenizer(path: str) -> Callable[[str], list[int]]:
-    """``text -> token ids`` with the model directory's ``tokenizer.json``."""
-    from tokenizers import Tokenizer
-
+def load_tokenizer(path: str) -> FileTokenizer:
+    """The model directory's ``tokenizer.json`` (a ``tokenizers`` file: JSON, no code runs)."""
     file = os.path.join(path, "tokenizer.json")
     if not os.path.isfile(file):
         raise ValueError(f"model.path: {file} does not exist; +model=hf tokenizes with the model directory's "
                          f"tokenizer.json (fast tokenizer file; no hub access)")
-    try:
-        tok = Tokenizer.from_file(file)
-    except Exception as e:  # tokenizers raises its own exception type for malformed files
-        raise ValueError(f"{file}: not a valid tokenizers file: {e}") from None
-
-    def encode(text: str) -> list[int]:
-        return tok.encode(text, add_special_tokens=False).ids
-
-    return encode
+    return FileTokenizer(file, name=f"{path}/tokenizer.json")
 
 
 class CausalLMLoss(torch.nn.Module):

@@ -3,7 +3,9 @@
 ``logger.mode=auto`` goes online only when W&B is configured on this machine
 (``WANDB_API_KEY``, ``WANDB_MODE``, or an ``api.wandb.ai`` entry from ``wandb login``
 in ``~/.netrc``); otherwise the run is written offline under ``<run dir>/wandb`` and
-can be uploaded later with ``wandb sync``. It never needs the network to start.
+can be uploaded later with ``wandb sync``. An online start that fails (no network,
+unreachable server) falls back to offline with a warning (``launch.wandb_safe``), and a
+restart in the same run directory continues the same W&B run.
 
 Every metric is plotted against ``trainer/step`` (``define_metric``), so records that
 arrive for earlier steps (e.g. debug statistics gathered over a logging interval) land
@@ -14,9 +16,11 @@ from __future__ import annotations
 
 import netrc
 import os
+import sys
 from typing import Any, Optional
 
 from .config import LoggerConfig
+from .wandb_safe import init_with_fallback, run_id_for, sync_hint
 
 __all__ = ["WandbLogger", "resolve_mode"]
 
@@ -53,21 +57,36 @@ class WandbLogger:
     def __init__(self, cfg: LoggerConfig, run_dir: str, config: dict[str, Any]) -> None:
         import wandb
 
-        self.mode = resolve_mode(cfg.mode)
-        self.run = wandb.init(
+        def settings(**extra: Any) -> Any:
+            # console="off": stdout stays ours (progress bar); no system-stats sampler
+            # process competing for the CPU cores the training uses.
+            return wandb.Settings(console="off", silent=True, x_disable_stats=True, save_code=False, **extra)
+
+        init_kwargs = dict(
             project=cfg.project,
             entity=cfg.entity,
             name=cfg.name,
             tags=list(cfg.tags) or None,
             dir=run_dir,
             config=config,
-            mode=self.mode,
-            # console="off": stdout stays ours (progress bar); no system-stats sampler
-            # process competing for the CPU cores the training uses.
-            settings=wandb.Settings(console="off", silent=True, x_disable_stats=True, save_code=False),
+            # The same W&B run across elastic restarts and resumes in this run directory.
+            id=run_id_for(run_dir),
+            resume="allow",
         )
+        self.requested_mode = resolve_mode(cfg.mode)
+        self.run, self.mode = init_with_fallback(wandb, self.requested_mode, init_kwargs, settings, cfg.init_timeout_s)
+        self._failed = False
         self.run.define_metric("trainer/step")
         self.run.define_metric("*", step_metric="trainer/step")
+
+    def describe(self) -> str:
+        """One line for the start of the log: online (with the URL) or offline (with how to sync)."""
+        if self.mode == "online":
+            url = getattr(self.run, "url", None) or ""
+            return f"W&B: online, run {self.run.id} {url}".rstrip()
+        if self.mode == "disabled":
+            return "W&B: disabled (WANDB_MODE=disabled)"
+        return f"W&B: offline, run {self.run.id}; upload it later with: {sync_hint(self.run)}"
 
     @property
     def run_path(self) -> Optional[str]:
@@ -75,7 +94,17 @@ class WandbLogger:
         return os.path.dirname(self.run.settings.sync_file) if self.run.settings.sync_file else None
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
-        self.run.log({**metrics, "trainer/step": step})
+        if self._failed:
+            return
+        try:
+            self.run.log({**metrics, "trainer/step": step})
+        except Exception as exc:  # W&B must never stop the training: warn once, keep the JSONL files
+            self._failed = True
+            print(f"[tp-fuse] WARNING: W&B logging failed ({type(exc).__name__}: {exc}); "
+                  "W&B logging stops, metrics.jsonl continues", file=sys.stderr, flush=True)
 
     def finish(self, exit_code: int = 0) -> None:
-        self.run.finish(exit_code=exit_code)
+        try:
+            self.run.finish(exit_code=exit_code)
+        except Exception as exc:
+            print(f"[tp-fuse] WARNING: W&B finish failed ({type(exc).__name__}: {exc})", file=sys.stderr, flush=True)

@@ -32,6 +32,7 @@ __all__ = [
     "dropout_seed",
     "fp8_autocast",
     "fp8_quantizers",
+    "ignored_summary",
 ]
 
 #: File in the run directory holding the measured ``overlap.method=auto`` choices.
@@ -57,18 +58,30 @@ def build_recipe(cfg: FP8Config) -> Optional[Recipe]:
     return None
 
 
-def build_overlap(cfg: OverlapConfig, run_dir: Optional[str] = None, is_rank0: bool = False) -> TPOverlap:
+def build_overlap(cfg: OverlapConfig, run_dir: Optional[str] = None, is_rank0: bool = False,
+                  report: Optional[Callable[[str], None]] = None) -> TPOverlap:
     """``overlap=on``: ``overlap.method`` (``auto`` or Megatron's defaults) for the GEMM
     stages the ``tp_comm_overlap_cfg`` YAML (if given) does not name; ``overlap=off``: an
     explicitly disabled config (the layers' default would be on).
 
     With ``auto`` and a ``run_dir``, choices are read from ``<run_dir>/overlap_choices.json``
     when it exists (all ranks; a malformed file is a ValueError naming it) and rank 0
-    rewrites it after each new measurement and prints each decision."""
+    rewrites it after each new measurement and prints each decision.
+
+    Settings of the YAML without effect on this build (GPU-only knobs such as ``num_sm``)
+    are summarized in one short line passed to ``report`` (rank 0's printer; None: silent)
+    instead of ``OverlapConfig``'s full per-field warning on every rank.
+    """
     if not cfg.enabled:
         return TPOverlap(TPOverlapConfig(enabled=False))
     auto = cfg.method == "auto"
-    config = TPOverlapConfig.from_yaml(cfg.config, auto=auto) if cfg.config is not None else TPOverlapConfig(auto=auto)
+    if cfg.config is not None:
+        config = TPOverlapConfig.from_yaml(cfg.config, auto=auto, warn_ignored=False)
+        line = ignored_summary(config, cfg.config)
+        if line and report is not None:
+            report(line)
+    else:
+        config = TPOverlapConfig(auto=auto)
     if not auto or run_dir is None:
         return TPOverlap(config)
     tuner = OverlapAutoTuner(
@@ -79,26 +92,39 @@ def build_overlap(cfg: OverlapConfig, run_dir: Optional[str] = None, is_rank0: b
     return TPOverlap(config, tuner=tuner)
 
 
+def ignored_summary(config: TPOverlapConfig, path: str) -> Optional[str]:
+    """``overlap.config=<path>: N settings have no effect here (num_sm, cga_size, ...)``, or None."""
+    ignored = config.ignored_fields()  # "<gemm>.<field>=<value> (why)"
+    if not ignored:
+        return None
+    fields = sorted({item.split(".", 1)[1].split("=", 1)[0] for item in ignored})
+    return (f"overlap.config={path}: {len(ignored)} setting(s) have no effect on this build "
+            f"({', '.join(fields)}); OverlapConfig.ignored_fields() lists them")
+
+
 def dropout_seed(seed: int, dp_rank: int) -> int:
     """Seed of the dropout streams of DP replica ``dp_rank``."""
     return seed + 1_000_003 * dp_rank
 
 
-def build_model(cfg: TrainConfig, rt: Runtime, factory: Optional[ModelFactory] = None) -> torch.nn.Module:
+def build_model(cfg: TrainConfig, rt: Runtime, factory: Optional[ModelFactory] = None,
+                report: Optional[Callable[[str], None]] = None) -> torch.nn.Module:
     """``layers.GPT`` (or ``factory``) for this rank's TP shard; ``+model=hf`` and
-    ``+model=megatron_gpt`` build and wrap a Hugging Face / megatron-core model instead."""
+    ``+model=megatron_gpt`` build and wrap a Hugging Face / megatron-core model instead.
+    ``report``: see :func:`build_overlap`."""
+    overlap = build_overlap(cfg.overlap, rt.run_dir, rt.is_rank0, report)
     tp_group = rt.topology.tp_group if rt.layout.tp > 1 else None
     if factory is None and cfg.model.name == "hf":
         # Wrapped also at TP size 1 (a one-rank group) so that FP8 reaches the GEMMs.
         model = build_hf_model(cfg.model.path, tp_group=rt.topology.tp_group, dtype=rt.dtype, device=rt.device,
-                               seed=cfg.trainer.seed, overlap=build_overlap(cfg.overlap))
+                               seed=cfg.trainer.seed, overlap=overlap)
         model.train()
         return model
     if factory is None and cfg.model.name == "megatron_gpt":
         require_cuda()
         model = build_megatron_gpt(cfg.model.gpt, tp_group=tp_group, sequence_parallel=cfg.parallel.sequence_parallel,
                                    dtype=rt.dtype, device=rt.device, seed=cfg.trainer.seed,
-                                   overlap=build_overlap(cfg.overlap))
+                                   overlap=overlap)
         model.train()
         return model
     factory = factory or GPT
@@ -109,7 +135,7 @@ def build_model(cfg: TrainConfig, rt: Runtime, factory: Optional[ModelFactory] =
         dtype=rt.dtype,
         device=rt.device,
         seed=cfg.trainer.seed,
-        overlap=build_overlap(cfg.overlap, rt.run_dir, rt.is_rank0),
+        overlap=overlap,
         # Data-parallel replicas draw different dropout masks (TP ranks of a replica share
         # theirs where activations are replicated: layers.DropoutRNG).
         dropout_seed=dropout_seed(cfg.trainer.seed, rt.topology.dp_rank),

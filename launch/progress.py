@@ -27,7 +27,9 @@ class Progress:
             return
         from rich.console import Console
 
-        self.console = Console(file=sys.stdout)
+        # The bar's live refreshes go to the terminal only, not into train.log (launch.runlog).
+        self.console = Console(file=getattr(sys.stdout, "terminal", sys.stdout))
+        self._log = getattr(sys.stdout, "log", None)
         if bar and self.console.is_terminal:
             from rich.progress import BarColumn, MofNCompleteColumn, Progress as RichProgress, TextColumn, TimeRemainingColumn
 
@@ -47,6 +49,8 @@ class Progress:
             return
         if self._bar is not None:
             self._bar.console.print(text, highlight=False)
+            if self._log is not None:
+                self._log.write(text + "\n")
         else:
             print(text, flush=True)
 

@@ -23,7 +23,9 @@ from omegaconf import DictConfig, OmegaConf  # noqa: E402
 
 from launch.checkpoint import CheckpointError  # noqa: E402
 from launch.config import from_dict, validate  # noqa: E402
+from launch.config_errors import CONFIG_DIR, precheck, report_and_exit  # noqa: E402
 from launch.health import TrainingDivergedError  # noqa: E402
+from launch.runlog import tee_output  # noqa: E402
 from launch.runtime import env_rank, env_world_size, rank_overrides, start  # noqa: E402
 from launch.trainer import Trainer  # noqa: E402
 
@@ -37,17 +39,19 @@ def run(raw: DictConfig) -> Optional[float]:
     cfg = from_dict(OmegaConf.to_container(raw, resolve=True))  # type: ignore[arg-type]
     layout = validate(cfg, env_world_size())
     rt = start(cfg, layout, HydraConfig.get().runtime.output_dir)
-    try:
-        result = Trainer(cfg, rt).fit()
-    except (CheckpointError, TrainingDivergedError) as exc:
-        rt.abort()
-        if env_rank() == 0:
-            print(f"[tp-fuse] error: {exc}", file=sys.stderr, flush=True)
-        raise SystemExit(1) from None
-    except BaseException:
-        rt.abort()  # peers blocked in a collective with this rank fail now, not at the timeout
-        raise
-    rt.shutdown()
+    # Rank 0's output (start report, log lines, warnings, errors) also goes to train.log.
+    with tee_output(os.path.join(rt.run_dir, "train.log"), rt.is_rank0):
+        try:
+            result = Trainer(cfg, rt).fit()
+        except (CheckpointError, TrainingDivergedError) as exc:
+            rt.abort()
+            if env_rank() == 0:
+                print(f"[tp-fuse] error: {exc}", file=sys.stderr, flush=True)
+            raise SystemExit(1) from None
+        except BaseException:
+            rt.abort()  # peers blocked in a collective with this rank fail now, not at the timeout
+            raise
+        rt.shutdown()
     return result.final_loss
 
 
@@ -57,5 +61,9 @@ def main(raw: DictConfig) -> float:
 
 
 if __name__ == "__main__":
+    # Config errors are reported before Hydra creates a run directory: one line, rank 0 only.
+    error = precheck(sys.argv[1:], CONFIG_DIR, env_world_size())
+    if error is not None:
+        report_and_exit(error, env_rank())
     sys.argv += rank_overrides(sys.argv[1:])
     main()

@@ -34,7 +34,7 @@ from tp_fuse.debug import DebugSession, Fp8StatsCollector
 
 from .checkpoint import CheckpointManager, TrainingState
 from .config import TrainConfig
-from .data import BatchLoader, TokenData
+from .data import BatchLoader, TokenData, make_tokenizer
 from .grads import allreduce_dp_grads, clip_grads, global_grad_norm
 from .health import NonfiniteGuard, TrainingDivergedError
 from .logging_wandb import WandbLogger
@@ -43,7 +43,9 @@ from .hf_model import load_tokenizer
 from .model import ModelFactory, build_model, build_recipe, fp8_autocast, fp8_quantizers
 from .optim import build_optimizer, lr_at, set_lr
 from .progress import Progress
+from .report import format_eta
 from .runtime import Runtime, job_key, restart_count
+from .startup import announce, presize_overlap_buffers, say
 
 __all__ = ["TrainResult", "Trainer", "TrainingDivergedError"]
 
@@ -85,8 +87,11 @@ class Trainer:
         self.rt = rt
         tr, topo = cfg.trainer, rt.topology
         torch.manual_seed(tr.seed)
-        encode = load_tokenizer(cfg.model.path) if cfg.model.name == "hf" else None  # else bytes
-        self.data = TokenData.build(cfg.data, cfg.seq_len, cfg.model.gpt.vocab_size, encode)
+        if cfg.model.name == "hf":  # the model directory's tokenizer.json
+            self.tokenizer = load_tokenizer(cfg.model.path)
+        else:  # a trained BPE is built by rank 0 (and cached beside the data); the others wait
+            self.tokenizer = make_tokenizer(cfg.data, cfg.model.gpt.vocab_size, rt.is_rank0, rt.barrier)
+        self.data = TokenData.build(cfg.data, cfg.seq_len, cfg.model.gpt.vocab_size, self.tokenizer)
         self.loader = BatchLoader(
             self.data,
             global_batch_size=tr.global_batch_size,
@@ -96,7 +101,7 @@ class Trainer:
             seed=tr.seed,
             device=rt.device,
         )
-        self.model = build_model(cfg, rt, model_factory)
+        self.model = build_model(cfg, rt, model_factory, say if rt.is_rank0 else None)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = build_optimizer(self.model, cfg.optim)
         self.recipe = build_recipe(cfg.fp8)
@@ -112,6 +117,9 @@ class Trainer:
         if cfg.debug.config is not None:
             self.debug = DebugSession(cfg.debug.config, reduction_group=topo.world_group, iteration=1)
             self.debug.attach(self.model, tp_group=tp_group)
+
+        # Overlap workspaces at their largest (high-precision) size before training.
+        presize_overlap_buffers(cfg, self.model, self.loader, self.fp8_stats, self.debug)
 
         self.state = TrainingState(
             model=self.model,
@@ -139,6 +147,8 @@ class Trainer:
         # Records after the start step (a crashed attempt's, or an older run's in a reused
         # run directory) are dropped: the files hold one trajectory.
         self.sink = MetricsSink(rt.run_dir, rt.is_rank0, wandb, resume_step=self.start_step)
+        self.meter = announce(cfg, rt, self.model, self.loader, self.start_step,
+                              wandb.describe() if wandb is not None else None, self.tokenizer)
 
     # ---- resume --------------------------------------------------------------------
 
@@ -178,21 +188,25 @@ class Trainer:
         return total / accum
 
     def _validate(self) -> float:
-        """Mean validation loss over ``trainer.val_batches`` micro-batches and DP ranks."""
+        """Mean validation loss over the fixed validation set (``trainer.val_tokens``).
+
+        Every layout evaluates the same sequences: each DP rank a share, each batch's mean
+        weighted by its rows, sums and row counts added over the DP group.
+        """
         self.model.eval()
-        total = torch.zeros((), dtype=torch.float64, device=self.rt.device)
-        batches = self.loader.val_batches(self.cfg.trainer.val_batches)
+        sums = torch.zeros(2, dtype=torch.float64, device=self.rt.device)  # [loss * rows, rows]
+        batches = self.loader.val_batches(self.cfg.trainer.val_tokens)
         # Debug features observe training only (validation runs in high precision).
         paused = self.debug.paused() if self.debug is not None else contextlib.nullcontext()
         with torch.no_grad(), paused:
             for tokens, labels in batches:
-                total += self.model(tokens, labels).double()
+                rows = tokens.shape[0]
+                sums[0] += self.model(tokens, labels).double() * rows
+                sums[1] += rows
         self.model.train()
-        total /= len(batches)
         if self.rt.layout.dp > 1:
-            dist.all_reduce(total, group=self.rt.topology.dp_group)
-            total /= self.rt.layout.dp
-        return float(total)
+            dist.all_reduce(sums, group=self.rt.topology.dp_group)
+        return float(sums[0] / sums[1])
 
     def _maybe_fail(self, step: int) -> None:
         tr = self.cfg.trainer
@@ -262,14 +276,14 @@ class Trainer:
                 self.state.last_loss = loss_value
                 step_time = time.perf_counter() - t0
                 progress.update(step, loss_value, tokens_per_step / step_time)
+                perf = self.meter.metrics(step, step_time, rt.device)
 
                 if log_now:
                     metrics = {
                         "loss": loss_value,
                         "lr": lr,
                         "grad_norm": float(norm),
-                        "tokens_per_s": tokens_per_step / step_time,
-                        "step_time_s": step_time,
+                        **perf,  # step_time_s, tokens_per_s, eta_s, mfu (if a peak is known), peak_mem_gib
                         "comm/dp_grad_allreduce_s": t_comm,
                         "consumed_samples": float(self.loader.consumed_samples),
                     }
@@ -286,7 +300,10 @@ class Trainer:
                     val = f"  val {metrics['val_loss']:.4f}" if "val_loss" in metrics else ""
                     progress.line(
                         f"step {step:>6}/{tr.max_steps}  loss {loss_value:.4f}{val}  lr {lr:.2e}  "
-                        f"grad_norm {float(norm):.3f}  {metrics['tokens_per_s']:,.0f} tok/s"
+                        f"grad_norm {float(norm):.3f}  {perf['step_time_s'] * 1e3:,.0f} ms/step  "
+                        f"{perf['tokens_per_s']:,.0f} tok/s  "
+                        + (f"MFU {perf['mfu']:.1%}  " if "mfu" in perf else "MFU n/a  ")
+                        + f"mem {perf['peak_mem_gib']:.2f} GiB  ETA {format_eta(perf['eta_s'])}"
                     )
                 # After logging (the failing step is in the logs), before any save.
                 self.guard.stop_if_diverged(step, health, last_ckpt or self.ckpt.latest_of_run())

@@ -99,8 +99,7 @@ def test_weights_loaded_from_safetensors_pickle_refused_tokenizer(tmp_path):
     with pytest.raises(ValueError, match="only pickled weights .*Convert them to safetensors"):
         build_hf_model(pickled, tp_group=None, dtype=torch.float32, device=torch.device("cpu"), seed=0, overlap=None)
 
-    encode = load_tokenizer(model_dir)
-    ids = encode("def f(x): return x")
+    ids = load_tokenizer(model_dir).encode("def f(x): return x").tolist()
     assert ids and max(ids) < VOCAB
     ref = tokenizers.Tokenizer.from_file(os.path.join(model_dir, "tokenizer.json"))
     assert ids == ref.encode("def f(x): return x", add_special_tokens=False).ids

@@ -104,12 +104,12 @@ class FuserExplanation:
     kernel_device: str = ""
     # ``method: auto`` overlap stages: candidates, measured times and the choice, per shape.
     overlap_auto: list[str] = dataclasses.field(default_factory=list)
+    # What ``recipe`` is: "last forward" (what the group last ran) or "recipe in force".
+    basis: str = "recipe in force"
 
     @classmethod
-    def from_fuser(cls, fuser: "OperationFuser") -> "FuserExplanation":
-        from .fuser import _current_recipe
-
-        recipe = _current_recipe()
+    def from_fuser(cls, fuser: "OperationFuser", basis: str = "recipe in force") -> "FuserExplanation":
+        recipe = fuser._fusion_recipe  # the recipe the fuser's current decisions were made for
         device, dtype, device_label = _kernel_target(fuser)
         return cls(
             basic_ops=[op_display_name(op, i) for i, op in enumerate(fuser.basic_ops)],
@@ -120,6 +120,7 @@ class FuserExplanation:
             kernels=_plan_kernels(fuser, device, dtype),
             kernel_device=device_label,
             overlap_auto=_overlap_auto_lines(fuser),
+            basis=basis,
         )
 
     def kernel_backends(self, kernel: Optional[str] = None) -> set[str]:
@@ -166,6 +167,9 @@ class Explanation:
 
     groups: list[tuple[str, Any]]  # (label, FuserExplanation | module description)
     recipe: Optional[str]
+    # "last forward": outside autocast, the decisions (and recipe) of the last forward;
+    # "recipe in force": inside autocast, or before the first forward (high precision).
+    basis: str = ""
 
     @property
     def fusers(self) -> list[FuserExplanation]:
@@ -189,6 +193,8 @@ class Explanation:
 
     def __str__(self) -> str:
         header = f"FP8 recipe: {self.recipe}" if self.recipe else "FP8: off (high precision)"
+        if self.basis:
+            header += f" [{self.basis}]"
         out = [header]
         for label, group in self.groups:
             out.append(f"{label}:")
@@ -200,30 +206,40 @@ class Explanation:
 
 
 def explain(module: torch.nn.Module) -> Explanation:
-    """Explain the fusions of ``module`` under the FP8 recipe in force.
+    """Explain the fusions of ``module``, saying which recipe the explanation is for.
 
     ``module`` may be a :class:`~tp_fuse.ops.Sequential`, a single fusible op,
     or any module containing Sequentials (each is explained, labelled with its
-    qualified name). Call it inside ``tp_fuse.autocast(...)`` to see the FP8
-    fusions.
+    qualified name). Inside ``tp_fuse.autocast(...)``: the decisions for that recipe.
+    Outside autocast: what each group's last forward ran (FP8 if it ran in autocast),
+    or high precision for a group that has not run yet. The header names the recipe
+    and the basis (``[last forward]`` or ``[recipe in force]``).
     """
     from .fuser import OperationFuser, _current_recipe
     from .op import FusibleOperation
     from .sequential import Sequential
 
-    recipe = _current_recipe()
-    recipe_repr = None if recipe is None else repr(recipe)
     if isinstance(module, Sequential):
-        return Explanation(module.explain_groups(), recipe_repr)
-    if isinstance(module, FusibleOperation):
+        groups = module.explain_groups()
+    elif isinstance(module, FusibleOperation):
         fuser = module.__dict__.get("_standalone_fuser") or OperationFuser([module])
-        return Explanation([(type(module).__name__, fuser.explain())], recipe_repr)
-    groups: list[tuple[str, Any]] = []
-    for name, sub in module.named_modules():
-        if isinstance(sub, Sequential):
-            groups.extend((f"{name}/{label}", g) for label, g in sub.explain_groups())
-    if not groups:
-        raise ValueError(
-            f"explain: {type(module).__name__} contains no tp_fuse.ops.Sequential or fusible op"
-        )
-    return Explanation(groups, recipe_repr)
+        groups = [(type(module).__name__, fuser.explain())]
+    else:
+        groups = []
+        for name, sub in module.named_modules():
+            if isinstance(sub, Sequential):
+                groups.extend((f"{name}/{label}", g) for label, g in sub.explain_groups())
+        if not groups:
+            raise ValueError(
+                f"explain: {type(module).__name__} contains no tp_fuse.ops.Sequential or fusible op"
+            )
+    fusers = [g for _, g in groups if isinstance(g, FuserExplanation)]
+    if fusers:
+        recipes = {f.recipe for f in fusers}
+        bases = {f.basis for f in fusers}
+        recipe_repr = recipes.pop() if len(recipes) == 1 else " / ".join(sorted(str(r) for r in recipes))
+        basis = bases.pop() if len(bases) == 1 else "mixed: " + ", ".join(sorted(bases))
+    else:
+        recipe = _current_recipe()
+        recipe_repr, basis = (None if recipe is None else repr(recipe)), "recipe in force"
+    return Explanation(groups, recipe_repr, basis)

@@ -259,7 +259,10 @@ class OperationFuser:
         self.backward_ops: list[OpRun] = []
         self.fusion_log = FusionLog()
         self._fusion_key: Any = ()  # never equal to a real key: fuse on first call
+        self._fusion_recipe: Any = None  # the recipe the current decisions were made for
         self._first_call_done = False
+        # (key, recipe) of the last forward: explain() outside autocast reports what ran.
+        self._last_run: Optional[tuple[Any, Any]] = None
 
     # ---- fusion ---------------------------------------------------------
 
@@ -273,6 +276,7 @@ class OperationFuser:
         self.forward_ops = self._apply(fusion_registry.forward_fusions(), "forward", recipe)
         self.backward_ops = self._apply(fusion_registry.backward_fusions(), "backward", recipe)
         self._fusion_key = key
+        self._fusion_recipe = recipe
 
     def _apply(self, functions, direction: str, recipe: Any) -> list[OpRun]:
         positions = {id(op): i for i, op in enumerate(self.basic_ops)}
@@ -338,6 +342,7 @@ class OperationFuser:
                 op.pre_first_fuser_forward()
             self._first_call_done = True
         self.maybe_fuse()
+        self._last_run = (self._fusion_key, self._fusion_recipe)
 
         params = [p for op in self.basic_ops for p in op.parameters()]
         if len(params) != self.num_params:
@@ -356,6 +361,16 @@ class OperationFuser:
         return outputs
 
     def explain(self) -> FuserExplanation:
-        """Fusion decisions (deciding them now if needed) for the recipe in force."""
+        """Fusion decisions, and which recipe they are for (``FuserExplanation.basis``).
+
+        Inside ``autocast``: for the recipe in force (decided now if needed). Outside it,
+        once the group has run: what its last forward ran, under that forward's recipe
+        (e.g. FP8 when the forward ran in ``autocast`` and ``explain`` is called after
+        it). Never run and no autocast: high precision.
+        """
+        if _fusion_key() is None and self._last_run is not None:
+            key, recipe = self._last_run
+            self.maybe_fuse(recipe=recipe, key=key)
+            return FuserExplanation.from_fuser(self, basis="last forward")
         self.maybe_fuse()
-        return FuserExplanation.from_fuser(self)
+        return FuserExplanation.from_fuser(self, basis="recipe in force")

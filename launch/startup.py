@@ -1,0 +1,92 @@
+"""What the trainer does and says once, before the first step.
+
+* :func:`presize_overlap_buffers` -- with comm/GEMM overlap and FP8, training moves FP8
+  bytes (1 per element) through the overlap workspaces, and validation (high precision)
+  needs 4x larger forward workspaces: every validation used to grow them, with a
+  ``UserBufferPool`` warning per buffer and rank. One high-precision forward pass of a
+  training micro-batch at start-up (no gradients, eval mode, debug features paused, no
+  FP8 statistics) registers every forward workspace at its largest size, computed by the
+  same code that uses it. It changes no state: no parameter, optimizer, FP8 scale, RNG
+  stream or data position (resumed runs still repeat uninterrupted ones exactly).
+* :func:`announce` -- parameter counts, the resolved configuration, the validation set,
+  the MFU formula and peak, and the W&B mode, printed by rank 0; returns the
+  :class:`launch.report.StepMeter` for the log lines.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+from typing import Any, Optional
+
+import torch
+import yaml
+
+from .config import TrainConfig
+from .data import BatchLoader
+from .report import PeakFlops, StepMeter, count_parameters, flops_per_token
+from .runtime import Runtime
+
+__all__ = ["announce", "presize_overlap_buffers", "say"]
+
+
+def say(text: str) -> None:
+    """One ``[tp-fuse]`` line on stderr (callers print on rank 0 only)."""
+    print(f"[tp-fuse] {text}", file=sys.stderr, flush=True)
+
+
+@torch.no_grad()
+def presize_overlap_buffers(cfg: TrainConfig, model: torch.nn.Module, loader: BatchLoader,
+                            fp8_stats: Any = None, debug: Any = None) -> bool:
+    """Register the overlap workspaces at their high-precision size (see module docstring).
+
+    Returns True if it ran (overlap and FP8 on), False otherwise.
+    """
+    if not (cfg.overlap.enabled and cfg.fp8.enabled):
+        return False
+    tokens, labels = loader.micro_batch(0)  # reads data only: the loader's position is unchanged
+    was_active = getattr(fp8_stats, "active", None)
+    if fp8_stats is not None:
+        fp8_stats.active = False
+    paused = debug.paused() if debug is not None else contextlib.nullcontext()
+    model.eval()
+    try:
+        with paused:
+            model(tokens, labels)
+    finally:
+        model.train()
+        if fp8_stats is not None:
+            fp8_stats.active = was_active
+    return True
+
+
+def _fmt_count(n: int) -> str:
+    return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.2f}M" if n >= 1e6 else f"{n:,}"
+
+
+def announce(cfg: TrainConfig, rt: Runtime, model: torch.nn.Module, loader: BatchLoader,
+             start_step: int, wandb_line: Optional[str], tokenizer: Any = None) -> StepMeter:
+    """Print the start-of-run report on rank 0 (collectives on every rank); the step meter."""
+    topo = rt.topology
+    total, per_rank = count_parameters(model, topo.tp_group if rt.layout.tp > 1 else None, rt.layout.tp)
+    peak = PeakFlops.detect(rt.device, rt.dtype, topo.world_group, rt.layout.world_size)
+    fpt = flops_per_token(cfg.model.gpt, cfg.seq_len)
+    tokens_per_step = cfg.trainer.global_batch_size * cfg.seq_len
+    if rt.is_rank0:
+        print("[tp-fuse] resolved config:\n" + yaml.safe_dump(cfg.to_dict(), sort_keys=False).rstrip(),
+              file=sys.stderr, flush=True)
+        say(f"parameters: {_fmt_count(total)} total ({total:,}), {_fmt_count(per_rank)} per rank "
+            f"({per_rank:,}; TP={rt.layout.tp} x DP={rt.layout.dp})")
+        if tokenizer is not None:
+            say(f"tokenizer: {tokenizer.name}, {tokenizer.vocab_size:,} tokens for model.vocab_size="
+                f"{cfg.model.gpt.vocab_size:,}; corpus {loader.data.train.numel() + loader.data.val.numel():,} tokens")
+        n_val = loader.val_windows(cfg.trainer.val_tokens)
+        say(f"validation set: {n_val} sequences x {cfg.seq_len} tokens = {n_val * cfg.seq_len:,} tokens "
+            f"(trainer.val_tokens={cfg.trainer.val_tokens}, validation split {loader.data.val.numel():,} tokens), "
+            "the same for every layout")
+        say(f"MFU = tokens/s x {fpt / 1e6:.2f} MFLOP/token / peak; FLOP/token = 6 x GEMM weights "
+            "(L x (qkv+proj+fc1+fc2) + vocab x hidden) + 12 x L x hidden x seq_len; "
+            f"peak = {peak.source}")
+        if wandb_line:
+            say(wandb_line)
+    return StepMeter(tokens_per_step, fpt, peak, cfg.trainer.max_steps, start_step)

@@ -1,0 +1,148 @@
+"""Every launcher command in README.md and docs/*.md runs as written (with small step counts).
+
+Commands are read from the ```bash blocks; the commands of one block run in order in one
+directory (a checkpoint sequence is one block). What the test changes, and only that:
+
+* step counts are divided by ``SCALE`` (``trainer.max_steps``, ``exit_at_step``,
+  ``fail_at_step``, ``checkpoint.interval``, ``log_interval``, ``val_interval``; a command
+  without ``trainer.max_steps`` gets the default 300 / SCALE) and validation is shortened
+  (``trainer.val_tokens``);
+* torchrun's rendezvous port comes from the environment (``PET_MASTER_PORT``, a free port:
+  tests never use a fixed one), W&B runs with ``WANDB_MODE=disabled``, ``make`` targets use a
+  stamp directory that says "installed" (no pip) and a run directory under the test's;
+* data files the docs name (``book.txt``...) are created from the default corpus.
+
+Commands that cannot run on a CPU test box are listed with the reason (multi-node,
+8 processes, placeholder paths such as ``/path/to``); anything else that starts
+``launch/train.py`` runs.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import socket
+import subprocess
+import sys
+
+import pytest
+
+from launch.data import stdlib_corpus
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DOCS = ["README.md", "docs/launcher.md", "docs/debug.md"]
+SCALE = 50
+STEP_KEYS = ("trainer.max_steps", "trainer.exit_at_step", "trainer.fail_at_step", "checkpoint.interval",
+             "trainer.log_interval", "trainer.val_interval")
+EXTRA = ["trainer.val_tokens=2048", "trainer.progress=false"]
+
+
+def _blocks(path: str) -> list[list[str]]:
+    """Commands (continuations joined, comments dropped) of each ```bash block."""
+    text = open(os.path.join(ROOT, path), encoding="utf-8").read()
+    blocks = []
+    for body in re.findall(r"```bash\n(.*?)```", text, flags=re.S):
+        cmds, cur = [], ""
+        for line in body.splitlines():
+            line = line.split(" #", 1)[0].rstrip() if not line.lstrip().startswith("#") else ""
+            if line.endswith("\\"):
+                cur += line[:-1] + " "
+                continue
+            cur += line
+            if cur.strip():
+                cmds.append(" ".join(cur.split()))
+            cur = ""
+        blocks.append(cmds)
+    return blocks
+
+
+def _skip_reason(cmd: str) -> str | None:
+    if "launch/train.py" not in cmd and not cmd.startswith("make train"):
+        return "not a launcher command"
+    if "--nnodes" in cmd or "$" in cmd:
+        return "multi-node (Slurm/rendezvous variables)"
+    if "/path/to" in cmd or "/data/" in cmd:
+        return "placeholder paths"
+    m = re.search(r"--nproc-per-node[= ](\d+)", cmd)
+    if m and int(m.group(1)) > 4:
+        return f"{m.group(1)} processes (a GPU node)"
+    return None
+
+
+def _scale(args: list[str]) -> list[str]:
+    out, has_max = [], False
+    for a in args:
+        key, _, value = a.partition("=")
+        if key in STEP_KEYS and value.isdigit():
+            a = f"{key}={max(1, round(int(value) / SCALE))}"
+            has_max |= key == "trainer.max_steps"
+        out.append(a)
+    if not has_max:
+        out.append(f"trainer.max_steps={300 // SCALE}")
+    return out + EXTRA
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _prepare(cmd: str, cwd: str) -> list[str]:
+    argv = shlex.split(cmd)
+    if argv[0] == "make":
+        stamp_dir = os.path.join(cwd, ".make")
+        os.makedirs(stamp_dir, exist_ok=True)
+        cksum = subprocess.run(["cksum", "pyproject.toml"], cwd=ROOT, capture_output=True, text=True, check=True)
+        open(os.path.join(stamp_dir, f"installed-{cksum.stdout.split()[0]}"), "w").close()
+        args = next((a.split("=", 1)[1] for a in argv if a.startswith("ARGS=")), "")
+        args = " ".join(_scale(shlex.split(args)) + [f"hydra.run.dir={os.path.join(cwd, 'run')}"])
+        rest = [a for a in argv[2:] if not a.startswith("ARGS=")]
+        return ["make", "-s", "-C", ROOT, "train", *rest, f"ARGS={args}", f"STAMP_DIR={stamp_dir}",
+                f"PYTHON={sys.executable}"]
+    i = next(k for k, a in enumerate(argv) if a.endswith("launch/train.py"))
+    argv[i] = os.path.join(ROOT, "launch", "train.py")
+    if argv[0] == "python":
+        argv[0] = sys.executable
+    return argv[: i + 1] + _scale(argv[i + 1 :])
+
+
+def _cases():
+    seen: set[str] = set()  # a command documented twice runs once
+    for doc in DOCS:
+        for b, cmds in enumerate(_blocks(doc)):
+            runnable = [c for c in cmds if _skip_reason(c) is None and c not in seen]
+            seen.update(runnable)
+            if runnable:
+                yield pytest.param(runnable, id=f"{os.path.basename(doc).split('.')[0]}_{b}")
+
+
+def test_the_extraction_finds_the_documented_commands():
+    all_cmds = [c for doc in DOCS for cmds in _blocks(doc) for c in cmds]
+    runnable = [c for c in all_cmds if _skip_reason(c) is None]
+    assert len(runnable) >= 12, runnable
+    assert any("checkpoint.resume" in c for c in runnable)
+    skipped = {c: _skip_reason(c) for c in all_cmds if _skip_reason(c) not in (None, "not a launcher command")}
+    assert len(skipped) <= 3, skipped  # only what needs GPUs or several nodes
+
+
+@pytest.mark.slow
+@pytest.mark.multirank
+@pytest.mark.parametrize("commands", list(_cases()))
+def test_documented_commands_run_as_written(commands, tmp_path):
+    # As from a clone: relative paths such as configs/debug/example_features.yaml resolve.
+    os.symlink(os.path.join(ROOT, "configs"), tmp_path / "configs")
+    corpus = stdlib_corpus()
+    for name in ("book.txt", "book1.txt", "book2.txt"):
+        (tmp_path / name).write_text(corpus[: 60_000], encoding="utf-8")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("WANDB_", "HYDRA_", "PET_"))}
+    env.update({"PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled", "HOME": str(tmp_path / "home")})
+    for cmd in commands:
+        argv = _prepare(cmd, str(tmp_path))
+        proc = subprocess.run(argv, cwd=tmp_path, env={**env, "PET_MASTER_PORT": str(_free_port())},
+                              capture_output=True, text=True, timeout=400)
+        out = proc.stdout + proc.stderr
+        assert proc.returncode == 0, f"{cmd}\n-> {' '.join(argv)}\nfailed ({proc.returncode}):\n{out[-5000:]}"
+        if "checkpoint.resume=true" in cmd:
+            assert "resumed from" in out, f"{cmd}: did not resume\n{out[-3000:]}"
