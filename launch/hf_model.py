@@ -19,7 +19,6 @@ from __future__ import annotations
 import glob
 import json
 import os
-from collections.abc import Callable
 from typing import Any
 
 import torch
