@@ -11,6 +11,9 @@ from .autocast import (
     model_init_recipe,
     quantized_model_init,
 )
+from .block_gemm import block_gemm
+from .block_quantizer import BlockScalingQuantizer, is_block_recipe
+from .block_tensor import BlockPayload, BlockScaledTensor
 from .float8_tensor import Float8Tensor
 from .gemm import fp8_gemm
 from .parameter import is_fp8_parameter, make_fp8_parameter
@@ -23,9 +26,23 @@ from .quantizer import (
     make_quantizer,
 )
 
+QUANTIZED_TENSOR_TYPES = (Float8Tensor, BlockScaledTensor)
+
+
+def is_quantized_tensor(t: object) -> bool:
+    """Whether ``t`` is quantized (per-tensor Float8Tensor or block-scaled)."""
+    return isinstance(t, QUANTIZED_TENSOR_TYPES)
+
+
 __all__ = [
     "AmaxReductionBuffer",
     "AutocastContext",
+    "BlockPayload",
+    "BlockScaledTensor",
+    "BlockScalingQuantizer",
+    "block_gemm",
+    "is_block_recipe",
+    "is_quantized_tensor",
     "BackwardAmaxTracker",
     "CurrentScalingQuantizer",
     "DelayedScalingQuantizer",
