@@ -72,7 +72,10 @@ class FP8Config:
     ``stats`` logs FP8 scaling statistics every ``trainer.log_interval`` steps.
     """
 
-    recipe: Literal["none", "delayed", "current"] = "none"
+    # blockwise / mxfp8 / rowwise: Float8BlockScaling, MXFP8BlockScaling, Float8RowwiseScaling
+    # (per-block or per-row scales from local data: ``group`` and the delayed-scaling
+    # fields do not apply; ``power_2_scale`` applies to rowwise).
+    recipe: Literal["none", "delayed", "current", "blockwise", "mxfp8", "rowwise"] = "none"
     format: Literal["HYBRID", "E4M3", "E5M2"] = "HYBRID"
     margin: int = 0
     amax_history_len: int = 1024

@@ -11,6 +11,7 @@ from .autocast import (
     model_init_recipe,
     quantized_model_init,
 )
+from . import block_wire
 from .block_gemm import block_gemm
 from .block_quantizer import BlockScalingQuantizer, is_block_recipe
 from .block_tensor import BlockPayload, BlockScaledTensor

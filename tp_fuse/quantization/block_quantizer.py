@@ -19,9 +19,10 @@ from __future__ import annotations
 from typing import Optional, Union
 
 import torch
+import torch.distributed as dist
 
 from ..recipe import Float8BlockScaling, Float8RowwiseScaling, MXFP8BlockScaling, QParams
-from .block_scaling import BlockSpec, ScaleRule, quantize_blocks
+from .block_scaling import BlockSpec, ScaleRule, block_amax, quantize_blocks
 from .block_tensor import BlockPayload, BlockScaledTensor
 from .quantizer import Quantizer, is_backward_role, register_recipe_quantizer
 
@@ -95,10 +96,35 @@ class BlockScalingQuantizer(Quantizer):
         self.rule = rule
         self.last_scale_inv: Optional[torch.Tensor] = None
 
-    def payload(self, x2d: torch.Tensor) -> BlockPayload:
-        """Row-wise payload of a 2-D high-precision tensor."""
-        data, scale_inv = quantize_blocks(x2d, self.spec, self.fp8_dtype, self.rule)
+    def payload(self, x2d: torch.Tensor, amax: Optional[torch.Tensor] = None) -> BlockPayload:
+        """Row-wise payload of a 2-D high-precision tensor (``amax``: per-block, precomputed)."""
+        data, scale_inv = quantize_blocks(x2d, self.spec, self.fp8_dtype, self.rule, amax)
         return BlockPayload(data, scale_inv, self.spec)
+
+    def quantize_gatherable(
+        self, x: torch.Tensor, group: Optional[dist.ProcessGroup], *, transpose: bool
+    ) -> BlockScaledTensor:
+        """Quantize a shard that will be all-gathered along dim 0 over ``group``.
+
+        Block scales are local, so this equals :meth:`quantize` -- except for row-wise
+        scaling's column-wise copy, whose one scale per column spans the whole gathered
+        dimension: its column amaxes are all-reduced (MAX) over ``group`` first, so that
+        the gathered copy equals quantizing the gathered tensor. No autograd.
+        """
+        if not (transpose and self.spec.cols is None):
+            with torch.no_grad():
+                return self._quantize_impl(x, transpose)
+        with torch.no_grad():
+            x2d = x.detach().reshape(-1, x.shape[-1])
+            rowwise = self.payload(x2d)
+            col_amax = block_amax(x2d.t(), self.spec)  # [K, 1]
+            if group is not None and dist.get_world_size(group) > 1:
+                # NaN must win the MAX like it does locally: send it as inf.
+                col_amax = torch.nan_to_num(col_amax, nan=float("inf"))
+                dist.all_reduce(col_amax, op=dist.ReduceOp.MAX, group=group)
+            columnwise = self.payload(x2d.t(), col_amax)
+            self.last_scale_inv = rowwise.scale_inv
+        return BlockScaledTensor(x.shape, x.dtype, rowwise, columnwise, self.recipe_name)
 
     def _quantize_impl(self, x: torch.Tensor, transpose: bool = False) -> BlockScaledTensor:
         with torch.no_grad():

@@ -119,11 +119,17 @@ def _scales_from_amax(
 
 
 def quantize_blocks(
-    x: torch.Tensor, spec: BlockSpec, fp8_dtype: torch.dtype, rule: ScaleRule
+    x: torch.Tensor, spec: BlockSpec, fp8_dtype: torch.dtype, rule: ScaleRule, amax: Optional[torch.Tensor] = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(data, scale_inv)`` of 2-D ``x`` quantized block by block (module docstring)."""
+    """``(data, scale_inv)`` of 2-D ``x`` quantized block by block (module docstring).
+
+    ``amax``: the per-block amaxes when the caller already has them (e.g. reduced over
+    ranks); default :func:`block_amax` of ``x``.
+    """
     assert x.dim() == 2
-    amax = block_amax(x, spec)
+    if amax is None:
+        amax = block_amax(x, spec)
+    assert tuple(amax.shape) == spec.scale_shape(tuple(x.shape))
     scale_inv, scale = _scales_from_amax(amax, fp8_dtype, rule)
     fp8_max = fp8_dtype_max(fp8_dtype)
     # Multiply by the scale (TE's convention); for power-of-two scales (always for

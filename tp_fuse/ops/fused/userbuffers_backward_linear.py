@@ -158,6 +158,8 @@ class UserbuffersBackwardLinear(FusedOperation):
     def _backward_all_gather(self, ctxs: list[OperationContext], dy: torch.Tensor):
         import comm
 
+        from ...quantization import BlockScalingQuantizer
+
         ag, linear = self.basic_ops[0], self.basic_ops[1]
         bias_op = self.basic_ops[2] if len(self.basic_ops) == 3 else None
         assert isinstance(ag, AllGather) and isinstance(linear, BasicLinear)
@@ -174,12 +176,15 @@ class UserbuffersBackwardLinear(FusedOperation):
         # The forward kept only this rank's shard: gather it for wgrad behind the dgrad GEMM.
         regather = need_dw and getattr(lin_ctx, "regather_input", None) is not None
         if lin_ctx.fp8:
-            dy_q = lin_ctx.grad_quantizer.quantize(dy2d)
+            dy_q = lin_ctx.grad_quantizer.quantize(
+                dy2d, transpose=need_dw and isinstance(lin_ctx.grad_quantizer, BlockScalingQuantizer)
+            )
             observe_cast(linear, "grad_output", dy2d, dy_q, lin_ctx.grad_quantizer)
             lin_ctx.grad_tracker.track(lin_ctx.grad_quantizer)
-            dgrad_in = fp8_wire(dy_q).view(dy2d.shape)
+            dgrad_in = fp8_wire(dy_q).view(dy2d.shape[0], -1)
             dgrad = fp8_gemm_from_bytes(dy_q, w_saved.transpose_fp8(), dy.dtype)
-            x_wire = fp8_wire(x_saved) if regather else None
+            # wgrad reads x transposed: a block-scaled x sends its column-wise copy.
+            x_wire = fp8_wire(x_saved, "columnwise") if regather else None
         else:
             dy_q = dy2d
             dgrad_in = dy2d.contiguous()
@@ -202,7 +207,7 @@ class UserbuffersBackwardLinear(FusedOperation):
 
         if regather:
             x_gathered, dx2d = comm.bulk_overlap(start_gather, dgrad_and_rs)
-            x_full = fp8_from_wire(x_gathered, x_saved) if lin_ctx.fp8 else x_gathered
+            x_full = fp8_from_wire(x_gathered, x_saved, "columnwise") if lin_ctx.fp8 else x_gathered
         else:
             dx2d = dgrad_and_rs()
             x_full = x_saved
@@ -232,6 +237,8 @@ class UserbuffersBackwardLinear(FusedOperation):
     def _backward_reduce_scatter(self, ctxs: list[OperationContext], dy: torch.Tensor):
         import comm
 
+        from ...quantization import BlockScaledTensor
+
         linear, rs = self.basic_ops[0], self.basic_ops[-1]
         bias_op = self.basic_ops[1] if len(self.basic_ops) == 3 else None
         assert isinstance(linear, BasicLinear) and isinstance(rs, ReduceScatter)
@@ -244,10 +251,12 @@ class UserbuffersBackwardLinear(FusedOperation):
             problem = fp8_gather_problem(group, "dy")
             if problem is not None:
                 raise ValueError(f"{problem} (the fusion was decided under another autocast)")
-            dy_q = quantize_same_scale_over(lin_ctx.grad_quantizer, dy2d, group)
+            dy_q = quantize_same_scale_over(
+                lin_ctx.grad_quantizer, dy2d, group, transpose=linear.weight.requires_grad
+            )
             observe_cast(linear, "grad_output", dy2d, dy_q, lin_ctx.grad_quantizer)
             lin_ctx.grad_tracker.track(lin_ctx.grad_quantizer)
-            wire = fp8_wire(dy_q).view(dy2d.shape)
+            wire = fp8_wire(dy_q).view(dy2d.shape[0], -1)
             dgrad = fp8_gemm_from_bytes(dy_q, w_saved.transpose_fp8(), dy.dtype)
             if bias_op is not None and bias_op.bias.requires_grad:
                 # Only FP8 bytes of dy travel: sum the local rows in high precision, then
@@ -283,7 +292,13 @@ class UserbuffersBackwardLinear(FusedOperation):
             if lin_ctx.fp8:
                 from ...quantization import fp8_gemm
 
-                dy_full = fp8_from_wire(gathered, dy_q)
+                if isinstance(dy_q, BlockScaledTensor):
+                    # The ring moved dy's row-wise copy (for dgrad); wgrad reads the
+                    # column-wise one, gathered here with its block scales.
+                    dy_full = fp8_from_wire(comm.all_gather_dim0(fp8_wire(dy_q, "columnwise"), group), dy_q,
+                                            "columnwise")
+                else:
+                    dy_full = fp8_from_wire(gathered, dy_q)
                 dw = fp8_gemm(dy_full.transpose_fp8(), x_full.transpose_fp8(), out_dtype=dy.dtype)
             else:
                 dw = gathered.t() @ x_full

@@ -173,7 +173,7 @@ class UserbuffersForwardLinear(FusedOperation):
     def _forward_all_gather(self, ctxs: list[OperationContext], x: torch.Tensor) -> torch.Tensor:
         from comm import ring_exchange_ag_gemm
 
-        from ...quantization import Float8Tensor, active_autocast
+        from ...quantization import BlockScaledTensor, active_autocast, is_quantized_tensor
 
         ag, linear = self.basic_ops[0], self.basic_ops[1]
         bias_op = self.basic_ops[2] if len(self.basic_ops) == 3 else None
@@ -201,10 +201,13 @@ class UserbuffersForwardLinear(FusedOperation):
             state = active_autocast()
             assert state is not None
             qs = linear.fp8_quantizers()
-            if isinstance(x2d, Float8Tensor):
+            if is_quantized_tensor(x2d):
                 x_fp8 = x2d  # quantized upstream (Quantize op): gathered as it is
             else:
-                x_fp8 = quantize_same_scale_over(qs["input"], x2d, group)
+                # Block recipes also make the column-wise copy here (wgrad reads it).
+                x_fp8 = quantize_same_scale_over(
+                    qs["input"], x2d, group, transpose=lin_ctx.requires_grad and linear.weight.requires_grad
+                )
                 observe_cast(linear, "input", x2d, x_fp8, qs["input"])
                 state.track_forward(qs["input"])
             # Quantizes the weight and records the grad quantizer, as forward_gemm does.
@@ -216,7 +219,11 @@ class UserbuffersForwardLinear(FusedOperation):
             wire = x2d.contiguous()
             gemm = hp_gemm(w_saved.t(), bias)
         overlap = self.plan.overlap
-        keep_gathered = overlap.save_gathered_input and lin_ctx.requires_grad
+        # A block-scaled input's gathered row-wise copy is of no use to wgrad (it reads the
+        # column-wise copy): keep the shard, whose column-wise copy backward gathers.
+        keep_gathered = (
+            overlap.save_gathered_input and lin_ctx.requires_grad and not isinstance(x_fp8, BlockScaledTensor)
+        )
         result = ring_exchange_ag_gemm(
             wire,
             gemm,
