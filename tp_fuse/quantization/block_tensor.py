@@ -139,7 +139,8 @@ class BlockScaledTensor(torch.Tensor):
         if p is None:
             raise ValueError(
                 f"BlockScaledTensor ({self.recipe_name}): the {which} copy was not quantized "
-                "(quantize with transpose=True when a backward GEMM reads the tensor transposed); "
+                "(of a transpose_fp8() view: the original's other copy; quantize with transpose=True "
+                "when a backward GEMM reads the tensor transposed); "
                 "re-quantizing from the other copy would quantize twice"
             )
         return p

@@ -24,6 +24,7 @@ from .userbuffers_common import (
     fp8_gather_problem,
     fp8_gemm_from_bytes,
     fp8_wire,
+    fp8_wire_note,
     observe_cast,
     gemm_label,
     hp_gemm,
@@ -101,6 +102,7 @@ class UserbuffersBackwardLinear(FusedOperation):
         wgrad_plan: Optional[OverlapPlan] = None,
         wgrad_note: str = "",
         fp8: bool = False,
+        recipe: Any = None,
     ) -> None:
         if (all_gather is None) == (reduce_scatter is None):
             raise ValueError("UserbuffersBackwardLinear needs exactly one of all_gather / reduce_scatter")
@@ -116,13 +118,14 @@ class UserbuffersBackwardLinear(FusedOperation):
         self.wgrad_plan = wgrad_plan
         self.wgrad_note = wgrad_note
         self.fp8 = fp8
+        self.recipe = recipe  # the recipe the fusion was decided under (describes the wire)
 
     def fusion_summary(self) -> str:
         linear = next(op for op in self.basic_ops if isinstance(op, BasicLinear))
         tp = f"TP={self.plan.tp_size}"
         fp8 = "; FP8 GEMMs" if self.fp8 else ""
         if self.mode == "reduce_scatter":
-            wire = ", dy quantized before the gather (1 byte/element)" if self.fp8 else ""
+            wire = f", {fp8_wire_note(self.recipe, 'dy')}" if self.fp8 else ""
             return f"AllGather(dy)+dgrad GEMM {gemm_label(linear)}, {self.plan.describe()}, {tp}{fp8}{wire}"
         # Whether the input is re-gathered depends on what the forward saved (its shard, by
         # default, when the forward fused too); say so rather than guess.
@@ -346,7 +349,8 @@ def fuse_userbuffers_backward_linear(
             else:
                 wgrad_plan = wplan
         op = UserbuffersBackwardLinear(
-            linear=linear, bias=bias, all_gather=ag, plan=plan, wgrad_plan=wgrad_plan, wgrad_note=note, fp8=fp8
+            linear=linear, bias=bias, all_gather=ag, plan=plan, wgrad_plan=wgrad_plan, wgrad_note=note, fp8=fp8,
+            recipe=recipe,
         )
         return Fuse(op, length, op.fusion_summary())
 
@@ -362,7 +366,7 @@ def fuse_userbuffers_backward_linear(
             problem = fp8_gather_problem(rs.process_group, f"dy of {gemm_label(linear)}")
             if problem is not None:
                 return Reject(problem, length)
-        op = UserbuffersBackwardLinear(linear=linear, bias=bias, reduce_scatter=rs, plan=plan, fp8=fp8)
+        op = UserbuffersBackwardLinear(linear=linear, bias=bias, reduce_scatter=rs, plan=plan, fp8=fp8, recipe=recipe)
         return Fuse(op, length, op.fusion_summary())
 
     def matcher(window: Sequence[FusibleOperation]) -> MatchResult:

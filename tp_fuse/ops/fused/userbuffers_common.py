@@ -173,6 +173,24 @@ def quantize_same_scale_over(
     return quantizer.quantize(x)
 
 
+def fp8_wire_note(recipe: Any, what: str = "input") -> str:
+    """What an FP8 all-gather of ``what`` puts on the wire under ``recipe`` (for ``explain``)."""
+    from ...quantization import is_block_recipe
+    from ...quantization.block_quantizer import block_layout, recipe_short_name
+
+    if recipe is None:
+        return ""
+    if not is_block_recipe(recipe):
+        return f"{what} quantized before the gather (1 byte/element on the wire)"
+    spec, rule, _ = block_layout(recipe, "grad_output" if what == "dy" else "input")
+    size = "4-byte fp32" if rule.kind == "fp32" else "1-byte E8M0"
+    return (
+        f"{recipe_short_name(recipe)}: {what} quantized before the gather, 1 byte/element plus one {size} "
+        f"scale per {spec.describe()} block on the wire, scales packed with their rows; block scales come "
+        "from local data, so no amax reduction is needed"
+    )
+
+
 def observe_cast(linear: Any, role: str, hp: torch.Tensor, q: Any, quantizer: Any) -> None:
     """Report an FP8 cast done by an overlap op to the layer's FP8-stats tap, as
     ``BasicLinear`` does for its own casts (the stats of a gathered operand are those
