@@ -120,6 +120,12 @@ def _cuda_block_gemm(
     raise AssertionError(recipe_name)
 
 
+def _vector(scale_inv: torch.Tensor) -> torch.Tensor:
+    # Dense 1-D fp32: _scaled_mm checks strides, and a [K, 1] scale sliced out of a
+    # gathered buffer can carry a stride on its size-1 dimension.
+    return scale_inv.to(torch.float32).reshape(-1).contiguous()
+
+
 def block_gemm(
     a: BlockScaledTensor, b: BlockScaledTensor, out_dtype: torch.dtype, bias: Optional[torch.Tensor] = None
 ) -> torch.Tensor:
@@ -129,8 +135,8 @@ def block_gemm(
     if a.recipe_name == "rowwise":
         # One scale per row of each operand: torch._scaled_mm's row-wise form (CPU and CUDA).
         out = torch._scaled_mm(
-            pa.data, pb.data.t(), scale_a=pa.scale_inv.to(torch.float32).reshape(-1, 1),
-            scale_b=pb.scale_inv.to(torch.float32).reshape(1, -1), out_dtype=torch.float32,
+            pa.data, pb.data.t(), scale_a=_vector(pa.scale_inv).view(-1, 1),
+            scale_b=_vector(pb.scale_inv).view(1, -1), out_dtype=torch.float32,
         )
         if bias is not None:
             out = out + bias.to(torch.float32)
