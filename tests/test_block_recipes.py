@@ -335,3 +335,23 @@ def test_columnwise_wire_refuses_blocks_that_would_straddle_ranks():
     t = make_quantizer(Float8BlockScaling(), "input").quantize(torch.randn(64, 128), transpose=True)
     with pytest.raises(ValueError, match="64 rows, not a multiple of 128"):
         block_wire.columnwise_wire(t)
+
+
+# ---------------------------------------------------------------- FP8 statistics
+
+
+def test_block_stats_components_hand_computed():
+    from tp_fuse.debug.stats import ALL_STATS, block_fp8_components
+
+    # Two MXFP8 blocks: [500, 1, 0...] (X = 1: 500 saturates to 448) and [1e-3, 1e-12, 0...]
+    # (X = 2**-18; 1e-12 / X is far below E4M3's smallest subnormal: underflow).
+    x = torch.zeros(1, 64)
+    x[0, 0], x[0, 1], x[0, 32], x[0, 33] = 500.0, 1.0, 1e-3, 1e-12
+    q = make_quantizer(MXFP8BlockScaling(), "input").quantize(x)
+    c = block_fp8_components(x, q)
+    assert c["numel"].item() == 64 and c["overflows"].item() == 1 and c["underflows"].item() == 1
+    assert c["scale_inv_min"].item() == 2.0**-18 and c["scale_inv_max"].item() == 1.0
+    assert c["sqerr"].item() == pytest.approx(52.0**2 + 1e-24, rel=1e-6)
+    finals = {k: ALL_STATS[k][1]({n: float(v) for n, v in c.items()}) for k in ("scale_inv_std", "overflows%")}
+    assert finals["overflows%"] == pytest.approx(100 / 64)
+    assert finals["scale_inv_std"] == pytest.approx(torch.tensor([1.0, 2.0**-18]).double().std().item())

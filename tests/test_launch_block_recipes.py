@@ -29,6 +29,14 @@ def test_launcher_trains_with_block_recipe_tp_sp_overlap(tmp_path, recipe):
     assert [m["step"] for m in metrics] == [1, 2, 3]
     assert all(math.isfinite(m["loss"]) for m in metrics)
     assert metrics[-1]["loss"] < metrics[0]["loss"]
+    # Block-scale statistics per GEMM tensor, in the FP8 stats JSONL.
+    last = read_jsonl(os.path.join(run_dir, "fp8_stats.jsonl"))[-1]
+    for tensor in ("input", "weight", "grad_output"):
+        for stat in ("block_scale_inv_min", "block_scale_inv_max", "block_scale_inv_std", "underflow_pct",
+                     "overflow_pct", "mse", "amax"):
+            value = last[f"fp8/layers.0/fc1/{tensor}/{stat}"]
+            assert math.isfinite(value), (tensor, stat, value)
+        assert 0 < last[f"fp8/layers.0/fc1/{tensor}/block_scale_inv_min"] <= last[f"fp8/layers.0/fc1/{tensor}/block_scale_inv_max"]
 
 
 def test_config_refuses_rows_that_split_blocks_between_ranks():
