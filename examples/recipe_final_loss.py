@@ -6,7 +6,12 @@ last validation loss and the relative difference to the first recipe given (put
 ``none`` = fp32 first)::
 
     nice python examples/recipe_final_loss.py none blockwise mxfp8 rowwise
-    nice python examples/recipe_final_loss.py --from-logs /tmp/runs   # re-print from saved logs
+    nice python examples/recipe_final_loss.py --at-step 100 none blockwise   # stop early
+    nice python examples/recipe_final_loss.py --from-logs none blockwise     # re-print saved logs
+
+``--at-step N`` stops each run after step N of the same 300-step schedule
+(``trainer.exit_at_step=N``) and compares the losses logged at step N (validation runs
+every 100 steps).
 
 Each run's stdout is kept in ``--log-dir`` (default ``recipe_runs/``) as ``<recipe>.log``.
 """
@@ -23,11 +28,14 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STEP = re.compile(r"step\s+(\d+)/(\d+)\s+loss ([0-9.]+)(?:\s+val ([0-9.]+))?")
 
 
-def parse(log: str) -> tuple[int, float, float | None]:
-    """(last step, its training loss, last validation loss) from a launcher log."""
+def parse(log: str, at_step: int | None = None) -> tuple[int, float, float | None]:
+    """(last step, its training loss, last validation loss) from a launcher log, up to
+    ``at_step`` when given."""
     last = None
     val = None
     for m in STEP.finditer(log):
+        if at_step is not None and int(m.group(1)) > at_step:
+            break
         last = (int(m.group(1)), float(m.group(3)))
         if m.group(4):
             val = float(m.group(4))
@@ -52,13 +60,16 @@ def main() -> None:
     ap.add_argument("--log-dir", default="recipe_runs")
     ap.add_argument("--from-logs", action="store_true", help="only parse <log-dir>/<recipe>.log")
     ap.add_argument("--extra", nargs="*", default=[], help="extra launcher overrides")
+    ap.add_argument("--at-step", type=int, default=None, help="stop after this step (trainer.exit_at_step)")
     args = ap.parse_args()
+    if args.at_step is not None:
+        args.extra = [*args.extra, f"trainer.exit_at_step={args.at_step}"]
     os.makedirs(args.log_dir, exist_ok=True)
     rows = []
     for recipe in args.recipes:
         path = os.path.join(args.log_dir, f"{recipe}.log") if args.from_logs else run(recipe, args.log_dir, args.extra)
         with open(path) as f:
-            rows.append((recipe, *parse(f.read())))
+            rows.append((recipe, *parse(f.read(), args.at_step)))
     base = rows[0][2]
     print(f"{'recipe':<10} {'steps':>5} {'final loss':>10} {'vs ' + rows[0][0]:>10} {'val loss':>9}")
     for recipe, step, loss, val in rows:

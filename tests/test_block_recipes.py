@@ -355,3 +355,34 @@ def test_block_stats_components_hand_computed():
     finals = {k: ALL_STATS[k][1]({n: float(v) for n, v in c.items()}) for k in ("scale_inv_std", "overflows%")}
     assert finals["overflows%"] == pytest.approx(100 / 64)
     assert finals["scale_inv_std"] == pytest.approx(torch.tensor([1.0, 2.0**-18]).double().std().item())
+
+
+# ---------------------------------------------------------------- debug API
+
+
+@pytest.mark.parametrize("recipe", RECIPES, ids=IDS)
+@pytest.mark.parametrize("gemms", [["fprop"], ["dgrad", "wgrad"]])
+def test_disable_fp8_gemm_with_block_recipes(recipe, gemms):
+    from tp_fuse.debug import DebugSession
+
+    def linear():
+        torch.manual_seed(0)
+        return ops.Sequential(ops.BasicLinear(128, 64, userbuffers_options={"comm_name": "fc1"}))
+
+    x, g = _gen(20, 32, 128).float(), _gen(21, 32, 64).float()
+
+    def run(model, fp8):
+        xx = x.clone().requires_grad_()
+        with tp_fuse.autocast(recipe=recipe, enabled=fp8):
+            y = model(xx)
+        (y * g).sum().backward()
+        return y.detach(), xx.grad, next(model.parameters()).grad
+
+    hp, q = run(linear(), False), run(linear(), True)
+    model = linear()
+    DebugSession({"sec": {"layers": {"layer_name_regex_pattern": ".*fc1"},
+                          "transformer_engine": {"DisableFP8GEMM": {"gemms": gemms}}}}).attach(model)
+    dbg = run(model, True)
+    for i, gemm in enumerate(("fprop", "dgrad", "wgrad")):
+        assert torch.equal(dbg[i], hp[i] if gemm in gemms else q[i]), gemm
+    assert not torch.equal(hp[0], q[0])

@@ -181,7 +181,8 @@ def fp8_wire_note(recipe: Any, what: str = "input") -> str:
     if recipe is None:
         return ""
     if not is_block_recipe(recipe):
-        return f"{what} quantized before the gather (1 byte/element on the wire)"
+        # (texts as they were before block recipes existed)
+        return f"{what} quantized before the gather (1 byte/element{' on the wire' if what == 'input' else ''})"
     spec, rule, _ = block_layout(recipe, "grad_output" if what == "dy" else "input")
     size = "4-byte fp32" if rule.kind == "fp32" else "1-byte E8M0"
     return (
