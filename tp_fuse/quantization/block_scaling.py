@@ -96,6 +96,18 @@ def expand_scales(scale_inv: torch.Tensor, spec: BlockSpec, shape: tuple[int, in
     return s.repeat_interleave(br, dim=0)[:r].repeat_interleave(bc, dim=1)[:, :c]
 
 
+def _mul_blocks(x: torch.Tensor, per_block: torch.Tensor, spec: BlockSpec) -> torch.Tensor:
+    """fp32 ``x * per_block`` with each block's value broadcast over its elements."""
+    r, c = x.shape
+    br, bc = spec.rows, spec.cols_for(c)
+    x = x.to(torch.float32)
+    if r % br == 0 and c % bc == 0:
+        # Whole blocks: broadcast over a [gr, br, gc, bc] view, no per-element scale tensor.
+        gr, gc = r // br, c // bc
+        return (x.view(gr, br, gc, bc) * per_block.to(torch.float32).view(gr, 1, gc, 1)).view(r, c)
+    return x * expand_scales(per_block, spec, (r, c))
+
+
 def _scales_from_amax(
     amax: torch.Tensor, fp8_dtype: torch.dtype, rule: ScaleRule
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -134,11 +146,11 @@ def quantize_blocks(
     fp8_max = fp8_dtype_max(fp8_dtype)
     # Multiply by the scale (TE's convention); for power-of-two scales (always for
     # E8M0) this is exact and equals dividing by scale_inv.
-    scaled = x.detach().to(torch.float32) * expand_scales(scale, spec, tuple(x.shape))
+    scaled = _mul_blocks(x.detach(), scale, spec)
     data = scaled.clamp(-fp8_max, fp8_max).to(fp8_dtype)
     return data, scale_inv
 
 
 def dequantize_blocks(data: torch.Tensor, scale_inv: torch.Tensor, spec: BlockSpec) -> torch.Tensor:
     """fp32 ``data * scale_inv`` per block (the inverse of :func:`quantize_blocks`)."""
-    return data.to(torch.float32) * expand_scales(scale_inv, spec, tuple(data.shape))
+    return _mul_blocks(data, scale_inv, spec)
