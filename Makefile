@@ -6,7 +6,7 @@ PYTHON ?= python3
 NPROC ?= 1
 ARGS ?=
 
-.PHONY: install train test bench
+.PHONY: install train test bench gpu-check
 
 install:
 	$(PYTHON) -m pip install -q "torch==2.13.0" || $(PYTHON) -m pip install -q "torch>=2.6"
@@ -21,3 +21,9 @@ test: install
 
 bench: install
 	$(PYTHON) examples/bench_fuser_overhead.py
+
+# make gpu-check: on a CUDA machine, GPU tests + Triton vs torch + kernel/GEMM benchmarks +
+# 100-step bf16/FP8 GPT runs + TP=2 through gloo, summary in gpu_check_out/ (< 9 min).
+# Without CUDA it prints one line and succeeds.
+gpu-check: install
+	$(PYTHON) tools/gpu_check.py

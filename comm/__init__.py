@@ -12,6 +12,7 @@ from .backend import (
     device_type_for_backend,
     init_distributed,
 )
+from .nccl_rules import CudaConformanceError, check_collective, collective_violations, strict_cuda_enabled
 from .overlap import (
     PendingCollective,
     all_gather_dim0,
@@ -19,7 +20,9 @@ from .overlap import (
     all_reduce,
     all_reduce_async,
     bulk_overlap,
+    ShapeAgreement,
     check_same_shape,
+    check_same_signature,
     gemm_all_reduce_chunked,
     gemm_reduce_scatter_pipelined,
     gemm_reduce_scatter_ring,
@@ -31,6 +34,7 @@ from .topology import FP8_GROUP_KINDS, ParallelTopology, resolve_parallel_sizes
 from .userbuffers import UserBufferPool, symmetric_memory_available
 
 __all__ = [
+    "CudaConformanceError",
     "DistributedContext",
     "FP8_GROUP_KINDS",
     "ParallelTopology",
@@ -42,7 +46,11 @@ __all__ = [
     "all_reduce_async",
     "backend_for_device",
     "bulk_overlap",
+    "ShapeAgreement",
+    "check_collective",
     "check_same_shape",
+    "check_same_signature",
+    "collective_violations",
     "device_for_local_rank",
     "device_type_for_backend",
     "gemm_all_reduce_chunked",
@@ -52,6 +60,7 @@ __all__ = [
     "reduce_scatter_dim0",
     "reduce_scatter_dim0_async",
     "resolve_parallel_sizes",
+    "strict_cuda_enabled",
     "ring_exchange_ag_gemm",
     "symmetric_memory_available",
 ]

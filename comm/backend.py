@@ -116,6 +116,18 @@ class DistributedContext:
             shutil.rmtree(self.store_dir, ignore_errors=True)
             self.store_dir = None
 
+    def abort(self) -> None:
+        """After an error on this rank: tear the default group down now (if this context
+        owns it), so that peers blocked in a collective with this rank fail at once
+        instead of waiting for the group's timeout. NCCL groups are aborted (destroying
+        one with work in flight can block); gloo peers see "connection closed by peer"."""
+        if self.owns_group and dist.is_initialized():
+            if self.backend == "nccl" and hasattr(dist.distributed_c10d, "_abort_process_group"):
+                dist.distributed_c10d._abort_process_group()
+            else:
+                dist.destroy_process_group()
+        self.shutdown()
+
     def __enter__(self) -> "DistributedContext":
         return self
 

@@ -13,6 +13,9 @@ noise hits all of them alike), medians over ``--iters`` timed steps after ``--wa
         input of column-parallel GEMMs for the weight gradient)
     (a') overlap ON with Megatron's default (re-gather the input in backward, behind the
         dgrad GEMM: 1/tp of the activation memory, one more all-gather per GEMM)
+    (auto) overlap ON with ``OverlapConfig(auto=True)`` (and save_gathered_input=True, as
+        (a)): every GEMM stage measures its methods and "unfused" at the first step (outside
+        the timed steps; the measuring time is printed) and runs the fastest
     (b) the same model with overlap OFF (TPOverlap(OverlapConfig(enabled=False)))
     (c) the same math with PyTorch DTensor tensor parallelism: ColwiseParallel /
         RowwiseParallel / SequenceParallel on plain nn.Linear / nn.LayerNorm modules
@@ -20,7 +23,8 @@ noise hits all of them alike), medians over ``--iters`` timed steps after ``--wa
 
 A step is zero_grad + forward + backward (loss = mean(y^2) of the local output) + SGD
 step. All models start from the same weights; the first step's outputs are compared
-across (a), (b), (c) as a sanity check. Tokens/s counts the ``seq * batch`` tokens the
+across (a), (b), (c) as a sanity check; "auto/b [q1, q3]" are the quartiles of the
+per-step ratio step_b / step_auto (both run back to back in each iteration). Tokens/s counts the ``seq * batch`` tokens the
 TP group processes per step.
 """
 
@@ -158,10 +162,13 @@ def main() -> None:
     ours_on = build_ours(args, group, TPOverlap(save_gathered_input=True))
     ours_regather = build_ours(args, group, TPOverlap())
     ours_off = build_ours(args, group, TPOverlap(OverlapConfig(enabled=False)))
+    auto_overlap = TPOverlap(OverlapConfig(auto=True), save_gathered_input=True)
+    ours_auto = build_ours(args, group, auto_overlap)
     torch_tp = build_dtensor(args, ours_on, group)
     configs = {
         "a: tp-fuse, overlap on": make_step(ours_on, x),
         "a': overlap on, re-gather": make_step(ours_regather, x),
+        "auto: tp-fuse, overlap auto": make_step(ours_auto, x),
         "b: tp-fuse, overlap off": make_step(ours_off, x),
         "c: DTensor TP": make_step(torch_tp, x),
     }
@@ -169,7 +176,12 @@ def main() -> None:
         ours_fp8 = build_ours(args, group, TPOverlap(save_gathered_input=True))
         configs["a8: tp-fuse, overlap on, FP8"] = make_step(ours_fp8, x, fp8=True)
 
-    first = {name: step() for name, step in configs.items()}
+    first = {}
+    first_s = {}
+    for name, step in configs.items():
+        t0 = time.perf_counter()
+        first[name] = step()
+        first_s[name] = time.perf_counter() - t0
     ref = first["c: DTensor TP"]
     agree = {name: ((y - ref).abs().max() / ref.abs().max()).item() for name, y in first.items()}
     times: dict[str, list[float]] = {name: [] for name in configs}
@@ -196,6 +208,15 @@ def main() -> None:
         for name, t in med.items():
             print(f"{name:32s} {1e3 * t:9.1f} {tokens / t:10.0f}  {agree[name]:.2e}")
         a, b, c = (med[k] for k in ("a: tp-fuse, overlap on", "b: tp-fuse, overlap off", "c: DTensor TP"))
+        au = med["auto: tp-fuse, overlap auto"]
+        ratios = [tb / ta for tb, ta in zip(times["b: tp-fuse, overlap off"], times["auto: tp-fuse, overlap auto"])]
+        q = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else [ratios[0]] * 3
+        print(f"overlap auto: measuring took {auto_overlap.tuner.measure_seconds:.2f} s (rank 0) in the first "
+              f"step ({first_s['auto: tp-fuse, overlap auto']:.2f} s; overlap off: "
+              f"{first_s['b: tp-fuse, overlap off']:.2f} s); choices:")
+        for d in auto_overlap.tuner.decisions:
+            print(f"  {d.describe()}")
+        print(f"throughput ratios: auto/b = {b / au:.3f} [q1 {q[0]:.3f}, q3 {q[2]:.3f}]   auto/a = {a / au:.3f}")
         print(f"throughput ratios: a/c = {c / a:.3f}   a/b = {b / a:.3f}", end="")
         if "a8: tp-fuse, overlap on, FP8" in med:
             print(f"   FP8/fp32 (a8/a) = {a / med['a8: tp-fuse, overlap on, FP8']:.3f}")

@@ -48,6 +48,9 @@ def train(overrides: list[str], run_dir: str, model_factory: Optional[ModelFacto
     layout = validate(cfg, env_world_size())
     rt = start(cfg, layout, run_dir)
     try:
-        return Trainer(cfg, rt, model_factory).fit()
-    finally:
-        rt.shutdown()
+        result = Trainer(cfg, rt, model_factory).fit()
+    except BaseException:
+        rt.abort()  # peers blocked in a collective with this rank fail now, not at the timeout
+        raise
+    rt.shutdown()
+    return result

@@ -17,9 +17,13 @@ only after all ranks finished and the manifest is on disk; ``latest`` is then re
 atomically. A crash mid-save leaves a ``.tmp-*`` directory that is never read (and
 is removed by the next save), so the previous checkpoint is never damaged.
 
-Safety: no pickle of arbitrary objects is ever loaded. Tensors are read by DCP with
-``torch.load(weights_only=True)``; DCP's ``.metadata`` (a pickle) is read with an
-unpickler that only admits DCP's metadata classes (``launch.safe_dcp``).
+Safety: a checkpoint directory is untrusted. Nothing in it is unpickled beyond tensors
+(``torch.load(weights_only=True)``) and DCP's ``.metadata``, which is read by an unpickler
+admitting exact (module, name) pairs of data classes and then checked to hold tensor
+entries only (``launch.safe_dcp``). Non-tensor state is stored as tensors or JSON.
+Parameters or optimizer state that are not finite are never saved, and retention never
+deletes the newest checkpoint. Which run a directory belongs to, and which checkpoint a
+start resumes, is decided in ``launch.run_identity``.
 
 Resharding: model and optimizer tensors reshard to any TP/DP layout. Per-rank state
 (RNG, FP8 amax histories) is restored per rank when the layout is unchanged; after a
@@ -30,13 +34,12 @@ with ``fp8.group=world``) and RNG streams are re-seeded from ``trainer.seed`` an
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 import os
-import re
 import shutil
+import sys
 import time
-from typing import Any, Optional
+from typing import Any, Callable, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -46,27 +49,22 @@ from torch.distributed.checkpoint.api import CheckpointException as DCPCheckpoin
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from layers import get_shard_spec
-from tp_fuse import autocast
-from tp_fuse.debug import name_linears
 from tp_fuse.quantization import DelayedScalingQuantizer
 from tp_fuse.recipe import Recipe
 
 from .data import BatchLoader
-from .model import dropout_seed
+from .model import dropout_seed, fp8_quantizers
 from .runtime import Runtime
-from .safe_dcp import SafeFileSystemReader
+from .checkpoint_files import FORMAT_VERSION, chain, describe_os_error, describe_write_failure, file_table
+from .checkpoint_files import read_manifest, verify_files, write_atomic
+from .run_identity import MANIFEST, decide_start, decision_from_box, decision_to_box, list_step_dirs
+from .run_identity import read_manifest_run_id
+from .safe_dcp import CheckpointError, SafeFileSystemReader, SafeLoadPlanner
 
 __all__ = ["CheckpointError", "CheckpointManager", "TrainingState", "MANIFEST"]
 
-MANIFEST = "tp_fuse_checkpoint.json"
 LATEST = "latest"
-FORMAT_VERSION = 1
-_STEP_DIR = re.compile(r"^step_(\d{8})$")
 _QUANTIZER_FIELDS = ("scale", "amax_history", "last_amax", "nonfinite_amax_count")
-
-
-class CheckpointError(ValueError):
-    """A checkpoint is missing, incomplete, corrupt or incompatible with the config."""
 
 
 @dataclasses.dataclass
@@ -81,35 +79,10 @@ class TrainingState:
     seed: int
     model_config: dict[str, Any]
     step: int = 0
+    last_loss: Optional[float] = None  # training loss of ``step`` (recorded in the manifest)
 
 
 # ---- helpers ------------------------------------------------------------------------
-
-
-def _sha256(path: str) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
-def _file_table(directory: str) -> dict[str, dict[str, Any]]:
-    out = {}
-    for name in sorted(os.listdir(directory)):
-        path = os.path.join(directory, name)
-        if os.path.isfile(path) and name != MANIFEST:
-            out[name] = {"size": os.path.getsize(path), "sha256": _sha256(path)}
-    return out
-
-
-def _write_atomic(path: str, text: str) -> None:
-    tmp = f"{path}.tmp"
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 def _global_view(local: torch.Tensor, spec: Any, rt: Runtime) -> torch.Tensor:
@@ -128,20 +101,13 @@ def _global_view(local: torch.Tensor, spec: Any, rt: Runtime) -> torch.Tensor:
 
 
 def _fp8_quantizers(state: TrainingState) -> dict[str, dict[str, DelayedScalingQuantizer]]:
-    """Delayed-scaling quantizers of every BasicLinear, by module path and role.
-
-    Asking the ops inside an autocast creates missing quantizers (e.g. before the first
-    step of a resumed run) with the recipe the training loop uses.
-    """
-    if state.recipe is None:
-        return {}
+    """Delayed-scaling quantizers of every BasicLinear, by module path and role (their
+    state is what a checkpoint carries; current scaling has none)."""
     out: dict[str, dict[str, DelayedScalingQuantizer]] = {}
-    with autocast(recipe=state.recipe, amax_reduction_group=state.fp8_group):
-        for name in name_linears(state.model):
-            qs = name.op.fp8_quantizers() or {}
-            delayed = {role: q for role, q in qs.items() if isinstance(q, DelayedScalingQuantizer)}
-            if delayed:
-                out[name.qualname] = delayed
+    for qualname, qs in fp8_quantizers(state.model, state.recipe, state.fp8_group).items():
+        delayed = {role: q for role, q in qs.items() if isinstance(q, DelayedScalingQuantizer)}
+        if delayed:
+            out[qualname] = delayed
     return out
 
 
@@ -151,33 +117,71 @@ class CheckpointManager:
     Args:
         root: the checkpoint directory (shared by all ranks).
         rt: the runtime (groups, mesh, rank).
-        keep: number of checkpoints to keep.
-        verify: check file sizes and hashes before loading.
+        keep: number of checkpoints of this run to keep.
+        verify: check SHA-256 hashes before loading (sizes are always checked).
+        writer_factory: builds DCP's storage writer for a directory (default: DCP's
+            ``FileSystemWriter``; tests inject faults).
     """
 
-    def __init__(self, root: str, rt: Runtime, *, keep: int = 2, verify: bool = True) -> None:
+    def __init__(
+        self,
+        root: str,
+        rt: Runtime,
+        *,
+        keep: int = 2,
+        verify: bool = True,
+        writer_factory: Optional[Callable[[str], Any]] = None,
+    ) -> None:
         self.root = os.path.abspath(root)
         self.rt = rt
         self.keep = keep
         self.verify = verify
+        self.writer_factory = writer_factory
+        self.run_id: Optional[str] = None  # set by :meth:`start`
 
     # ---- discovery ----------------------------------------------------------
 
-    def complete_checkpoints(self) -> list[str]:
-        """Complete checkpoint directories (manifest present), oldest first."""
-        if not os.path.isdir(self.root):
-            return []
-        found = []
-        for name in os.listdir(self.root):
-            m = _STEP_DIR.match(name)
-            if m and os.path.isfile(os.path.join(self.root, name, MANIFEST)):
-                found.append((int(m.group(1)), os.path.join(self.root, name)))
-        return [p for _, p in sorted(found)]
+    def complete_checkpoints(self, run_id: Optional[str] = None) -> list[str]:
+        """Complete checkpoint directories (manifest present), oldest first; only ``run_id``'s if given."""
+        found = [p for _, p, complete in list_step_dirs(self.root) if complete]
+        if run_id is not None:
+            found = [p for p in found if read_manifest_run_id(p) == run_id]
+        return found
 
     def latest(self) -> Optional[str]:
         """The newest complete checkpoint, or None."""
         found = self.complete_checkpoints()
         return found[-1] if found else None
+
+    def latest_of_run(self) -> Optional[str]:
+        """The newest complete checkpoint of this run (the one it resumed counts), or None."""
+        found = self.complete_checkpoints(self.run_id) if self.run_id is not None else []
+        return found[-1] if found else None
+
+    def start(self, resume: Union[bool, str], *, restarted: bool, job: str, overwrite: bool) -> Optional[str]:
+        """Decide (rank 0) and agree (all ranks) on the run id and the checkpoint to resume.
+
+        Returns the checkpoint directory to :meth:`load`, or None to start at step 0.
+        Raises :class:`CheckpointError` on every rank when the directory belongs to
+        another run (see :mod:`launch.run_identity`).
+        """
+        box: list[Any] = [None, None, [], None]
+        if self.rt.is_rank0:
+            try:
+                box = decision_to_box(decide_start(self.root, resume, restarted=restarted, job=job,
+                                                   overwrite=overwrite))
+            except OSError as exc:
+                box = ["", None, [], f"checkpoint.dir {self.root}: {exc.strerror or exc} ({exc.filename or ''})"]
+        if self.rt.layout.world_size > 1:
+            dist.broadcast_object_list(box, src=0, group=self.rt.topology.world_group)
+        decision = decision_from_box(box)
+        if decision.error is not None:
+            raise CheckpointError(decision.error)
+        if self.rt.is_rank0:
+            for line in decision.messages:
+                print(f"[tp-fuse] {line}", file=sys.stderr, flush=True)
+        self.run_id = decision.run_id
+        return decision.resume_from
 
     # ---- state dict -----------------------------------------------------------
 
@@ -223,81 +227,118 @@ class CheckpointManager:
     # ---- save -------------------------------------------------------------------
 
     def save(self, state: TrainingState, extra: Optional[dict[str, Any]] = None) -> str:
-        """Write a checkpoint of ``state`` atomically; returns its directory."""
+        """Write a checkpoint of ``state`` atomically; returns its directory.
+
+        Raises :class:`CheckpointError` on every rank, with the previous checkpoint
+        intact, when parameters or optimizer state are not finite, or when writing fails
+        (the cause named: e.g. no space left on the device of the checkpoint directory).
+        """
         rt = self.rt
         name = f"step_{state.step:08d}"
         final = os.path.join(self.root, name)
         tmp = os.path.join(self.root, f".tmp-{name}")
+        self._refuse_nonfinite(state)
+        problem = None
         if rt.is_rank0:
-            os.makedirs(self.root, exist_ok=True)
-            shutil.rmtree(tmp, ignore_errors=True)  # leftovers of a crashed save
-            os.makedirs(tmp)
-        rt.barrier()
+            try:
+                os.makedirs(self.root, exist_ok=True)
+                shutil.rmtree(tmp, ignore_errors=True)  # leftovers of a crashed save
+                os.makedirs(tmp)
+            except OSError as exc:
+                problem = f"cannot create {tmp}: {exc.strerror or exc}"
+        self._raise_if_any(problem, state.step)
         sd = self._state_dict(state, fp8_rank=rt.rank, with_rng=True, for_load=False)
-        dcp.save(sd, storage_writer=FileSystemWriter(tmp), process_group=rt.topology.world_group)
+        try:
+            writer = (self.writer_factory or FileSystemWriter)(tmp)
+            dcp.save(sd, storage_writer=writer, process_group=rt.topology.world_group)
+        except (Exception, DCPCheckpointException) as exc:  # DCP raises the same failure on every rank
+            cause = describe_write_failure(exc, tmp, sd)
+            if rt.is_rank0:
+                shutil.rmtree(tmp, ignore_errors=True)  # give the space back; the last good one stays
+            raise CheckpointError(self._save_failed(state.step, cause)) from None
         rt.barrier()
+        problem = None
         if rt.is_rank0:
-            manifest = {
-                "format": FORMAT_VERSION,
-                "step": state.step,
-                "consumed_samples": state.loader.consumed_samples,
-                "world_size": rt.layout.world_size,
-                "tp": rt.layout.tp,
-                "dp": rt.layout.dp,
-                "model": state.model_config,
-                "fp8_recipe": None if state.recipe is None else repr(state.recipe),
-                "amax_history_len": getattr(state.recipe, "amax_history_len", None),
-                "time": time.time(),
-                "files": _file_table(tmp),
-                **(extra or {}),
-            }
-            _write_atomic(os.path.join(tmp, MANIFEST), json.dumps(manifest, indent=1))
-            if os.path.exists(final):
-                # Same step saved again (e.g. after a restart): swap, never leave no copy.
-                old = os.path.join(self.root, f".old-{name}")
-                shutil.rmtree(old, ignore_errors=True)
-                os.rename(final, old)
-                os.rename(tmp, final)
-                shutil.rmtree(old, ignore_errors=True)
-            else:
-                os.rename(tmp, final)
-            _write_atomic(os.path.join(self.root, LATEST), name + "\n")
-            for path in self.complete_checkpoints()[: -self.keep]:
-                shutil.rmtree(path, ignore_errors=True)
-        rt.barrier()
+            try:
+                self._finish_save(state, tmp, final, name, extra)
+            except OSError as exc:
+                shutil.rmtree(tmp, ignore_errors=True)
+                problem = describe_os_error(exc, tmp)
+        self._raise_if_any(problem, state.step)
         return final
 
+    def _finish_save(self, state: TrainingState, tmp: str, final: str, name: str,
+                     extra: Optional[dict[str, Any]]) -> None:
+        """Rank 0: manifest, rename into place, ``latest``, retention (this run's only)."""
+        manifest = {
+            "format": FORMAT_VERSION,
+            "run_id": self.run_id,
+            "step": state.step,
+            "loss": state.last_loss,
+            "consumed_samples": state.loader.consumed_samples,
+            "world_size": self.rt.layout.world_size,
+            "tp": self.rt.layout.tp,
+            "dp": self.rt.layout.dp,
+            "model": state.model_config,
+            "fp8_recipe": None if state.recipe is None else repr(state.recipe),
+            "amax_history_len": getattr(state.recipe, "amax_history_len", None),
+            "time": time.time(),
+            "files": file_table(tmp),
+            **(extra or {}),
+        }
+        write_atomic(os.path.join(tmp, MANIFEST), json.dumps(manifest, indent=1))
+        if os.path.exists(final):
+            # Same step saved again (e.g. after a restart): swap, never leave no copy.
+            old = os.path.join(self.root, f".old-{name}")
+            shutil.rmtree(old, ignore_errors=True)
+            os.rename(final, old)
+            os.rename(tmp, final)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.rename(tmp, final)
+        write_atomic(os.path.join(self.root, LATEST), name + "\n")
+        # Only this run's checkpoints are pruned, never the one just written.
+        own = [p for p in self.complete_checkpoints(self.run_id) if p != final]
+        for path in own[: max(0, len(own) - (self.keep - 1))]:
+            shutil.rmtree(path, ignore_errors=True)
+
+    def _raise_if_any(self, problem: Optional[str], step: int) -> None:
+        """Rank 0's problem (or None) raised as the same CheckpointError on every rank."""
+        box = [problem]
+        if self.rt.layout.world_size > 1:
+            dist.broadcast_object_list(box, src=0, group=self.rt.topology.world_group)
+        if box[0] is not None:
+            raise CheckpointError(self._save_failed(step, box[0]))
+
+    def _save_failed(self, step: int, cause: str) -> str:
+        last = self.complete_checkpoints(self.run_id)
+        kept = f"the last good checkpoint {last[-1]} is intact" if last else "no earlier checkpoint of this run exists"
+        return f"saving checkpoint step {step} in {self.root} failed: {cause}; {kept}"
+
+    def _refuse_nonfinite(self, state: TrainingState) -> None:
+        """Raise on every rank if any rank's parameters or optimizer state hold NaN/inf."""
+        bad = None
+        for name, p in state.model.named_parameters():
+            tensors = {"parameter": p.detach(), **{
+                f"optimizer state {k} of": t for k, t in state.optimizer.state.get(p, {}).items()
+                if torch.is_tensor(t) and t.is_floating_point()
+            }}
+            for what, t in tensors.items():
+                if not bool(torch.isfinite(t).all()):
+                    bad = f"{what} {name}"
+                    break
+            if bad is not None:
+                break
+        flag = torch.tensor([0.0 if bad is None else 1.0], device=self.rt.device)
+        if self.rt.layout.world_size > 1:
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.rt.topology.world_group)
+        if float(flag) > 0:
+            where = f"{bad} is" if bad is not None else "another rank's parameters or optimizer state are"
+            raise CheckpointError(self._save_failed(
+                state.step, f"refusing to save: {where} not finite (NaN/inf); training has diverged"
+            ))
+
     # ---- load -------------------------------------------------------------------
-
-    def _read_manifest(self, path: str) -> dict[str, Any]:
-        mpath = os.path.join(path, MANIFEST)
-        if not os.path.isdir(path):
-            raise CheckpointError(f"checkpoint {path} does not exist")
-        if not os.path.isfile(mpath):
-            raise CheckpointError(
-                f"checkpoint {path} is incomplete or not a tp-fuse checkpoint (no {MANIFEST}); "
-                "it may be a save that crashed"
-            )
-        try:
-            with open(mpath) as f:
-                manifest = json.load(f)
-        except (OSError, json.JSONDecodeError) as exc:
-            raise CheckpointError(f"checkpoint {path}: unreadable {MANIFEST}: {exc}") from exc
-        if manifest.get("format") != FORMAT_VERSION:
-            raise CheckpointError(f"checkpoint {path}: format {manifest.get('format')!r}, expected {FORMAT_VERSION}")
-        return manifest
-
-    def _verify_files(self, path: str, manifest: dict[str, Any]) -> Optional[str]:
-        for name, info in manifest.get("files", {}).items():
-            fpath = os.path.join(path, name)
-            if not os.path.isfile(fpath):
-                return f"file {name} is missing"
-            size = os.path.getsize(fpath)
-            if size != info["size"]:
-                return f"file {name} has {size} bytes, the manifest says {info['size']}"
-            if self.verify and _sha256(fpath) != info["sha256"]:
-                return f"file {name} does not match its SHA-256 in the manifest (corrupt)"
-        return None
 
     def load(self, path: str, state: TrainingState) -> int:
         """Restore ``state`` from the checkpoint at ``path``; returns its step.
@@ -310,15 +351,18 @@ class CheckpointManager:
         manifest: dict[str, Any] = {}
         if rt.is_rank0:
             try:
-                manifest = self._read_manifest(path)
-                problem[0] = self._verify_files(path, manifest)
+                manifest = read_manifest(path)
+                problem[0] = verify_files(path, manifest, verify_hashes=self.verify)
                 if problem[0] is not None:
                     problem[0] = f"checkpoint {path} is corrupt: {problem[0]}"
+                elif not self.verify:
+                    print(f"[tp-fuse] checkpoint.verify=false: loading {path} WITHOUT checking file hashes "
+                          "(sizes only); flipped bytes would go unnoticed", file=sys.stderr, flush=True)
             except CheckpointError as exc:
                 problem[0] = str(exc)
         box = [problem[0], manifest]
         if rt.layout.world_size > 1:
-            dist.broadcast_object_list(box, src=0)
+            dist.broadcast_object_list(box, src=0, group=rt.topology.world_group)
         if box[0] is not None:
             raise CheckpointError(box[0])
         manifest = box[1]
@@ -332,11 +376,17 @@ class CheckpointManager:
             state_for_load, fp8_rank=rt.rank if same_layout else 0, with_rng=same_layout, for_load=True
         )
         try:
-            dcp.load(sd, storage_reader=SafeFileSystemReader(path), process_group=rt.topology.world_group)
+            dcp.load(sd, storage_reader=SafeFileSystemReader(path), planner=SafeLoadPlanner(),
+                     process_group=rt.topology.world_group)
         except (Exception, DCPCheckpointException) as exc:  # DCP's is a BaseException; name the checkpoint
+            ours = next((e for e in chain(exc) if isinstance(e, CheckpointError)), None)
+            if ours is not None:
+                raise CheckpointError(f"checkpoint {path}: {ours}") from None
             raise CheckpointError(f"checkpoint {path} could not be loaded: {type(exc).__name__}: {exc}") from exc
         self._apply(sd, state_for_load, same_layout)
         state.step = int(sd["train/step"])
+        loss = manifest.get("loss")
+        state.last_loss = float(loss) if isinstance(loss, (int, float)) and not isinstance(loss, bool) else None
         state.loader.load_state_dict({"consumed_samples": int(sd["train/consumed_samples"])})
         if not same_layout:
             self._reseed_rng(state)

@@ -11,12 +11,15 @@ dataclasses; nothing else touches Hydra or OmegaConf.
 from __future__ import annotations
 
 import dataclasses
+import math
+import os
 import types
 import typing
 from dataclasses import dataclass, field
 from typing import Any, Literal, Optional, Union
 
 from layers.config import GPTConfig
+from tp_fuse.overlap_config import OverlapConfig as TPOverlapConfig
 
 __all__ = [
     "CheckpointConfig",
@@ -50,6 +53,9 @@ class ParallelConfig:
 
     tp: Union[int, Literal["auto"]] = "auto"
     sequence_parallel: bool = False
+    # How long a collective waits for a peer before failing (seconds). A rank that fails
+    # tears its group down, so peers fail at once; this bounds a peer that hangs.
+    timeout_s: float = 600.0
 
 
 @dataclass
@@ -58,10 +64,17 @@ class OverlapConfig:
 
     ``config`` is an optional Megatron ``tp_comm_overlap_cfg`` YAML file (per-GEMM
     methods such as ``qkv_fprop: {method: ring_exchange}``).
+
+    ``method``: what GEMM stages the YAML does not name use. ``auto`` (default) measures
+    the methods that apply and no overlap at the first step with each shape, the same
+    choice on every TP rank (``tp_fuse.overlap_auto``); choices are saved to
+    ``<run dir>/overlap_choices.json`` and reused from there on restart/resume.
+    ``megatron``: Megatron-LM's fixed defaults.
     """
 
     enabled: bool = False
     config: Optional[str] = None
+    method: Literal["auto", "megatron"] = "auto"
 
 
 @dataclass
@@ -159,6 +172,9 @@ class TrainerConfig:
     exit_at_step: Optional[int] = None
     fail_at_step: Optional[int] = None
     fail_rank: int = -1
+    # Non-finite steps (NaN/inf loss, gradient norm or FP8 amax) in a row that are skipped;
+    # one more stops the run with an error (launch.health).
+    max_nonfinite_steps: int = 3
 
 
 @dataclass
@@ -168,7 +184,8 @@ class CheckpointConfig:
     ``dir`` None: ``<run dir>/checkpoints``. ``interval`` 0: no periodic saves (a final
     one is still written when ``save_final``). ``resume``: ``true`` = must resume
     (error if none), ``auto`` = resume if one exists, ``false`` = start fresh (an
-    elastic restart always behaves as ``auto``).
+    elastic restart resumes its own run's newest checkpoint). A fresh start in a
+    directory holding checkpoints is refused unless ``overwrite`` (``launch.run_identity``).
     """
 
     dir: Optional[str] = None
@@ -177,6 +194,7 @@ class CheckpointConfig:
     keep: int = 2
     save_final: bool = False
     verify: bool = True
+    overwrite: bool = False  # resume=false over another run's checkpoints: delete them (else an error)
 
 
 @dataclass
@@ -383,13 +401,23 @@ def validate(cfg: TrainConfig, world_size: int) -> ParallelLayout:
     _need(0.0 < cfg.data.val_fraction < 1.0, f"data.val_fraction must be in (0, 1), got {cfg.data.val_fraction}")
     if cfg.data.source in ("text", "bin"):
         _need(bool(cfg.data.paths), f"data.paths must list at least one file for data.source={cfg.data.source}")
+        _check_data_files(cfg)
     if cfg.data.tokenizer == "byte" and cfg.data.source != "bin":
         _need(gpt.vocab_size >= 256, f"model.vocab_size ({gpt.vocab_size}) must be >= 256 for the byte tokenizer")
     if par.sequence_parallel:
         _need(seq % tp == 0, f"data.seq_len ({seq}) must be divisible by parallel.tp ({tp}) with sequence parallel")
 
+    _need(math.isfinite(par.timeout_s) and par.timeout_s > 0,
+          f"parallel.timeout_s must be a finite number > 0, got {par.timeout_s}")
+    _need(tr.max_nonfinite_steps >= 0, f"trainer.max_nonfinite_steps must be >= 0, got {tr.max_nonfinite_steps}")
+
     opt = cfg.optim
+    for name in ("lr", "min_lr", "weight_decay", "eps", "grad_clip", "beta1", "beta2"):
+        v = getattr(opt, name)
+        _need(math.isfinite(v), f"optim.{name} must be a finite number, got {v}")
     _need(opt.lr > 0, f"optim.lr must be > 0, got {opt.lr}")
+    _need(opt.eps > 0, f"optim.eps must be > 0, got {opt.eps}")
+    _need(opt.weight_decay >= 0, f"optim.weight_decay must be >= 0, got {opt.weight_decay}")
     _need(0 <= opt.min_lr <= opt.lr, f"optim.min_lr must be in [0, optim.lr={opt.lr}], got {opt.min_lr}")
     _need(opt.warmup_steps >= 0, f"optim.warmup_steps must be >= 0, got {opt.warmup_steps}")
     _need(opt.grad_clip >= 0, f"optim.grad_clip must be >= 0 (0 = off), got {opt.grad_clip}")
@@ -415,12 +443,62 @@ def validate(cfg: TrainConfig, world_size: int) -> ParallelLayout:
     ck = cfg.checkpoint
     _need(ck.interval >= 0, f"checkpoint.interval must be >= 0 (0 = off), got {ck.interval}")
     _need(ck.keep >= 1, f"checkpoint.keep must be >= 1, got {ck.keep}")
+    if ck.dir is not None:
+        _check_writable_dir("checkpoint.dir", ck.dir)
 
     if cfg.overlap.enabled:
         _need(tp > 1, "overlap=on needs parallel.tp > 1 (got tp=1): there is no TP communication to overlap")
+        if cfg.overlap.config is not None:
+            _check_overlap_yaml(cfg.overlap.config)
     if cfg.debug.config is not None:
         _check_debug_config(cfg)
     return ParallelLayout(world_size=world_size, tp=tp, dp=dp, grad_accum_steps=tr.global_batch_size // per_step)
+
+
+def _check_data_files(cfg: TrainConfig) -> None:
+    """Every data file exists, is readable and non-empty, and together they hold enough
+    tokens for one training and one validation window (checked from file sizes)."""
+    data, seq = cfg.data, cfg.seq_len
+    itemsize = {"uint16": 2, "uint32": 4}[data.bin_dtype] if data.source == "bin" else 1
+    tokens = 0
+    for i, path in enumerate(data.paths):
+        field_name = f"data.paths[{i}]"
+        _need(os.path.exists(path), f"{field_name}: no such file: {path!r}")
+        _need(os.path.isfile(path), f"{field_name}: {path!r} is not a file")
+        _need(os.access(path, os.R_OK), f"{field_name}: {path!r} is not readable (permissions)")
+        size = os.path.getsize(path)
+        _need(size > 0, f"{field_name}: {path!r} is empty")
+        _need(size % itemsize == 0,
+              f"{field_name}: {path!r} has {size} bytes, not a multiple of {itemsize} "
+              f"(data.bin_dtype={data.bin_dtype}); wrong dtype?")
+        tokens += size // itemsize
+    if data.source == "text":
+        tokens += 2 * (len(data.paths) - 1)  # files are joined with a blank line
+    n_val = max(int(tokens * data.val_fraction), seq + 1)
+    _need(tokens - n_val >= 2 * (seq + 1),
+          f"data.paths: the corpus has {tokens} tokens; data.seq_len={seq} with data.val_fraction="
+          f"{data.val_fraction} needs at least {n_val + 2 * (seq + 1)}")
+
+
+def _check_writable_dir(name: str, path: str) -> None:
+    """``path`` is a writable directory, or can be created as one."""
+    path = os.path.abspath(path)
+    _need(not os.path.exists(path) or os.path.isdir(path), f"{name}: {path} exists and is not a directory")
+    parent = path
+    while not os.path.exists(parent):
+        parent = os.path.dirname(parent)
+    _need(os.path.isdir(parent), f"{name}: {path} cannot be created: {parent} is not a directory")
+    _need(os.access(parent, os.W_OK | os.X_OK),
+          f"{name}: {path} is not writable ({parent} does not allow writing for this user)")
+
+
+def _check_overlap_yaml(path: str) -> None:
+    """Parse the Megatron overlap YAML now: a bad file fails before any process starts."""
+    _need(os.path.isfile(path), f"overlap.config: no such file: {path!r}")
+    try:
+        TPOverlapConfig.from_yaml(path, warn_ignored=False)
+    except ValueError as exc:
+        raise ValueError(f"overlap.config={path}: {exc}") from None
 
 
 def _check_debug_config(cfg: TrainConfig) -> None:

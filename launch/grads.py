@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
+from comm.nccl_rules import check_collective
 from layers import get_shard_spec
 
 __all__ = ["allreduce_dp_grads", "clip_grads", "global_grad_norm"]
@@ -41,6 +42,7 @@ def allreduce_dp_grads(params: list[torch.nn.Parameter], dp_group: dist.ProcessG
         by_dtype.setdefault(g.dtype, []).append(g)
     for grads in by_dtype.values():
         flat = _flatten_dense_tensors(grads)
+        check_collective("all_reduce", [flat], world_size=dp_size)
         dist.all_reduce(flat, group=dp_group)
         flat.div_(dp_size)
         for g, synced in zip(grads, _unflatten_dense_tensors(flat, grads)):
@@ -64,6 +66,7 @@ def global_grad_norm(
         else:
             replicated += sq
     if tp_size > 1:
+        check_collective("all_reduce", [sharded], world_size=tp_size)
         dist.all_reduce(sharded, group=tp_group)
     return (sharded + replicated).sqrt()
 

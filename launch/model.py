@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import contextlib
+import os
+import sys
 from collections.abc import Callable
 from typing import Any, Optional
 
@@ -10,6 +12,8 @@ import torch
 
 from layers import GPT, GPTConfig
 from tp_fuse import autocast
+from tp_fuse.debug import name_linears
+from tp_fuse.overlap_auto import OverlapAutoTuner
 from tp_fuse.overlap_config import OverlapConfig as TPOverlapConfig
 from tp_fuse.overlap_config import TPOverlap
 from tp_fuse.recipe import (
@@ -25,7 +29,19 @@ from tp_fuse.recipe import (
 from .config import FP8Config, OverlapConfig, TrainConfig
 from .runtime import Runtime
 
-__all__ = ["ModelFactory", "build_model", "build_overlap", "build_recipe", "dropout_seed", "fp8_autocast"]
+__all__ = [
+    "OVERLAP_CHOICE_FILE",
+    "ModelFactory",
+    "build_model",
+    "build_overlap",
+    "build_recipe",
+    "dropout_seed",
+    "fp8_autocast",
+    "fp8_quantizers",
+]
+
+#: File in the run directory holding the measured ``overlap.method=auto`` choices.
+OVERLAP_CHOICE_FILE = "overlap_choices.json"
 
 #: ``factory(gpt_config, tp_group=..., sequence_parallel=..., dtype=..., device=..., seed=..., overlap=...,
 #: dropout_seed=...)`` -- the signature of ``layers.GPT``.
@@ -53,14 +69,26 @@ def build_recipe(cfg: FP8Config) -> Optional[Recipe]:
     return None
 
 
-def build_overlap(cfg: OverlapConfig) -> TPOverlap:
-    """``overlap=on``: Megatron-default methods or the given ``tp_comm_overlap_cfg`` YAML;
-    ``overlap=off``: an explicitly disabled config (the layers' default would be on)."""
+def build_overlap(cfg: OverlapConfig, run_dir: Optional[str] = None, is_rank0: bool = False) -> TPOverlap:
+    """``overlap=on``: ``overlap.method`` (``auto`` or Megatron's defaults) for the GEMM
+    stages the ``tp_comm_overlap_cfg`` YAML (if given) does not name; ``overlap=off``: an
+    explicitly disabled config (the layers' default would be on).
+
+    With ``auto`` and a ``run_dir``, choices are read from ``<run_dir>/overlap_choices.json``
+    when it exists (all ranks; a malformed file is a ValueError naming it) and rank 0
+    rewrites it after each new measurement and prints each decision."""
     if not cfg.enabled:
         return TPOverlap(TPOverlapConfig(enabled=False))
-    if cfg.config is not None:
-        return TPOverlap(TPOverlapConfig.from_yaml(cfg.config))
-    return TPOverlap(TPOverlapConfig())
+    auto = cfg.method == "auto"
+    config = TPOverlapConfig.from_yaml(cfg.config, auto=auto) if cfg.config is not None else TPOverlapConfig(auto=auto)
+    if not auto or run_dir is None:
+        return TPOverlap(config)
+    tuner = OverlapAutoTuner(
+        choice_file=os.path.join(run_dir, OVERLAP_CHOICE_FILE),
+        write_choices=is_rank0,
+        log=(lambda line: print(f"[tp-fuse] {line}", file=sys.stderr, flush=True)) if is_rank0 else None,
+    )
+    return TPOverlap(config, tuner=tuner)
 
 
 def dropout_seed(seed: int, dp_rank: int) -> int:
@@ -79,7 +107,7 @@ def build_model(cfg: TrainConfig, rt: Runtime, factory: Optional[ModelFactory] =
         dtype=rt.dtype,
         device=rt.device,
         seed=cfg.trainer.seed,
-        overlap=build_overlap(cfg.overlap),
+        overlap=build_overlap(cfg.overlap, rt.run_dir, rt.is_rank0),
         # Data-parallel replicas draw different dropout masks (TP ranks of a replica share
         # theirs where activations are replicated: layers.DropoutRNG).
         dropout_seed=dropout_seed(cfg.trainer.seed, rt.topology.dp_rank),
@@ -93,3 +121,20 @@ def fp8_autocast(recipe: Optional[Recipe], group: Any) -> contextlib.AbstractCon
     if recipe is None:
         return contextlib.nullcontext()
     return autocast(recipe=recipe, amax_reduction_group=group)
+
+
+def fp8_quantizers(model: torch.nn.Module, recipe: Optional[Recipe], group: Any) -> dict[str, dict[str, Any]]:
+    """FP8 quantizers of every ``BasicLinear`` under ``recipe``: ``{module path: {role: quantizer}}``.
+
+    Asking the ops inside an autocast creates missing quantizers (e.g. before the first
+    step of a resumed run) with the recipe the training loop uses.
+    """
+    if recipe is None:
+        return {}
+    out: dict[str, dict[str, Any]] = {}
+    with autocast(recipe=recipe, amax_reduction_group=group):
+        for name in name_linears(model):
+            qs = name.op.fp8_quantizers() or {}
+            if qs:
+                out[name.qualname] = dict(qs)
+    return out

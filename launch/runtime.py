@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import socket
 import sys
 import time
 from datetime import timedelta
@@ -30,7 +31,7 @@ from comm import DistributedContext, ParallelTopology, backend_for_device, init_
 
 from .config import ParallelLayout, TrainConfig
 
-__all__ = ["Runtime", "env_rank", "env_world_size", "rank_overrides", "restart_count", "start"]
+__all__ = ["Runtime", "env_rank", "env_world_size", "job_key", "rank_overrides", "restart_count", "start"]
 
 
 def env_rank() -> int:
@@ -65,6 +66,18 @@ def _agent_stamp() -> Optional[str]:
     except (OSError, ValueError, IndexError, StopIteration):
         return None
     return time.strftime("%Y-%m-%d/%H-%M-%S", time.localtime(start)) + f"-{ppid}"
+
+
+def job_key(rt: "Runtime") -> str:
+    """Identifies this job: the same in every elastic restart of one torchrun job, new in the next.
+
+    Under torchrun: host, torchrun's run id and the agent's start stamp (the agent
+    survives restarts). Without torchrun every process is its own job.
+    """
+    host = socket.gethostname()
+    if "TORCHELASTIC_RESTART_COUNT" in os.environ:
+        return f"{host}:{os.environ.get('TORCHELASTIC_RUN_ID', '')}:{_agent_stamp()}"
+    return f"{host}:pid{os.getpid()}:{time.time_ns()}"
 
 
 def rank_overrides(argv: list[str]) -> list[str]:
@@ -119,6 +132,12 @@ class Runtime:
     def shutdown(self) -> None:
         self.dist.shutdown()
 
+    def abort(self) -> None:
+        """Tear the process group down after an error on this rank, so that peers blocked
+        in a collective with it fail at once ("connection closed by peer") instead of
+        waiting for ``parallel.timeout_s``."""
+        self.dist.abort()
+
 
 def _device_type(requested: str) -> str:
     if requested == "auto":
@@ -168,7 +187,7 @@ def start(cfg: TrainConfig, layout: ParallelLayout, proposed_run_dir: str) -> Ru
     mismatch with the actual group is an internal error of the launch environment.
     """
     device_type = _device_type(cfg.trainer.device)
-    timeout = timedelta(minutes=10)
+    timeout = timedelta(seconds=cfg.parallel.timeout_s)
     created = _init_torchrun_group(device_type, timeout)
     ctx = init_distributed(device_type=device_type, timeout=timeout)
     # comm describes a group it did not create; the runtime then owns it.

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import sys
+from typing import Optional
 
 # `python launch/train.py` puts launch/ (not the repository root) on sys.path.
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -20,22 +21,33 @@ import hydra  # noqa: E402
 from hydra.core.hydra_config import HydraConfig  # noqa: E402
 from omegaconf import DictConfig, OmegaConf  # noqa: E402
 
+from launch.checkpoint import CheckpointError  # noqa: E402
 from launch.config import from_dict, validate  # noqa: E402
-from launch.runtime import env_world_size, rank_overrides, start  # noqa: E402
+from launch.health import TrainingDivergedError  # noqa: E402
+from launch.runtime import env_rank, env_world_size, rank_overrides, start  # noqa: E402
+from launch.trainer import Trainer  # noqa: E402
 
 
-def run(raw: DictConfig) -> float:
-    """Validate, start the processes, train; returns the final training loss."""
+def run(raw: DictConfig) -> Optional[float]:
+    """Validate, start the processes, train; returns the final training loss.
+
+    A bad checkpoint or a diverged run (raised identically on every rank) is printed
+    once, by rank 0, without a traceback, and the process exits with status 1.
+    """
     cfg = from_dict(OmegaConf.to_container(raw, resolve=True))  # type: ignore[arg-type]
     layout = validate(cfg, env_world_size())
-    # Imported after validation: a config error is reported without building anything.
-    from launch.trainer import Trainer
-
     rt = start(cfg, layout, HydraConfig.get().runtime.output_dir)
     try:
         result = Trainer(cfg, rt).fit()
-    finally:
-        rt.shutdown()
+    except (CheckpointError, TrainingDivergedError) as exc:
+        rt.abort()
+        if env_rank() == 0:
+            print(f"[tp-fuse] error: {exc}", file=sys.stderr, flush=True)
+        raise SystemExit(1) from None
+    except BaseException:
+        rt.abort()  # peers blocked in a collective with this rank fail now, not at the timeout
+        raise
+    rt.shutdown()
     return result.final_loss
 
 

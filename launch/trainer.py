@@ -32,18 +32,19 @@ import torch.distributed as dist
 
 from tp_fuse.debug import DebugSession, Fp8StatsCollector
 
-from .checkpoint import CheckpointError, CheckpointManager, TrainingState
+from .checkpoint import CheckpointManager, TrainingState
 from .config import TrainConfig
 from .data import BatchLoader, TokenData
 from .grads import allreduce_dp_grads, clip_grads, global_grad_norm
+from .health import NonfiniteGuard, TrainingDivergedError
 from .logging_wandb import WandbLogger
 from .metrics import MetricsSink
-from .model import ModelFactory, build_model, build_recipe, fp8_autocast
+from .model import ModelFactory, build_model, build_recipe, fp8_autocast, fp8_quantizers
 from .optim import build_optimizer, lr_at, set_lr
 from .progress import Progress
-from .runtime import Runtime, restart_count
+from .runtime import Runtime, job_key, restart_count
 
-__all__ = ["TrainResult", "Trainer"]
+__all__ = ["TrainResult", "Trainer", "TrainingDivergedError"]
 
 
 @dataclasses.dataclass
@@ -56,10 +57,17 @@ class TrainResult:
     val_losses: dict[int, float]
     run_dir: str
     checkpoint: Optional[str]  # last checkpoint written, if any
+    resumed_loss: Optional[float] = None  # loss of the resumed checkpoint's step (from its manifest)
 
     @property
-    def final_loss(self) -> float:
-        return self.losses[self.last_step]
+    def already_complete(self) -> bool:
+        """The run resumed a checkpoint at (or past) ``trainer.max_steps``: nothing was trained."""
+        return not self.losses
+
+    @property
+    def final_loss(self) -> Optional[float]:
+        """Loss of the last step; for an already complete run, the loss its checkpoint recorded."""
+        return self.losses[self.last_step] if self.losses else self.resumed_loss
 
 
 class Trainer:
@@ -118,6 +126,8 @@ class Trainer:
             rt, keep=ck.keep, verify=ck.verify,
         )
         self.start_step = self._maybe_resume()
+        self._quantizer_map: dict[str, object] = {}
+        self.guard = NonfiniteGuard(tr.max_nonfinite_steps, topo.world_group, rt.device, self._watched_quantizers)
         if self.debug is not None:
             self.debug.iteration = self.start_step + 1
 
@@ -131,23 +141,25 @@ class Trainer:
     # ---- resume --------------------------------------------------------------------
 
     def _maybe_resume(self) -> int:
-        mode = self.cfg.checkpoint.resume
-        if restart_count() > 0 and mode is False:
-            mode = "auto"  # an elastic restart continues from the last checkpoint
-        if mode is False:
-            return 0
-        path = self.ckpt.latest()
+        """Claim the checkpoint directory for this run and resume what it decides (run_identity)."""
+        ck = self.cfg.checkpoint
+        path = self.ckpt.start(ck.resume, restarted=restart_count() > 0, job=job_key(self.rt), overwrite=ck.overwrite)
         if path is None:
-            if mode is True:
-                raise CheckpointError(
-                    f"checkpoint.resume=true but there is no complete checkpoint in {self.ckpt.root} "
-                    "(set checkpoint.dir to the directory of the run to resume)"
-                )
             return 0
         step = self.ckpt.load(path, self.state)
         if self.rt.is_rank0:
             print(f"[tp-fuse] resumed from {path} at step {step}", file=sys.stderr, flush=True)
         return step
+
+    def _watched_quantizers(self) -> dict[str, object]:
+        """Every FP8 quantizer, by ``<module>/<role>`` (cached once they exist)."""
+        if not self._quantizer_map and self.recipe is not None:
+            self._quantizer_map = {
+                f"{qualname}/{role}": q
+                for qualname, qs in fp8_quantizers(self.model, self.recipe, self.fp8_group).items()
+                for role, q in qs.items()
+            }
+        return self._quantizer_map
 
     # ---- one step --------------------------------------------------------------------
 
@@ -200,6 +212,14 @@ class Trainer:
         val_losses: dict[int, float] = {}
         last_ckpt: Optional[str] = None
         exit_code = 1
+        if self.start_step >= tr.max_steps:
+            if rt.is_rank0:
+                print(f"[tp-fuse] the run is already complete: its checkpoint is at step {self.start_step} and "
+                      f"trainer.max_steps={tr.max_steps}; nothing to train (raise trainer.max_steps to continue)",
+                      file=sys.stderr, flush=True)
+            progress.close()
+            self.sink.close(0)
+            return TrainResult(self.start_step, self.start_step, {}, {}, rt.run_dir, None, self.state.last_loss)
         try:
             last_step = tr.max_steps if tr.exit_at_step is None else min(tr.exit_at_step, tr.max_steps)
             for step in range(self.start_step + 1, last_step + 1):
@@ -216,13 +236,16 @@ class Trainer:
                 allreduce_dp_grads(self.params, topo.dp_group, rt.layout.dp)
                 t_comm = time.perf_counter() - t_comm
                 norm = global_grad_norm(self.model, topo.tp_group, rt.layout.tp)
-                finite = bool(torch.isfinite(norm))
+                health = self.guard.check(step, loss, norm)
+                finite = health.finite
                 if finite:
                     clip_grads(self.params, norm, cfg.optim.grad_clip)
                     self.optimizer.step()
-                elif rt.is_rank0:
-                    print(f"[tp-fuse] step {step}: non-finite gradient norm; optimizer step skipped",
-                          file=sys.stderr, flush=True)
+                else:
+                    if rt.is_rank0:
+                        print(f"[tp-fuse] step {step}: {'; '.join(health.reasons)}: optimizer step skipped "
+                              f"({health.in_a_row} in a row, trainer.max_nonfinite_steps="
+                              f"{tr.max_nonfinite_steps})", file=sys.stderr, flush=True)
                 self.optimizer.zero_grad(set_to_none=True)
                 self.loader.advance()
                 self.state.step = step
@@ -234,6 +257,7 @@ class Trainer:
                     loss /= rt.layout.dp
                 loss_value = float(loss)
                 losses[step] = loss_value
+                self.state.last_loss = loss_value
                 step_time = time.perf_counter() - t0
                 progress.update(step, loss_value, tokens_per_step / step_time)
 
@@ -249,6 +273,8 @@ class Trainer:
                     }
                     if not finite:
                         metrics["skipped_step"] = 1.0
+                    if self.recipe is not None:
+                        metrics["fp8_nonfinite_amax_count"] = float(health.nonfinite_amax_total)
                     if val_now:
                         val_losses[step] = metrics["val_loss"] = self._validate()
                     fp8 = self.fp8_stats.collect() if self.fp8_stats is not None else None
@@ -260,6 +286,8 @@ class Trainer:
                         f"step {step:>6}/{tr.max_steps}  loss {loss_value:.4f}{val}  lr {lr:.2e}  "
                         f"grad_norm {float(norm):.3f}  {metrics['tokens_per_s']:,.0f} tok/s"
                     )
+                # After logging (the failing step is in the logs), before any save.
+                self.guard.stop_if_diverged(step, health, last_ckpt or self.ckpt.latest_of_run())
                 ck = cfg.checkpoint
                 exiting = tr.exit_at_step == step and step < tr.max_steps
                 if (ck.interval and step % ck.interval == 0) or (ck.save_final and step == tr.max_steps) or exiting:

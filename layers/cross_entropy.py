@@ -7,6 +7,8 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
+from comm.nccl_rules import check_collective
+
 from .sharding import tp_rank_and_size
 
 __all__ = ["vocab_parallel_cross_entropy"]
@@ -40,6 +42,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         vocab_local = z.shape[-1]
         z_max = z.max(dim=-1).values
         if group is not None:
+            check_collective("all_reduce", [z_max], world_size=dist.get_world_size(group), op=dist.ReduceOp.MAX)
             dist.all_reduce(z_max, op=dist.ReduceOp.MAX, group=group)
         z = z - z_max.unsqueeze(-1)
         in_mine = (labels >= vocab_start) & (labels < vocab_start + vocab_local)
@@ -49,6 +52,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         sum_exp = exp_z.sum(dim=-1)
         if group is not None:
             both = torch.stack((sum_exp, z_target))  # one collective for both sums
+            check_collective("all_reduce", [both], world_size=dist.get_world_size(group))
             dist.all_reduce(both, group=group)
             sum_exp, z_target = both[0], both[1]
         loss = sum_exp.log() - z_target

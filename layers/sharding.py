@@ -29,6 +29,8 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
+from comm.nccl_rules import check_collective
+
 __all__ = [
     "ShardSpec",
     "tp_rank_and_size",
@@ -111,8 +113,10 @@ def gather_tensor(local: torch.Tensor, spec: Optional[ShardSpec], tp_group: Opti
     local = local.detach()
     if spec is None or size == 1:
         return local.clone()
+    local = local.contiguous()  # NCCL needs contiguous inputs and outputs (empty_like keeps strides)
     pieces = [torch.empty_like(local) for _ in range(size)]
-    dist.all_gather(pieces, local.contiguous(), group=tp_group)
+    check_collective("all_gather_list", [local], pieces, world_size=size)
+    dist.all_gather(pieces, local, group=tp_group)
     # pieces[r] = [part0_r; part1_r; ...]: regroup by part, then concatenate.
     per_rank_parts = [p.chunk(spec.blocks, dim=spec.dim) for p in pieces]
     parts = [torch.cat([rp[b] for rp in per_rank_parts], dim=spec.dim) for b in range(spec.blocks)]
@@ -257,5 +261,6 @@ def grad_norm(model: torch.nn.Module, tp_group: Optional[dist.ProcessGroup], nor
         else:
             replicated += sq
     if size > 1:
+        check_collective("all_reduce", [sharded], world_size=size)
         dist.all_reduce(sharded, group=tp_group)
     return (sharded + replicated).sqrt()

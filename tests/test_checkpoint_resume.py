@@ -12,6 +12,7 @@ import pytest
 import launch.checkpoint as ckpt_mod
 from launch.api import train
 from launch.checkpoint import MANIFEST, CheckpointError
+from launch.checkpoint_files import read_manifest
 from launch.metrics import read_jsonl
 
 COMMON = [
@@ -56,10 +57,12 @@ def test_crash_during_save_keeps_the_last_good_checkpoint(straight, tmp_path, mo
             raise RuntimeError("simulated crash in the middle of a save")  # ... but never completed
 
     monkeypatch.setattr(ckpt_mod.dcp, "save", save_then_crash)
-    with pytest.raises(RuntimeError, match="simulated crash"):
+    with pytest.raises(CheckpointError, match=r"saving checkpoint step 8 .* failed: RuntimeError: simulated crash"
+                       r".*the last good checkpoint .*step_00000004 is intact"):
         train([*COMMON, "checkpoint.interval=4", f"checkpoint.dir={ck}"], str(tmp_path / "run"))
     monkeypatch.setattr(ckpt_mod.dcp, "save", real_save)
-    assert sorted(os.listdir(ck)) == [".tmp-step_00000008", "latest", "step_00000004"]
+    # The partial step 8 was removed (its space given back); step 4 and its pointer are untouched.
+    assert sorted(os.listdir(ck)) == ["latest", "run.json", "step_00000004"]
     assert open(os.path.join(ck, "latest")).read().strip() == "step_00000004"
 
     resumed = train([*COMMON, "checkpoint.resume=true", f"checkpoint.dir={ck}"], str(tmp_path / "run"))
@@ -113,9 +116,8 @@ def test_incomplete_checkpoint_is_skipped_and_explicit_one_rejected(saved, tmp_p
     # Without a manifest the directory is not a complete checkpoint: nothing to resume.
     with pytest.raises(CheckpointError, match="no complete checkpoint"):
         _resume(ck, tmp_path)
-    mgr = ckpt_mod.CheckpointManager.__new__(ckpt_mod.CheckpointManager)
     with pytest.raises(CheckpointError, match="is incomplete or not a tp-fuse checkpoint"):
-        mgr._read_manifest(str(ck / "step_00000004"))
+        read_manifest(str(ck / "step_00000004"))
 
 
 def test_metadata_is_never_unpickled_into_arbitrary_objects(saved, tmp_path):

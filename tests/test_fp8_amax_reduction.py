@@ -102,9 +102,10 @@ def _data(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tenso
     gen = torch.Generator().manual_seed(100 * rank + step)
     # The rank holding the largest amax changes between steps and tensors.
     fx, fw, fg = [(3.0, 0.05, 2.0), (1.0, 0.2, 700.0)][(rank + step) % 2]
-    x = torch.randn(6, 8, generator=gen) * fx
-    w = torch.randn(5, 8, generator=gen) * fw
-    g = torch.randn(6, 5, generator=gen) * fg
+    # GEMM dimensions (M, N, K; M is wgrad's K) multiples of 16, as CUDA's _scaled_mm needs.
+    x = torch.randn(16, 32, generator=gen) * fx
+    w = torch.randn(16, 32, generator=gen) * fw
+    g = torch.randn(16, 16, generator=gen) * fg
     return x, w, g
 
 

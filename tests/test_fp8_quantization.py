@@ -14,6 +14,7 @@ import threading
 import pytest
 import torch
 
+from comm.nccl_rules import CudaConformanceError, strict_cuda_enabled
 from tp_fuse.quantization import (
     CurrentScalingQuantizer,
     DelayedScalingQuantizer,
@@ -218,6 +219,15 @@ def test_current_scaling_scale(power_2: bool, dtype: torch.dtype) -> None:
 
 
 # ------------------------------------------------------------------ fp8_gemm
+# Odd shapes exercise the CPU kernel's generality; CUDA's _scaled_mm (and so strict mode,
+# TP_FUSE_STRICT_CUDA=1) needs K and N multiples of 16.
+ODD_SHAPES = pytest.param(
+    (13, 37, 11), id="odd",
+    marks=pytest.mark.skipif(strict_cuda_enabled(), reason="odd GEMM sizes: CPU only, CUDA's _scaled_mm rejects them"),
+)
+
+
+@pytest.mark.parametrize("mkn", [ODD_SHAPES, pytest.param((24, 48, 32), id="cuda-legal")])
 @pytest.mark.parametrize(
     "a_dtype, b_dtype, with_bias, out_dtype",
     [
@@ -228,9 +238,9 @@ def test_current_scaling_scale(power_2: bool, dtype: torch.dtype) -> None:
         (E4M3, E4M3, False, torch.float64),
     ],
 )
-def test_fp8_gemm_matches_float64(a_dtype, b_dtype, with_bias: bool, out_dtype) -> None:
+def test_fp8_gemm_matches_float64(mkn, a_dtype, b_dtype, with_bias: bool, out_dtype) -> None:
     gen = torch.Generator().manual_seed(7)
-    m, k, n = 13, 37, 11  # odd shapes on purpose
+    m, k, n = mkn
     a = torch.randn(m, k, generator=gen, dtype=torch.float64)
     b = torch.randn(n, k, generator=gen, dtype=torch.float64) * 0.05
     bias = torch.randn(n, generator=gen, dtype=torch.float64) if with_bias else None
@@ -258,20 +268,27 @@ def test_fp8_gemm_matches_float64(a_dtype, b_dtype, with_bias: bool, out_dtype) 
 def test_fp8_gemm_handles_transposed_operands_and_validates() -> None:
     gen = torch.Generator().manual_seed(1)
     q = delayed_q(E4M3, scale=32.0)
-    x8 = q.quantize(torch.randn(6, 5, generator=gen))
-    w8 = q.quantize(torch.randn(4, 5, generator=gen))
-    dy8 = q.quantize(torch.randn(6, 4, generator=gen))
+    # M, K, N = 16, 32, 48: every GEMM dimension (wgrad's K is M) a multiple of 16.
+    x8 = q.quantize(torch.randn(16, 32, generator=gen))
+    w8 = q.quantize(torch.randn(48, 32, generator=gen))
+    dy8 = q.quantize(torch.randn(16, 48, generator=gen))
     x, w, dy = (t.dequantize(torch.float64) for t in (x8, w8, dy8))
     torch.testing.assert_close(fp8_gemm(dy8, w8.transpose_fp8(), torch.float64), dy @ w)  # dgrad
     torch.testing.assert_close(fp8_gemm(dy8.transpose_fp8(), x8.transpose_fp8(), torch.float64), dy.t() @ x)
-    torch.testing.assert_close(fp8_gemm(dy8, w8.t(), torch.float64), dy @ w)  # non-contiguous view
-    with pytest.raises(ValueError, match=r"a \[M, K\] and b \[N, K\].*\(6, 5\).*\(6, 4\)"):
+    if strict_cuda_enabled():
+        # A transposed FP8 view is not K-major: on Hopper it would need a transpose copy
+        # on every call; strict mode says so instead of copying.
+        with pytest.raises(CudaConformanceError, match="mat2 .*must be column-major"):
+            fp8_gemm(dy8, w8.t(), torch.float64)
+    else:
+        torch.testing.assert_close(fp8_gemm(dy8, w8.t(), torch.float64), dy @ w)  # non-contiguous view
+    with pytest.raises(ValueError, match=r"a \[M, K\] and b \[N, K\].*\(16, 32\).*\(16, 48\)"):
         fp8_gemm(x8, dy8, torch.float32)
     with pytest.raises(ValueError, match="expected Float8Tensor operands.*Tensor shape"):
         fp8_gemm(x8, torch.randn(4, 5), torch.float32)
     with pytest.raises(ValueError, match="out_dtype"):
         fp8_gemm(x8, w8, torch.float8_e4m3fn)
-    with pytest.raises(ValueError, match=r"bias: expected .* shape \(4,\)"):
+    with pytest.raises(ValueError, match=r"bias: expected .* shape \(48,\)"):
         fp8_gemm(x8, w8, torch.float32, bias=torch.zeros(5))
 
 

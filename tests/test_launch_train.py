@@ -60,6 +60,7 @@ def test_torchrun_two_ranks_one_run_dir_metrics_wandb_fp8_stats(tmp_path):
     assert all(math.isfinite(m["loss"]) for m in metrics)
     assert metrics[-1]["loss"] < metrics[0]["loss"] - 0.2  # it learns
     assert "val_loss" in metrics[-1] and "tokens_per_s" in metrics[-1] and "grad_norm" in metrics[-1]
+    assert all(m["fp8_nonfinite_amax_count"] == 0 for m in metrics)
 
     (wandb_file,) = glob.glob(os.path.join(run_dir, "wandb", "offline-run-*", "run-*.wandb"))
     rows = read_history(wandb_file)
@@ -70,7 +71,8 @@ def test_torchrun_two_ranks_one_run_dir_metrics_wandb_fp8_stats(tmp_path):
     for layer in ("layers.0", "layers.1"):
         for gemm in ("qkv", "proj", "fc1", "fc2"):
             for tensor in ("input", "weight", "grad_output"):
-                for stat in ("amax", "scale", "scale_inv", "amax_history_max", "underflow_pct", "overflow_pct", "mse"):
+                for stat in ("amax", "scale", "scale_inv", "amax_history_max", "underflow_pct", "overflow_pct", "mse",
+                             "nonfinite_amax_count"):
                     assert f"fp8/{layer}/{gemm}/{tensor}/{stat}" in fp8_keys
     assert all(isinstance(last[k], (int, float)) and math.isfinite(last[k]) for k in fp8_keys)
     assert last["fp8/layers.0/fc1/input/scale"] * last["fp8/layers.0/fc1/input/scale_inv"] == pytest.approx(1.0)

@@ -174,7 +174,9 @@ class WireCounter:
 
         def counting(ops):
             for op in ops:
-                if op.op is dist.isend:
+                # int64 tensors are strict mode's shape descriptors (TP_FUSE_STRICT_CUDA=1
+                # sends one before each ring exchange), not payload.
+                if op.op is dist.isend and op.tensor.dtype != torch.int64:
                     self.sent += op.tensor.numel() * op.tensor.element_size()
             return self._orig(ops)
 
@@ -413,11 +415,13 @@ def _fp8_recipes() -> list:
 
 
 def _fp8_cases(run: Runner, r: int, tp: int, group, tag: str, full: bool = True, amax_group=None) -> None:
-    col = Case("col", tp, 4, (), 16, 8, True, seed=5000)
-    col_nb = Case("col", tp, 2, (3,), 32, 16, False, seed=5100)
-    row = Case("row", tp, 4, (), 8, 16, True, seed=5200)
-    row_nb = Case("row", tp, 3, (2,), 16, 32, False, seed=5300)
-    ar = Case("ar", tp, 6, (), 16, 8, True, seed=5400)
+    # Features and tokens (wgrad's K) multiples of 16, as CUDA's _scaled_mm needs
+    # (TP_FUSE_STRICT_CUDA=1 checks it); per-rank and per-chunk row counts are free.
+    col = Case("col", tp, 8, (), 16, 16, True, seed=5000)
+    col_nb = Case("col", tp, 4, (2,), 32, 16, False, seed=5100)
+    row = Case("row", tp, 8, (), 16, 32, True, seed=5200)
+    row_nb = Case("row", tp, 4, (2,), 16, 32, False, seed=5300)
+    ar = Case("ar", tp, 16, (), 16, 16, True, seed=5400)
     variants = [
         (col, {"dgrad": {"method": "bulk"}}), (col_nb, {"dgrad": {"method": "pipeline", "num_splits": 2}}),
         (col, {"dgrad": {"method": "ring_exchange"}}), (row, {"fprop": {"method": "pipeline", "num_splits": 2}}),
@@ -441,7 +445,7 @@ def _wire_cases(run: Runner, r: int, tp: int, group) -> None:
     from tp_fuse.ops import AllGather, Quantize, Sequential
     from tp_fuse.overlap_config import OverlapConfig, TPOverlap
 
-    col = Case("col", tp, 4, (2,), 16, 8, False, seed=6000)
+    col = Case("col", tp, 4, (2,), 16, 16, False, seed=6000)
     sent = {}
     for dtype in (torch.float32, torch.bfloat16):
         for fp8 in (False, True):
@@ -455,7 +459,7 @@ def _wire_cases(run: Runner, r: int, tp: int, group) -> None:
                     seq(x)
             _expect_fused(seq, "UserbuffersForwardLinear", "UserbuffersBackwardLinear", "wire col")
             sent[f"col fprop {dtype} fp8={fp8}"] = wc.sent
-    row = Case("row", tp, 4, (2,), 8, 16, False, seed=6100)
+    row = Case("row", tp, 4, (2,), 16, 16, False, seed=6100)
     for fp8 in (False, True):
         seq, _, _ = row.build(r, group, TPOverlap(OverlapConfig()), "fc2")
         x = row.x[r].float().requires_grad_()
@@ -527,7 +531,40 @@ def _error_cases(run: Runner, r: int, tp: int, group) -> None:
         seq = Sequential(AllGather(group), lin)
         messages["comm_name"] = _expect_error(lambda: seq(torch.randn(2, 4)), "'attn'", "attn_fprop")
 
-    for label, fn in [("non-divisible", non_divisible), ("in_features", wrong_features),
+    def disagreeing_shapes():
+        """Ranks passing different shapes/dtypes: a ValueError on every rank naming each
+        rank's shape, by default, fused or not (gloo used to abort with SIGABRT)."""
+        from tp_fuse.ops import AllReduce, Bias, ReduceScatter
+
+        rows = 2 * tp + 2 * tp * r  # rank-dependent, divisible by tp
+        want = [f"rank {q}: input ({2 * tp + 2 * tp * q}, 4)" for q in range(tp)]
+        ov = TPOverlap(OverlapConfig())
+
+        def lin(name):
+            return BasicLinear(4, 4, userbuffers_options={"comm_name": name, "overlap": ov})
+
+        seqs = {
+            "AllGather": Sequential(AllGather(group)),
+            "ReduceScatter": Sequential(ReduceScatter(group)),
+            "AllReduce": Sequential(AllReduce(group)),
+            "AllGather+GEMM": Sequential(AllGather(group), lin("fc1")),
+            "GEMM+ReduceScatter": Sequential(lin("fc2"), ReduceScatter(group)),
+            "GEMM+AllReduce": Sequential(lin("fc2"), Bias(4), AllReduce(group)),
+        }
+        for what, seq in seqs.items():
+            messages[f"shapes {what}"] = _expect_error(
+                lambda: seq(torch.randn(rows, 4)), f"{what}: ranks disagree on the input shape/dtype", *want)
+        dtype = torch.float32 if r == 0 else torch.float64
+        messages["dtypes"] = _expect_error(lambda: Sequential(AllReduce(group))(torch.randn(4, 4, dtype=dtype)),
+                                           "rank 0: input (4, 4) torch.float32", "rank 1: input (4, 4) torch.float64")
+        # Agreed signatures are checked once: the second call adds no collective check.
+        ag = AllGather(group)
+        for _ in range(3):
+            ag(torch.randn(2, 4))
+        assert ag.shape_agreement.checks == 1, ag.shape_agreement.checks
+
+    for label, fn in [("disagreeing shapes", disagreeing_shapes),
+                      ("non-divisible", non_divisible), ("in_features", wrong_features),
                       ("conflicting TPOverlap", conflicting_overlap), ("unknown comm_name", unknown_comm_name)]:
         run.run("errors", label, fn)
     # Communication still pairs up after the errors above.
@@ -650,7 +687,7 @@ def _rank_main_4(rank: int, world: int) -> dict:
     def dp_amax_group():
         # An amax group across data-parallel ranks only: TP ranks' scales may differ, so
         # the FP8 all-gathers do not fuse (with the reason) and the unfused path runs.
-        col = Case("col", 2, 4, (), 16, 8, True, seed=5000)
+        col = Case("col", 2, 8, (), 16, 16, True, seed=5000)
         cfg = _config("col")
         recipe = DelayedScaling()
         _fp8_case(col, r, tp_group, cfg, recipe, "dp amax group", amax_group=dp_group, expect=("unfused", "fused"))
@@ -717,11 +754,14 @@ def test_fp8_all_gather_moves_one_byte_per_element(results_2):
 
 
 def test_errors_raise_on_every_rank_before_communication(results_2):
-    _check(results_2, "errors", 5)
+    _check(results_2, "errors", 6)
     for res in results_2:
         msgs = res["data"]["error_messages"]
         assert msgs["non-divisible fused=True"] == msgs["non-divisible fused=False"], msgs
         assert "first (sequence) dimension 5 is not divisible by the tensor-parallel size 2" in msgs["non-divisible fused=True"]
+        assert "GEMM+ReduceScatter: ranks disagree on the input shape/dtype (rank 0: input (4, 4) torch.float32, " \
+               "weight (4, 4) torch.float32; rank 1: input (8, 4) torch.float32, weight (4, 4) torch.float32)" \
+               == msgs["shapes GEMM+ReduceScatter"], msgs
 
 
 def test_tp1_group_is_identity_without_fusion(results_2):

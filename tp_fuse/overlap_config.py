@@ -34,6 +34,11 @@ stage         column-parallel     row-parallel
               behind wgrad GEMM
 ============  ==================  ==========================================================
 
+``method: auto`` (per entry, or ``OverlapConfig(auto=True)`` for every entry not given
+explicitly) measures the methods that apply to the window and no overlap at the first call
+with a new shape and runs the fastest, the same on every TP rank
+(:mod:`tp_fuse.overlap_auto`; the tuner is :attr:`TPOverlap.tuner`).
+
 A method that cannot apply to a window (e.g. ``bulk`` for a forward GEMM, which has no
 independent computation to hide behind) makes the fusion matcher reject the window with
 that reason, which ``explain`` shows; nothing falls back silently.
@@ -54,7 +59,12 @@ import warnings
 from collections.abc import Iterable, Mapping
 from typing import Any, Optional, Union
 
+import yaml
+
+from .overlap_auto import OverlapAutoTuner
+
 __all__ = [
+    "AUTO",
     "GEMM_LAYERS",
     "GEMM_STAGES",
     "METHODS",
@@ -68,6 +78,8 @@ GEMM_LAYERS = ("qkv", "proj", "fc1", "fc2")
 #: GEMM stages: forward, data gradient, weight gradient.
 GEMM_STAGES = ("fprop", "dgrad", "wgrad")
 METHODS = ("ring_exchange", "pipeline", "bulk")
+#: ``method: auto``: measured per GEMM stage and shape (see :mod:`tp_fuse.overlap_auto`).
+AUTO = "auto"
 
 # Knobs of Megatron/TE userbuffers that only mean something for the CUDA kernels.
 _GPU_ONLY_FIELDS: dict[str, str] = {
@@ -97,8 +109,11 @@ class GemmOverlapConfig:
     """Overlap settings of one GEMM stage (one top-level entry of a Megatron YAML file).
 
     Attributes:
-        method: ``"ring_exchange"``, ``"pipeline"`` or ``"bulk"``.
-        num_splits: chunks of a pipelined overlap (``pipeline`` only).
+        method: ``"ring_exchange"``, ``"pipeline"``, ``"bulk"`` or ``"auto"`` (measured:
+            the methods that apply to the window and no overlap are timed at the first
+            call with a new shape; see :mod:`tp_fuse.overlap_auto`).
+        num_splits: chunks of a pipelined overlap (``pipeline``; with ``auto``, one more
+            split count to try besides the tuner's).
         aggregate: Megatron's two-chunks-per-GEMM ring option; accepted, not implemented
             (reported by :meth:`ignored`).
         enabled: False switches overlap off for this GEMM stage (a tp-fuse extension of
@@ -115,8 +130,8 @@ class GemmOverlapConfig:
     explicit: frozenset[str] = frozenset()
 
     def __post_init__(self) -> None:
-        if self.method not in METHODS:
-            raise ValueError(f"overlap method must be one of {METHODS}, got {self.method!r}")
+        if self.method not in (*METHODS, AUTO):
+            raise ValueError(f"overlap method must be one of {(*METHODS, AUTO)}, got {self.method!r}")
         n = self.num_splits
         if isinstance(n, bool) or not isinstance(n, int) or n < 1:
             raise ValueError(f"num_splits must be a positive int, got {n!r}")
@@ -126,7 +141,7 @@ class GemmOverlapConfig:
     def ignored(self) -> list[str]:
         """``"field=value (why)"`` for every setting that has no effect here."""
         out = [f"{k}={v!r} ({_GPU_ONLY_FIELDS[k]})" for k, v in self.gpu_only]
-        if "num_splits" in self.explicit and self.method != "pipeline":
+        if "num_splits" in self.explicit and self.method not in ("pipeline", AUTO):
             out.append(f"num_splits={self.num_splits} (only the pipeline method splits)")
         if self.aggregate:
             out.append(
@@ -148,7 +163,7 @@ def _parse_entry(key: str, raw: Any) -> GemmOverlapConfig:
             f"overlap config entry {key!r}: unknown field(s) {unknown}; known fields: {list(_FIELDS)}"
         )
     if "method" not in raw:
-        raise ValueError(f"overlap config entry {key!r}: 'method' is required (one of {METHODS})")
+        raise ValueError(f"overlap config entry {key!r}: 'method' is required (one of {(*METHODS, AUTO)})")
     aggregate = raw.get("aggregate", False)
     if aggregate not in (0, 1, True, False):
         raise ValueError(f"overlap config entry {key!r}: aggregate must be 0/1, got {aggregate!r}")
@@ -175,6 +190,11 @@ def megatron_defaults(layers: Iterable[str] = GEMM_LAYERS) -> dict[str, GemmOver
     return table
 
 
+def auto_defaults(layers: Iterable[str] = GEMM_LAYERS) -> dict[str, GemmOverlapConfig]:
+    """``method: auto`` for every stage of ``layers``."""
+    return {f"{layer}_{stage}": GemmOverlapConfig(method=AUTO) for layer in layers for stage in GEMM_STAGES}
+
+
 @dataclasses.dataclass
 class OverlapConfig:
     """Overlap method per GEMM stage, plus a global switch.
@@ -184,6 +204,8 @@ class OverlapConfig:
             defaults (qkv/fc1 fprop ``ring_exchange``, proj/fc2 fprop ``pipeline`` with 4
             splits, qkv/fc1 dgrad/wgrad ``bulk``, proj/fc2 dgrad ``ring_exchange``).
         enabled: False switches every overlap fusion off.
+        auto: missing entries (and unnamed GEMMs) take ``method: auto`` instead of
+            Megatron's defaults; entries given explicitly keep their method.
         extra_layers: layer names besides ``qkv, proj, fc1, fc2`` that entries may use
             (e.g. ``("lm_head",)``); an extra layer needs an entry for each stage it runs.
         source: where the config came from (for messages).
@@ -193,10 +215,13 @@ class OverlapConfig:
     enabled: bool = True
     extra_layers: tuple[str, ...] = ()
     source: Optional[str] = None
+    auto: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.enabled, bool):
             raise ValueError(f"OverlapConfig: enabled must be a bool, got {self.enabled!r}")
+        if not isinstance(self.auto, bool):
+            raise ValueError(f"OverlapConfig: auto must be a bool, got {self.auto!r}")
         self.extra_layers = tuple(self.extra_layers)
         layers = (*GEMM_LAYERS, *self.extra_layers)
         known = {f"{layer}_{stage}" for layer in layers for stage in GEMM_STAGES}
@@ -210,7 +235,7 @@ class OverlapConfig:
         for key, entry in self.gemms.items():
             if not isinstance(entry, GemmOverlapConfig):
                 raise ValueError(f"OverlapConfig: entry {key!r} must be a GemmOverlapConfig, got {entry!r}")
-        self.gemms = {**megatron_defaults(), **self.gemms}
+        self.gemms = {**(auto_defaults() if self.auto else megatron_defaults()), **self.gemms}
 
     def _from(self) -> str:
         return f" ({self.source})" if self.source else ""
@@ -226,8 +251,10 @@ class OverlapConfig:
         extra_layers: Iterable[str] = (),
         source: Optional[str] = None,
         warn_ignored: bool = True,
+        auto: bool = False,
     ) -> "OverlapConfig":
-        """Build from a Megatron-style mapping ``{"fc1_fprop": {"method": ...}, ...}``."""
+        """Build from a Megatron-style mapping ``{"fc1_fprop": {"method": ...}, ...}``
+        (``auto``: entries it does not give are ``method: auto``)."""
         if cfg is None:
             cfg = {}
         if not isinstance(cfg, Mapping):
@@ -237,6 +264,7 @@ class OverlapConfig:
             enabled=enabled,
             extra_layers=tuple(extra_layers),
             source=source,
+            auto=auto,
         )
         ignored = config.ignored_fields()
         if warn_ignored and ignored:
@@ -256,10 +284,13 @@ class OverlapConfig:
         enabled: bool = True,
         extra_layers: Iterable[str] = (),
         warn_ignored: bool = True,
+        auto: bool = False,
     ) -> "OverlapConfig":
-        """Load a Megatron-LM ``tp_comm_overlap_cfg`` YAML file (or YAML text) as it is."""
-        import yaml
+        """Load a Megatron-LM ``tp_comm_overlap_cfg`` YAML file (or YAML text) as it is
+        (``auto``: GEMM stages the file does not name are ``method: auto``).
 
+        A YAML syntax error is a ValueError naming the file, line and column.
+        """
         text = os.fspath(path_or_text)
         source = "<yaml text>"
         if os.path.exists(text):
@@ -268,12 +299,20 @@ class OverlapConfig:
                 text = f.read()
         elif "\n" not in text and text.endswith((".yaml", ".yml")):
             raise ValueError(f"OverlapConfig.from_yaml: file not found: {text}")
+        try:
+            data = yaml.safe_load(text)
+        except yaml.YAMLError as exc:
+            mark = getattr(exc, "problem_mark", None)
+            where = f"{source}:{mark.line + 1}:{mark.column + 1}" if mark is not None else source
+            problem = getattr(exc, "problem", None) or str(exc)
+            raise ValueError(f"OverlapConfig.from_yaml: {where}: invalid YAML: {problem}") from None
         return cls.from_dict(
-            yaml.safe_load(text) or {},
+            data or {},
             enabled=enabled,
             extra_layers=extra_layers,
             source=source,
             warn_ignored=warn_ignored,
+            auto=auto,
         )
 
     # ---- queries -----------------------------------------------------------
@@ -290,13 +329,16 @@ class OverlapConfig:
         """``(key, entry)`` for a GEMM stage.
 
         ``comm_name`` None (an unnamed ``BasicLinear``) takes Megatron's defaults for the
-        parallel ``role`` (``"column"`` or ``"row"``), under the key ``"<role>_<stage>"``.
+        parallel ``role`` (``"column"`` or ``"row"``), or ``auto`` when the config is
+        ``auto``, under the key ``"<role>_<stage>"``.
         """
         if stage not in GEMM_STAGES:
             raise ValueError(f"stage must be one of {GEMM_STAGES}, got {stage!r}")
         if role not in _ROLE_DEFAULTS:
             raise ValueError(f"role must be one of {tuple(_ROLE_DEFAULTS)}, got {role!r}")
         if comm_name is None:
+            if self.auto:
+                return f"{role}_{stage}", GemmOverlapConfig(method=AUTO)
             method, splits = _ROLE_DEFAULTS[role][stage]
             return f"{role}_{stage}", GemmOverlapConfig(method=method, num_splits=splits)
         key = f"{comm_name}_{stage}"
@@ -317,14 +359,17 @@ class OverlapConfig:
                 raise ValueError(f"OverlapConfig.disable: unknown GEMM name {key!r}; known: {sorted(gemms)}")
             for t in targets:
                 gemms[t] = dataclasses.replace(gemms[t], enabled=False)
-        return OverlapConfig(gemms, enabled=self.enabled, extra_layers=self.extra_layers, source=self.source)
+        return OverlapConfig(
+            gemms, enabled=self.enabled, extra_layers=self.extra_layers, source=self.source, auto=self.auto
+        )
 
     def with_entry(self, key: str, **fields: Any) -> "OverlapConfig":
         """A copy with ``fields`` of entry ``key`` replaced (e.g. ``method="pipeline"``)."""
         base = self.entry(key)
         entry = dataclasses.replace(base, explicit=base.explicit | frozenset(fields), **fields)
         return OverlapConfig(
-            {**self.gemms, key: entry}, enabled=self.enabled, extra_layers=self.extra_layers, source=self.source
+            {**self.gemms, key: entry}, enabled=self.enabled, extra_layers=self.extra_layers, source=self.source,
+            auto=self.auto,
         )
 
     def ignored_fields(self) -> list[str]:
@@ -349,6 +394,10 @@ class TPOverlap:
             1/tp; True trades ``tp`` times the activation memory for one collective less.
         check_shapes: also run comm's collective shape-agreement check (one small
             all-gather) before each overlapped GEMM; local checks always run.
+        tuner: the :class:`~tp_fuse.overlap_auto.OverlapAutoTuner` that measures and
+            caches the choices of ``method: auto`` GEMM stages (default: a new one with a
+            wall clock and no choice file). One tuner per model: GEMM stages with the same
+            name and shapes (the same ``comm_name`` in every layer) are measured once.
     """
 
     def __init__(
@@ -358,6 +407,7 @@ class TPOverlap:
         *,
         save_gathered_input: bool = False,
         check_shapes: bool = False,
+        tuner: Optional[OverlapAutoTuner] = None,
     ) -> None:
         from comm import UserBufferPool
 
@@ -372,8 +422,13 @@ class TPOverlap:
         for name, value in (("save_gathered_input", save_gathered_input), ("check_shapes", check_shapes)):
             if not isinstance(value, bool):
                 raise ValueError(f"TPOverlap: {name} must be a bool, got {value!r}")
+        if tuner is None:
+            tuner = OverlapAutoTuner()
+        if not isinstance(tuner, OverlapAutoTuner):
+            raise ValueError(f"TPOverlap: tuner must be an OverlapAutoTuner, got {type(tuner).__name__}")
         self.config = config
         self.pool = pool
+        self.tuner = tuner
         self.save_gathered_input = save_gathered_input
         self.check_shapes = check_shapes
 

@@ -20,6 +20,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup, Work
 
+from ..nccl_rules import CudaConformanceError, check_collective, describe_shape, shape_descriptor, strict_cuda_enabled
+
 GemmFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 _FLOAT8_DTYPES = tuple(
@@ -151,6 +153,10 @@ def exchange(
     A batch (``batch_isend_irecv``) because on NCCL the ring's send and receive must be in
     one group call or ranks can deadlock; on gloo it posts each op asynchronously.
     """
+    check_collective("p2p", [send] if send is not None else [], [recv] if recv is not None else [],
+                     rank=dist.get_rank(), peers=[p for p in (send_to, recv_from) if p is not None])
+    if strict_cuda_enabled():
+        _check_peer_sizes(send, send_to, recv, recv_from, group)
     ops = []
     if send is not None:
         assert send_to is not None
@@ -161,6 +167,34 @@ def exchange(
     if not ops:
         return []
     return dist.batch_isend_irecv(ops)
+
+
+def _check_peer_sizes(
+    send: torch.Tensor | None,
+    send_to: int | None,
+    recv: torch.Tensor | None,
+    recv_from: int | None,
+    group: ProcessGroup | None,
+) -> None:
+    """Strict mode: the tensor ``recv_from`` sends must have ``recv``'s shape and dtype.
+
+    NCCL matches a send and a receive by byte count only (a mismatch hangs or corrupts);
+    here each side first sends a small shape descriptor along the same edge.
+    """
+    ops = []
+    if send is not None:
+        ops.append(dist.P2POp(dist.isend, shape_descriptor(send), send_to, group))
+    theirs = None
+    if recv is not None:
+        theirs = torch.empty_like(shape_descriptor(recv))
+        ops.append(dist.P2POp(dist.irecv, theirs, recv_from, group))
+    if ops:
+        wait_all(dist.batch_isend_irecv(ops))
+    if recv is not None and not torch.equal(theirs, shape_descriptor(recv)):
+        raise CudaConformanceError(
+            f"TP_FUSE_STRICT_CUDA=1: rank {recv_from} sends {describe_shape(theirs)} but rank "
+            f"{dist.get_rank()} receives into {describe_shape(shape_descriptor(recv))}"
+        )
 
 
 def wait_all(works: Sequence[Work]) -> None:

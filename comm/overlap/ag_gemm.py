@@ -23,6 +23,7 @@ from __future__ import annotations
 import torch
 from torch.distributed import ProcessGroup
 
+from ..nccl_rules import strict_cuda_enabled
 from ..userbuffers import UserBufferPool
 from ._common import (
     GemmFn,
@@ -86,7 +87,7 @@ def ring_exchange_ag_gemm(
     if tp == 1:
         run_gemm(gemm, x_local, out)
         return (out, x_local) if return_gathered else out
-    if check_shapes:
+    if check_shapes or strict_cuda_enabled():  # strict: ranks must agree, as NCCL needs
         check_same_shape(x_local, group, what)
 
     gshape = (tp * m, *x_local.shape[1:])

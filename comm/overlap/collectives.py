@@ -10,9 +10,10 @@ instead of leaving peers waiting:
 
 * local (free): tensor type, float8 dtype (pass uint8 views), first dimension divisible by
   the TP size (reduce-scatter), ``out`` shape/dtype/device.
-* needs other ranks (off by default, ``check_shapes=True``): equal shapes and dtypes on
+* needs other ranks (``check_shapes=True`` here, every call): equal shapes and dtypes on
   all ranks. It costs one tiny all-gather; without it a mismatch surfaces as a backend
-  error or, on some backends, a hang.
+  error, SIGABRT in gloo, or a hang. The tp_fuse comm ops check by default, once per
+  shape signature (:class:`ShapeAgreement`).
 
 Implementation choice (``impl="auto"``): NCCL uses its native collectives. On gloo in
 torch 2.13, measured on loopback with 2 and 4 ranks, ``reduce_scatter_tensor`` is ~2-4x
@@ -29,6 +30,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup, Work
 
+from ..nccl_rules import check_collective, strict_cuda_enabled
 from ..userbuffers import UserBufferPool
 from ._common import (
     backend_name,
@@ -111,35 +113,80 @@ _DTYPE_CODES = (
 _MAX_DIMS = 8
 
 
-def check_same_shape(x: torch.Tensor, group: ProcessGroup | None, what: str = "collective") -> None:
-    """Collective check that every rank of ``group`` passes the same shape and dtype.
+def _signature(tensors: Sequence[torch.Tensor], what: str) -> list[int]:
+    """Flat int description of (dtype, ndim, shape) per tensor, padded to _MAX_DIMS each."""
+    out: list[int] = []
+    for x in tensors:
+        if x.dim() > _MAX_DIMS:
+            raise ValueError(f"{what}: the shape check supports up to {_MAX_DIMS} dims, got {x.dim()}")
+        code = _DTYPE_CODES.index(x.dtype) if x.dtype in _DTYPE_CODES else len(_DTYPE_CODES)
+        out += [code, x.dim(), *x.shape, *([-1] * (_MAX_DIMS - x.dim()))]
+    return out
+
+
+def _format_signature(row: list[int], names: Sequence[str]) -> str:
+    parts, width = [], _MAX_DIMS + 2
+    for i, name in enumerate(names):
+        r = row[i * width : (i + 1) * width]
+        dt = _DTYPE_CODES[r[0]] if 0 <= r[0] < len(_DTYPE_CODES) else "other dtype"
+        parts.append(f"{name + ' ' if name else ''}{tuple(r[2 : 2 + r[1]])} {dt}")
+    return ", ".join(parts)
+
+
+def check_same_signature(
+    tensors: Sequence[torch.Tensor], group: ProcessGroup | None, what: str, names: Sequence[str] = ("input",)
+) -> None:
+    """Collective check that every rank of ``group`` passes tensors of the same shapes and dtypes.
 
     All-gathers a small int64 description; on a mismatch every rank raises the same
-    ValueError listing each rank's shape (so no rank is left waiting).
+    ValueError listing each rank's shapes (so no rank is left waiting in a collective
+    whose sizes do not match, which gloo answers with SIGABRT).
     """
     tp = group_size(group)
     if tp == 1:
         return
-    if x.dim() > _MAX_DIMS:
-        raise ValueError(f"{what}: check_shapes supports up to {_MAX_DIMS} dims, got {x.dim()}")
-    code = _DTYPE_CODES.index(x.dtype) if x.dtype in _DTYPE_CODES else len(_DTYPE_CODES)
-    desc = torch.full((_MAX_DIMS + 2,), -1, dtype=torch.int64)
-    desc[0] = code
-    desc[1] = x.dim()
-    desc[2 : 2 + x.dim()] = torch.tensor(x.shape, dtype=torch.int64)
-    desc = desc.to(x.device)
+    assert len(names) == len(tensors)
+    desc = torch.tensor(_signature(tensors, what), dtype=torch.int64, device=tensors[0].device)
     # Flat output: gloo accepts only the concatenated form, not [tp, len].
-    gathered = torch.empty(tp * desc.numel(), dtype=torch.int64, device=x.device)
+    gathered = torch.empty(tp * desc.numel(), dtype=torch.int64, device=desc.device)
+    check_collective("all_gather_flat", [desc], [gathered], world_size=tp)
     _all_gather_single(gathered, desc, group=group)
     rows = gathered.view(tp, -1).cpu().tolist()
     if any(r != rows[0] for r in rows):
-
-        def fmt(r: list[int]) -> str:
-            dt = _DTYPE_CODES[r[0]] if r[0] < len(_DTYPE_CODES) else "other"
-            return f"{tuple(r[2 : 2 + r[1]])} {dt}"
-
-        listing = ", ".join(f"rank {i}: {fmt(r)}" for i, r in enumerate(rows))
+        listing = "; ".join(f"rank {i}: {_format_signature(r, names)}" for i, r in enumerate(rows))
         raise ValueError(f"{what}: ranks disagree on the input shape/dtype ({listing})")
+
+
+def check_same_shape(x: torch.Tensor, group: ProcessGroup | None, what: str = "collective") -> None:
+    """:func:`check_same_signature` of one tensor (listed without a name)."""
+    check_same_signature([x], group, what, ("",))
+
+
+class ShapeAgreement:
+    """Checks, once per shape signature, that all ranks of a group pass the same shapes.
+
+    Each TP communication op owns one. The first call with a new (group, shapes,
+    dtypes) signature runs :func:`check_same_signature` (one all-gather of a few
+    int64s); later calls with a signature every rank agreed on cost a set lookup.
+    Limitation: ranks that agreed on a signature and later diverge, with one rank
+    repeating the agreed one, are not caught (its peer checks, it does not); every
+    first disagreement is.
+    """
+
+    def __init__(self) -> None:
+        self._agreed: set[tuple] = set()
+        self.checks = 0  # collective checks run (for tests and cost reports)
+
+    def check(self, group: ProcessGroup | None, what: str, tensors: Sequence[torch.Tensor],
+              names: Sequence[str] = ("input",)) -> None:
+        if group_size(group) == 1:
+            return
+        key = (getattr(group, "group_name", id(group)), *((tuple(t.shape), t.dtype) for t in tensors))
+        if key in self._agreed:
+            return
+        self.checks += 1
+        check_same_signature(tensors, group, what, names)
+        self._agreed.add(key)
 
 
 def _check_before_communicating(
@@ -161,7 +208,7 @@ def _check_before_communicating(
             return PendingCollective([], x)
         out.copy_(x)
         return PendingCollective([], out)
-    if check_shapes:
+    if check_shapes or strict_cuda_enabled():  # strict: ranks must agree, as NCCL needs
         check_same_shape(x, group, what)
     return None
 
@@ -187,9 +234,12 @@ def all_gather_dim0_async(
     if out is None:
         out = torch.empty(shape, dtype=x.dtype, device=x.device)
     if impl == "collective":
+        check_collective("all_gather_flat", [x], [out], world_size=tp)
         return PendingCollective([_all_gather_single(out, x, group=group, async_op=True)], out)
     rank = group_rank(group)
     blocks = out.view(tp, *x.shape)
+    check_collective("p2p", [x], [blocks[r] for r in range(tp) if r != rank], rank=global_rank(group, rank),
+                     peers=[global_rank(group, r) for r in range(tp) if r != rank])
     ops = []
     for r in range(tp):
         if r != rank:
@@ -244,11 +294,13 @@ def reduce_scatter_dim0_async(
     if out is None:
         out = torch.empty(shape, dtype=x.dtype, device=x.device)
     if impl == "collective":
+        check_collective("reduce_scatter_flat", [x], [out], world_size=tp, op=dist.ReduceOp.SUM)
         return PendingCollective([_reduce_scatter_single(out, x, group=group, async_op=True)], out)
     if pool is None:
         recv = torch.empty_like(x)
     else:
         recv = pool.get(group, "reduce_scatter_dim0.recv", tuple(x.shape), x.dtype, x.device)
+    check_collective("all_to_all_single", [x], [recv], world_size=tp)
     work = dist.all_to_all_single(recv, x, group=group, async_op=True)
     assert work is not None
     result = out
@@ -292,11 +344,12 @@ def all_reduce_async(
     check_wire_tensor(x, what, min_dim=0)
     if group_size(group) == 1:
         return PendingCollective([], x)
-    if check_shapes:
+    if check_shapes or strict_cuda_enabled():  # strict: ranks must agree, as NCCL needs
         check_same_shape(x, group, what)
     if inplace and not x.is_contiguous():
         raise ValueError(f"{what}: inplace=True needs a contiguous tensor")
     buf = x if inplace else x.contiguous().clone()
+    check_collective("all_reduce", [buf], world_size=group_size(group), op=op)
     work = dist.all_reduce(buf, op=op, group=group, async_op=True)
     assert work is not None
     return PendingCollective([work], buf)

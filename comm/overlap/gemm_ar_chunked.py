@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup, Work
 
+from ..nccl_rules import check_collective, strict_cuda_enabled
 from ._common import (
     GemmFn,
     InFlight,
@@ -72,7 +73,7 @@ def gemm_all_reduce_chunked(
     if tp == 1:
         run_gemm(gemm, x, out)
         return out
-    if check_shapes:
+    if check_shapes or strict_cuda_enabled():  # strict: ranks must agree, as NCCL needs
         check_same_shape(x, group, what)
     works: list[Work] = []
     lo = 0
@@ -81,6 +82,7 @@ def gemm_all_reduce_chunked(
             hi = lo + mi
             dst = out[lo:hi]
             run_gemm(gemm, x[lo:hi], dst)  # overlaps the all-reduces already in flight
+            check_collective("all_reduce", [dst], world_size=tp, op=dist.ReduceOp.SUM)
             work = dist.all_reduce(dst, group=group, async_op=True)
             assert work is not None
             works.extend(inflight.add([work]))

@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
+from ..nccl_rules import check_collective, strict_cuda_enabled
 from ..userbuffers import UserBufferPool
 from ._common import (
     GemmFn,
@@ -96,7 +97,7 @@ def gemm_reduce_scatter_pipelined(
     if tp == 1:
         run_gemm(gemm, x, out)
         return out
-    if check_shapes:
+    if check_shapes or strict_cuda_enabled():  # strict: ranks must agree, as NCCL needs
         check_same_shape(x, group, what)
 
     in_tail, out_tail = tuple(x.shape[1:]), tuple(out.shape[1:])
@@ -142,8 +143,10 @@ def _start_reduce_scatter(
 ) -> PendingCollective:
     """Async reduce-scatter of ``partial [tp * r, ...]`` into ``dst [r, ...]`` (a view of out)."""
     if impl == "collective":
+        check_collective("reduce_scatter_flat", [partial], [dst], world_size=tp, op=dist.ReduceOp.SUM)
         return PendingCollective([_reduce_scatter_single(dst, partial, group=group, async_op=True)], dst)
     recv = pool.get(group, recv_name, tuple(partial.shape), partial.dtype, partial.device)
+    check_collective("all_to_all_single", [partial], [recv], world_size=tp)
     work = dist.all_to_all_single(recv, partial, group=group, async_op=True)
     assert work is not None
 

@@ -24,6 +24,7 @@ from __future__ import annotations
 import torch
 from torch.distributed import ProcessGroup
 
+from ..nccl_rules import strict_cuda_enabled
 from ..userbuffers import UserBufferPool
 from ._common import (
     GemmFn,
@@ -78,7 +79,7 @@ def gemm_reduce_scatter_ring(
     if tp == 1:
         run_gemm(gemm, x, out)
         return out
-    if check_shapes:
+    if check_shapes or strict_cuda_enabled():  # strict: ranks must agree, as NCCL needs
         check_same_shape(x, group, what)
 
     xb = x.view(tp, m, *x.shape[1:])

@@ -26,6 +26,8 @@ grad_output``, named ``fp8/<layer>/<gemm>/<tensor>/<stat>``:
 ``underflow_pct``   % of elements that are non-zero but become 0 in FP8
 ``overflow_pct``    % of elements with ``|x * scale| > fp8_max`` (saturated)
 ``mse``             mean squared error of the FP8 round trip
+``nonfinite_amax_count`` NaN/inf amaxes this quantizer has met so far (cumulative;
+                    such steps are skipped by the launcher, ``launch.health``)
 =================== ============================================================
 
 Block-scaled recipes (``Float8BlockScaling``, ``MXFP8BlockScaling``, ``Float8RowwiseScaling``)
@@ -53,7 +55,9 @@ from .stats import StatsBuffer, block_fp8_components, fp8_components
 
 __all__ = ["Fp8StatsCollector", "FP8_STAT_NAMES"]
 
-FP8_STAT_NAMES = ("amax", "scale", "scale_inv", "amax_history_max", "underflow_pct", "overflow_pct", "mse")
+FP8_STAT_NAMES = (
+    "amax", "scale", "scale_inv", "amax_history_max", "underflow_pct", "overflow_pct", "mse", "nonfinite_amax_count",
+)
 _BUFFER_STATS = ("amax", "underflows%", "overflows%", "mse")
 _RENAME = {"amax": "amax", "underflows%": "underflow_pct", "overflows%": "overflow_pct", "mse": "mse",
            "scale_inv_min": "block_scale_inv_min", "scale_inv_max": "block_scale_inv_max",
@@ -126,5 +130,8 @@ class Fp8StatsCollector:
             history = getattr(quantizer, "amax_history", None)
             if history is not None:
                 out[f"{key}/amax_history_max"] = float(history.amax())
+            count = getattr(quantizer, "nonfinite_amax_count", None)
+            if count is not None:
+                out[f"{key}/nonfinite_amax_count"] = float(count)
         self._last.clear()
         return dict(sorted(out.items()))

@@ -28,6 +28,8 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
+from comm.nccl_rules import check_collective
+
 from ..quantization.block_scaling import expand_scales
 
 __all__ = [
@@ -300,6 +302,8 @@ class StatsBuffer:
             if world:
                 device = _collective_device(group)
                 flat_dev = flat.to(device)
+                check_collective("all_reduce", [flat_dev], world_size=dist.get_world_size(group),
+                                 op=getattr(dist.ReduceOp, op))
                 dist.all_reduce(flat_dev, op=getattr(dist.ReduceOp, op), group=group)
                 flat = flat_dev.cpu()
             reduced[kind] = flat

@@ -2,7 +2,9 @@
 
 Every function has a torch reference and a Triton implementation with identical
 semantics; ``backend=None`` picks Triton for CUDA inputs when triton is importable and
-torch otherwise (see ``dispatch``). Importing this package does not import triton.
+torch otherwise (see ``dispatch``), except the FP8 GEMM, which takes
+``torch._scaled_mm`` on CUDA unless the Triton GEMM is chosen. Importing this package
+does not import triton.
 """
 
 from .activations import dgelu_dbias, dswiglu, gelu_fwd, swiglu_fwd

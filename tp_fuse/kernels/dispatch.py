@@ -7,6 +7,10 @@ was first imported). Each public function takes ``backend="torch" | "triton" | N
 
 * ``None`` (auto): Triton for CUDA tensors when triton imports and the shape is
   supported by the Triton kernel, otherwise torch. The reason is recorded.
+  Exception: the FP8 GEMM (``select_fp8_gemm_backend``). Its auto choice on CUDA is
+  ``torch._scaled_mm`` (cuBLASLt); the Triton GEMM has not been benchmarked on a GPU
+  yet and runs only when chosen: ``backend="triton"``, or ``TP_FUSE_FP8_GEMM=triton``
+  in the environment for every auto call on CUDA.
 * ``"triton"``: Triton or an exception. Never a silent fallback.
 * ``"torch"``: the reference implementation.
 
@@ -35,6 +39,9 @@ import torch
 __all__ = [
     "BACKENDS",
     "BackendChoice",
+    "FP8_GEMM_ENV",
+    "cuda_capability",
+    "select_fp8_gemm_backend",
     "KernelCall",
     "KernelPathLog",
     "planned_backend",
@@ -45,14 +52,23 @@ __all__ = [
 ]
 
 BACKENDS = ("torch", "triton")
+#: Environment variable choosing the FP8 GEMM for auto calls on CUDA: "torch" (default) or "triton".
+FP8_GEMM_ENV = "TP_FUSE_FP8_GEMM"
+#: Oldest compute capability with FP8 tensor cores, which ``torch._scaled_mm`` needs on CUDA.
+SCALED_MM_MIN_CAPABILITY = (8, 9)
 
 
 @dataclass(frozen=True)
 class BackendChoice:
-    """Outcome of backend selection: ``backend`` in BACKENDS and a human-readable why."""
+    """Outcome of backend selection: ``backend`` in BACKENDS and a human-readable why.
+
+    ``runnable`` is False when the chosen path cannot run on this device (the reason says
+    what to do instead); a call raises with the reason, ``explain`` shows it.
+    """
 
     backend: str
     reason: str
+    runnable: bool = True
 
 
 @dataclass(frozen=True)
@@ -212,6 +228,54 @@ def select_backend(
     return BackendChoice("triton", f"CUDA inputs and {detail}")
 
 
+def cuda_capability(device: torch.device) -> tuple[int, int]:
+    """``(major, minor)`` compute capability of a CUDA device (tests replace this function
+    to decide for a GPU they do not have)."""
+    return tuple(torch.cuda.get_device_capability(device))
+
+
+def select_fp8_gemm_backend(
+    device: torch.device,
+    backend: Optional[str] = None,
+    *,
+    triton_unsupported: Optional[str] = None,
+) -> BackendChoice:
+    """Choose the FP8 GEMM implementation.
+
+    Auto on CUDA: ``torch._scaled_mm`` (cuBLASLt, the fast and proven path) unless
+    ``TP_FUSE_FP8_GEMM=triton`` asks for the Triton GEMM. On GPUs below compute
+    capability 8.9 ``_scaled_mm`` has no FP8 kernel: the choice is marked not runnable and
+    its reason names the way out (the Triton GEMM, which emulates FP8 there). Explicit
+    ``backend`` and non-CUDA devices follow :func:`select_backend`.
+    """
+    if backend is not None or device.type != "cuda":
+        choice = select_backend("fp8_gemm", device, backend, triton_unsupported=triton_unsupported)
+        if choice.backend == "torch" and backend is None:
+            return BackendChoice("torch", f"torch._scaled_mm ({choice.reason})")
+        return choice
+    requested = os.environ.get(FP8_GEMM_ENV, "")
+    if requested not in ("", "torch", "triton"):
+        raise ValueError(f"{FP8_GEMM_ENV}: expected 'torch' or 'triton', got {requested!r}")
+    if requested == "triton":
+        choice = select_backend("fp8_gemm", device, "triton", triton_unsupported=triton_unsupported)
+        return BackendChoice("triton", f"{FP8_GEMM_ENV}=triton: the Triton FP8 GEMM was chosen ({choice.reason})")
+    cap = cuda_capability(device)
+    sm = f"sm_{cap[0]}{cap[1]}"
+    if cap < SCALED_MM_MIN_CAPABILITY:
+        return BackendChoice(
+            "torch",
+            f"torch._scaled_mm needs FP8 tensor cores (sm_89+), this GPU is {sm}: run without FP8, or set "
+            f"{FP8_GEMM_ENV}=triton for the Triton GEMM (FP8 emulated in fp16 MMAs)",
+            runnable=False,
+        )
+    why = "chosen" if requested == "torch" else "default on CUDA"
+    return BackendChoice(
+        "torch",
+        f"torch._scaled_mm (cuBLASLt) on {sm}: {why}; the Triton GEMM runs only when chosen "
+        f"(backend='triton' or {FP8_GEMM_ENV}=triton) until a GPU benchmark shows it at least as fast",
+    )
+
+
 def planned_backend(kernel: str, device: torch.device, dtype: Optional[torch.dtype] = None) -> BackendChoice:
     """The backend an auto (``backend=None``) call of ``kernel`` would take for tensors
     of ``dtype`` on ``device``, without running anything (``explain`` uses it).
@@ -221,4 +285,6 @@ def planned_backend(kernel: str, device: torch.device, dtype: Optional[torch.dty
     """
     from ._common import triton_dtype_issue
 
+    if kernel == "fp8_gemm":
+        return select_fp8_gemm_backend(device, None, triton_unsupported=triton_dtype_issue(dtype))
     return select_backend(kernel, device, None, triton_unsupported=triton_dtype_issue(dtype))

@@ -18,6 +18,8 @@ from typing import Optional
 
 import torch
 
+from comm.nccl_rules import strict_cuda_enabled
+
 from . import dispatch
 from ._common import (
     FP8_MAX,
@@ -28,6 +30,7 @@ from ._common import (
     gelu_torch,
     triton_dtype_issue,
 )
+from .cuda_rules import cuda_semantics, scaled_mm
 
 __all__ = ["fp8_gemm"]
 
@@ -55,10 +58,15 @@ def fp8_gemm(
         out      [M, N]  out_dtype (fp32 / bf16 / fp16; float64 on the torch path)
         pre_gelu_out [M, N]  out_dtype when gelu=True, else None
 
-    The torch backend is ``torch._scaled_mm`` (CPU and CUDA; on CUDA cuBLAS requires
-    M, N, K multiples of 16 and fuses a bias only for 16-bit outputs, in the output
+    The torch backend is ``torch._scaled_mm`` (CPU and CUDA; on CUDA cuBLASLt requires
+    K and N multiples of 16, fuses a bias only for 16-bit outputs, in the output
     dtype: there the bias is rounded to out_dtype first, and for fp32 outputs it is
-    added after the GEMM) followed by the GELU. The
+    added after the GEMM; it has no float64 output, so a float64 result is the fp32
+    GEMM widened) followed by the GELU. It is the auto choice on CUDA too (see
+    ``dispatch.select_fp8_gemm_backend``). With ``TP_FUSE_STRICT_CUDA=1`` the CUDA
+    branches run on every device and the ``_scaled_mm`` call is checked against CUDA's
+    rules (``cuda_rules``): then ``a`` and ``b`` must arrive K-major (contiguous), as
+    on a GPU any other layout is a hidden transpose copy of FP8 data on every call. The
     Triton backend is a tiled kernel: TMA tensor-descriptor loads on Hopper when the
     installed triton has them, pointer loads otherwise; ``record_kernel_paths`` shows
     which ("tma" / "pointer[...reason...]").
@@ -80,7 +88,9 @@ def fp8_gemm(
     if bias is not None:
         check_vector("bias", bias, b.shape[0], a.device)
     dtype_issue = triton_dtype_issue(out_dtype, None if bias is None else bias.dtype)
-    choice = dispatch.select_backend("fp8_gemm", a.device, backend, triton_unsupported=dtype_issue)
+    choice = dispatch.select_fp8_gemm_backend(a.device, backend, triton_unsupported=dtype_issue)
+    if not choice.runnable:
+        raise RuntimeError(f"fp8_gemm: {choice.reason}")
     if choice.backend == "torch":
         out, pre = _fp8_gemm_torch(a, b, scale_a, scale_b, out_dtype, bias, gelu)
         variant = "scaled_mm"
@@ -103,17 +113,27 @@ def _fp8_gemm_torch(
 ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     # _scaled_mm wants a row-major and the second operand column-major: b [N, K]
     # row-major viewed as b.T [K, N] is exactly that.
-    # CPU's _scaled_mm adds a bias of any dtype in its fp32 epilogue; cuBLAS fuses one
-    # only for 16-bit outputs and in the output dtype, so fp32/float64 outputs add it after.
-    fused_bias = bias is not None and (a.device.type != "cuda" or out_dtype in (torch.bfloat16, torch.float16))
-    pre = torch._scaled_mm(
-        a.contiguous(),
-        b.contiguous().t(),
-        scale_a=scale_a.reshape(()),
-        scale_b=scale_b.reshape(()),
-        bias=(bias if a.device.type != "cuda" else bias.to(out_dtype)) if fused_bias else None,
-        out_dtype=out_dtype,
+    # CPU's _scaled_mm adds a bias of any dtype in its fp32 epilogue and writes float64;
+    # cuBLASLt fuses a bias only for 16-bit outputs and in the output dtype (fp32 outputs
+    # add it after) and writes no float64 (fp32 GEMM, then widened).
+    cuda = cuda_semantics(a.device)
+    gemm_dtype = torch.float32 if cuda and out_dtype == torch.float64 else out_dtype
+    fused_bias = bias is not None and (not cuda or out_dtype in (torch.bfloat16, torch.float16))
+    if not strict_cuda_enabled():
+        # Make the operands K-major as the GEMM wants (a copy if they are not). Strict mode
+        # skips this so that its layout check sees what callers pass: a transposed FP8 view
+        # here costs a full transpose copy on every call on a GPU.
+        a, b = a.contiguous(), b.contiguous()
+    pre = scaled_mm(
+        a,
+        b.t(),
+        scale_a.reshape(()),
+        scale_b.reshape(()),
+        gemm_dtype,
+        bias=(bias if not cuda else bias.to(out_dtype)) if fused_bias else None,
     )
+    if gemm_dtype != out_dtype:
+        pre = pre.to(out_dtype)
     if bias is not None and not fused_bias:
         pre = pre + bias.to(out_dtype)
     if not gelu:

@@ -79,6 +79,18 @@ def _plan_kernels(fuser: "OperationFuser", device: torch.device, dtype: Optional
     return plans
 
 
+def _overlap_auto_lines(fuser: "OperationFuser") -> list[str]:
+    """Decisions of the ``auto`` overlap stages of the group's fused ops (plans expose
+    ``auto_lines()``), each GEMM stage once."""
+    lines: list[str] = []
+    for op, _ in (*fuser.forward_ops, *fuser.backward_ops):
+        plan = getattr(op, "plan", None)  # a wgrad plan rides on its dgrad stage's choice
+        for line in plan.auto_lines() if hasattr(plan, "auto_lines") else ():
+            if line not in lines:
+                lines.append(line)
+    return lines
+
+
 @dataclasses.dataclass
 class FuserExplanation:
     """Fusion decisions of one :class:`OperationFuser`, and the kernel paths its ops take."""
@@ -90,6 +102,8 @@ class FuserExplanation:
     recipe: Optional[str]
     kernels: list[KernelPlan] = dataclasses.field(default_factory=list)
     kernel_device: str = ""
+    # ``method: auto`` overlap stages: candidates, measured times and the choice, per shape.
+    overlap_auto: list[str] = dataclasses.field(default_factory=list)
 
     @classmethod
     def from_fuser(cls, fuser: "OperationFuser") -> "FuserExplanation":
@@ -105,6 +119,7 @@ class FuserExplanation:
             recipe=None if recipe is None else repr(recipe),
             kernels=_plan_kernels(fuser, device, dtype),
             kernel_device=device_label,
+            overlap_auto=_overlap_auto_lines(fuser),
         )
 
     def kernel_backends(self, kernel: Optional[str] = None) -> set[str]:
@@ -136,6 +151,9 @@ class FuserExplanation:
                 lines.append(f"  {direction:8s} {op}: {' '.join(calls)}")
             for backend, reason in dict.fromkeys((p.backend, p.reason) for p in self.kernels):
                 lines.append(f"  {backend}: {reason}")
+        if self.overlap_auto:
+            lines.append("overlap auto (median time per candidate, max over TP ranks):")
+            lines.extend(f"  {line}" for line in self.overlap_auto)
         return lines
 
     def __str__(self) -> str:

@@ -29,6 +29,8 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from comm.nccl_rules import check_collective
+
 from . import scaling
 from .block_quantizer import BlockScalingQuantizer
 from .quantizer import CurrentScalingQuantizer, DelayedScalingQuantizer, Quantizer
@@ -86,6 +88,7 @@ class AmaxReductionBuffer:
         if self.needs_collective():
             # One flat tensor -> one collective, however many quantizers.
             amaxes = scaling.nan_to_inf(torch.stack([q.current_amax for q in quantizers]))
+            check_collective("all_reduce", [amaxes], world_size=dist.get_world_size(self.group), op=dist.ReduceOp.MAX)
             dist.all_reduce(amaxes, op=dist.ReduceOp.MAX, group=self.group)
             for q, amax in zip(quantizers, amaxes.unbind(0)):
                 q.amax_history[0] = amax

@@ -27,6 +27,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from ..kernels import cuda_rules
 from .block_scaling import BlockSpec
 from .block_tensor import BlockPayload, BlockScaledTensor
 
@@ -134,9 +135,10 @@ def block_gemm(
     pa, pb = a.payload("rowwise"), b.payload("rowwise")
     if a.recipe_name == "rowwise":
         # One scale per row of each operand: torch._scaled_mm's row-wise form (CPU and CUDA).
-        out = torch._scaled_mm(
-            pa.data, pb.data.t(), scale_a=_vector(pa.scale_inv).view(-1, 1),
-            scale_b=_vector(pb.scale_inv).view(1, -1), out_dtype=torch.float32,
+        # Through the project's one _scaled_mm call site (CUDA rules checked in strict mode).
+        out = cuda_rules.scaled_mm(
+            pa.data, pb.data.t(), _vector(pa.scale_inv).view(-1, 1), _vector(pb.scale_inv).view(1, -1),
+            torch.float32,
         )
         if bias is not None:
             out = out + bias.to(torch.float32)

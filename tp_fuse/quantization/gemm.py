@@ -1,7 +1,8 @@
 """FP8 GEMM on Float8Tensors through ``tp_fuse.kernels.fp8_gemm``.
 
 The kernel is the one FP8 GEMM implementation: ``torch._scaled_mm`` on the torch path
-(CPU, and CUDA without triton), a Triton kernel on CUDA. This module unwraps
+(CPU, and the default on CUDA), a Triton kernel on CUDA when chosen
+(``TP_FUSE_FP8_GEMM=triton``). This module unwraps
 Float8Tensors (bytes + ``_scale_inv``) and validates them.
 
 ``fp8_gemm(a, b)`` computes ``a @ b.T`` -- the "NT" layout of a linear layer

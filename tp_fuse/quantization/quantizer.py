@@ -31,6 +31,8 @@ from typing import Any, Callable, Optional
 import torch
 import torch.distributed as dist
 
+from comm.nccl_rules import check_collective
+
 from .. import kernels
 from ..recipe import DelayedScaling, Float8CurrentScaling, Recipe, fp8_dtype_max
 from . import scaling
@@ -231,11 +233,16 @@ class DelayedScalingQuantizer(Quantizer):
         Call after the step's amax has been reduced into ``amax_history[0]``.
         """
         r = self.recipe
+        # A NaN/inf amax is counted but never enters the history: with "max" it would
+        # freeze the scale for amax_history_len steps. 0 in the slot means "no data".
+        current = self.amax_history[0]
+        bad_current = scaling.is_nonfinite(current)
+        self.amax_history[0] = torch.where(bad_current, torch.zeros_like(current), current)
         amax = scaling.amax_from_history(self.amax_history, r.amax_compute_algo)
         new_scale = scaling.delayed_scale(
             amax, self.scale, self.fp8_max, self.margin, r.scaling_factor_compute_algo, r
         )
-        self.nonfinite_amax_count += scaling.is_nonfinite(amax).to(torch.int64)
+        self.nonfinite_amax_count += (bad_current | scaling.is_nonfinite(amax)).to(torch.int64)
         self.last_amax.copy_(amax)
         self.scale.copy_(new_scale)
         self.amax_history.copy_(scaling.roll_amax_history(self.amax_history))
@@ -286,6 +293,7 @@ class CurrentScalingQuantizer(Quantizer):
         if group is None or dist.get_world_size(group) == 1:
             return amax
         amax = scaling.nan_to_inf(amax).reshape(1)
+        check_collective("all_reduce", [amax], world_size=dist.get_world_size(group), op=dist.ReduceOp.MAX)
         dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=group)
         return amax.reshape(())
 

@@ -8,6 +8,8 @@ from typing import TYPE_CHECKING, Optional
 import torch
 import torch.distributed as dist
 
+from comm import ShapeAgreement
+
 from ..op import BasicOperation, require
 
 if TYPE_CHECKING:
@@ -68,6 +70,16 @@ class TPCommOperation(BasicOperation):
         self.process_group = process_group
         self.overlap = overlap
         self._default_overlap: Optional["TPOverlap"] = None
+        # Ranks that disagree on a shape raise ValueError on every rank instead of
+        # aborting inside the backend; checked once per shape signature.
+        self.shape_agreement = ShapeAgreement()
+
+    def check_agreement(self, what: str, tensors: "list[torch.Tensor]", names: tuple[str, ...] = ("input",)) -> None:
+        """All ranks pass the same shapes/dtypes (a collective the first time a signature is seen).
+
+        Call it before this op's (or its fused op's) first collective, on every rank.
+        """
+        self.shape_agreement.check(self.process_group, what, tensors, names)
 
     @property
     def tp_size(self) -> int:

@@ -36,6 +36,7 @@ class AllGather(TPCommOperation):
         require(input_.dim() >= 1, "AllGather: expected a tensor with a sequence dimension, got a scalar")
         if self.tp_size == 1:
             return input_
+        self.check_agreement("AllGather", [input_])
         return gather_maybe_fp8(input_, self.process_group, all_gather_dim0)
 
     def op_backward(self, ctx: OperationContext, grad_output: torch.Tensor):

@@ -29,6 +29,7 @@ class AllReduce(TPCommOperation):
 
         if self.tp_size == 1:
             return input_
+        self.check_agreement("AllReduce", [input_])
         return all_reduce(maybe_dequantize(input_).contiguous(), self.process_group)
 
     def op_backward(self, ctx: OperationContext, grad_output: torch.Tensor):

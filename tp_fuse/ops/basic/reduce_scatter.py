@@ -35,6 +35,7 @@ class ReduceScatter(TPCommOperation):
         check_first_dim_divisible("ReduceScatter", input_, size)
         if size == 1:
             return input_
+        self.check_agreement("ReduceScatter", [input_])
         return reduce_scatter_dim0(maybe_dequantize(input_).contiguous(), self.process_group)
 
     def op_backward(self, ctx: OperationContext, grad_output: torch.Tensor):

@@ -17,9 +17,9 @@ from ..basic.reduce_scatter import ReduceScatter
 from ..basic._checks import compute_dtype
 from ..fusion import Fuse, FusionLog, MatchResult, Reject, describe_next, fuse_by_window
 from ..op import FusedOperation, FusibleOperation, OperationContext
+from ...overlap_auto import AUTO, UNFUSED, parse_label
 from .userbuffers_common import (
     OverlapPlan,
-    effective_splits,
     fp8_from_wire,
     fp8_gather_problem,
     fp8_gemm_from_bytes,
@@ -31,8 +31,10 @@ from .userbuffers_common import (
     match_gemm_then,
     match_linear_bias,
     plan_overlap,
+    precision_label,
     quantize_same_scale_over,
     reject_collective_without_gemm,
+    run_planned,
 )
 
 _RS_DGRAD_UNSUPPORTED = {
@@ -67,6 +69,10 @@ class UserbuffersBackwardLinear(FusedOperation):
     * ``pipeline`` / ``ring_exchange``: dgrad GEMM and reduce-scatter of dx overlap chunk
       by chunk (``comm.gemm_reduce_scatter_pipelined`` / ``_ring``), with the re-gather
       of ``x`` in flight alongside; the wgrad GEMM follows.
+    * ``auto``: the tuner of the TPOverlap measures bulk, pipeline (a few ``num_splits``),
+      ring_exchange and ``unfused`` (re-gather, dgrad GEMM, reduce-scatter, wgrad GEMM one
+      after the other) on the first backward with a new shape and runs the fastest; the
+      ``<name>_wgrad`` entry only matters for ``bulk`` (auto there: bulk).
 
     Row-parallel ``[BasicLinear(, Bias), ReduceScatter]`` (forward ``y = RS(x W^T + b)``):
 
@@ -80,7 +86,8 @@ class UserbuffersBackwardLinear(FusedOperation):
 
     Overlap (``<name>_dgrad`` = ``ring_exchange``): ``comm.ring_exchange_ag_gemm`` on dy,
     each block's dgrad GEMM hides the transfer of the next; the gathered dy feeds the
-    wgrad GEMM.
+    wgrad GEMM. ``auto``: ring_exchange or ``unfused`` (all-gather dy, then the dgrad
+    GEMM), measured.
 
     FP8 (when the forward ran under autocast): dy is quantized with the BasicLinear's
     grad_output quantizer (E5M2 in HYBRID) and every GEMM runs through
@@ -134,7 +141,11 @@ class UserbuffersBackwardLinear(FusedOperation):
             if self.plan.overlap.save_gathered_input
             else "input shard re-gathered"
         )
-        if self.plan.entry.method == "bulk":
+        if self.plan.entry.method == AUTO:
+            how = f"{regather}; bulk overlaps dx reduce-scatter || wgrad GEMM" + (
+                f" ({self.wgrad_plan.describe()})" if self.wgrad_plan is not None else f" only if {self.wgrad_note}"
+            )
+        elif self.plan.entry.method == "bulk":
             how = f"{regather} || dgrad GEMM; " + (
                 f"{self.wgrad_plan.describe()}: dx reduce-scatter || wgrad GEMM"
                 if self.wgrad_plan is not None
@@ -172,8 +183,6 @@ class UserbuffersBackwardLinear(FusedOperation):
         pool, key = self.plan.overlap.pool, self.plan.key
         dy2d = dy.reshape(-1, linear.out_features)
         m2d = dy2d.shape[0] // tp
-        entry = self.plan.entry
-        splits = effective_splits(entry.num_splits, m2d)
         db = bias_op.bias_grad(dy) if bias_op is not None else None
         need_dw = linear.weight.requires_grad
         # The forward kept only this rank's shard: gather it for wgrad behind the dgrad GEMM.
@@ -197,25 +206,7 @@ class UserbuffersBackwardLinear(FusedOperation):
         def start_gather():
             return comm.all_gather_dim0_async(x_wire, group)
 
-        def dgrad_and_rs() -> torch.Tensor:
-            common = dict(out_features=linear.in_features, out_dtype=dy.dtype, name=key)
-            if entry.method == "pipeline":
-                return comm.gemm_reduce_scatter_pipelined(
-                    dgrad_in, dgrad, group, pool, num_splits=splits, **common
-                )
-            if entry.method == "ring_exchange":
-                return comm.gemm_reduce_scatter_ring(dgrad_in, dgrad, group, pool, **common)
-            out = torch.empty(dgrad_in.shape[0], linear.in_features, dtype=dy.dtype, device=dy.device)
-            return dgrad(dgrad_in, out)  # bulk: the whole dgrad GEMM, reduce-scattered below
-
-        if regather:
-            x_gathered, dx2d = comm.bulk_overlap(start_gather, dgrad_and_rs)
-            x_full = fp8_from_wire(x_gathered, x_saved, "columnwise") if lin_ctx.fp8 else x_gathered
-        else:
-            dx2d = dgrad_and_rs()
-            x_full = x_saved
-
-        def wgrad() -> Optional[torch.Tensor]:
+        def wgrad(x_full) -> Optional[torch.Tensor]:
             if not need_dw:
                 return None
             if lin_ctx.fp8:
@@ -224,13 +215,45 @@ class UserbuffersBackwardLinear(FusedOperation):
                 return fp8_gemm(dy_q.transpose_fp8(), x_full.transpose_fp8(), out_dtype=dy.dtype)
             return dy_q.t() @ x_full
 
-        if entry.method == "bulk":
-            if self.wgrad_plan is not None and need_dw:
-                dx2d, dw = comm.bulk_overlap(lambda: comm.reduce_scatter_dim0_async(dx2d, group, pool=pool), wgrad)
+        def run(label: str):
+            """``(dx2d, dw)`` with method ``label`` (repeatable: operands are prepared above)."""
+            method, splits = parse_label(label)
+
+            def dgrad_and_rs() -> torch.Tensor:
+                common = dict(out_features=linear.in_features, out_dtype=dy.dtype, name=key)
+                if method == "pipeline":
+                    return comm.gemm_reduce_scatter_pipelined(
+                        dgrad_in, dgrad, group, pool, num_splits=splits, **common
+                    )
+                if method == "ring_exchange":
+                    return comm.gemm_reduce_scatter_ring(dgrad_in, dgrad, group, pool, **common)
+                out = torch.empty(dgrad_in.shape[0], linear.in_features, dtype=dy.dtype, device=dy.device)
+                return dgrad(dgrad_in, out)  # bulk / unfused: the whole dgrad GEMM, reduce-scattered below
+
+            if regather and method == UNFUSED:
+                x_gathered, dx2d = comm.all_gather_dim0(x_wire, group), dgrad_and_rs()
+            elif regather:
+                x_gathered, dx2d = comm.bulk_overlap(start_gather, dgrad_and_rs)
             else:
-                dx2d, dw = comm.reduce_scatter_dim0(dx2d, group, pool=pool), wgrad()
-        else:
-            dw = wgrad()
+                x_gathered, dx2d = None, dgrad_and_rs()
+            if x_gathered is None:
+                x_full = x_saved
+            else:
+                # wgrad reads x transposed: a block-scaled x came as its column-wise copy.
+                x_full = fp8_from_wire(x_gathered, x_saved, "columnwise") if lin_ctx.fp8 else x_gathered
+            if method == "bulk" and self.wgrad_plan is not None and need_dw:
+                return comm.bulk_overlap(
+                    lambda: comm.reduce_scatter_dim0_async(dx2d, group, pool=pool), lambda: wgrad(x_full)
+                )
+            if method in ("bulk", UNFUSED):
+                return comm.reduce_scatter_dim0(dx2d, group, pool=pool), wgrad(x_full)
+            return dx2d, wgrad(x_full)
+
+        precision = precision_label(lin_ctx.grad_quantizer.recipe) if lin_ctx.fp8 else "hp"
+        dx2d, dw = run_planned(
+            self.plan, run, rows=m2d, group=group, x=dy2d, precision=precision,
+            extra=", dgrad" + (" re-gather" if regather else "") + ("" if need_dw else " no-wgrad"),
+        )
         dx = dx2d.view(dy.shape[0] // tp, *dy.shape[1:-1], linear.in_features)
         grads = [(), (dw,)] + ([(db,)] if bias_op is not None else [])
         return dx, grads, [() for _ in self.basic_ops]
@@ -270,17 +293,27 @@ class UserbuffersBackwardLinear(FusedOperation):
             dy_q = dy2d
             wire = dy2d.contiguous()
             dgrad = hp_gemm(w_saved)
-        dx2d, gathered = comm.ring_exchange_ag_gemm(
-            wire,
-            dgrad,
-            group,
-            self.plan.overlap.pool,
-            out_features=linear.in_features,
-            out_dtype=dy.dtype,
-            return_gathered=True,
-            name=self.plan.key,
-            check_shapes=self.plan.overlap.check_shapes,
-        )
+
+        def run(label: str) -> tuple[torch.Tensor, torch.Tensor]:
+            if label == UNFUSED:  # no overlap: gather dy, then the dgrad GEMM
+                gathered = comm.all_gather_dim0(wire, group)
+                out = torch.empty(gathered.shape[0], linear.in_features, dtype=dy.dtype, device=dy.device)
+                return dgrad(gathered, out), gathered
+            assert label == "ring_exchange", label
+            return comm.ring_exchange_ag_gemm(
+                wire,
+                dgrad,
+                group,
+                self.plan.overlap.pool,
+                out_features=linear.in_features,
+                out_dtype=dy.dtype,
+                return_gathered=True,
+                name=self.plan.key,
+                check_shapes=self.plan.overlap.check_shapes,
+            )
+
+        precision = precision_label(lin_ctx.grad_quantizer.recipe) if lin_ctx.fp8 else "hp"
+        dx2d, gathered = run_planned(self.plan, run, rows=wire.shape[0], group=group, x=dy2d, precision=precision)
         db = None
         if bias_op is not None:
             if db_pending is not None:
@@ -340,7 +373,7 @@ def fuse_userbuffers_backward_linear(
         if isinstance(plan, str):
             return Reject(plan, length)
         wgrad_plan, note = None, ""
-        if plan.entry.method == "bulk":
+        if plan.entry.method in ("bulk", AUTO):
             wplan = plan_overlap(ag, linear, "wgrad", "column", {
                 m: "only bulk overlaps the dx reduce-scatter with the wgrad GEMM" for m in ("pipeline", "ring_exchange")
             })

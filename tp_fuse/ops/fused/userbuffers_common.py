@@ -7,19 +7,23 @@
 * GEMM callables with comm's contract ``gemm(chunk, out) -> out`` for high precision and
   FP8 (chunks arrive as uint8 bytes: comm moves FP8 data as raw bytes);
 * matching ``[BasicLinear(, Bias), collective]`` windows, and rejecting a collective that
-  follows something other than a GEMM, with the same rules in every direction.
+  follows something other than a GEMM, with the same rules in every direction;
+* running the method of a plan, fixed or chosen by measurement (``method: auto``,
+  :func:`run_planned`).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Sequence
 from typing import Any, Callable, Mapping, Optional, Union
 
 import torch
 import torch.distributed as dist
 
-from ...overlap_config import GemmOverlapConfig, TPOverlap
+from ...overlap_auto import AUTO, UNFUSED, candidate_labels
+from ...overlap_config import METHODS, GemmOverlapConfig, TPOverlap
 from ..basic._tp import TPCommOperation
 from ..basic.basic_linear import BasicLinear
 from ..basic.bias import Bias
@@ -71,12 +75,25 @@ class OverlapPlan:
     key: str  # "fc1_fprop", or "column_fprop" for an unnamed GEMM (Megatron's role defaults)
     entry: GemmOverlapConfig
     tp_size: int
+    # The overlap methods this window can use (what ``auto`` measures, with "unfused").
+    methods: tuple[str, ...] = METHODS
 
     def describe(self) -> str:
         """``"fc1_fprop: ring_exchange"`` plus the settings without effect here."""
         ignored = self.entry.ignored()
         tail = f" [ignored: {', '.join(i.split(' (')[0] for i in ignored)}]" if ignored else ""
+        if self.entry.method == AUTO:
+            return f"{self.key}: auto (measured per shape among {', '.join((*self.methods, UNFUSED))}){tail}"
         return f"{self.key}: {self.entry.describe()}{tail}"
+
+    def auto_lines(self) -> list[str]:
+        """For ``explain``: the measured choices of this GEMM stage (``auto`` only)."""
+        if self.entry.method != AUTO:
+            return []
+        found = self.overlap.tuner.decisions_for(self.key)
+        if not found:
+            return [f"{self.key}: auto, not decided yet (measured at the first call with a new shape)"]
+        return [d.describe() for d in found]
 
 
 def plan_overlap(
@@ -101,7 +118,49 @@ def plan_overlap(
         return f"overlap disabled for {key} by config"
     if entry.method in unsupported:
         return f"{key} method {entry.method}: {unsupported[entry.method]}"
-    return OverlapPlan(overlap, key, entry, tp)
+    return OverlapPlan(overlap, key, entry, tp, tuple(m for m in METHODS if m not in unsupported))
+
+
+def precision_label(recipe: Any) -> str:
+    """What a measured choice depends on besides shape and dtype: the FP8 recipe kind
+    and format (``"DelayedScaling/HYBRID"``), or ``"hp"`` without FP8."""
+    if recipe is None:
+        return "hp"
+    fmt = getattr(recipe, "fp8_format", None)
+    return type(recipe).__name__ + (f"/{fmt.name}" if fmt is not None else "")
+
+
+def run_planned(
+    plan: OverlapPlan,
+    run: Callable[[str], Any],
+    *,
+    rows: int,
+    group: Optional[dist.ProcessGroup],
+    x: torch.Tensor,
+    precision: str,
+    extra: str = "",
+) -> Any:
+    """``run(label)`` for the plan's method: ``"ring_exchange"``, ``"bulk"``,
+    ``"pipeline/<effective num_splits>"`` (``rows``: the rows a chunk is cut from), or,
+    for ``method: auto``, the label the TPOverlap's tuner picks among the window's methods
+    and ``"unfused"``, measured on the first call with this signature (``x``'s shape and
+    dtype, ``precision``, the TP size and ``extra``), the same on every TP rank.
+
+    ``run`` must be repeatable with the same result: operands (FP8 casts included) are
+    prepared before, so measuring records nothing twice.
+    """
+    entry = plan.entry
+    if entry.method != AUTO:
+        if entry.method == "pipeline":
+            return run(f"pipeline/{effective_splits(entry.num_splits, rows)}")
+        return run(entry.method)
+    tuner = plan.overlap.tuner
+    labels = candidate_labels(plan.methods, (*tuner.splits, entry.num_splits), rows)
+    signature = (
+        f"x {'x'.join(map(str, x.shape))} {str(x.dtype).replace('torch.', '')}, {precision}, tp={plan.tp_size}{extra}"
+    )
+    label = tuner.decide(plan.key, signature, {lb: functools.partial(run, lb) for lb in labels}, group, x.device)
+    return run(label)
 
 
 # ---- FP8 all-gather: one scale on every TP rank --------------------------------

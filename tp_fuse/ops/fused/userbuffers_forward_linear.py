@@ -22,9 +22,9 @@ from ..basic.reduce_scatter import ReduceScatter
 from ..fusion import Fuse, FusionLog, MatchResult, Reject, describe_next, fuse_by_window
 from ..op import FusedOperation, FusibleOperation, OperationContext, require
 from .forward_linear_bias_activation import linear_bias_mismatch
+from ...overlap_auto import UNFUSED, parse_label
 from .userbuffers_common import (
     OverlapPlan,
-    effective_splits,
     fp8_from_wire,
     fp8_gather_problem,
     fp8_gemm_from_bytes,
@@ -37,8 +37,10 @@ from .userbuffers_common import (
     match_gemm_then,
     match_linear_bias,
     plan_overlap,
+    precision_label,
     quantize_same_scale_over,
     reject_collective_without_gemm,
+    run_planned,
 )
 
 # Why a method does not apply to a forward window (the matcher rejects with this reason).
@@ -105,7 +107,10 @@ class UserbuffersForwardLinear(FusedOperation):
     Overlap: ``pipeline`` (``comm.gemm_reduce_scatter_pipelined``: ``num_splits`` row
     chunks; chunk i's reduce-scatter runs while chunk i+1's GEMM computes) or
     ``ring_exchange`` (``comm.gemm_reduce_scatter_ring``: partial sums travel the ring
-    while the next block's GEMM runs). FP8 GEMMs under autocast; the reduce-scatter
+    while the next block's GEMM runs). ``auto`` (both forms): the tuner of the TPOverlap
+    measures the methods that apply and ``unfused`` (the collective and the whole GEMM
+    one after the other, same operands) at the first call with a new shape and runs the
+    fastest (``tp_fuse.overlap_auto``). FP8 GEMMs under autocast; the reduce-scatter
     stays in the output's high precision: the summands are GEMM partial sums without an
     FP8 scale of their own (quantizing them would add a rounding per rank to the result)
     and collectives cannot add FP8 numbers.
@@ -176,7 +181,7 @@ class UserbuffersForwardLinear(FusedOperation):
     # ---- column-parallel: all-gather + GEMM ------------------------------------
 
     def _forward_all_gather(self, ctxs: list[OperationContext], x: torch.Tensor) -> torch.Tensor:
-        from comm import ring_exchange_ag_gemm
+        from comm import all_gather_dim0, ring_exchange_ag_gemm
 
         from ...quantization import BlockScaledTensor, active_autocast, is_quantized_tensor
 
@@ -187,8 +192,9 @@ class UserbuffersForwardLinear(FusedOperation):
         fp8 = linear.fp8_quantizers() is not None
         if not fp8:
             x = maybe_dequantize(x)
-        # Every check is local and happens before any communication: all ranks raise.
+        # Every check happens before any other communication: all ranks raise.
         linear.check_input(x)
+        ag.check_agreement("AllGather+GEMM", [x, linear.weight], ("input", "weight"))
         gathered_shape = torch.Size((x.shape[0] * tp, *x.shape[1:]))
         out_shape = (*gathered_shape[:-1], linear.out_features)
         bias = None
@@ -229,16 +235,30 @@ class UserbuffersForwardLinear(FusedOperation):
         keep_gathered = (
             overlap.save_gathered_input and lin_ctx.requires_grad and not isinstance(x_fp8, BlockScaledTensor)
         )
-        result = ring_exchange_ag_gemm(
-            wire,
-            gemm,
-            group,
-            overlap.pool,
-            out_features=linear.out_features,
-            out_dtype=x.dtype,
-            return_gathered=keep_gathered,
-            name=self.plan.key,
-            check_shapes=overlap.check_shapes,
+
+        def run(label: str):
+            if label == UNFUSED:  # no overlap: gather, then one GEMM
+                gathered = all_gather_dim0(wire, group)
+                out = torch.empty(gathered.shape[0], linear.out_features, dtype=x.dtype, device=x.device)
+                gemm(gathered, out)
+                return (out, gathered) if keep_gathered else out
+            assert label == "ring_exchange", label
+            return ring_exchange_ag_gemm(
+                wire,
+                gemm,
+                group,
+                overlap.pool,
+                out_features=linear.out_features,
+                out_dtype=x.dtype,
+                return_gathered=keep_gathered,
+                name=self.plan.key,
+                check_shapes=overlap.check_shapes,
+            )
+
+        result = run_planned(
+            self.plan, run, rows=wire.shape[0], group=group, x=x,
+            precision=precision_label(active_autocast().recipe if fp8 else None),
+            extra=", keep gathered" if keep_gathered else "",
         )
         if keep_gathered:
             y2d, gathered = result
@@ -255,7 +275,9 @@ class UserbuffersForwardLinear(FusedOperation):
     # ---- row-parallel: GEMM + reduce-scatter -----------------------------------
 
     def _forward_reduce_scatter(self, ctxs: list[OperationContext], x: torch.Tensor) -> torch.Tensor:
-        from comm import gemm_reduce_scatter_pipelined, gemm_reduce_scatter_ring
+        from comm import gemm_reduce_scatter_pipelined, gemm_reduce_scatter_ring, reduce_scatter_dim0
+
+        from ...quantization import active_autocast
 
         linear, rs = self.basic_ops[0], self.basic_ops[-1]
         bias_op = self.basic_ops[1] if len(self.basic_ops) == 3 else None
@@ -266,9 +288,9 @@ class UserbuffersForwardLinear(FusedOperation):
             x = maybe_dequantize(x)
         linear.check_input(x)
         check_first_dim_divisible("ReduceScatter", x, tp)
+        rs.check_agreement("GEMM+ReduceScatter", [x, linear.weight], ("input", "weight"))
         full_shape = (*x.shape[:-1], linear.out_features)
         wire, gemm, saved = gemm_then_reduce_operands(linear, bias_op, lin_ctx, x, full_shape, fp8)
-        entry = self.plan.entry
         overlap = self.plan.overlap
         common = dict(
             out_features=linear.out_features,
@@ -276,13 +298,21 @@ class UserbuffersForwardLinear(FusedOperation):
             name=self.plan.key,
             check_shapes=overlap.check_shapes,
         )
-        if entry.method == "pipeline":
-            y2d = gemm_reduce_scatter_pipelined(
-                wire, gemm, group, overlap.pool,
-                num_splits=effective_splits(entry.num_splits, wire.shape[0] // tp), **common
-            )
-        else:
-            y2d = gemm_reduce_scatter_ring(wire, gemm, group, overlap.pool, **common)
+
+        def run(label: str) -> torch.Tensor:
+            method, splits = parse_label(label)
+            if method == "pipeline":
+                return gemm_reduce_scatter_pipelined(wire, gemm, group, overlap.pool, num_splits=splits, **common)
+            if method == "ring_exchange":
+                return gemm_reduce_scatter_ring(wire, gemm, group, overlap.pool, **common)
+            assert label == UNFUSED, label  # no overlap: one GEMM, then the reduce-scatter
+            out = torch.empty(wire.shape[0], linear.out_features, dtype=x.dtype, device=x.device)
+            return reduce_scatter_dim0(gemm(wire, out), group, pool=overlap.pool)
+
+        y2d = run_planned(
+            self.plan, run, rows=wire.shape[0] // tp, group=group, x=x,
+            precision=precision_label(active_autocast().recipe if fp8 else None),
+        )
         lin_ctx.input_shape = x.shape
         if lin_ctx.requires_grad:
             lin_ctx.save_for_backward(*saved)

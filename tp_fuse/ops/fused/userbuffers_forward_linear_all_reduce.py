@@ -14,14 +14,16 @@ from ..basic.basic_linear import BasicLinear
 from ..basic.bias import Bias
 from ..fusion import Fuse, FusionLog, MatchResult, Reject, fuse_by_window
 from ..op import FusedOperation, FusibleOperation, OperationContext, require
+from ...overlap_auto import UNFUSED, parse_label
 from .userbuffers_common import (
     OverlapPlan,
-    effective_splits,
     gemm_label,
     gemm_then_reduce_operands,
     match_gemm_then,
     plan_overlap,
+    precision_label,
     reject_collective_without_gemm,
+    run_planned,
 )
 
 _AR_FPROP_UNSUPPORTED = {
@@ -48,7 +50,8 @@ class UserbuffersForwardLinearAllReduce(FusedOperation):
     Overlap (``<name>_fprop`` method ``pipeline``, ``comm.gemm_all_reduce_chunked``): the
     rows are split into ``num_splits`` chunks; chunk i's all-reduce runs (in place on
     its output rows) while chunk i+1's GEMM computes; only the last chunk's all-reduce
-    is exposed. Under ``tp_fuse.autocast`` the GEMM chunks run in FP8
+    is exposed (``auto``: chunk counts and ``unfused``, GEMM then all-reduce, are measured
+    at the first call with a new shape; ``tp_fuse.overlap_auto``). Under ``tp_fuse.autocast`` the GEMM chunks run in FP8
     (``torch._scaled_mm``); the all-reduce stays in high precision (partial sums without
     an FP8 scale; collectives cannot add FP8 numbers).
 
@@ -84,7 +87,9 @@ class UserbuffersForwardLinearAllReduce(FusedOperation):
         basic_op_kwargs: list[dict[str, Any]],
         **unused: Any,
     ) -> tuple[torch.Tensor, list[tuple[()]]]:
-        from comm import gemm_all_reduce_chunked
+        from comm import all_reduce, gemm_all_reduce_chunked
+
+        from ...quantization import active_autocast
 
         linear, ar = self.basic_ops[0], self.basic_ops[-1]
         bias_op = self.basic_ops[1] if len(self.basic_ops) == 3 else None
@@ -95,18 +100,32 @@ class UserbuffersForwardLinearAllReduce(FusedOperation):
         fp8 = linear.fp8_quantizers() is not None
         if not fp8:
             x = maybe_dequantize(x)
-        # Local checks, before any communication.
+        # Checks before any other communication.
         linear.check_input(x)
+        ar.check_agreement("GEMM+AllReduce", [x, linear.weight], ("input", "weight"))
         out_shape = (*x.shape[:-1], linear.out_features)
         wire, gemm, saved = gemm_then_reduce_operands(linear, bias_op, lin_ctx, x, out_shape, fp8)
-        y2d = gemm_all_reduce_chunked(
-            wire,
-            gemm,
-            ar.process_group,
-            num_splits=effective_splits(self.plan.entry.num_splits, wire.shape[0]),
-            out_features=linear.out_features,
-            out_dtype=x.dtype,
-            check_shapes=self.plan.overlap.check_shapes,
+        group = ar.process_group
+
+        def run(label: str) -> torch.Tensor:
+            method, splits = parse_label(label)
+            if method == "pipeline":
+                return gemm_all_reduce_chunked(
+                    wire,
+                    gemm,
+                    group,
+                    num_splits=splits,
+                    out_features=linear.out_features,
+                    out_dtype=x.dtype,
+                    check_shapes=self.plan.overlap.check_shapes,
+                )
+            assert label == UNFUSED, label  # no overlap: one GEMM, then the all-reduce
+            out = torch.empty(wire.shape[0], linear.out_features, dtype=x.dtype, device=x.device)
+            return all_reduce(gemm(wire, out), group, inplace=True)
+
+        y2d = run_planned(
+            self.plan, run, rows=wire.shape[0], group=group, x=x,
+            precision=precision_label(active_autocast().recipe if fp8 else None),
         )
         lin_ctx.input_shape = x.shape
         if lin_ctx.requires_grad:
