@@ -92,7 +92,10 @@ class FP8Config:
     ``stats`` logs FP8 scaling statistics every ``trainer.log_interval`` steps.
     """
 
-    recipe: Literal["none", "delayed", "current"] = "none"
+    # blockwise / mxfp8 / rowwise: Float8BlockScaling, MXFP8BlockScaling, Float8RowwiseScaling
+    # (per-block or per-row scales from local data: ``group`` and the delayed-scaling
+    # fields do not apply; ``power_2_scale`` applies to rowwise).
+    recipe: Literal["none", "delayed", "current", "blockwise", "mxfp8", "rowwise"] = "none"
     format: Literal["HYBRID", "E4M3", "E5M2"] = "HYBRID"
     margin: int = 0
     amax_history_len: int = 1024
@@ -466,6 +469,15 @@ def validate(cfg: TrainConfig, world_size: int) -> ParallelLayout:
         _need(fp8.margin >= 0, f"fp8.margin must be >= 0, got {fp8.margin}")
         _need(fp8.amax_history_len >= 1, f"fp8.amax_history_len must be >= 1, got {fp8.amax_history_len}")
         _check_fp8_dims(cfg, tp)
+        block = {"blockwise": 128, "mxfp8": 32}.get(fp8.recipe)
+        if block is not None and cfg.overlap.enabled and par.sequence_parallel and tp > 1:
+            # The overlapped all-gathers move each rank's rows with their block scales; the
+            # wgrad copy has blocks along those rows, so a block must not straddle two ranks.
+            local = cfg.trainer.micro_batch_size * seq // tp
+            _need(local % block == 0,
+                  f"fp8.recipe={fp8.recipe} with overlap and sequence parallel needs the rows per TP rank "
+                  f"(trainer.micro_batch_size * data.seq_len / parallel.tp = {local}) to be a multiple of "
+                  f"the {block}-row block of the column-wise copy")
 
     ck = cfg.checkpoint
     _need(ck.interval >= 0, f"checkpoint.interval must be >= 0 (0 = off), got {ck.interval}")

@@ -16,7 +16,15 @@ from tp_fuse.debug import name_linears
 from tp_fuse.overlap_auto import OverlapAutoTuner
 from tp_fuse.overlap_config import OverlapConfig as TPOverlapConfig
 from tp_fuse.overlap_config import TPOverlap
-from tp_fuse.recipe import DelayedScaling, Float8CurrentScaling, Format, Recipe
+from tp_fuse.recipe import (
+    DelayedScaling,
+    Float8BlockScaling,
+    Float8CurrentScaling,
+    Float8RowwiseScaling,
+    Format,
+    MXFP8BlockScaling,
+    Recipe,
+)
 
 from .config import FP8Config, OverlapConfig, TrainConfig
 from .hf_model import build_hf_model
@@ -55,6 +63,12 @@ def build_recipe(cfg: FP8Config) -> Optional[Recipe]:
         )
     if cfg.recipe == "current":
         return Float8CurrentScaling(fp8_format=fmt, power_2_scale=cfg.power_2_scale)
+    if cfg.recipe == "blockwise":
+        return Float8BlockScaling(fp8_format=fmt)
+    if cfg.recipe == "mxfp8":
+        return MXFP8BlockScaling(fp8_format=fmt)
+    if cfg.recipe == "rowwise":
+        return Float8RowwiseScaling(fp8_format=fmt, power_2_scale=cfg.power_2_scale)
     return None
 
 

@@ -30,6 +30,12 @@ grad_output``, named ``fp8/<layer>/<gemm>/<tensor>/<stat>``:
                     such steps are skipped by the launcher, ``launch.health``)
 =================== ============================================================
 
+Block-scaled recipes (``Float8BlockScaling``, ``MXFP8BlockScaling``, ``Float8RowwiseScaling``)
+have one scale per block, so instead of ``scale``/``scale_inv``/``amax_history_max`` they
+report ``block_scale_inv_min``, ``block_scale_inv_max`` and ``block_scale_inv_std`` (over all
+blocks of the row-wise copy, all micro-batches and ranks); ``overflow_pct`` counts elements
+saturated by their block's scale (MXFP8's OCP rule saturates block maxima).
+
 ``scale``, ``scale_inv`` and ``amax_history_max`` are this rank's values (identical on
 all ranks of the FP8 amax-reduction group); the others combine all ranks of
 ``reduction_group``.
@@ -44,7 +50,8 @@ import torch.distributed as dist
 
 from .hooks import LinearDebugHooks
 from .naming import hooks_for, name_linears
-from .stats import StatsBuffer, fp8_components
+from ..ops.basic._checks import maybe_dequantize
+from .stats import StatsBuffer, block_fp8_components, fp8_components
 
 __all__ = ["Fp8StatsCollector", "FP8_STAT_NAMES"]
 
@@ -52,7 +59,11 @@ FP8_STAT_NAMES = (
     "amax", "scale", "scale_inv", "amax_history_max", "underflow_pct", "overflow_pct", "mse", "nonfinite_amax_count",
 )
 _BUFFER_STATS = ("amax", "underflows%", "overflows%", "mse")
-_RENAME = {"amax": "amax", "underflows%": "underflow_pct", "overflows%": "overflow_pct", "mse": "mse"}
+_RENAME = {"amax": "amax", "underflows%": "underflow_pct", "overflows%": "overflow_pct", "mse": "mse",
+           "scale_inv_min": "block_scale_inv_min", "scale_inv_max": "block_scale_inv_max",
+           "scale_inv_std": "block_scale_inv_std"}
+# Block-scaled recipes (no single scale): the distribution of the block scales instead.
+_BLOCK_BUFFER_STATS = _BUFFER_STATS + ("scale_inv_min", "scale_inv_max", "scale_inv_std")
 _COMPONENTS = {"amax", "numel", "underflows", "overflows", "sqerr"}
 
 
@@ -84,12 +95,17 @@ class Fp8StatsCollector:
         return self.layer_names
 
     def record(self, hooks: LinearDebugHooks, role: str, hp: torch.Tensor, q: Any, quantizer: Any) -> None:
-        """One cast ``hp -> q`` (a Float8Tensor) of ``role`` by ``hooks``' layer."""
-        from ..quantization import Float8Tensor
+        """One cast ``hp -> q`` (a Float8Tensor or BlockScaledTensor) of ``role`` by ``hooks``' layer."""
+        from ..quantization import BlockScaledTensor, Float8Tensor
 
+        key = f"fp8/{hooks.layer}/{hooks.gemm_name}/{role}"
+        if isinstance(q, BlockScaledTensor) and q._rowwise is not None:
+            with torch.no_grad():
+                comps = block_fp8_components(maybe_dequantize(hp), q)
+            self._buffer.add(0, key, _BLOCK_BUFFER_STATS, comps)
+            return
         if not isinstance(q, Float8Tensor):
             return
-        key = f"fp8/{hooks.layer}/{hooks.gemm_name}/{role}"
         with torch.no_grad():
             scale = torch.reciprocal(q._scale_inv.to(torch.float32))
             dequantized = q.dequantize(torch.float32)

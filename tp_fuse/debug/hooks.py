@@ -171,18 +171,18 @@ class LinearDebugHooks:
         residual: Optional[torch.Tensor] = None,
     ) -> torch.Tensor:
         """``BasicLinear.forward_gemm`` with feature calls (input already checked by the op)."""
-        from ..quantization import Float8Tensor, active_autocast
+        from ..quantization import BlockScalingQuantizer, active_autocast, is_quantized_tensor
 
         lead = x.shape[:-1]
         x2d = x.reshape(-1, op.in_features)
         autocast_state = active_autocast()
         qs = op.fp8_quantizers()  # None: FP8 off
         weight = op.weight
-        w_hp = weight.dequantize() if isinstance(weight, Float8Tensor) else weight.detach()
+        w_hp = weight.dequantize() if is_quantized_tensor(weight) else weight.detach()
         fp8 = {g: qs is not None and self._fp8_allowed(g) for g in GEMM_TENSORS}
 
         # A Float8Tensor input (from a Quantize op) is used as is by FP8 GEMMs.
-        x_hp = x2d.dequantize() if isinstance(x2d, Float8Tensor) else x2d
+        x_hp = x2d.dequantize() if is_quantized_tensor(x2d) else x2d
 
         # modify_tensor for every (GEMM, tensor) whose tensor exists in forward.
         x_f = self._modify("fprop", "activation", x_hp, qs and qs["input"])
@@ -194,19 +194,20 @@ class LinearDebugHooks:
         # the forward scales, and the amaxes join this step's forward reduction).
         x_fp8 = w_fp8 = None
         if (fp8["fprop"] and x_f is None) or (fp8["wgrad"] and x_w is None):
-            if isinstance(x2d, Float8Tensor):
+            if is_quantized_tensor(x2d):
                 x_fp8 = x2d
             else:
-                x_fp8 = qs["input"].quantize(x2d.detach())
+                # Block-scaled: the column-wise copy (wgrad) is quantized from high precision too.
+                x_fp8 = qs["input"].quantize(x2d.detach(), transpose=isinstance(qs["input"], BlockScalingQuantizer))
                 autocast_state.track_forward(qs["input"])
                 self.on_quantized("input", x_hp, x_fp8, qs["input"])
-        if isinstance(weight, Float8Tensor):
+        if is_quantized_tensor(weight):
             # FP8 parameter: its own quantizer joins the reduction, as in the normal path.
             w_fp8 = weight
             if qs is not None and weight.quantizer is not None:
                 autocast_state.track_forward(weight.quantizer)
         elif (fp8["fprop"] and w_f is None) or (fp8["dgrad"] and w_d is None):
-            w_fp8 = qs["weight"].quantize(w_hp)
+            w_fp8 = qs["weight"].quantize(w_hp, transpose=isinstance(qs["weight"], BlockScalingQuantizer))
             autocast_state.track_forward(qs["weight"])
             self.on_quantized("weight", w_hp, w_fp8, qs["weight"])
 
@@ -240,6 +241,8 @@ class LinearDebugHooks:
         grad_input_accumulate: Optional[torch.Tensor] = None,
     ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
         """``BasicLinear.backward_gemm`` with feature calls."""
+        from ..quantization import BlockScalingQuantizer
+
         x_op, w_op = ctx.saved_tensors
         fp8 = ctx.debug_fp8
         dy2d = dy.reshape(-1, op.out_features)
@@ -249,7 +252,7 @@ class LinearDebugHooks:
         dy_w = self._modify("wgrad", "gradient", dy2d, grad_q) if need_wgrad else None
         dy_fp8 = None
         if (fp8["dgrad"] and dy_d is None) or (need_wgrad and fp8["wgrad"] and dy_w is None):
-            dy_fp8 = grad_q.quantize(dy2d)
+            dy_fp8 = grad_q.quantize(dy2d, transpose=isinstance(grad_q, BlockScalingQuantizer))
             ctx.grad_tracker.track(grad_q)
             self.on_quantized("grad_output", dy2d, dy_fp8, grad_q)
         self._inspect("gradient", dy2d, dy_fp8, grad_q)
@@ -282,9 +285,9 @@ class LinearDebugHooks:
         fprop: ``a [M, in] @ b[out, in]^T``; dgrad: ``a [M, out] @ b [out, in]``;
         wgrad: ``a [M, out]^T @ b [M, in]``.
         """
-        from ..quantization import Float8Tensor, fp8_gemm
+        from ..quantization import fp8_gemm, is_quantized_tensor
 
-        a_fp8, b_fp8 = isinstance(a, Float8Tensor), isinstance(b, Float8Tensor)
+        a_fp8, b_fp8 = is_quantized_tensor(a), is_quantized_tensor(b)
         if a_fp8 != b_fp8:
             raise ValueError(
                 f"{self.layer_name}/{gemm}: one operand is FP8 and the other high precision; a feature's "

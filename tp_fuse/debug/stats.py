@@ -30,11 +30,14 @@ import torch.distributed as dist
 
 from comm.nccl_rules import check_collective
 
+from ..quantization.block_scaling import expand_scales
+
 __all__ = [
     "FP8_STATS",
     "TENSOR_STATS",
     "StatsBuffer",
     "components_for",
+    "block_fp8_components",
     "fp8_components",
     "simulate_fp8_cast",
     "tensor_components",
@@ -57,6 +60,10 @@ COMPONENT_REDUCE: dict[str, str] = {
     "sqerr": SUM,
     "scale_inv_min": MIN,
     "scale_inv_max": MAX,
+    # Block-scaled recipes: the distribution of the block scales (std over all blocks).
+    "scale_inv_count": SUM,
+    "scale_inv_sum": SUM,
+    "scale_inv_sumsq": SUM,
 }
 
 
@@ -92,6 +99,8 @@ FP8_STATS: dict[str, tuple[tuple[str, ...], Callable[[dict[str, float]], float]]
     "scale_inv_min": (("scale_inv_min",), lambda c: c["scale_inv_min"]),
     "scale_inv_max": (("scale_inv_max",), lambda c: c["scale_inv_max"]),
     "mse": (("sqerr", "numel"), lambda c: c["sqerr"] / max(c["numel"], 1.0)),
+    "scale_inv_std": (("scale_inv_count", "scale_inv_sum", "scale_inv_sumsq"), lambda c: _std(
+        {"numel": c["scale_inv_count"], "sum": c["scale_inv_sum"], "sumsq": c["scale_inv_sumsq"]})),
 }
 
 ALL_STATS = {**TENSOR_STATS, **FP8_STATS}
@@ -156,6 +165,32 @@ def simulate_fp8_cast(x: torch.Tensor, quantizer: Any) -> tuple[torch.Tensor, to
         scale = quantizer.scale.to(xf.device)
     q = (xf * scale).clamp(-quantizer.fp8_max, quantizer.fp8_max).to(quantizer.fp8_dtype)
     return q.to(torch.float32) / scale, scale
+
+
+@torch.no_grad()
+def block_fp8_components(x: torch.Tensor, q: Any) -> dict[str, torch.Tensor]:
+    """FP8 components of a block-scaled cast ``x -> q`` (a ``BlockScaledTensor``, row-wise copy):
+    underflows, overflows (``|x| * block scale > fp8_max``: saturated), squared error, amax,
+    and the min / max / sum / sum of squares / count of the finite block ``scale_inv`` values."""
+    p = q.payload("rowwise")
+    x64 = _f64(x.detach()).reshape(p.data.shape)
+    d64 = _f64(p.dequantize())
+    s_inv = p.scale_inv.to(torch.float32)
+    scale = torch.reciprocal(expand_scales(s_inv, p.spec, tuple(p.data.shape))).to(torch.float64)
+    fp8_max = float(torch.finfo(p.data.dtype).max)
+    blocks = _f64(s_inv[torch.isfinite(s_inv)])
+    return {
+        "numel": torch.tensor(float(x64.numel()), dtype=torch.float64, device=x64.device),
+        "underflows": ((x64 != 0) & (d64 == 0)).sum().to(torch.float64),
+        "overflows": ((x64.abs() * scale) > fp8_max).sum().to(torch.float64),
+        "sqerr": (d64 - x64).square().sum(),
+        "amax": x64.abs().amax() if x64.numel() else torch.zeros((), dtype=torch.float64),
+        "scale_inv_min": blocks.min() if blocks.numel() else torch.tensor(math.inf, dtype=torch.float64),
+        "scale_inv_max": blocks.max() if blocks.numel() else torch.tensor(-math.inf, dtype=torch.float64),
+        "scale_inv_count": torch.tensor(float(blocks.numel()), dtype=torch.float64),
+        "scale_inv_sum": blocks.sum(),
+        "scale_inv_sumsq": blocks.square().sum(),
+    }
 
 
 @torch.no_grad()

@@ -11,6 +11,10 @@ from .autocast import (
     model_init_recipe,
     quantized_model_init,
 )
+from . import block_wire
+from .block_gemm import block_gemm
+from .block_quantizer import BlockScalingQuantizer, is_block_recipe
+from .block_tensor import BlockPayload, BlockScaledTensor
 from .float8_tensor import Float8Tensor
 from .quantized_tensor import QuantizedTensor
 from .te_quantizers import DType, Float8CurrentScalingQuantizer, Float8Quantizer
@@ -25,9 +29,23 @@ from .quantizer import (
     make_quantizer,
 )
 
+QUANTIZED_TENSOR_TYPES = (Float8Tensor, BlockScaledTensor)
+
+
+def is_quantized_tensor(t: object) -> bool:
+    """Whether ``t`` is quantized (per-tensor Float8Tensor or block-scaled)."""
+    return isinstance(t, QUANTIZED_TENSOR_TYPES)
+
+
 __all__ = [
     "AmaxReductionBuffer",
     "AutocastContext",
+    "BlockPayload",
+    "BlockScaledTensor",
+    "BlockScalingQuantizer",
+    "block_gemm",
+    "is_block_recipe",
+    "is_quantized_tensor",
     "BackwardAmaxTracker",
     "CurrentScalingQuantizer",
     "DType",

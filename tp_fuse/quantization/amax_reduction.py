@@ -32,6 +32,7 @@ import torch.distributed as dist
 from comm.nccl_rules import check_collective
 
 from . import scaling
+from .block_quantizer import BlockScalingQuantizer
 from .quantizer import CurrentScalingQuantizer, DelayedScalingQuantizer, Quantizer
 
 __all__ = ["AmaxReductionBuffer", "BackwardAmaxTracker"]
@@ -123,7 +124,7 @@ class BackwardAmaxTracker:
         Must be called from inside a backward pass (an autograd function's
         ``backward``): the end-of-pass callback can only be queued there.
         """
-        if isinstance(quantizer, CurrentScalingQuantizer):
+        if isinstance(quantizer, (CurrentScalingQuantizer, BlockScalingQuantizer)):
             return
         with self._lock:
             self._buffer.register(quantizer)

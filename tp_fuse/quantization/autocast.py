@@ -33,6 +33,7 @@ import torch.distributed as dist
 
 from ..recipe import DelayedScaling, Recipe
 from .amax_reduction import AmaxReductionBuffer, BackwardAmaxTracker
+from .block_quantizer import BlockScalingQuantizer
 from .quantizer import CurrentScalingQuantizer, DelayedScalingQuantizer, Quantizer
 
 __all__ = [
@@ -112,9 +113,10 @@ class AutocastContext:
     def track_forward(self, quantizer: Quantizer) -> None:
         """Make ``quantizer`` part of this step's forward amax reduction.
 
-        Idempotent within a step. A no-op for current-scaling quantizers.
+        Idempotent within a step. A no-op for current-scaling and block-scaled
+        quantizers (their scales come from local data at quantize time).
         """
-        if isinstance(quantizer, CurrentScalingQuantizer):
+        if isinstance(quantizer, (CurrentScalingQuantizer, BlockScalingQuantizer)):
             return
         if not isinstance(quantizer, DelayedScalingQuantizer):
             raise ValueError(

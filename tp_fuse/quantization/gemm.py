@@ -26,6 +26,8 @@ from typing import Optional
 import torch
 
 from .. import kernels
+from .block_gemm import block_gemm
+from .block_tensor import BlockScaledTensor
 from .float8_tensor import Float8Tensor
 
 __all__ = ["fp8_gemm"]
@@ -59,6 +61,9 @@ def fp8_gemm(
     Returns:
         Plain tensor ``[M, N]`` of ``out_dtype``.
     """
+    if isinstance(a, BlockScaledTensor) or isinstance(b, BlockScaledTensor):
+        # Block-scaled and row-wise recipes (block_gemm.py): same NT contract.
+        return block_gemm(a, b, out_dtype, bias)
     if not isinstance(a, Float8Tensor) or not isinstance(b, Float8Tensor):
         raise ValueError(
             f"fp8_gemm: expected Float8Tensor operands, got {_describe('a', a)}; {_describe('b', b)}"

@@ -32,6 +32,8 @@ from __future__ import annotations
 
 import torch
 
+from .block_quantizer import BlockScalingQuantizer
+from .block_tensor import BlockScaledTensor
 from .float8_tensor import Float8Tensor
 from .quantizer import DelayedScalingQuantizer, Quantizer
 
@@ -53,7 +55,7 @@ def make_fp8_parameter(
             across ranks; the first step's reduction aligns the scales.
         requires_grad: autograd flag of the parameter.
     """
-    if isinstance(master, Float8Tensor):
+    if isinstance(master, (Float8Tensor, BlockScaledTensor)):
         raise ValueError("make_fp8_parameter master: expected a high-precision tensor, got Float8Tensor")
     if not isinstance(master, torch.Tensor) or not master.dtype.is_floating_point:
         raise ValueError(
@@ -67,6 +69,14 @@ def make_fp8_parameter(
     master = master.detach()
     if not master.is_contiguous():
         master = master.contiguous()
+    if isinstance(quantizer, BlockScalingQuantizer):
+        # Both copies from the master: fprop reads the row-wise one, dgrad the column-wise.
+        with torch.no_grad():
+            q = quantizer.quantize(master, transpose=True)
+        blocked = BlockScaledTensor(
+            master.shape, master.dtype, q._rowwise, q._columnwise, q.recipe_name, master=master, quantizer=quantizer
+        )
+        return torch.nn.Parameter(blocked, requires_grad=requires_grad)
     with torch.no_grad():
         if isinstance(quantizer, DelayedScalingQuantizer) and not bool(quantizer.amax_history.any()):
             quantizer.quantize(master)
@@ -78,5 +88,5 @@ def make_fp8_parameter(
 
 def is_fp8_parameter(t: object) -> bool:
     """Whether ``t`` is an FP8 parameter with a master copy."""
-    return isinstance(t, Float8Tensor) and t._master is not None
+    return isinstance(t, (Float8Tensor, BlockScaledTensor)) and t._master is not None
 

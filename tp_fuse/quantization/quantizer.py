@@ -26,7 +26,7 @@ from __future__ import annotations
 import abc
 import copy
 from collections.abc import Sequence
-from typing import Any, Optional, Union
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -36,6 +36,7 @@ from comm.nccl_rules import check_collective
 from .. import kernels
 from ..recipe import DelayedScaling, Float8CurrentScaling, Recipe, fp8_dtype_max
 from . import scaling
+from .block_tensor import BlockScaledTensor
 from .float8_tensor import Float8Tensor
 
 __all__ = [
@@ -45,6 +46,7 @@ __all__ = [
     "OpQuantizers",
     "is_backward_role",
     "make_quantizer",
+    "register_recipe_quantizer",
 ]
 
 
@@ -119,8 +121,8 @@ class Quantizer(abc.ABC):
         kernel writes the transposed bytes in the same pass and they fill the
         Float8Tensor's transpose cache.
         """
-        if isinstance(x, Float8Tensor):
-            raise ValueError(f"{type(self).__name__}.quantize: input is already a Float8Tensor")
+        if isinstance(x, (Float8Tensor, BlockScaledTensor)):
+            raise ValueError(f"{type(self).__name__}.quantize: input is already a {type(x).__name__}")
         if not x.dtype.is_floating_point:
             raise ValueError(
                 f"{type(self).__name__}.quantize: expected a floating-point tensor, got {x.dtype}"
@@ -361,17 +363,29 @@ class CurrentScalingQuantizer(Quantizer):
         }
 
 
+# Quantizer factories of recipes defined outside this module (block-scaled recipes:
+# block_quantizer.py registers itself on import). A static table, like the fusion registry.
+_RECIPE_QUANTIZERS: dict[type, Callable[[Recipe, str], Quantizer]] = {}
+
+
+def register_recipe_quantizer(recipe_type: type, factory: Callable[[Recipe, str], Quantizer]) -> None:
+    """Make :func:`make_quantizer` build ``factory(recipe, role)`` for ``recipe_type``."""
+    _RECIPE_QUANTIZERS[recipe_type] = factory
+
+
 def make_quantizer(
     recipe: Recipe, role: str, amax_reduction_group: Optional[dist.ProcessGroup] = None
-) -> Union[DelayedScalingQuantizer, CurrentScalingQuantizer]:
+) -> Quantizer:
     """A fresh quantizer for ``role`` under ``recipe``."""
     if isinstance(recipe, DelayedScaling):
         return DelayedScalingQuantizer(recipe, role)
     if isinstance(recipe, Float8CurrentScaling):
         return CurrentScalingQuantizer(recipe, role, amax_reduction_group)
-    raise ValueError(
-        f"recipe: expected DelayedScaling or Float8CurrentScaling, got {type(recipe).__name__}"
-    )
+    factory = _RECIPE_QUANTIZERS.get(type(recipe))
+    if factory is not None:
+        return factory(recipe, role)
+    known = ["DelayedScaling", "Float8CurrentScaling"] + [t.__name__ for t in _RECIPE_QUANTIZERS]
+    raise ValueError(f"recipe: expected one of {known}, got {type(recipe).__name__}")
 
 
 class OpQuantizers:

@@ -22,9 +22,9 @@ def maybe_dequantize(x: torch.Tensor) -> torch.Tensor:
     if type(x) is torch.Tensor:
         return x
     # Imported lazily: tp_fuse.quantization imports the ops package.
-    from ...quantization import Float8Tensor
+    from ...quantization import is_quantized_tensor
 
-    if isinstance(x, Float8Tensor):
+    if is_quantized_tensor(x):
         return x.dequantize()
     return x
 

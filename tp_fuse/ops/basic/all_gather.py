@@ -58,8 +58,11 @@ def gather_maybe_fp8(
 
     ``gather(tensor, group)`` is the dim-0 all-gather to use (``comm.all_gather_dim0``).
     """
-    from ...quantization import Float8Tensor
+    from ...quantization import BlockScaledTensor, Float8Tensor, block_wire
 
+    if isinstance(x, BlockScaledTensor):
+        # Data bytes and block scales travel together, one collective per quantized copy.
+        return block_wire.gather_block_scaled(x, group, gather)
     if isinstance(x, Float8Tensor):
         data = gather(x._data.contiguous().view(torch.uint8), group).view(x._data.dtype)
         return Float8Tensor.from_parts(data, x._scale_inv, dtype=x.dtype)

@@ -247,12 +247,12 @@ class BasicLinear(QuantizerStateMixin, BasicOperation):
         read (x for wgrad, W for dgrad) in the same pass; they are held until
         the backward, as Transformer Engine holds its column-wise copies.
         """
-        from ...quantization import Float8Tensor, active_autocast
+        from ...quantization import active_autocast, is_quantized_tensor
 
         state = active_autocast()
         assert state is not None
         qs = self._quantizers.get(state.recipe, state.amax_reduction_group)
-        if isinstance(x2d, Float8Tensor):
+        if is_quantized_tensor(x2d):
             x_fp8 = x2d
         else:
             x_fp8 = qs["input"].quantize(x2d, transpose=ctx.requires_grad and self.weight.requires_grad)
@@ -260,7 +260,7 @@ class BasicLinear(QuantizerStateMixin, BasicOperation):
             if self.debug_hooks is not None:
                 self.debug_hooks.on_quantized("input", x2d, x_fp8, qs["input"])
         weight = self.weight
-        if isinstance(weight, Float8Tensor):
+        if is_quantized_tensor(weight):
             # FP8 parameter (quantized_model_init): its bytes are re-quantized by
             # the optimizer step with its own quantizer, whose amax must join the
             # reduction so that its scale follows the weights as they grow.

@@ -32,7 +32,7 @@ class Quantize(QuantizerStateMixin, BasicOperation):
         self._quantizers = OpQuantizers(("input", "grad_output"))
 
     def op_forward(self, ctx: OperationContext, input_: torch.Tensor, **unused: Any) -> torch.Tensor:
-        from ...quantization import Float8Tensor, active_autocast
+        from ...quantization import BlockScalingQuantizer, active_autocast, is_quantized_tensor
 
         state = active_autocast()
         ctx.quantize_grad = False
@@ -43,9 +43,12 @@ class Quantize(QuantizerStateMixin, BasicOperation):
             ctx.quantize_grad = True
             ctx.grad_quantizer = qs["grad_output"]
             ctx.grad_tracker = state.backward_tracker
-        if not self._quantize_forward or isinstance(input_, Float8Tensor):
+        if not self._quantize_forward or is_quantized_tensor(input_):
             return input_
-        out = qs["input"].quantize(input_)
+        # A block-scaled consumer's wgrad reads the column-wise copy, which must be
+        # quantized from high precision now (it cannot be derived from the row-wise bytes).
+        both = isinstance(qs["input"], BlockScalingQuantizer) and torch.is_grad_enabled()
+        out = qs["input"].quantize(input_, transpose=both)
         state.track_forward(qs["input"])
         return out
 

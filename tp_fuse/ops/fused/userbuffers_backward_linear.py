@@ -24,6 +24,7 @@ from .userbuffers_common import (
     fp8_gather_problem,
     fp8_gemm_from_bytes,
     fp8_wire,
+    fp8_wire_note,
     observe_cast,
     gemm_label,
     hp_gemm,
@@ -108,6 +109,7 @@ class UserbuffersBackwardLinear(FusedOperation):
         wgrad_plan: Optional[OverlapPlan] = None,
         wgrad_note: str = "",
         fp8: bool = False,
+        recipe: Any = None,
     ) -> None:
         if (all_gather is None) == (reduce_scatter is None):
             raise ValueError("UserbuffersBackwardLinear needs exactly one of all_gather / reduce_scatter")
@@ -123,13 +125,14 @@ class UserbuffersBackwardLinear(FusedOperation):
         self.wgrad_plan = wgrad_plan
         self.wgrad_note = wgrad_note
         self.fp8 = fp8
+        self.recipe = recipe  # the recipe the fusion was decided under (describes the wire)
 
     def fusion_summary(self) -> str:
         linear = next(op for op in self.basic_ops if isinstance(op, BasicLinear))
         tp = f"TP={self.plan.tp_size}"
         fp8 = "; FP8 GEMMs" if self.fp8 else ""
         if self.mode == "reduce_scatter":
-            wire = ", dy quantized before the gather (1 byte/element)" if self.fp8 else ""
+            wire = f", {fp8_wire_note(self.recipe, 'dy')}" if self.fp8 else ""
             return f"AllGather(dy)+dgrad GEMM {gemm_label(linear)}, {self.plan.describe()}, {tp}{fp8}{wire}"
         # Whether the input is re-gathered depends on what the forward saved (its shard, by
         # default, when the forward fused too); say so rather than guess.
@@ -169,6 +172,8 @@ class UserbuffersBackwardLinear(FusedOperation):
     def _backward_all_gather(self, ctxs: list[OperationContext], dy: torch.Tensor):
         import comm
 
+        from ...quantization import BlockScalingQuantizer
+
         ag, linear = self.basic_ops[0], self.basic_ops[1]
         bias_op = self.basic_ops[2] if len(self.basic_ops) == 3 else None
         assert isinstance(ag, AllGather) and isinstance(linear, BasicLinear)
@@ -183,13 +188,16 @@ class UserbuffersBackwardLinear(FusedOperation):
         # The forward kept only this rank's shard: gather it for wgrad behind the dgrad GEMM.
         regather = need_dw and getattr(lin_ctx, "regather_input", None) is not None
         if lin_ctx.fp8:
-            dy_q, fresh = lin_ctx.grad_quantizer.quantize_or_pass(dy2d)
+            dy_q, fresh = lin_ctx.grad_quantizer.quantize_or_pass(
+                dy2d, transpose=need_dw and isinstance(lin_ctx.grad_quantizer, BlockScalingQuantizer)
+            )
             if fresh:
                 observe_cast(linear, "grad_output", dy2d, dy_q, lin_ctx.grad_quantizer)
                 lin_ctx.grad_tracker.track(lin_ctx.grad_quantizer)
-            dgrad_in = fp8_wire(dy_q).view(dy2d.shape)
+            dgrad_in = fp8_wire(dy_q).view(dy2d.shape[0], -1)
             dgrad = fp8_gemm_from_bytes(dy_q, w_saved.transpose_fp8(), dy.dtype)
-            x_wire = fp8_wire(x_saved) if regather else None
+            # wgrad reads x transposed: a block-scaled x sends its column-wise copy.
+            x_wire = fp8_wire(x_saved, "columnwise") if regather else None
         else:
             dy_q = dy2d
             dgrad_in = dy2d.contiguous()
@@ -232,7 +240,8 @@ class UserbuffersBackwardLinear(FusedOperation):
             if x_gathered is None:
                 x_full = x_saved
             else:
-                x_full = fp8_from_wire(x_gathered, x_saved) if lin_ctx.fp8 else x_gathered
+                # wgrad reads x transposed: a block-scaled x came as its column-wise copy.
+                x_full = fp8_from_wire(x_gathered, x_saved, "columnwise") if lin_ctx.fp8 else x_gathered
             if method == "bulk" and self.wgrad_plan is not None and need_dw:
                 return comm.bulk_overlap(
                     lambda: comm.reduce_scatter_dim0_async(dx2d, group, pool=pool), lambda: wgrad(x_full)
@@ -255,6 +264,8 @@ class UserbuffersBackwardLinear(FusedOperation):
     def _backward_reduce_scatter(self, ctxs: list[OperationContext], dy: torch.Tensor):
         import comm
 
+        from ...quantization import BlockScaledTensor
+
         linear, rs = self.basic_ops[0], self.basic_ops[-1]
         bias_op = self.basic_ops[1] if len(self.basic_ops) == 3 else None
         assert isinstance(linear, BasicLinear) and isinstance(rs, ReduceScatter)
@@ -267,10 +278,12 @@ class UserbuffersBackwardLinear(FusedOperation):
             problem = fp8_gather_problem(group, "dy")
             if problem is not None:
                 raise ValueError(f"{problem} (the fusion was decided under another autocast)")
-            dy_q = quantize_same_scale_over(lin_ctx.grad_quantizer, dy2d, group)
+            dy_q = quantize_same_scale_over(
+                lin_ctx.grad_quantizer, dy2d, group, transpose=linear.weight.requires_grad
+            )
             observe_cast(linear, "grad_output", dy2d, dy_q, lin_ctx.grad_quantizer)
             lin_ctx.grad_tracker.track(lin_ctx.grad_quantizer)
-            wire = fp8_wire(dy_q).view(dy2d.shape)
+            wire = fp8_wire(dy_q).view(dy2d.shape[0], -1)
             dgrad = fp8_gemm_from_bytes(dy_q, w_saved.transpose_fp8(), dy.dtype)
             if bias_op is not None and bias_op.bias.requires_grad:
                 # Only FP8 bytes of dy travel: sum the local rows in high precision, then
@@ -316,7 +329,13 @@ class UserbuffersBackwardLinear(FusedOperation):
             if lin_ctx.fp8:
                 from ...quantization import fp8_gemm
 
-                dy_full = fp8_from_wire(gathered, dy_q)
+                if isinstance(dy_q, BlockScaledTensor):
+                    # The ring moved dy's row-wise copy (for dgrad); wgrad reads the
+                    # column-wise one, gathered here with its block scales.
+                    dy_full = fp8_from_wire(comm.all_gather_dim0(fp8_wire(dy_q, "columnwise"), group), dy_q,
+                                            "columnwise")
+                else:
+                    dy_full = fp8_from_wire(gathered, dy_q)
                 dw = fp8_gemm(dy_full.transpose_fp8(), x_full.transpose_fp8(), out_dtype=dy.dtype)
             else:
                 dw = gathered.t() @ x_full
@@ -364,7 +383,8 @@ def fuse_userbuffers_backward_linear(
             else:
                 wgrad_plan = wplan
         op = UserbuffersBackwardLinear(
-            linear=linear, bias=bias, all_gather=ag, plan=plan, wgrad_plan=wgrad_plan, wgrad_note=note, fp8=fp8
+            linear=linear, bias=bias, all_gather=ag, plan=plan, wgrad_plan=wgrad_plan, wgrad_note=note, fp8=fp8,
+            recipe=recipe,
         )
         return Fuse(op, length, op.fusion_summary())
 
@@ -380,7 +400,7 @@ def fuse_userbuffers_backward_linear(
             problem = fp8_gather_problem(rs.process_group, f"dy of {gemm_label(linear)}")
             if problem is not None:
                 return Reject(problem, length)
-        op = UserbuffersBackwardLinear(linear=linear, bias=bias, reduce_scatter=rs, plan=plan, fp8=fp8)
+        op = UserbuffersBackwardLinear(linear=linear, bias=bias, reduce_scatter=rs, plan=plan, fp8=fp8, recipe=recipe)
         return Fuse(op, length, op.fusion_summary())
 
     def matcher(window: Sequence[FusibleOperation]) -> MatchResult:

@@ -185,11 +185,12 @@ def fp8_gather_problem(tp_group: Optional[dist.ProcessGroup], what: str) -> Opti
     fused op reduces the amax over the autocast's group when it contains the TP group,
     and over the TP group when the autocast has none.
     """
-    from ...quantization import active_autocast
+    from ...quantization import active_autocast, is_block_recipe
     from ...recipe import DelayedScaling
 
     state = active_autocast()
-    if state is None:
+    if state is None or is_block_recipe(state.recipe):
+        # Block / row scales are computed from local data and travel with the bytes.
         return None
     if isinstance(state.recipe, DelayedScaling) and not state.recipe.reduce_amax:
         return (
@@ -209,15 +210,23 @@ def fp8_gather_problem(tp_group: Optional[dist.ProcessGroup], what: str) -> Opti
     return None
 
 
-def quantize_same_scale_over(quantizer: Any, x: torch.Tensor, tp_group: Optional[dist.ProcessGroup]):
+def quantize_same_scale_over(
+    quantizer: Any, x: torch.Tensor, tp_group: Optional[dist.ProcessGroup], *, transpose: bool = False
+):
     """``quantizer.quantize(x)`` with a scale that is identical on every rank of ``tp_group``.
 
     A current-scaling quantizer without an amax reduction group computes its amax over
     ``tp_group`` for this call (so the amax equals that of the gathered tensor the unfused
     path would quantize); delayed-scaling scales are already equal (see
-    :func:`fp8_gather_problem`).
+    :func:`fp8_gather_problem`). A block-scaled quantizer needs no common scale; with
+    ``transpose`` it also makes the column-wise copy that the wgrad GEMM reads
+    (``BlockScalingQuantizer.quantize_gatherable``).
     """
-    from ...quantization import CurrentScalingQuantizer
+    from ...quantization import BlockScalingQuantizer, CurrentScalingQuantizer
+
+    if isinstance(quantizer, BlockScalingQuantizer):
+        return quantizer.quantize_gatherable(x, tp_group if tp_group is not None else dist.group.WORLD,
+                                             transpose=transpose)
 
     if isinstance(quantizer, CurrentScalingQuantizer) and quantizer.amax_reduction_group is None:
         quantizer.amax_reduction_group = tp_group if tp_group is not None else dist.group.WORLD
@@ -226,6 +235,25 @@ def quantize_same_scale_over(quantizer: Any, x: torch.Tensor, tp_group: Optional
         finally:
             quantizer.amax_reduction_group = None
     return quantizer.quantize(x)
+
+
+def fp8_wire_note(recipe: Any, what: str = "input") -> str:
+    """What an FP8 all-gather of ``what`` puts on the wire under ``recipe`` (for ``explain``)."""
+    from ...quantization import is_block_recipe
+    from ...quantization.block_quantizer import block_layout, recipe_short_name
+
+    if recipe is None:
+        return ""
+    if not is_block_recipe(recipe):
+        # (texts as they were before block recipes existed)
+        return f"{what} quantized before the gather (1 byte/element{' on the wire' if what == 'input' else ''})"
+    spec, rule, _ = block_layout(recipe, "grad_output" if what == "dy" else "input")
+    size = "4-byte fp32" if rule.kind == "fp32" else "1-byte E8M0"
+    return (
+        f"{recipe_short_name(recipe)}: {what} quantized before the gather, 1 byte/element plus one {size} "
+        f"scale per {spec.describe()} block on the wire, scales packed with their rows; block scales come "
+        "from local data, so no amax reduction is needed"
+    )
 
 
 def observe_cast(linear: Any, role: str, hp: torch.Tensor, q: Any, quantizer: Any) -> None:
@@ -237,15 +265,29 @@ def observe_cast(linear: Any, role: str, hp: torch.Tensor, q: Any, quantizer: An
         hooks.on_quantized(role, hp, q, quantizer)
 
 
-def fp8_wire(x_fp8: Any) -> torch.Tensor:
-    """The FP8 bytes of a Float8Tensor as a contiguous uint8 tensor (what comm moves)."""
+def fp8_wire(x_fp8: Any, layout: str = "rowwise") -> torch.Tensor:
+    """The FP8 bytes of a Float8Tensor as a contiguous uint8 tensor (what comm moves).
+
+    A BlockScaledTensor travels as ``[rows, bytes per row]`` with its scales packed in
+    (``block_wire``): ``layout="rowwise"`` for the GEMM that reads it as is,
+    ``"columnwise"`` for the copy a wgrad GEMM reads transposed.
+    """
+    from ...quantization import BlockScaledTensor, block_wire
+
+    if isinstance(x_fp8, BlockScaledTensor):
+        return block_wire.rowwise_wire(x_fp8) if layout == "rowwise" else block_wire.columnwise_wire(x_fp8)
     return x_fp8._data.contiguous().view(torch.uint8)
 
 
-def fp8_from_wire(data: torch.Tensor, like: Any):
-    """Re-wrap gathered uint8 bytes with the scale and dtypes of ``like`` (a Float8Tensor)."""
-    from ...quantization import Float8Tensor
+def fp8_from_wire(data: torch.Tensor, like: Any, layout: str = "rowwise"):
+    """Re-wrap gathered uint8 bytes with the scale and dtypes of ``like`` (a Float8Tensor;
+    a BlockScaledTensor's scales come out of the bytes themselves)."""
+    from ...quantization import BlockScaledTensor, Float8Tensor, block_wire
 
+    if isinstance(like, BlockScaledTensor):
+        if layout == "rowwise":
+            return block_wire.rowwise_from_wire(data, like)
+        return block_wire.columnwise_from_wire(data, like)
     return Float8Tensor.from_parts(data.view(like._data.dtype), like._scale_inv, dtype=like.dtype)
 
 
@@ -297,7 +339,7 @@ def gemm_then_reduce_operands(
     lin_ctx.fp8 = fp8
     if fp8:
         x_fp8, w_fp8 = linear.quantize_operands(x2d, lin_ctx)
-        return fp8_wire(x_fp8).view(x2d.shape), fp8_gemm_from_bytes(x_fp8, w_fp8, x.dtype, bias), (x_fp8, w_fp8)
+        return fp8_wire(x_fp8).view(x2d.shape[0], -1), fp8_gemm_from_bytes(x_fp8, w_fp8, x.dtype, bias), (x_fp8, w_fp8)
     w = linear.weight_in(x.dtype)
     return x2d.contiguous(), hp_gemm(w.t(), bias), (x2d, w)
 

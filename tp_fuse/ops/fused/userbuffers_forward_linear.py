@@ -12,6 +12,7 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
+from ...quantization.block_quantizer import is_block_recipe
 from ..basic._checks import maybe_dequantize
 from ..basic._tp import check_first_dim_divisible
 from ..basic.all_gather import AllGather, gather_maybe_fp8
@@ -28,6 +29,7 @@ from .userbuffers_common import (
     fp8_gather_problem,
     fp8_gemm_from_bytes,
     fp8_wire,
+    fp8_wire_note,
     observe_cast,
     gemm_label,
     gemm_then_reduce_operands,
@@ -126,6 +128,7 @@ class UserbuffersForwardLinear(FusedOperation):
         all_gather: Optional[AllGather] = None,
         reduce_scatter: Optional[ReduceScatter] = None,
         fp8: bool = False,
+        recipe: Any = None,
     ) -> None:
         if (all_gather is None) == (reduce_scatter is None):
             raise ValueError("UserbuffersForwardLinear needs exactly one of all_gather / reduce_scatter")
@@ -139,6 +142,7 @@ class UserbuffersForwardLinear(FusedOperation):
         self.plan = plan
         # For describing the fusion only: BasicLinear decides the GEMM path at run time.
         self.fp8 = fp8
+        self.recipe = recipe  # the recipe the fusion was decided under (describes the wire)
 
     def fusion_summary(self) -> str:
         linear = next(op for op in self.basic_ops if isinstance(op, BasicLinear))
@@ -146,10 +150,11 @@ class UserbuffersForwardLinear(FusedOperation):
         if self.mode == "all_gather":
             keep = (
                 "gathered input kept for wgrad"
-                if self.plan.overlap.save_gathered_input
+                if self.plan.overlap.save_gathered_input and not is_block_recipe(self.recipe)
                 else "input shard kept, re-gathered for wgrad"
+                + (" (block-scaled: its column-wise copy)" if is_block_recipe(self.recipe) else "")
             )
-            wire = "; FP8: input quantized before the gather (1 byte/element on the wire)" if self.fp8 else ""
+            wire = f"; FP8: {fp8_wire_note(self.recipe)}" if self.fp8 else ""
             return f"AllGather+GEMM {gemm_label(linear)}, {self.plan.describe()}, {tp}, {keep}{wire}"
         prec = "; FP8 GEMM chunks, reduce-scatter in high precision" if self.fp8 else ""
         return f"GEMM+ReduceScatter {gemm_label(linear)}, {self.plan.describe()}, {tp}{prec}"
@@ -178,7 +183,7 @@ class UserbuffersForwardLinear(FusedOperation):
     def _forward_all_gather(self, ctxs: list[OperationContext], x: torch.Tensor) -> torch.Tensor:
         from comm import all_gather_dim0, ring_exchange_ag_gemm
 
-        from ...quantization import Float8Tensor, active_autocast
+        from ...quantization import BlockScaledTensor, active_autocast, is_quantized_tensor
 
         ag, linear = self.basic_ops[0], self.basic_ops[1]
         bias_op = self.basic_ops[2] if len(self.basic_ops) == 3 else None
@@ -207,10 +212,13 @@ class UserbuffersForwardLinear(FusedOperation):
             state = active_autocast()
             assert state is not None
             qs = linear.fp8_quantizers()
-            if isinstance(x2d, Float8Tensor):
+            if is_quantized_tensor(x2d):
                 x_fp8 = x2d  # quantized upstream (Quantize op): gathered as it is
             else:
-                x_fp8 = quantize_same_scale_over(qs["input"], x2d, group)
+                # Block recipes also make the column-wise copy here (wgrad reads it).
+                x_fp8 = quantize_same_scale_over(
+                    qs["input"], x2d, group, transpose=lin_ctx.requires_grad and linear.weight.requires_grad
+                )
                 observe_cast(linear, "input", x2d, x_fp8, qs["input"])
                 state.track_forward(qs["input"])
             # Quantizes the weight and records the grad quantizer, as forward_gemm does.
@@ -222,7 +230,11 @@ class UserbuffersForwardLinear(FusedOperation):
             wire = x2d.contiguous()
             gemm = hp_gemm(w_saved.t(), bias)
         overlap = self.plan.overlap
-        keep_gathered = overlap.save_gathered_input and lin_ctx.requires_grad
+        # A block-scaled input's gathered row-wise copy is of no use to wgrad (it reads the
+        # column-wise copy): keep the shard, whose column-wise copy backward gathers.
+        keep_gathered = (
+            overlap.save_gathered_input and lin_ctx.requires_grad and not isinstance(x_fp8, BlockScaledTensor)
+        )
 
         def run(label: str):
             if label == UNFUSED:  # no overlap: gather, then one GEMM
@@ -339,7 +351,7 @@ def fuse_userbuffers_forward_linear(
             problem = fp8_gather_problem(ag.process_group, f"the input of {gemm_label(linear)}")
             if problem is not None:
                 return Reject(problem, length)
-        op = UserbuffersForwardLinear(linear=linear, bias=bias, all_gather=ag, plan=plan, fp8=fp8)
+        op = UserbuffersForwardLinear(linear=linear, bias=bias, all_gather=ag, plan=plan, fp8=fp8, recipe=recipe)
         return Fuse(op, length, op.fusion_summary())
 
     def match_reduce_scatter(window: Sequence[FusibleOperation]) -> MatchResult:
@@ -350,7 +362,7 @@ def fuse_userbuffers_forward_linear(
         plan = plan_overlap(rs, linear, "fprop", "row", _RS_FPROP_UNSUPPORTED)
         if isinstance(plan, str):
             return Reject(plan, length)
-        op = UserbuffersForwardLinear(linear=linear, bias=bias, reduce_scatter=rs, plan=plan, fp8=fp8)
+        op = UserbuffersForwardLinear(linear=linear, bias=bias, reduce_scatter=rs, plan=plan, fp8=fp8, recipe=recipe)
         return Fuse(op, length, op.fusion_summary())
 
     def matcher(window: Sequence[FusibleOperation]) -> MatchResult:

@@ -1,0 +1,49 @@
+"""The launcher with every block-scaled recipe: ``fp8=blockwise|mxfp8|rowwise`` at TP=2 with
+sequence parallelism and overlap on (the block-scaled all-gathers fused), a few steps each;
+and the config check for rows that would split a block between ranks."""
+
+from __future__ import annotations
+
+import glob
+import math
+import os
+
+import pytest
+
+from launch.api import compose
+from launch.config import validate
+from launch.metrics import read_jsonl
+from test_launch_train import TINY, torchrun
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("recipe", ["blockwise", "mxfp8", "rowwise"])
+def test_launcher_trains_with_block_recipe_tp_sp_overlap(tmp_path, recipe):
+    # 4 sequences x 64 tokens / 2 ranks = 128 rows per rank: whole 1x128 / 1x32 blocks.
+    args = [a for a in TINY if not a.startswith("data.seq_len")] + ["data.seq_len=64"]
+    torchrun([*args, "trainer.max_steps=3", "trainer.log_interval=1", "trainer.val_interval=0", "logger=none",
+              f"fp8={recipe}", "parallel.tp=2", "parallel.sequence_parallel=true", "overlap=on"],
+             cwd=str(tmp_path))
+    (run_dir,) = glob.glob(str(tmp_path / "outputs" / "*" / "*"))
+    metrics = read_jsonl(os.path.join(run_dir, "metrics.jsonl"))
+    assert [m["step"] for m in metrics] == [1, 2, 3]
+    assert all(math.isfinite(m["loss"]) for m in metrics)
+    assert metrics[-1]["loss"] < metrics[0]["loss"]
+    # Block-scale statistics per GEMM tensor, in the FP8 stats JSONL.
+    last = read_jsonl(os.path.join(run_dir, "fp8_stats.jsonl"))[-1]
+    for tensor in ("input", "weight", "grad_output"):
+        for stat in ("block_scale_inv_min", "block_scale_inv_max", "block_scale_inv_std", "underflow_pct",
+                     "overflow_pct", "mse", "amax"):
+            value = last[f"fp8/layers.0/fc1/{tensor}/{stat}"]
+            assert math.isfinite(value), (tensor, stat, value)
+        assert 0 < last[f"fp8/layers.0/fc1/{tensor}/block_scale_inv_min"] <= last[f"fp8/layers.0/fc1/{tensor}/block_scale_inv_max"]
+
+
+def test_config_refuses_rows_that_split_blocks_between_ranks():
+    base = ["+model=gpt", "parallel.tp=2", "parallel.sequence_parallel=true", "overlap=on",
+            "data.seq_len=64", "trainer.micro_batch_size=2"]  # 2 * 64 / 2 = 64 rows per rank
+    validate(compose([*base, "fp8=mxfp8"]), 2)  # 64 % 32 == 0
+    validate(compose([*base, "fp8=rowwise"]), 2)  # one scale per row: any row count
+    with pytest.raises(ValueError, match=r"fp8.recipe=blockwise .* = 64\) to be a multiple of the 128-row block"):
+        validate(compose([*base, "fp8=blockwise"]), 2)
+    validate(compose([*base, "fp8=blockwise", "overlap=off"]), 2)  # unfused: gathers in high precision

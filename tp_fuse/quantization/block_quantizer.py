@@ -1,0 +1,162 @@
+"""Quantizers of the block-scaled and row-wise recipes.
+
+One class, :class:`BlockScalingQuantizer`, serves :class:`~tp_fuse.recipe.Float8BlockScaling`
+(1x128 / 128x128 fp32 scales), :class:`~tp_fuse.recipe.MXFP8BlockScaling` (1x32, E8M0)
+and :class:`~tp_fuse.recipe.Float8RowwiseScaling` (one scale per row): the recipe only
+decides, per role, the block shape, the scale rule and the FP8 dtype
+(:func:`block_layout`). Scales come from each block's own amax at quantize time, so
+these quantizers keep no amax history and take part in no amax reduction
+(``needs_amax_reduction = False``): a block's scale depends on local data only, and a
+gathered tensor carries the scales of every rank with its bytes.
+
+``quantize(x, transpose=True)`` quantizes both layouts from high precision in one call:
+the row-wise copy of ``x [R, C]`` and the row-wise quantization of ``x.T [C, R]`` (the
+column-wise copy that dgrad/wgrad GEMMs read). Never one from the other.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Union
+
+import torch
+import torch.distributed as dist
+
+from ..recipe import Float8BlockScaling, Float8RowwiseScaling, MXFP8BlockScaling, QParams
+from .block_scaling import BlockSpec, ScaleRule, block_amax, quantize_blocks
+from .block_tensor import BlockPayload, BlockScaledTensor
+from .quantizer import Quantizer, is_backward_role, register_recipe_quantizer
+
+__all__ = ["BlockRecipe", "BlockScalingQuantizer", "block_layout", "is_block_recipe", "recipe_short_name"]
+
+BlockRecipe = Union[Float8BlockScaling, MXFP8BlockScaling, Float8RowwiseScaling]
+BLOCK_RECIPES = (Float8BlockScaling, MXFP8BlockScaling, Float8RowwiseScaling)
+
+_BLOCK_1D = BlockSpec(1, 128)
+_BLOCK_2D = BlockSpec(128, 128)
+_MX_BLOCK = BlockSpec(1, 32)
+_ROW = BlockSpec(1, None)
+
+
+def is_block_recipe(recipe: object) -> bool:
+    """Whether ``recipe`` is one of the block-scaled / row-wise recipes."""
+    return isinstance(recipe, BLOCK_RECIPES)
+
+
+def recipe_short_name(recipe: BlockRecipe) -> str:
+    """``blockwise``, ``mxfp8`` or ``rowwise`` (the launcher's names)."""
+    if isinstance(recipe, Float8BlockScaling):
+        return "blockwise"
+    if isinstance(recipe, MXFP8BlockScaling):
+        return "mxfp8"
+    return "rowwise"
+
+
+def block_layout(recipe: BlockRecipe, role: str) -> tuple[BlockSpec, ScaleRule, torch.dtype]:
+    """``(block shape, scale rule, FP8 dtype)`` of ``role`` under ``recipe``."""
+    fmt = recipe.fp8_format
+    dtype = fmt.bwd_dtype if is_backward_role(role) else fmt.fwd_dtype
+    if isinstance(recipe, Float8BlockScaling):
+        if is_backward_role(role):
+            dim, qp = recipe.grad_block_scaling_dim, recipe.fp8_quant_bwd_grad
+        elif role == "weight":
+            dim, qp = recipe.w_block_scaling_dim, recipe.fp8_quant_fwd_weight
+        else:
+            dim, qp = recipe.x_block_scaling_dim, recipe.fp8_quant_fwd_inp
+        assert isinstance(qp, QParams)
+        rule = ScaleRule("fp32", power_2=qp.power_2_scale, amax_epsilon=float(qp.amax_epsilon))
+        return (_BLOCK_2D if dim == 2 else _BLOCK_1D), rule, dtype
+    if isinstance(recipe, MXFP8BlockScaling):
+        return _MX_BLOCK, ScaleRule("e8m0"), dtype
+    if isinstance(recipe, Float8RowwiseScaling):
+        return _ROW, ScaleRule("fp32", power_2=recipe.power_2_scale), dtype
+    raise ValueError(f"block_layout: expected a block-scaled recipe, got {type(recipe).__name__}")
+
+
+class BlockScalingQuantizer(Quantizer):
+    """Quantizes to :class:`BlockScaledTensor` with the block layout of ``role``.
+
+    Attributes:
+        spec, rule: block shape and scale rule (:func:`block_layout`).
+        last_scale_inv: the row-wise ``scale_inv`` of the last quantization (for stats).
+    """
+
+    needs_amax_reduction = False
+
+    def __init__(self, recipe: BlockRecipe, role: str) -> None:
+        if not is_block_recipe(recipe):
+            raise ValueError(
+                f"BlockScalingQuantizer recipe: expected Float8BlockScaling, MXFP8BlockScaling or "
+                f"Float8RowwiseScaling, got {type(recipe).__name__}"
+            )
+        spec, rule, dtype = block_layout(recipe, role)
+        super().__init__(dtype, role)
+        self.recipe = recipe
+        self.recipe_name = recipe_short_name(recipe)
+        self.spec = spec
+        self.rule = rule
+        self.last_scale_inv: Optional[torch.Tensor] = None
+
+    def payload(self, x2d: torch.Tensor, amax: Optional[torch.Tensor] = None) -> BlockPayload:
+        """Row-wise payload of a 2-D high-precision tensor (``amax``: per-block, precomputed)."""
+        data, scale_inv = quantize_blocks(x2d, self.spec, self.fp8_dtype, self.rule, amax)
+        return BlockPayload(data, scale_inv, self.spec)
+
+    def quantize_gatherable(
+        self, x: torch.Tensor, group: Optional[dist.ProcessGroup], *, transpose: bool
+    ) -> BlockScaledTensor:
+        """Quantize a shard that will be all-gathered along dim 0 over ``group``.
+
+        Block scales are local, so this equals :meth:`quantize` -- except for row-wise
+        scaling's column-wise copy, whose one scale per column spans the whole gathered
+        dimension: its column amaxes are all-reduced (MAX) over ``group`` first, so that
+        the gathered copy equals quantizing the gathered tensor. No autograd.
+        """
+        if not (transpose and self.spec.cols is None):
+            with torch.no_grad():
+                return self._quantize_impl(x, transpose)
+        with torch.no_grad():
+            x2d = x.detach().reshape(-1, x.shape[-1])
+            rowwise = self.payload(x2d)
+            col_amax = block_amax(x2d.t(), self.spec)  # [K, 1]
+            if group is not None and dist.get_world_size(group) > 1:
+                # NaN must win the MAX like it does locally: send it as inf.
+                col_amax = torch.nan_to_num(col_amax, nan=float("inf"))
+                dist.all_reduce(col_amax, op=dist.ReduceOp.MAX, group=group)
+            columnwise = self.payload(x2d.t(), col_amax)
+            self.last_scale_inv = rowwise.scale_inv
+        return BlockScaledTensor(x.shape, x.dtype, rowwise, columnwise, self.recipe_name)
+
+    def _quantize_impl(self, x: torch.Tensor, transpose: bool = False) -> BlockScaledTensor:
+        with torch.no_grad():
+            if x.dim() < 1:
+                raise ValueError(f"{type(self).__name__}.quantize: expected a tensor with >= 1 dims, got 0-d")
+            x2d = x.detach().reshape(-1, x.shape[-1])
+            rowwise = self.payload(x2d)
+            # The transposed copy from high precision: block scales are not transposition-invariant.
+            columnwise = self.payload(x2d.t()) if transpose else None
+            self.last_scale_inv = rowwise.scale_inv
+        return BlockScaledTensor(x.shape, x.dtype, rowwise, columnwise, self.recipe_name)
+
+    def stats(self) -> dict[str, float]:
+        s = self.last_scale_inv
+        if s is None:
+            return {}
+        s = s.to(torch.float32)
+        finite = s[torch.isfinite(s)]
+        if finite.numel() == 0:
+            return {"scale_inv_min": float("nan"), "scale_inv_max": float("nan"), "scale_inv_std": float("nan")}
+        return {
+            "scale_inv_min": float(finite.min()),
+            "scale_inv_max": float(finite.max()),
+            "scale_inv_std": float(finite.std(unbiased=False)),
+            "num_blocks": float(s.numel()),
+        }
+
+    def __repr__(self) -> str:
+        return (f"BlockScalingQuantizer({self.recipe_name}, role={self.role!r}, block={self.spec.describe()}, "
+                f"scale={self.rule.kind}{' pow2' if self.rule.power_2 and self.rule.kind == 'fp32' else ''}, "
+                f"fp8_dtype={self.fp8_dtype})")
+
+
+for _recipe_type in BLOCK_RECIPES:
+    register_recipe_quantizer(_recipe_type, BlockScalingQuantizer)

@@ -1,0 +1,139 @@
+"""Block-scaled tensors on the wire: FP8 bytes and their scales travel together.
+
+Communication moves one uint8 tensor per collective (``comm`` knows nothing of FP8), split
+along dim 0 between ranks. Two packings:
+
+* **row-wise** (:func:`rowwise_wire`): row ``i`` of ``x [M, K]`` becomes ``K`` data bytes
+  followed by the bytes of that row's scales (``ceil(K / bc)`` fp32 = 4 bytes each, or
+  E8M0 = 1 byte each; one fp32 for row-wise scaling). A ring all-gather + GEMM can cut it
+  anywhere between rows: each chunk carries its own scales. This is what the overlapped
+  AG+GEMM moves (fprop of column-parallel layers, dgrad of row-parallel ones).
+* **column-wise** (:func:`columnwise_wire`): the transposed copy ``x.T [K, M]`` has blocks
+  running along ``M`` -- across the rows that the gather concatenates. Its wire has one
+  row per group of ``g`` rows of ``x`` (``g`` = the block length, 128 or 32): the
+  ``[g, K]`` data bytes of the group, then the group's ``K`` scales. Gathering groups in
+  rank order gives the column-wise copy of the gathered tensor exactly when no block
+  straddles two ranks (``M_local % g == 0``; checked, ValueError otherwise). Row-wise
+  scaling has one scale per column over the *whole* ``M``: the local copies are quantized
+  with column amaxes all-reduced over the TP group (see
+  :func:`~tp_fuse.quantization.block_quantizer.BlockScalingQuantizer.quantize_gatherable`),
+  so the scales are equal on every rank and one group per rank carries them.
+
+The wgrad GEMM reads only the column-wise copy, the fprop/dgrad GEMM only the row-wise one,
+so each collective carries one of them.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable, Optional
+
+import torch
+import torch.distributed as dist
+
+from .block_scaling import BlockSpec
+from .block_tensor import BlockPayload, BlockScaledTensor
+
+__all__ = [
+    "rowwise_wire",
+    "rowwise_from_wire",
+    "columnwise_wire",
+    "columnwise_from_wire",
+    "wire_bytes_per_element",
+    "gather_block_scaled",
+]
+
+
+def _scale_bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view(torch.uint8).reshape(t.shape[0], -1)
+
+
+def rowwise_wire(t: BlockScaledTensor) -> torch.Tensor:
+    """uint8 ``[M, K + scale bytes per row]`` of the row-wise payload."""
+    p = t.payload("rowwise")
+    if p.spec.rows != 1:
+        raise ValueError(f"rowwise_wire: {p.spec.describe()} blocks span rows; only 1-D blocks can be cut between rows")
+    return torch.cat([p.data.contiguous().view(torch.uint8), _scale_bytes(p.scale_inv)], dim=1)
+
+
+def rowwise_from_wire(buf: torch.Tensor, like: BlockScaledTensor) -> BlockScaledTensor:
+    """Inverse of :func:`rowwise_wire` for ``buf [M', W]`` (any number of rows), typed like ``like``."""
+    p = like.payload("rowwise")
+    k = p.data.shape[1]
+    buf = buf.reshape(buf.shape[0], -1)
+    data = buf[:, :k].contiguous().view(p.data.dtype)
+    scales = buf[:, k:].contiguous().view(p.scale_inv.dtype).reshape(buf.shape[0], -1)
+    return BlockScaledTensor((buf.shape[0], k), like.dtype, BlockPayload(data, scales, p.spec), None, like.recipe_name)
+
+
+def _group_rows(p: BlockPayload, local_rows: int) -> int:
+    """Rows of ``x`` per column-wise wire row (the column-wise block length along M)."""
+    if p.spec.cols is None:
+        return max(local_rows, 1)  # row-wise scaling: scales shared by all ranks, one group per rank
+    g = p.spec.cols
+    if local_rows % g:
+        raise ValueError(
+            f"block-scaled all-gather: the column-wise copy (read by the wgrad GEMM) has {g}-element "
+            f"blocks along the gathered dimension, but this rank has {local_rows} rows, not a multiple "
+            f"of {g}: blocks would straddle ranks and differ from quantizing the gathered tensor. "
+            f"Choose micro_batch_size * seq_len / tp as a multiple of {g}, or turn overlap off"
+        )
+    return g
+
+
+def columnwise_wire(t: BlockScaledTensor) -> torch.Tensor:
+    """uint8 ``[M / g, g*K + K*scale_size]`` of the column-wise payload (module docstring)."""
+    p = t.payload("columnwise")
+    k, m = p.data.shape
+    g = _group_rows(p, m)
+    groups = m // g if m else 0
+    # data.T [M, K] -> [groups, g*K] bytes; scales [K, groups] -> [groups, K*size] bytes.
+    data = p.data.t().contiguous().view(torch.uint8).reshape(groups, g * k)
+    scales = p.scale_inv.t().contiguous()
+    return torch.cat([data, _scale_bytes(scales)], dim=1)
+
+
+def columnwise_from_wire(buf: torch.Tensor, like: BlockScaledTensor) -> BlockScaledTensor:
+    """The gathered tensor's column-wise copy from a gathered :func:`columnwise_wire`."""
+    p = like.payload("columnwise")
+    k, m_local = p.data.shape
+    g = _group_rows(p, m_local)
+    groups = buf.shape[0]
+    data_t = buf[:, : g * k].contiguous().view(p.data.dtype).reshape(groups * g, k)
+    scales = buf[:, g * k:].contiguous().view(p.scale_inv.dtype).reshape(groups, k)
+    if p.spec.cols is None:
+        # Row-wise scaling: every rank sent the same (TP-reduced) per-column scales.
+        if not bool((scales == scales[:1]).all()):
+            raise ValueError(
+                "block-scaled all-gather (rowwise): ranks quantized the column-wise copy with different "
+                "column scales; quantize it with column amaxes reduced over the TP group"
+            )
+        scale_inv = scales[:1].t().contiguous()  # [K, 1]
+    else:
+        scale_inv = scales.t().contiguous()  # [K, groups]
+    col = BlockPayload(data_t.t().contiguous(), scale_inv, p.spec)
+    return BlockScaledTensor((groups * g, k), like.dtype, None, col, like.recipe_name)
+
+
+def wire_bytes_per_element(t: BlockScaledTensor) -> float:
+    """Bytes on the wire per tensor element of the row-wise packing (data + scales)."""
+    w = rowwise_wire(t)
+    return w.numel() / max(t.numel(), 1)
+
+
+GatherFn = Callable[[torch.Tensor, Optional[dist.ProcessGroup]], torch.Tensor]
+
+
+def gather_block_scaled(t: BlockScaledTensor, group: Optional[dist.ProcessGroup], gather: GatherFn) -> BlockScaledTensor:
+    """All-gather ``t`` along dim 0 with ``gather``: each existing copy travels with its scales."""
+    rows = t.shape[:-1].numel()
+    tp = dist.get_world_size(group) if dist.is_initialized() else 1
+    k = t.shape[-1]
+    row = col = None
+    if t._rowwise is not None:
+        row = rowwise_from_wire(gather(rowwise_wire(t), group), t)._rowwise
+    if t._columnwise is not None:
+        col = columnwise_from_wire(gather(columnwise_wire(t), group), t)._columnwise
+    shape = (rows * tp, k) if t.dim() == 2 else (t.shape[0] * tp, *t.shape[1:])
+    assert math.prod(shape[:-1]) == rows * tp
+    return BlockScaledTensor(shape, t.dtype, row, col, t.recipe_name)
