@@ -84,6 +84,14 @@ class DropoutRNG:
             self._states[stream] = self._get_global()
             self._set_global(saved)
 
+    # Megatron's RNG-tracker names: tp_fuse.checkpoint replays the streams for recompute.
+    def get_states(self) -> dict[str, torch.Tensor]:
+        """The streams' states (copies); :meth:`set_states` puts them back."""
+        return self.state_dict()
+
+    def set_states(self, states: dict[str, torch.Tensor]) -> None:
+        self.load_state_dict(states)
+
     def state_dict(self) -> dict[str, torch.Tensor]:
         return {k: v.clone() for k, v in self._states.items()}
 

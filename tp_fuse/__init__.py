@@ -6,8 +6,9 @@ FP8 entry points ``te.autocast``, ``te.quantized_model_init`` and
 """
 
 from . import ops, recipe
+from .distributed import checkpoint
 from .ops.explain import explain
 from .quantization import Float8Tensor, autocast, quantized_model_init
 
-__all__ = ["Float8Tensor", "autocast", "explain", "ops", "quantized_model_init", "recipe"]
+__all__ = ["Float8Tensor", "autocast", "checkpoint", "explain", "ops", "quantized_model_init", "recipe"]
 __version__ = "0.1.0"
