@@ -46,10 +46,18 @@ class DropoutRNG:
     def __init__(self, seed: int, tp_rank: int, device: Optional[torch.device | str] = None) -> None:
         if isinstance(seed, bool) or not isinstance(seed, int):
             raise ValueError(f"DropoutRNG: seed must be an int, got {seed!r}")
-        self.device = torch.device(device) if device is not None else torch.device("cpu")
+        self.seed, self.tp_rank = seed, tp_rank
+        self.reset(device)
+
+    def reset(self, device: Optional[torch.device | str] = None) -> None:
+        """Restart both streams from the seed, drawing on ``device`` (e.g. a model built
+        on ``meta`` and materialized on its real device)."""
+        device = torch.device(device) if device is not None else torch.device("cpu")
+        # A meta "device" has no RNG: the streams are made for the real device on reset.
+        self.device = torch.device("cpu") if device.type == "meta" else device
         self._states: dict[str, torch.Tensor] = {
-            "replicated": self._initial_state(seed),
-            "tp_local": self._initial_state(seed + _TP_SEED_OFFSET + tp_rank),
+            "replicated": self._initial_state(self.seed),
+            "tp_local": self._initial_state(self.seed + _TP_SEED_OFFSET + self.tp_rank),
         }
 
     def _initial_state(self, seed: int) -> torch.Tensor:
