@@ -14,7 +14,8 @@ giving this TP rank's fp32 shard with exactly the values eager construction give
 * constant-initialized parameters (norm gains, biases) come from their op's
   ``reset_parameters()``, derived buffers (RoPE frequencies) from ``reset_buffers()``,
   and dropout streams restart from their seeds on the real device;
-* tied parameters stay one Parameter.
+* tied parameters stay one Parameter, with their attributes (``tp_shard``...) and the
+  sequence-parallel gradient hook of ``layers.grad_sync``.
 
 Typical use (``launch`` does this for every run)::
 
@@ -33,6 +34,7 @@ import torch
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
+from .grad_sync import sync_sequence_parallel_grad
 from .random import DropoutRNG
 
 __all__ = ["deferred_inits", "materialize"]
@@ -89,15 +91,27 @@ def materialize(model: torch.nn.Module, device: torch.device | str,
                          f"(missing {sorted(names - set(inits))}, unexpected {sorted(set(inits) - names)})")
     # to_empty makes a new Parameter per module: tied parameters (GPT's tied embedding)
     # would come apart. Remember where each one sits and tie them again after.
+    # The new Parameters also lack the old ones' attributes (tp_shard...) and tensor hooks.
     places: dict[int, list[tuple[torch.nn.Module, str]]] = {}
+    attrs: dict[int, dict] = {}
     for m in model.modules():
         for attr, p in m.named_parameters(recurse=False):
             places.setdefault(id(p), []).append((m, attr))
+            attrs[id(p)] = dict(vars(p))
     model.to_empty(device=device)
-    for group in places.values():
+    for key, group in places.items():
         first = getattr(group[0][0], group[0][1])
         for m, attr in group[1:]:
             setattr(m, attr, first)
+        saved = attrs[key]
+        sp_group = saved.pop("_sequence_parallel_grad_group", None)
+        for name, value in saved.items():
+            setattr(first, name, value)
+        if sp_group is not None and not isinstance(first, DTensor):
+            sync_sequence_parallel_grad(first, sp_group)  # the hook went with the old Parameter
+        elif sp_group is not None:
+            # FSDP2 owns the gradient path: layers.fsdp.reduce_sequence_parallel_grads does the sync.
+            first._sequence_parallel_grad_group = sp_group
     for m in model.modules():
         if hasattr(m, "reset_parameters"):
             m.reset_parameters()
