@@ -41,7 +41,8 @@ from tp_fuse.quantization import is_fp8_parameter
 
 from .grad_sync import is_sequence_parallel_grad_synced
 
-__all__ = ["fully_shard_gpt", "reduce_sequence_parallel_grads", "sequence_parallel_params", "is_fsdp_sharded"]
+__all__ = ["copy_dp_shard_", "dp_shard_like", "dp_unsharded", "dp_unsharded_empty", "fully_shard_gpt",
+           "is_fsdp_sharded", "reduce_sequence_parallel_grads", "sequence_parallel_params"]
 
 # Parameter attributes tp-fuse (and Megatron-style tooling) read; FSDP2's new Parameters lack them.
 _LAYOUT_ATTRS = ("tp_shard", "tensor_model_parallel", "partition_dim", "partition_stride",
@@ -119,3 +120,46 @@ def reduce_sequence_parallel_grads(params: list[torch.nn.Parameter], tp_group: O
     for g in grads:
         g.copy_(flat[offset:offset + g.numel()].view_as(g))
         offset += g.numel()
+
+
+# ---- checkpoint helpers: FSDP2 DTensors <-> this rank's whole TP shard --------------
+# DCP checkpoints store TP shards in their full (TP=1) layout (launch/checkpoint.py). An
+# FSDP2 parameter is first gathered over the DP ranks into its TP shard (one parameter
+# at a time while the state dict is built), and on load its DP slice is cut back out,
+# so checkpoints move freely between TP x FSDP and TP x DDP layouts.
+
+
+def dp_unsharded(t: torch.Tensor) -> torch.Tensor:
+    """This rank's whole TP shard of ``t`` (all-gathered over DP if ``t`` is a DTensor)."""
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def dp_unsharded_empty(p: torch.Tensor) -> torch.Tensor:
+    """An uninitialized tensor shaped like :func:`dp_unsharded` ``(p)`` (no communication)."""
+    if isinstance(p, DTensor):
+        return torch.empty(p.shape, dtype=p.dtype, device=p.to_local().device)
+    return torch.empty_like(p.detach())
+
+
+def _dp_slice(full: torch.Tensor, like: DTensor) -> torch.Tensor:
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    shape, offset = compute_local_shape_and_global_offset(full.shape, like.device_mesh, like.placements)
+    return full[tuple(slice(o, o + n) for o, n in zip(offset, shape))]
+
+
+def dp_shard_like(full: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """``full`` (a TP shard) laid out like ``like``: its DP slice as a DTensor, or ``full``."""
+    if not isinstance(like, DTensor):
+        return full
+    return DTensor.from_local(_dp_slice(full, like).clone(), like.device_mesh, like.placements,
+                              shape=like.shape, stride=like.stride(), run_check=False)
+
+
+@torch.no_grad()
+def copy_dp_shard_(p: torch.Tensor, full: torch.Tensor) -> None:
+    """``p.copy_(full)`` where ``p`` may be an FSDP2 DTensor (copies its DP slice)."""
+    if isinstance(p, DTensor):
+        p.to_local().copy_(_dp_slice(full, p))
+    else:
+        p.copy_(full)
