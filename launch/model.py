@@ -94,20 +94,25 @@ def build_model(cfg: TrainConfig, rt: Runtime, factory: Optional[ModelFactory] =
                              f"(set_activation_checkpointing and layers), got {type(model).__name__}")
         model.set_activation_checkpointing(mode)
     if cfg.trainer.compile:
-        compile_layers(model)
+        compile_layers(model, full_recompute=mode == "full")
     model.train()
     return model
 
 
-def compile_layers(model: torch.nn.Module) -> None:
-    """``torch.compile`` every TransformerLayer in place (``nn.Module.compile``).
+def compile_layers(model: torch.nn.Module, *, full_recompute: bool = False) -> None:
+    """``torch.compile`` every TransformerLayer in place.
 
-    tp-fuse's fused-op groups (``tp_fuse.ops.Sequential``) run eagerly inside the compiled
-    layers -- documented graph breaks (docs/fsdp.md); the glue between them (QKV split,
-    RoPE, attention core, residual plumbing) is compiled.
+    tp-fuse's fusion groups (``OperationFuser``) run eagerly inside the compiled layers --
+    documented graph breaks (docs/fsdp.md); the glue between them (QKV split, RoPE,
+    attention core, residual plumbing) is compiled. ``tp_fuse.checkpoint`` is a graph
+    break too, so under full recompute the layer body inside it is what gets compiled
+    (the recompute then reruns the compiled code).
     """
     for layer in model.layers:
-        layer.compile()
+        if full_recompute:
+            layer._forward = torch.compile(layer._forward)
+        else:
+            layer.compile()
 
 
 def fp8_autocast(recipe: Optional[Recipe], group: Any) -> contextlib.AbstractContextManager:

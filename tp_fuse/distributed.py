@@ -115,6 +115,10 @@ class _RecomputeState:
                             setattr(q, name, value)
 
 
+# torch.compile: dynamo cannot trace torch.utils.checkpoint with a custom context_fn, so
+# the call is a graph break; compile the function passed in instead (launch does so for
+# full recompute), and its recompute runs the compiled code too.
+@torch.compiler.disable
 def checkpoint(
     function: Callable[..., Any],
     *args: Any,
