@@ -9,9 +9,10 @@ Three comparisons, each printed as a ratio measured in this one invocation:
 
 1. **Peak memory per rank, FSDP vs replicated DP.** Each layout runs in fresh processes
    (``torch.multiprocessing.spawn``), so that one layout's peak cannot hide the other's:
-   on CUDA the allocator's ``max_memory_allocated``; on CPU the growth of the process's
-   peak resident set (``ru_maxrss``) from just before the model is built to the end of
-   the steps (torch's own import and start-up are excluded). Also printed: the bytes of
+   on CUDA the allocator's ``max_memory_allocated``; on CPU the peak of the C heap's
+   allocated bytes (glibc ``mallinfo2``, sampled after every aten op, forward and
+   backward) minus its value just before the model is built (the peak resident set
+   where ``mallinfo2`` is missing; it never drops, so it overstates). Also printed: the bytes of
    parameters + gradients + AdamW state each rank holds (exact, by construction).
    Both layouts build the model on ``meta`` and materialize only local shards.
 2. **Step time with activation recompute** none / selective / full (FSDP layout),
@@ -23,6 +24,8 @@ Three comparisons, each printed as a ratio measured in this one invocation:
 from __future__ import annotations
 
 import argparse
+import contextlib
+import ctypes
 import os
 import resource
 import statistics
@@ -33,6 +36,7 @@ import time
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -50,13 +54,42 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--iters", type=int, default=5)
     p.add_argument("--skip-compile", action="store_true")
+    p.add_argument("--memory-only", action="store_true", help="only comparison 1")
     return p.parse_args()
 
 
-def _peak_bytes() -> int:
-    if torch.cuda.is_available():
-        return torch.cuda.max_memory_allocated()
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
+class _Mallinfo2(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_size_t) for name in
+                ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks",
+                 "keepcost")]
+
+
+def _heap_bytes() -> int:
+    """Bytes the C heap has handed out and not taken back (glibc ``mallinfo2``: ``uordblks``
+    in the arenas + ``hblkhd`` in mmap'd blocks, where large tensors live)."""
+    info = _LIBC.mallinfo2()
+    return info.uordblks + info.hblkhd
+
+
+class _HeapPeak(TorchDispatchMode):
+    """Peak of :func:`_heap_bytes` sampled after every aten op, forward and backward (CPU
+    has no allocator statistics; unlike the resident set this drops when tensors are freed)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.peak = _heap_bytes()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        self.peak = max(self.peak, _heap_bytes())
+        return out
+
+
+try:
+    _LIBC = ctypes.CDLL("libc.so.6")
+    _LIBC.mallinfo2.restype = _Mallinfo2
+except (OSError, AttributeError):  # not glibc >= 2.33: fall back to the peak resident set
+    _LIBC = None
 
 
 def _build(args, fsdp: bool, device: torch.device):
@@ -119,11 +152,22 @@ def _memory_worker(rank: int, args, fsdp: bool, store_file: str, out: dict) -> N
     tokens = torch.randint(0, args.vocab, (args.batch, args.seq), device=device)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
-    before = _peak_bytes()
-    model, opt, mesh = _build(args, fsdp, device)
-    for _ in range(2):
-        _step(model, opt, mesh, fsdp, tokens)
-    out[rank] = (_peak_bytes() - (0 if device.type == "cuda" else before), _state_bytes(model, opt))
+        before, tracker = 0, contextlib.nullcontext()
+    elif _LIBC is not None:
+        before, tracker = _heap_bytes(), _HeapPeak()
+    else:
+        before, tracker = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, contextlib.nullcontext()
+    with tracker:
+        model, opt, mesh = _build(args, fsdp, device)
+        for _ in range(2):
+            _step(model, opt, mesh, fsdp, tokens)
+    if device.type == "cuda":
+        peak = torch.cuda.max_memory_allocated()
+    elif _LIBC is not None:
+        peak = tracker.peak
+    else:
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    out[rank] = (peak - before, _state_bytes(model, opt))
     dist.barrier()
     dist.destroy_process_group()
 
@@ -177,11 +221,13 @@ def main() -> None:
                                nprocs=args.world, start_method="spawn")
             mem[fsdp] = dict(out)
         times = manager.dict()
-        mp.start_processes(_time_worker, args=(args, os.path.join(tmp, "t"), times), nprocs=args.world,
-                           start_method="spawn")
+        if not args.memory_only:
+            mp.start_processes(_time_worker, args=(args, os.path.join(tmp, "t"), times), nprocs=args.world,
+                               start_method="spawn")
         times = dict(times)
     dp = args.world // args.tp
-    what = "CUDA max_memory_allocated" if torch.cuda.is_available() else "peak RSS growth"
+    what = ("CUDA max_memory_allocated" if torch.cuda.is_available()
+            else "peak heap growth" if _LIBC is not None else "peak RSS growth")
     print(f"model: {args.layers} layers, hidden {args.hidden}, vocab {args.vocab}, seq {args.seq}, batch {args.batch}; "
           f"TP={args.tp} x DP={dp}, {args.world} ranks")
     for fsdp in (False, True):
@@ -192,6 +238,8 @@ def main() -> None:
     ratio_peak = max(v[0] for v in mem[True].values()) / max(v[0] for v in mem[False].values())
     ratio_state = max(v[1] for v in mem[True].values()) / max(v[1] for v in mem[False].values())
     print(f"FSDP / replicated DP: peak {ratio_peak:.2f}, model state {ratio_state:.2f} (ideal 1/{dp} = {1 / dp:.2f})")
+    if not times:
+        return
     base = times["recompute=none"]
     for k, v in times.items():
         print(f"  {k:20s} step {v * 1e3:8.1f} ms  ({v / base:.2f} x recompute=none)")
