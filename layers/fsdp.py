@@ -36,6 +36,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from tp_fuse.quantization import is_fp8_parameter
 
@@ -142,8 +143,6 @@ def dp_unsharded_empty(p: torch.Tensor) -> torch.Tensor:
 
 
 def _dp_slice(full: torch.Tensor, like: DTensor) -> torch.Tensor:
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
     shape, offset = compute_local_shape_and_global_offset(full.shape, like.device_mesh, like.placements)
     return full[tuple(slice(o, o + n) for o, n in zip(offset, shape))]
 
