@@ -49,6 +49,7 @@ from torch.distributed.checkpoint.api import CheckpointException as DCPCheckpoin
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from layers import get_shard_spec
+from layers.fsdp import copy_dp_shard_, dp_shard_like, dp_unsharded, dp_unsharded_empty
 from tp_fuse.quantization import DelayedScalingQuantizer
 from tp_fuse.recipe import Recipe
 
@@ -191,7 +192,8 @@ class CheckpointManager:
         optimized = {id(p) for g in state.optimizer.param_groups for p in g["params"]}
         for name, p in state.model.named_parameters():
             spec = get_shard_spec(p)
-            local = torch.empty_like(p.detach()) if for_load else p.detach()
+            # FSDP2 parameters (DTensors over DP) are stored as their whole TP shard.
+            local = dp_unsharded_empty(p) if for_load else dp_unsharded(p.detach())
             sd[f"model/{name}"] = _global_view(local, spec, rt)
             if id(p) not in optimized:
                 continue  # frozen parameter: no optimizer state
@@ -200,7 +202,8 @@ class CheckpointManager:
             opt_state = state.optimizer.state.get(p, {})
             for key in ("exp_avg", "exp_avg_sq"):
                 t = opt_state.get(key) if not for_load else None
-                sd[f"optim/{name}/{key}"] = _global_view(t if t is not None else torch.zeros_like(p.detach()), spec, rt)
+                t = dp_unsharded(t) if t is not None else torch.zeros_like(dp_unsharded_empty(p))
+                sd[f"optim/{name}/{key}"] = _global_view(t, spec, rt)
             step = opt_state.get("step") if not for_load else None
             sd[f"optim/{name}/step"] = step.detach().cpu() if step is not None else torch.zeros((), dtype=torch.float32)
         sd["train/step"] = torch.tensor(state.step, dtype=torch.int64)
@@ -324,6 +327,7 @@ class CheckpointManager:
                 if torch.is_tensor(t) and t.is_floating_point()
             }}
             for what, t in tensors.items():
+                t = t.to_local() if isinstance(t, DTensor) else t  # FSDP2: this rank's shard
                 if not bool(torch.isfinite(t).all()):
                     bad = f"{what} {name}"
                     break
@@ -414,12 +418,12 @@ class CheckpointManager:
         opt_state: dict[int, dict[str, torch.Tensor]] = {}
         index = {id(p): i for i, p in enumerate(p for g in state.optimizer.param_groups for p in g["params"])}
         for name, p in state.model.named_parameters():
-            p.copy_(local(sd[f"model/{name}"]).reshape(p.shape))
+            copy_dp_shard_(p, local(sd[f"model/{name}"]).reshape(p.shape))
             if id(p) in index:
                 opt_state[index[id(p)]] = {
                     "step": sd[f"optim/{name}/step"].clone(),
-                    "exp_avg": local(sd[f"optim/{name}/exp_avg"]).reshape(p.shape).clone(),
-                    "exp_avg_sq": local(sd[f"optim/{name}/exp_avg_sq"]).reshape(p.shape).clone(),
+                    "exp_avg": dp_shard_like(local(sd[f"optim/{name}/exp_avg"]).reshape(p.shape).clone(), p),
+                    "exp_avg_sq": dp_shard_like(local(sd[f"optim/{name}/exp_avg_sq"]).reshape(p.shape).clone(), p),
                 }
         opt_sd = state.optimizer.state_dict()
         opt_sd["state"] = opt_state

@@ -63,6 +63,11 @@ class ParallelConfig:
     # How long a collective waits for a peer before failing (seconds). A rank that fails
     # tears its group down, so peers fail at once; this bounds a peer that hangs.
     timeout_s: float = 600.0
+    # Data parallelism = dp_replicate x dp_shard. dp_shard > 1: FSDP2 (fully_shard) shards
+    # parameters, gradients and optimizer state over dp_shard ranks; HSDP when both > 1.
+    # Defaults: everything replicated (one bucketed all-reduce), as before.
+    dp_shard: int = 1
+    dp_replicate: Union[int, Literal["auto"]] = "auto"
 
 
 @dataclass
@@ -188,6 +193,9 @@ class TrainerConfig:
     # Non-finite steps (NaN/inf loss, gradient norm or FP8 amax) in a row that are skipped;
     # one more stops the run with an error (launch.health).
     max_nonfinite_steps: int = 3
+    # Activation recompute: none | selective (core attention) | full (every TransformerLayer).
+    activation_checkpointing: Literal["none", "selective", "full"] = "none"
+    compile: bool = False  # torch.compile every TransformerLayer (tp-fuse ops stay eager: docs/fsdp.md)
 
 
 @dataclass
@@ -254,6 +262,12 @@ class ParallelLayout:
     tp: int
     dp: int
     grad_accum_steps: int
+    dp_shard: int = 1  # FSDP2 shard size (1: replicated data parallelism)
+    dp_replicate: int = 0  # 0: dp (set by validate)
+
+    @property
+    def fsdp(self) -> bool:
+        return self.dp_shard > 1
 
 
 # ---- dict -> dataclasses ---------------------------------------------------------
@@ -485,13 +499,29 @@ def validate(cfg: TrainConfig, world_size: int) -> ParallelLayout:
     if ck.dir is not None:
         _check_writable_dir("checkpoint.dir", ck.dir)
 
+    dp_shard, dp_replicate = _check_dp_split(par, dp)
+
     if cfg.overlap.enabled:
         _need(tp > 1, "overlap=on needs parallel.tp > 1 (got tp=1): there is no TP communication to overlap")
         if cfg.overlap.config is not None:
             _check_overlap_yaml(cfg.overlap.config)
     if cfg.debug.config is not None:
         _check_debug_config(cfg)
-    return ParallelLayout(world_size=world_size, tp=tp, dp=dp, grad_accum_steps=tr.global_batch_size // per_step)
+    return ParallelLayout(world_size=world_size, tp=tp, dp=dp, grad_accum_steps=tr.global_batch_size // per_step,
+                          dp_shard=dp_shard, dp_replicate=dp_replicate)
+
+
+def _check_dp_split(par: ParallelConfig, dp: int) -> tuple[int, int]:
+    """``(dp_shard, dp_replicate)`` with ``dp_shard * dp_replicate == dp`` (the DP size)."""
+    _need(par.dp_shard >= 1, f"parallel.dp_shard must be >= 1, got {par.dp_shard}")
+    _need(dp % par.dp_shard == 0,
+          f"parallel.dp_shard ({par.dp_shard}) must divide the data-parallel size ({dp} = world size / parallel.tp)")
+    replicate = dp // par.dp_shard if par.dp_replicate == "auto" else par.dp_replicate
+    _need(replicate >= 1, f"parallel.dp_replicate must be >= 1 or 'auto', got {par.dp_replicate}")
+    _need(replicate * par.dp_shard == dp,
+          f"parallel.dp_replicate ({replicate}) x parallel.dp_shard ({par.dp_shard}) must equal the data-parallel "
+          f"size ({dp} = world size / parallel.tp)")
+    return par.dp_shard, replicate
 
 
 def _check_data_files(cfg: TrainConfig) -> None:

@@ -21,6 +21,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+from torch.distributed.tensor import DTensor
 
 from comm.nccl_rules import check_collective
 from layers import get_shard_spec
@@ -51,20 +52,30 @@ def allreduce_dp_grads(params: list[torch.nn.Parameter], dp_group: dist.ProcessG
 
 @torch.no_grad()
 def global_grad_norm(
-    model: torch.nn.Module, tp_group: Optional[dist.ProcessGroup], tp_size: int
+    model: torch.nn.Module, tp_group: Optional[dist.ProcessGroup], tp_size: int,
+    dp_shard_group: Optional[dist.ProcessGroup] = None,
 ) -> torch.Tensor:
-    """L2 norm of the full (unsharded) gradient, identical on every rank (0-d fp64)."""
+    """L2 norm of the full (unsharded) gradient, identical on every rank (0-d fp64).
+
+    ``dp_shard_group``: with FSDP2 every parameter's gradient is a DTensor whose local
+    shards over this group are disjoint: their squared norms are summed over it too.
+    """
     device = next(model.parameters()).device
     sharded = torch.zeros((), dtype=torch.float64, device=device)
     replicated = torch.zeros((), dtype=torch.float64, device=device)
     for _, p in model.named_parameters():
         if p.grad is None:
             continue
-        sq = p.grad.detach().to(torch.float64).square().sum()
+        g = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
+        sq = g.detach().to(torch.float64).square().sum()
         if get_shard_spec(p) is not None:
             sharded += sq
         else:
             replicated += sq
+    if dp_shard_group is not None:
+        both = torch.stack([sharded, replicated])
+        dist.all_reduce(both, group=dp_shard_group)
+        sharded, replicated = both.unbind(0)
     if tp_size > 1:
         check_collective("all_reduce", [sharded], world_size=tp_size)
         dist.all_reduce(sharded, group=tp_group)

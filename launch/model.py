@@ -11,6 +11,8 @@ from typing import Any, Optional
 import torch
 
 from layers import GPT, GPTConfig
+from layers.fsdp import fully_shard_gpt
+from layers.meta_init import deferred_inits, materialize
 from tp_fuse import autocast
 from tp_fuse.debug import name_linears
 from tp_fuse.overlap_auto import OverlapAutoTuner
@@ -29,6 +31,7 @@ from tp_fuse.recipe import (
 from .config import FP8Config, OverlapConfig, TrainConfig
 from .hf_model import build_hf_model
 from .megatron_model import build_megatron_gpt, require_cuda
+from .fsdp import ShardedDataParallel
 from .runtime import Runtime
 
 __all__ = [
@@ -122,11 +125,20 @@ def dropout_seed(seed: int, dp_rank: int) -> int:
 
 
 def build_model(cfg: TrainConfig, rt: Runtime, factory: Optional[ModelFactory] = None,
-                report: Optional[Callable[[str], None]] = None) -> torch.nn.Module:
+                report: Optional[Callable[[str], None]] = None,
+                sharded_dp: Optional[ShardedDataParallel] = None) -> torch.nn.Module:
     """``layers.GPT`` (or ``factory``) for this rank's TP shard; ``+model=hf`` and
     ``+model=megatron_gpt`` build and wrap a Hugging Face / megatron-core model instead.
-    ``report``: see :func:`build_overlap`."""
+    ``report``: see :func:`build_overlap`.
+
+    ``layers.GPT`` is built on the ``meta`` device and materialized shard by shard
+    (``layers.meta_init``: same values as an eager build; only the local TP -- and with
+    ``sharded_dp``, FSDP2 -- shards are ever allocated). A custom ``factory`` builds
+    eagerly on the run's device. Then activation recompute and ``torch.compile``
+    (``trainer.activation_checkpointing``, ``trainer.compile``) are applied.
+    """
     overlap = build_overlap(cfg.overlap, rt.run_dir, rt.is_rank0, report)
+    deferred = factory is None or factory is GPT
     tp_group = rt.topology.tp_group if rt.layout.tp > 1 else None
     if factory is None and cfg.model.name == "hf":
         # Wrapped also at TP size 1 (a one-rank group) so that FP8 reaches the GEMMs.
@@ -147,15 +159,44 @@ def build_model(cfg: TrainConfig, rt: Runtime, factory: Optional[ModelFactory] =
         tp_group=tp_group,
         sequence_parallel=cfg.parallel.sequence_parallel,
         dtype=rt.dtype,
-        device=rt.device,
+        device=torch.device("meta") if deferred else rt.device,
         seed=cfg.trainer.seed,
         overlap=overlap,
         # Data-parallel replicas draw different dropout masks (TP ranks of a replica share
         # theirs where activations are replicated: layers.DropoutRNG).
         dropout_seed=dropout_seed(cfg.trainer.seed, rt.topology.dp_rank),
     )
+    inits = deferred_inits(model) if deferred else None  # before fully_shard swaps the Parameters
+    if sharded_dp is not None:
+        fully_shard_gpt(model, sharded_dp.mesh)
+    if deferred:
+        materialize(model, rt.device, inits)
+    mode = cfg.trainer.activation_checkpointing
+    if mode != "none" or cfg.trainer.compile:
+        if not hasattr(model, "set_activation_checkpointing") or not hasattr(model, "layers"):
+            raise ValueError(f"trainer.activation_checkpointing / trainer.compile need a layers.GPT-like model "
+                             f"(set_activation_checkpointing and layers), got {type(model).__name__}")
+        model.set_activation_checkpointing(mode)
+    if cfg.trainer.compile:
+        compile_layers(model, full_recompute=mode == "full")
     model.train()
     return model
+
+
+def compile_layers(model: torch.nn.Module, *, full_recompute: bool = False) -> None:
+    """``torch.compile`` every TransformerLayer in place.
+
+    tp-fuse's fusion groups (``OperationFuser``) run eagerly inside the compiled layers --
+    documented graph breaks (docs/fsdp.md); the glue between them (QKV split, RoPE,
+    attention core, residual plumbing) is compiled. ``tp_fuse.checkpoint`` is a graph
+    break too, so under full recompute the layer body inside it is what gets compiled
+    (the recompute then reruns the compiled code).
+    """
+    for layer in model.layers:
+        if full_recompute:
+            layer._forward = torch.compile(layer._forward)
+        else:
+            layer.compile()
 
 
 def fp8_autocast(recipe: Optional[Recipe], group: Any) -> contextlib.AbstractContextManager:

@@ -30,11 +30,13 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from layers.fsdp import reduce_sequence_parallel_grads, sequence_parallel_params
 from tp_fuse.debug import DebugSession, Fp8StatsCollector
 
 from .checkpoint import CheckpointManager, TrainingState
 from .config import TrainConfig
 from .data import BatchLoader, TokenData, make_tokenizer
+from .fsdp import make_sharded_dp
 from .grads import allreduce_dp_grads, clip_grads, global_grad_norm
 from .health import NonfiniteGuard, TrainingDivergedError
 from .logging_wandb import WandbLogger
@@ -101,8 +103,11 @@ class Trainer:
             seed=tr.seed,
             device=rt.device,
         )
-        self.model = build_model(cfg, rt, model_factory, say if rt.is_rank0 else None)
+        # parallel.dp_shard > 1: FSDP2 over the DP ranks (HSDP with dp_replicate > 1).
+        self.sharded_dp = make_sharded_dp(rt.layout, rt.device.type) if rt.layout.fsdp else None
+        self.model = build_model(cfg, rt, model_factory, say if rt.is_rank0 else None, self.sharded_dp)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
+        self._sp_params = sequence_parallel_params(self.model) if self.sharded_dp is not None else []
         self.optimizer = build_optimizer(self.model, cfg.optim)
         self.recipe = build_recipe(cfg.fp8)
         self.fp8_group = topo.fp8_group(cfg.fp8.group) if self.recipe is not None else None
@@ -180,6 +185,9 @@ class Trainer:
         accum = self.loader.grad_accum_steps
         total = torch.zeros((), dtype=torch.float32, device=self.rt.device)
         for micro in range(accum):
+            if self.sharded_dp is not None:
+                # FSDP2 reduce-scatters gradients once, after the last micro-batch.
+                self.model.set_requires_gradient_sync(micro == accum - 1)
             tokens, labels = self.loader.micro_batch(micro)
             with fp8_autocast(self.recipe, self.fp8_group):
                 loss = self.model(tokens, labels)
@@ -203,6 +211,9 @@ class Trainer:
                 rows = tokens.shape[0]
                 sums[0] += self.model(tokens, labels).double() * rows
                 sums[1] += rows
+        if self.sharded_dp is not None:
+            # No backward follows: FSDP2 would leave the root's parameters unsharded.
+            self.model.reshard()
         self.model.train()
         if self.rt.layout.dp > 1:
             dist.all_reduce(sums, group=self.rt.topology.dp_group)
@@ -249,9 +260,13 @@ class Trainer:
                     self.fp8_stats.active = log_now
                 loss = self._forward_backward()
                 t_comm = time.perf_counter()
-                allreduce_dp_grads(self.params, topo.dp_group, rt.layout.dp)
+                if self.sharded_dp is None:
+                    allreduce_dp_grads(self.params, topo.dp_group, rt.layout.dp)
+                else:  # FSDP2 reduced over DP in backward; SP partial sums still need the TP sum
+                    reduce_sequence_parallel_grads(self._sp_params, topo.tp_group if rt.layout.tp > 1 else None)
                 t_comm = time.perf_counter() - t_comm
-                norm = global_grad_norm(self.model, topo.tp_group, rt.layout.tp)
+                norm = global_grad_norm(self.model, topo.tp_group, rt.layout.tp,
+                                        self.sharded_dp.shard_group if self.sharded_dp is not None else None)
                 health = self.guard.check(step, loss, norm)
                 finite = health.finite
                 if finite:

@@ -27,7 +27,16 @@ from tp_fuse.ops import AllGather, AllReduce, BasicLinear, BasicOperation, Bias,
 from tp_fuse.overlap_config import TPOverlap
 
 from .grad_sync import sync_sequence_parallel_grad
-from .sharding import ShardSpec, divide, seeded_full_tensor, set_shard_spec, shard_tensor, tp_rank_and_size
+from .sharding import (
+    ShardSpec,
+    deferred_full_tensor,
+    divide,
+    seeded_full_tensor,
+    set_deferred_init,
+    set_shard_spec,
+    shard_tensor,
+    tp_rank_and_size,
+)
 from .tp_regions import CopyToTensorParallelRegion, ScatterToTensorParallelRegion
 
 if TYPE_CHECKING:
@@ -90,7 +99,16 @@ class ParallelContext:
 
 
 def full_init(ctx: ParallelContext, shape: tuple[int, ...], name: str, init_method: InitMethod) -> torch.Tensor:
-    """The full (TP=1) fp32 tensor for parameter ``name``, identical at every TP size."""
+    """The full (TP=1) fp32 tensor for parameter ``name``, identical at every TP size.
+
+    On the ``meta`` device: a stand-in that draws nothing now (materialized later, shard
+    by shard, with the same values; ``layers.meta_init``).
+    """
+    if ctx.device is not None and ctx.device.type == "meta":
+        if ctx.seed is None:
+            raise ValueError("device='meta' needs a seed: with seed=None the init draws from torch's global RNG, "
+                             "which a deferred initialization cannot replay")
+        return deferred_full_tensor(shape, ctx.seed, name, init_method)
     if ctx.seed is None:
         full = torch.empty(shape, dtype=torch.float32)
         with torch.no_grad():
@@ -132,6 +150,7 @@ def linear_op(
         userbuffers_options=userbuffers_options(comm_name, ctx.overlap),
     )
     set_shard_spec(op.weight, spec)
+    set_deferred_init(op.weight, full_weight, spec, ctx.tp_rank, ctx.tp_size)
     return op
 
 

@@ -9,6 +9,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from tp_fuse.distributed import checkpoint
 from tp_fuse.ops import AddExtraInput, BasicOperation, Dropout, Sequential
 from tp_fuse.overlap_config import TPOverlap
 
@@ -163,6 +164,9 @@ class MultiheadAttention(torch.nn.Module):
             self.qkv = Sequential(ops)
         self.rotary = RotaryEmbedding(self.head_dim, rope_theta) if position_embedding == "rope" else None
         self.core = DotProductAttention(attention_dropout)
+        # Selective recompute (Megatron's "core_attn"): the [b, n, s, s] scores are the
+        # largest activation of the layer and the cheapest to rebuild (no GEMM weights, no FP8).
+        self.recompute_core_attention = False
 
         proj = row_parallel_ops(ctx.child("proj"), num_heads * self.head_dim, hidden_size, bias=bias,
                                 comm_name="proj", init_method=output_init_method)
@@ -193,11 +197,18 @@ class MultiheadAttention(torch.nn.Module):
             # qkv holds the whole sequence here (gathered under SP): positions 0..s-1.
             cos, sin = self.rotary.cos_sin(q.shape[0], q.device)
             q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        with maybe_fork(self.rng, "tp_local", self.training and self.core.attention_dropout > 0):
-            # Each rank holds different heads: masks must be independent across TP ranks.
-            context = self.core(q, k, v)  # [s, b, n/tp * d]
+        if self.recompute_core_attention and torch.is_grad_enabled():
+            context = checkpoint(self._core_attention, q, k, v, modules=[self.core],
+                                 get_rng_state_tracker=lambda: self.rng)
+        else:
+            context = self._core_attention(q, k, v)  # [s, b, n/tp * d]
         with maybe_fork(self.rng, self._hidden_stream, self.training and self.hidden_dropout > 0):
             return self.proj(context, *extra)
+
+    def _core_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        with maybe_fork(self.rng, "tp_local", self.training and self.core.attention_dropout > 0):
+            # Each rank holds different heads: masks must be independent across TP ranks.
+            return self.core(q, k, v)  # [s, b, n/tp * d]
 
     def extra_repr(self) -> str:
         return (f"hidden_size={self.hidden_size}, num_heads={self.num_heads}, "

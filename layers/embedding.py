@@ -12,7 +12,7 @@ from tp_fuse.ops import AllReduce, ReduceScatter
 
 from ._common import InitMethod, ParallelContext, full_init
 from .grad_sync import sync_sequence_parallel_grad
-from .sharding import ShardSpec, divide, normal_init, set_shard_spec, shard_tensor
+from .sharding import ShardSpec, divide, normal_init, set_deferred_init, set_shard_spec, shard_tensor
 
 __all__ = ["VocabParallelEmbedding"]
 
@@ -60,6 +60,7 @@ class VocabParallelEmbedding(torch.nn.Module):
         shard = shard_tensor(full, spec, ctx.tp_rank, ctx.tp_size).to(device=ctx.device, dtype=dtype)
         self.weight = torch.nn.Parameter(shard)
         set_shard_spec(self.weight, spec)
+        set_deferred_init(self.weight, full, spec, ctx.tp_rank, ctx.tp_size)
         self.reduce: Optional[torch.nn.Module] = None
         if ctx.tp_size > 1:
             self.reduce = ReduceScatter(tp_group) if sequence_parallel else AllReduce(tp_group)
@@ -114,6 +115,7 @@ class PositionEmbedding(torch.nn.Module):
         full = full_init(ctx, (max_seq_len, hidden_size), "weight", init_method or normal_init(0.02))
         self.weight = torch.nn.Parameter(full.to(device=ctx.device, dtype=dtype))
         set_shard_spec(self.weight, None)
+        set_deferred_init(self.weight, full, None, ctx.tp_rank, ctx.tp_size)
         if sequence_parallel:
             sync_sequence_parallel_grad(self.weight, tp_group)
 

@@ -135,6 +135,13 @@ class GPT(torch.nn.Module):
             linear.weight = self.embedding.weight
         self.output = Sequential(OrderedDict([*comm.items(), ("linear", linear)]))
 
+    def set_activation_checkpointing(self, mode: str) -> None:
+        """Activation recompute for every TransformerLayer: ``"none"``, ``"selective"``
+        (core attention, Megatron's selective granularity) or ``"full"`` (whole layers).
+        Under FP8 the recompute replays the first forward's scales (``tp_fuse.checkpoint``)."""
+        for layer in self.layers:
+            layer.set_activation_checkpointing(mode)
+
     @property
     def output_weight(self) -> torch.nn.Parameter:
         return self.output.linear.weight

@@ -46,10 +46,18 @@ class DropoutRNG:
     def __init__(self, seed: int, tp_rank: int, device: Optional[torch.device | str] = None) -> None:
         if isinstance(seed, bool) or not isinstance(seed, int):
             raise ValueError(f"DropoutRNG: seed must be an int, got {seed!r}")
-        self.device = torch.device(device) if device is not None else torch.device("cpu")
+        self.seed, self.tp_rank = seed, tp_rank
+        self.reset(device)
+
+    def reset(self, device: Optional[torch.device | str] = None) -> None:
+        """Restart both streams from the seed, drawing on ``device`` (e.g. a model built
+        on ``meta`` and materialized on its real device)."""
+        device = torch.device(device) if device is not None else torch.device("cpu")
+        # A meta "device" has no RNG: the streams are made for the real device on reset.
+        self.device = torch.device("cpu") if device.type == "meta" else device
         self._states: dict[str, torch.Tensor] = {
-            "replicated": self._initial_state(seed),
-            "tp_local": self._initial_state(seed + _TP_SEED_OFFSET + tp_rank),
+            "replicated": self._initial_state(self.seed),
+            "tp_local": self._initial_state(self.seed + _TP_SEED_OFFSET + self.tp_rank),
         }
 
     def _initial_state(self, seed: int) -> torch.Tensor:
@@ -83,6 +91,14 @@ class DropoutRNG:
         finally:
             self._states[stream] = self._get_global()
             self._set_global(saved)
+
+    # Megatron's RNG-tracker names: tp_fuse.checkpoint replays the streams for recompute.
+    def get_states(self) -> dict[str, torch.Tensor]:
+        """The streams' states (copies); :meth:`set_states` puts them back."""
+        return self.state_dict()
+
+    def set_states(self, states: dict[str, torch.Tensor]) -> None:
+        self.load_state_dict(states)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         return {k: v.clone() for k, v in self._states.items()}

@@ -26,9 +26,17 @@ class RotaryEmbedding(torch.nn.Module):
             raise ValueError(f"rope_theta must be > 0, got {theta}")
         self.head_dim = head_dim
         self.theta = float(theta)
-        inv_freq = 1.0 / (self.theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
         # Not persistent: derived from (head_dim, theta), no checkpoint entry needed.
-        self.register_buffer("inv_freq", inv_freq.float(), persistent=False)
+        self.register_buffer("inv_freq", self._inv_freq(), persistent=False)
+
+    def _inv_freq(self) -> torch.Tensor:
+        d = self.head_dim
+        return (1.0 / (self.theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d))).float()  # [d/2]
+
+    def reset_buffers(self) -> None:
+        """Recompute ``inv_freq`` in place (after ``to_empty`` from the meta device)."""
+        with torch.no_grad():
+            self.inv_freq.copy_(self._inv_freq())
 
     def cos_sin(self, seq_len: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         pos = torch.arange(seq_len, device=device, dtype=torch.float32)

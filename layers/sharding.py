@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import zlib
 from collections.abc import Callable, Iterator
 from typing import Any, Optional
@@ -46,6 +47,8 @@ __all__ = [
     "full_grads",
     "load_full_state_dict",
     "grad_norm",
+    "deferred_full_tensor",
+    "set_deferred_init",
 ]
 
 
@@ -166,6 +169,32 @@ def seeded_full_tensor(
     with _forked_cpu_rng(derive_seed(seed, name)), torch.no_grad():
         init_method(full)
     return full
+
+
+def deferred_full_tensor(
+    shape: tuple[int, ...], seed: int, name: str, init_method: Callable[[torch.Tensor], Any]
+) -> torch.Tensor:
+    """A ``meta`` stand-in for :func:`seeded_full_tensor`: no memory, no RNG draws.
+
+    It carries ``tp_full_init``, a callable that draws the real full tensor later (the
+    same values :func:`seeded_full_tensor` gives now), so that a model built on ``meta``
+    can be materialized shard by shard (``layers.meta_init.materialize``).
+    """
+    full = torch.empty(shape, dtype=torch.float32, device="meta")
+    full.tp_full_init = functools.partial(seeded_full_tensor, shape, seed, name, init_method)  # type: ignore[attr-defined]
+    return full
+
+
+def _local_from_full(full_init: Callable[[], torch.Tensor], spec: Optional[ShardSpec], rank: int, size: int) -> torch.Tensor:
+    return shard_tensor(full_init(), spec, rank, size)
+
+
+def set_deferred_init(param: torch.Tensor, full: torch.Tensor, spec: Optional[ShardSpec], rank: int, size: int) -> None:
+    """If ``full`` came from :func:`deferred_full_tensor`, tag ``param`` with ``tp_init``:
+    a callable returning this TP rank's fp32 CPU shard (the values eager init gives)."""
+    full_init = getattr(full, "tp_full_init", None)
+    if full_init is not None:
+        param.tp_init = functools.partial(_local_from_full, full_init, spec, rank, size)  # type: ignore[attr-defined]
 
 
 def normal_init(std: float) -> Callable[[torch.Tensor], Any]:

@@ -8,6 +8,7 @@ from typing import Literal, Optional
 import torch
 import torch.distributed as dist
 
+from tp_fuse.distributed import checkpoint
 from tp_fuse.overlap_config import TPOverlap
 
 from ._common import Normalization, ParallelContext, check_fp8_amax_group, dropout_rng
@@ -17,7 +18,11 @@ from .layernorm_mlp import Activation, LayerNormMLP
 from .random import DropoutRNG
 from .sharding import normal_init
 
-__all__ = ["TransformerLayer"]
+__all__ = ["ActivationCheckpointing", "TransformerLayer"]
+
+#: ``"none"``; ``"selective"``: recompute the core attention (softmax(QK^T)V, Megatron's
+#: ``recompute_granularity=selective``); ``"full"``: recompute the whole layer.
+ActivationCheckpointing = Literal["none", "selective", "full"]
 
 
 class TransformerLayer(torch.nn.Module):
@@ -89,6 +94,15 @@ class TransformerLayer(torch.nn.Module):
         )
         self.mlp = LayerNormMLP(hidden_size, ffn_hidden_size, activation=activation,
                                 seed=ctx.child("mlp").seed, **common)
+        self.rng = rng
+        self.activation_checkpointing: ActivationCheckpointing = "none"
+
+    def set_activation_checkpointing(self, mode: ActivationCheckpointing) -> None:
+        """``"none"``, ``"selective"`` (core attention recomputed) or ``"full"`` (the layer)."""
+        if mode not in ("none", "selective", "full"):
+            raise ValueError(f"activation_checkpointing must be 'none', 'selective' or 'full', got {mode!r}")
+        self.activation_checkpointing = mode
+        self.attention.recompute_core_attention = mode == "selective"
 
     @classmethod
     def from_config(
@@ -116,4 +130,10 @@ class TransformerLayer(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         check_fp8_amax_group(self.tp_group, self.sequence_parallel)
+        if self.activation_checkpointing == "full" and torch.is_grad_enabled():
+            # FP8 scales and dropout streams of the first forward are replayed (tp_fuse.checkpoint).
+            return checkpoint(self._forward, x, modules=[self], get_rng_state_tracker=lambda: self.rng)
+        return self._forward(x)
+
+    def _forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.mlp(self.attention(x))

@@ -13,6 +13,7 @@ from .availability import (
     is_mxfp8_available,
     is_nvfp4_available,
 )
+from .distributed import checkpoint
 from .ops.explain import explain
 from .quantization import (
     DType,
@@ -33,6 +34,7 @@ __all__ = [
     "QuantizedTensor",
     "Quantizer",
     "autocast",
+    "checkpoint",
     "explain",
     "is_bf16_available",
     "is_fp8_available",

@@ -314,6 +314,11 @@ class OperationFuser:
             offset += op.num_extra_inputs
         return per_op
 
+    # torch.compile: a fusion group runs eagerly, a documented graph break (docs/fsdp.md).
+    # Dynamo cannot trace its autograd function (Float8Tensor subclasses, FP8 state updated
+    # in place, contextvar autocast state, collectives chosen at run time); the code between
+    # groups (attention core, reshapes, RoPE, residual plumbing) is compiled.
+    @torch.compiler.disable
     def __call__(
         self,
         input_: torch.Tensor,

@@ -42,6 +42,8 @@ __all__ = [
     "active_autocast",
     "quantized_model_init",
     "model_init_recipe",
+    "current_autocast",
+    "reenter_autocast",
 ]
 
 
@@ -191,6 +193,30 @@ def active_autocast() -> Optional[AutocastContext]:
     """The innermost enabled autocast context, or None when FP8 is off."""
     ctx = _ACTIVE.get()
     return ctx if ctx is not None and ctx.enabled else None
+
+
+def current_autocast() -> Optional[AutocastContext]:
+    """The innermost autocast context, enabled or not (None outside any autocast).
+
+    For activation recompute (``tp_fuse.checkpoint``): what the first forward ran under,
+    to be re-entered by :func:`reenter_autocast` when the backward pass recomputes it.
+    """
+    return _ACTIVE.get()
+
+
+@contextlib.contextmanager
+def reenter_autocast(ctx: Optional[AutocastContext]) -> Iterator[None]:
+    """Make ``ctx`` (from :func:`current_autocast`) the active context again.
+
+    Joins the step state of the autocast ``ctx`` belonged to (same backward amax
+    tracker) and, unlike ``autocast``, reduces nothing at exit: the forward amaxes of
+    that step were reduced once already. ``None`` runs the block with FP8 off.
+    """
+    token = _ACTIVE.set(ctx)
+    try:
+        yield
+    finally:
+        _ACTIVE.reset(token)
 
 
 @contextlib.contextmanager

@@ -1,0 +1,131 @@
+"""The launcher with FSDP2 (``parallel.dp_shard``): 4 gloo ranks, one process start, many runs.
+
+Each run is ``launch.api.train`` inside the same 4 processes (the process group is
+reused, new meshes per run). Checked: TP=2 x FSDP=2 trains like TP=2 x DP=2 (fp32,
+10 steps, 1e-5); DCP checkpoints resume across layouts (FSDP -> DDP and DDP -> FSDP)
+and exactly within one; FP8 + sequence parallelism + full recompute under FSDP2 train
+like the replicated run. The config checks run without processes.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import traceback
+from typing import Any
+
+import pytest
+
+from dist_utils import run_distributed
+
+TINY = [
+    "+model=gpt", "model.num_layers=2", "model.hidden_size=64", "model.num_heads=2", "data.seq_len=32",
+    "trainer.global_batch_size=8", "trainer.micro_batch_size=2", "optim.warmup_steps=1", "optim.lr=3e-3",
+    "trainer.progress=false", "logger=none", "trainer.log_interval=1", "trainer.val_interval=5",
+    "trainer.max_steps=10", "parallel.tp=2",
+]
+FSDP = ["parallel.dp_shard=2"]
+DDP = ["parallel.dp_shard=1"]
+
+
+def _runs(rank: int, world_size: int, root: str) -> dict[str, Any]:
+    import torch.distributed as dist
+
+    from launch.api import train
+
+    os.environ.update({"WORLD_SIZE": str(world_size), "RANK": str(rank)})
+
+    def run(name: str, *extra: str) -> dict[int, float]:
+        result = train([*TINY, *extra], os.path.join(root, name, "run"))
+        return result.losses
+
+    def ck(name: str) -> str:
+        return f"checkpoint.dir={os.path.join(root, name, 'ck')}"
+
+    out: dict[str, Any] = {}
+    try:
+        out["fsdp"] = run("fsdp", *FSDP, "checkpoint.interval=5", ck("fsdp"))
+        out["ddp"] = run("ddp", *DDP, "checkpoint.interval=5", ck("ddp"))
+        # Resume from step 5 of the other layout, and of the same one (a copy of that step only).
+        for name, layout, src in (("ddp_from_fsdp", DDP, "fsdp"), ("fsdp_from_ddp", FSDP, "ddp"),
+                                  ("fsdp_from_fsdp", FSDP, "fsdp")):
+            if rank == 0:
+                shutil.copytree(os.path.join(root, src, "ck", "step_00000005"),
+                                os.path.join(root, name, "ck", "step_00000005"))
+            dist.barrier()
+            out[name] = run(name, *layout, "checkpoint.resume=true", ck(name), "checkpoint.save_final=false")
+        fp8 = ["parallel.sequence_parallel=true", "fp8=delayed", "fp8.amax_history_len=4", "trainer.max_steps=6"]
+        out["fp8_fsdp_recompute"] = run("fp8a", *FSDP, *fp8, "trainer.activation_checkpointing=full")
+        out["fp8_ddp"] = run("fp8b", *DDP, *fp8)
+    except Exception:  # noqa: BLE001 - reported to the parent
+        out["error"] = traceback.format_exc()
+    return out
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict[str, Any]:
+    root = str(tmp_path_factory.mktemp("fsdp_launch"))
+    results = run_distributed(4, _runs, root, timeout=900)
+    for rank, r in enumerate(results):
+        assert "error" not in r, f"rank {rank}:\n{r['error']}"
+    assert all(r == results[0] for r in results[1:]), "ranks report different losses"
+    return results[0]
+
+
+def _max_diff(a: dict[int, float], b: dict[int, float]) -> float:
+    assert a.keys() <= b.keys(), (sorted(a), sorted(b))
+    return max(abs(v - b[k]) for k, v in a.items())
+
+
+@pytest.mark.multirank
+def test_tp2_fsdp2_trains_like_tp2_dp2(runs) -> None:
+    import torch
+
+    from tolerances import tols
+
+    assert sorted(runs["fsdp"]) == list(range(1, 11))
+    assert runs["fsdp"][10] < runs["fsdp"][1]
+    assert _max_diff(runs["fsdp"], runs["ddp"]) <= tols(torch.float32)["atol"]
+
+
+@pytest.mark.multirank
+def test_checkpoints_resume_across_fsdp_and_ddp_layouts(runs) -> None:
+    import torch
+
+    from tolerances import tols
+
+    atol = tols(torch.float32)["atol"]
+    for name, ref in (("ddp_from_fsdp", "fsdp"), ("fsdp_from_ddp", "ddp")):
+        assert sorted(runs[name]) == list(range(6, 11)), name
+        assert _max_diff(runs[name], runs[ref]) <= atol, name
+    # Within one layout the resumed trajectory is the uninterrupted one, bit for bit.
+    assert runs["fsdp_from_fsdp"] == {k: v for k, v in runs["fsdp"].items() if k > 5}
+
+
+@pytest.mark.multirank
+def test_fp8_sequence_parallel_and_recompute_under_fsdp(runs) -> None:
+    import torch
+
+    from tolerances import tols
+
+    assert sorted(runs["fp8_fsdp_recompute"]) == list(range(1, 7))
+    assert _max_diff(runs["fp8_fsdp_recompute"], runs["fp8_ddp"]) <= tols(torch.float32)["atol"]
+
+
+def test_dp_shard_and_replicate_are_validated_before_start() -> None:
+    from launch.api import compose
+    from launch.config import validate
+
+    base = [*TINY, "parallel.tp=1"]
+    layout = validate(compose([*base, "parallel.dp_shard=2"]), 4)
+    assert (layout.dp, layout.dp_shard, layout.dp_replicate, layout.fsdp) == (4, 2, 2, True)
+    layout = validate(compose(base), 4)
+    assert (layout.dp_shard, layout.dp_replicate, layout.fsdp) == (1, 4, False)  # today's behaviour
+    with pytest.raises(ValueError, match=r"parallel.dp_shard \(3\) must divide the data-parallel size \(4"):
+        validate(compose([*base, "parallel.dp_shard=3"]), 4)
+    with pytest.raises(ValueError, match=r"parallel.dp_replicate \(1\) x parallel.dp_shard \(2\) must equal"):
+        validate(compose([*base, "parallel.dp_shard=2", "parallel.dp_replicate=1"]), 4)
+    with pytest.raises(ValueError, match="parallel.dp_shard must be >= 1"):
+        validate(compose([*base, "parallel.dp_shard=0"]), 4)
+    with pytest.raises(ValueError, match="trainer.activation_checkpointing"):
+        validate(compose([*base, "trainer.activation_checkpointing=some"]), 4)
