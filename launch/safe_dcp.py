@@ -45,6 +45,8 @@ __all__ = [
 ]
 
 METADATA_FILE = ".metadata"
+#: A few hundred bytes per tensor entry: even a 100B-parameter model stays far below this.
+MAX_METADATA_BYTES = 256 << 20
 #: The data files DCP's FileSystemWriter writes: ``__<rank>_<index>.distcp``.
 DATA_FILE = re.compile(r"^__\d+_\d+\.distcp$")
 
@@ -90,8 +92,14 @@ def _allowed_globals() -> dict[tuple[str, str], Any]:
 ALLOWED_GLOBALS: dict[tuple[str, str], Any] = _allowed_globals()
 
 
-class _MetadataUnpickler(pickle.Unpickler):
-    """Resolves exactly the pairs in :data:`ALLOWED_GLOBALS` (no module-wide or dotted lookups)."""
+class _MetadataUnpickler(pickle._Unpickler):  # noqa: SLF001 - the pure-Python unpickler, on purpose
+    """Resolves exactly the pairs in :data:`ALLOWED_GLOBALS` (no module-wide or dotted lookups).
+
+    Built on pickle's pure-Python unpickler: the C one allocates the length a BINBYTES8 /
+    BINUNICODE8 opcode *declares* before reading, so 20 crafted bytes could ask for
+    16 GiB (found by the fuzz test: the kernel's OOM killer ended the test run). The
+    Python one reads what is there and fails on the truncated stream.
+    """
 
     def find_class(self, module: str, name: str) -> Any:
         try:
@@ -166,6 +174,10 @@ def read_metadata(checkpoint_dir: str) -> dcp_metadata.Metadata:
     """Unpickle (restricted) and validate ``<checkpoint_dir>/.metadata``."""
     path = os.path.join(str(checkpoint_dir), METADATA_FILE)
     try:
+        size = os.path.getsize(path)
+        if size > MAX_METADATA_BYTES:
+            raise CheckpointError(f"{path}: {size} bytes, more than the {MAX_METADATA_BYTES} a DCP metadata file "
+                                  "of tp-fuse can have; refusing to read it")
         with open(path, "rb") as f:
             raw = f.read()
     except OSError as exc:

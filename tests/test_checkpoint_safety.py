@@ -19,6 +19,8 @@ import os
 import pathlib
 import pickle
 import shutil
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -122,6 +124,20 @@ def test_arbitrary_metadata_bytes_give_a_checkpoint_error(tmp_path_factory, raw)
     (d / ".metadata").write_bytes(raw)
     with pytest.raises(CheckpointError, match=r"\.metadata"):
         safe_dcp.read_metadata(str(d))
+
+
+def test_a_declared_huge_length_does_not_allocate_it(tmp_path):
+    """BINBYTES8 declaring 16 GiB in 20 bytes: the C unpickler allocates the declared size
+    first (the fuzz test below got the run OOM-killed); the metadata reader must not."""
+    (tmp_path / ".metadata").write_bytes(b"\x80\x04\x8e" + (16 << 30).to_bytes(8, "little") + b"abc")
+    code = ("import resource, sys; resource.setrlimit(resource.RLIMIT_AS, (3 << 30, 3 << 30)); "
+            "from launch import safe_dcp\n"
+            f"try:\n    safe_dcp.read_metadata({str(tmp_path)!r})\nexcept safe_dcp.CheckpointError as e:\n"
+            "    print(e)")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": root})
+    assert "not a readable DCP metadata file (EOFError" in proc.stdout, proc.stdout + proc.stderr
 
 
 # ---- route 2: BytesStorageMetadata -> torch.load(weights_only=False) ---------------------
