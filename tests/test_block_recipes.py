@@ -386,3 +386,14 @@ def test_disable_fp8_gemm_with_block_recipes(recipe, gemms):
     for i, gemm in enumerate(("fprop", "dgrad", "wgrad")):
         assert torch.equal(dbg[i], hp[i] if gemm in gemms else q[i]), gemm
     assert not torch.equal(hp[0], q[0])
+
+
+def test_nonfinite_block_amax_is_counted():
+    # An inf saturates to 448 in the cast, so the count is the only trace (launch.health reads it).
+    q = make_quantizer(Float8BlockScaling(), "input")
+    x = torch.ones(2, 256)
+    q.quantize(x, transpose=True)
+    assert int(q.nonfinite_amax_count) == 0
+    x[1, 3] = float("inf")
+    q.quantize(x, transpose=True)
+    assert int(q.nonfinite_amax_count) == 2  # row-wise and column-wise copies

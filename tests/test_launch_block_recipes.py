@@ -47,3 +47,22 @@ def test_config_refuses_rows_that_split_blocks_between_ranks():
     with pytest.raises(ValueError, match=r"fp8.recipe=blockwise .* = 64\) to be a multiple of the 128-row block"):
         validate(compose([*base, "fp8=blockwise"]), 2)
     validate(compose([*base, "fp8=blockwise", "overlap=off"]), 2)  # unfused: gathers in high precision
+
+
+@pytest.mark.parametrize("recipe", ["blockwise", "rowwise"])
+def test_checkpoint_resume_with_block_recipe_continues_bitwise(tmp_path, recipe):
+    import shutil
+
+    from launch.api import train
+
+    run = [*TINY, "trainer.max_steps=6", "trainer.log_interval=1", "trainer.val_interval=0", "logger=none",
+           f"fp8={recipe}", "fp8.stats=false", "checkpoint.interval=3", "checkpoint.keep=2"]
+    train([*run, f"checkpoint.dir={tmp_path / 'ck'}"], str(tmp_path / "a"))
+    ck = tmp_path / "ck2"
+    ck.mkdir()
+    shutil.copytree(tmp_path / "ck" / "step_00000003", ck / "step_00000003")
+    result = train([*run, "checkpoint.resume=true", f"checkpoint.dir={ck}"], str(tmp_path / "b"))
+    assert result.start_step == 3
+    full = {r["step"]: r["loss"] for r in read_jsonl(str(tmp_path / "a" / "metrics.jsonl"))}
+    resumed = {r["step"]: r["loss"] for r in read_jsonl(str(tmp_path / "b" / "metrics.jsonl"))}
+    assert {s: resumed[s] for s in (4, 5, 6)} == {s: full[s] for s in (4, 5, 6)}

@@ -95,9 +95,16 @@ class BlockScalingQuantizer(Quantizer):
         self.spec = spec
         self.rule = rule
         self.last_scale_inv: Optional[torch.Tensor] = None
+        # Quantizations with a NaN/inf block amax (the saturating cast would hide an inf);
+        # the launcher's non-finite guard reads it like the per-tensor quantizers' count.
+        self.nonfinite_amax_count = torch.zeros((), dtype=torch.int64)
 
     def payload(self, x2d: torch.Tensor, amax: Optional[torch.Tensor] = None) -> BlockPayload:
         """Row-wise payload of a 2-D high-precision tensor (``amax``: per-block, precomputed)."""
+        if amax is None:
+            amax = block_amax(x2d, self.spec)
+        bad = (~torch.isfinite(amax)).any().to(torch.int64)
+        self.nonfinite_amax_count = self.nonfinite_amax_count.to(bad.device) + bad
         data, scale_inv = quantize_blocks(x2d, self.spec, self.fp8_dtype, self.rule, amax)
         return BlockPayload(data, scale_inv, self.spec)
 
@@ -150,6 +157,7 @@ class BlockScalingQuantizer(Quantizer):
             "scale_inv_max": float(finite.max()),
             "scale_inv_std": float(finite.std(unbiased=False)),
             "num_blocks": float(s.numel()),
+            "nonfinite_amax_count": float(self.nonfinite_amax_count),
         }
 
     def __repr__(self) -> str:
