@@ -39,7 +39,7 @@ def test_precheck_reports_every_kind_of_config_error():
     assert "did you mean trainer.max_steps?" in precheck(["+model=gpt", "trainer.max_step=5"], CONFIG_DIR, 1)
     # Hydra's own errors keep their content, without the config search path.
     msg = precheck(["+model=gpt", "fp8=delyed"], CONFIG_DIR, 1)
-    assert "Could not find 'fp8/delyed'" in msg and "current delayed none" in msg
+    assert "Could not find 'fp8/delyed'" in msg and "Available options in 'fp8':" in msg and " delayed " in msg
     assert "search path" not in msg
     assert precheck(["+model=gpt", "parallel.tp=3"], CONFIG_DIR, 2) == "parallel.tp (3) must divide the world size (2)"
     # A '+' addition of an unknown key is caught by the typed config, with the closest match too.
