@@ -252,7 +252,7 @@ def main() -> None:
                 f"{r['auto'] * 1e3:>8.2f}{r['auto'] / r['unfused']:>9.2f}  "
                 f"{'[%.2f, %.2f]' % r['auto_q']:<14}{choice}"
             )
-        fastest = min(r["fused"] for *_, r in rows)
+        fastest = min(r["fused"] for _, _, _, r, _ in rows)
         print(f"cross-rank shape check (every TP comm op, by default): first call per shape signature "
               f"{check_first * 1e3:.3f} ms (one all-gather of 20 int64), then {check_cached * 1e6:.2f} us per call "
               f"= {check_cached / fastest * 100:.4f}% of the fastest fused op above")
