@@ -102,7 +102,7 @@ def _measure(variants: dict[str, Callable[[], object]], warmup: int, repeats: in
                 samples[name].append(wall)
     res: dict[str, Any] = {k: statistics.median(v) for k, v in samples.items()}
     ratios = [a / u for a, u in zip(samples["auto"], samples["unfused"])]
-    q = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else [ratios[0]] * 3
+    q = statistics.quantiles(ratios, n=4, method="inclusive") if len(ratios) > 1 else [ratios[0]] * 3
     res["auto_q"] = (q[0], q[2])
     return res
 
