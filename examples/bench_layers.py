@@ -210,7 +210,7 @@ def main() -> None:
         a, b, c = (med[k] for k in ("a: tp-fuse, overlap on", "b: tp-fuse, overlap off", "c: DTensor TP"))
         au = med["auto: tp-fuse, overlap auto"]
         ratios = [tb / ta for tb, ta in zip(times["b: tp-fuse, overlap off"], times["auto: tp-fuse, overlap auto"])]
-        q = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else [ratios[0]] * 3
+        q = statistics.quantiles(ratios, n=4, method="inclusive") if len(ratios) > 1 else [ratios[0]] * 3
         print(f"overlap auto: measuring took {auto_overlap.tuner.measure_seconds:.2f} s (rank 0) in the first "
               f"step ({first_s['auto: tp-fuse, overlap auto']:.2f} s; overlap off: "
               f"{first_s['b: tp-fuse, overlap off']:.2f} s); choices:")

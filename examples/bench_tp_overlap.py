@@ -102,7 +102,7 @@ def _measure(variants: dict[str, Callable[[], object]], warmup: int, repeats: in
                 samples[name].append(wall)
     res: dict[str, Any] = {k: statistics.median(v) for k, v in samples.items()}
     ratios = [a / u for a, u in zip(samples["auto"], samples["unfused"])]
-    q = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else [ratios[0]] * 3
+    q = statistics.quantiles(ratios, n=4, method="inclusive") if len(ratios) > 1 else [ratios[0]] * 3
     res["auto_q"] = (q[0], q[2])
     return res
 
@@ -252,7 +252,7 @@ def main() -> None:
                 f"{r['auto'] * 1e3:>8.2f}{r['auto'] / r['unfused']:>9.2f}  "
                 f"{'[%.2f, %.2f]' % r['auto_q']:<14}{choice}"
             )
-        fastest = min(r["fused"] for *_, r in rows)
+        fastest = min(r["fused"] for _, _, _, r, _ in rows)
         print(f"cross-rank shape check (every TP comm op, by default): first call per shape signature "
               f"{check_first * 1e3:.3f} ms (one all-gather of 20 int64), then {check_cached * 1e6:.2f} us per call "
               f"= {check_cached / fastest * 100:.4f}% of the fastest fused op above")
