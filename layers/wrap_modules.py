@@ -71,6 +71,13 @@ def _fill_inner_keys(module: _KeepsOriginalKeys, state_dict: dict, prefix: str, 
     for inner, outer in module._inner_aliases().items():
         if prefix + outer in state_dict:
             state_dict[prefix + "_tp." + inner] = state_dict[prefix + outer]
+    # The inner ops' ``_extra_state`` (FP8 scaling state, tp_fuse.ops.extra_state) is not
+    # among the original's keys: an original-format state dict keeps the current state.
+    for name, sub in module._tp.named_modules():
+        if type(sub).get_extra_state is not torch.nn.Module.get_extra_state:
+            key = prefix + "_tp." + (name + "." if name else "") + "_extra_state"
+            if key not in state_dict:
+                state_dict[key] = sub.get_extra_state()
     # A tied weight lent at call time is owned (and loaded) elsewhere.
     for name, p in module._tp.named_parameters(remove_duplicate=False):
         key = prefix + "_tp." + name
