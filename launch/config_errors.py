@@ -40,6 +40,7 @@ from .config import (
     DebugConfig,
     FP8Config,
     LoggerConfig,
+    ModelConfig,
     OptimConfig,
     OverlapConfig,
     ParallelConfig,
@@ -80,9 +81,11 @@ _REPLACED = {
 
 
 def known_keys(section: str) -> list[str]:
-    """Field names of config group ``section`` (``model``: ``name`` + every GPTConfig field)."""
+    """Field names of config group ``section`` (``model``: ModelConfig's own fields but
+    ``gpt``, then every GPTConfig field)."""
     if section == "model":
-        return ["name", *(f.name for f in dataclasses.fields(GPTConfig))]
+        own = [f.name for f in dataclasses.fields(ModelConfig) if f.name != "gpt"]
+        return [*own, *(f.name for f in dataclasses.fields(GPTConfig))]
     return [f.name for f in dataclasses.fields(_SECTIONS[section])]
 
 
