@@ -57,6 +57,11 @@ def _runs(rank: int, world_size: int, root: str) -> dict[str, Any]:
         fp8 = ["parallel.sequence_parallel=true", "fp8=delayed", "fp8.amax_history_len=4", "trainer.max_steps=6"]
         out["fp8_fsdp_recompute"] = run("fp8a", *FSDP, *fp8, "trainer.activation_checkpointing=full")
         out["fp8_ddp"] = run("fp8b", *DDP, *fp8)
+        # The block-scaled and row-wise recipes (issue 12) under FSDP2 as well.
+        for recipe in ("current", "blockwise", "mxfp8", "rowwise"):
+            short = [f"fp8={recipe}", "trainer.max_steps=4"]
+            out[f"{recipe}_fsdp"] = run(f"{recipe}a", *FSDP, *short)
+            out[f"{recipe}_ddp"] = run(f"{recipe}b", *DDP, *short)
     except Exception:  # noqa: BLE001 - reported to the parent
         out["error"] = traceback.format_exc()
     return out
@@ -110,6 +115,17 @@ def test_fp8_sequence_parallel_and_recompute_under_fsdp(runs) -> None:
 
     assert sorted(runs["fp8_fsdp_recompute"]) == list(range(1, 7))
     assert _max_diff(runs["fp8_fsdp_recompute"], runs["fp8_ddp"]) <= tols(torch.float32)["atol"]
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("recipe", ["current", "blockwise", "mxfp8", "rowwise"])
+def test_every_fp8_recipe_under_fsdp_trains_like_ddp(runs, recipe) -> None:
+    import torch
+
+    from tolerances import tols
+
+    assert sorted(runs[f"{recipe}_fsdp"]) == list(range(1, 5))
+    assert _max_diff(runs[f"{recipe}_fsdp"], runs[f"{recipe}_ddp"]) <= tols(torch.float32)["atol"]
 
 
 def test_dp_shard_and_replicate_are_validated_before_start() -> None:
