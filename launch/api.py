@@ -13,21 +13,18 @@ exists: one process, or each rank of a job started some other way.
 
 from __future__ import annotations
 
-import os
 from typing import Optional
 
 from hydra import compose as hydra_compose
 from hydra import initialize_config_dir
 from omegaconf import OmegaConf
 
-from .config import TrainConfig, from_dict, validate
+from .config import CONFIG_DIR, TrainConfig, from_dict, validate
 from .model import ModelFactory
 from .runtime import env_world_size
 
 __all__ = ["CONFIG_DIR", "compose", "train"]
 
-#: The Hydra config directory (``configs/`` at the repository root).
-CONFIG_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
 
 
 def compose(overrides: list[str]) -> TrainConfig:

@@ -26,6 +26,8 @@ from .hf_model import gpt_fields
 from .tokenizer import check_tokenizer_choice
 
 __all__ = [
+    "CONFIG_DIR",
+    "SECTIONS",
     "CheckpointConfig",
     "DataConfig",
     "DebugConfig",
@@ -270,6 +272,23 @@ class ParallelLayout:
         return self.dp_shard > 1
 
 
+#: The Hydra config directory (``configs/`` at the repository root).
+CONFIG_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
+
+#: Config groups besides ``model``, by name, with their dataclass.
+SECTIONS: dict[str, type] = {
+    "parallel": ParallelConfig,
+    "overlap": OverlapConfig,
+    "fp8": FP8Config,
+    "data": DataConfig,
+    "optim": OptimConfig,
+    "logger": LoggerConfig,
+    "trainer": TrainerConfig,
+    "checkpoint": CheckpointConfig,
+    "debug": DebugConfig,
+}
+
+
 # ---- dict -> dataclasses ---------------------------------------------------------
 
 
@@ -375,17 +394,7 @@ def from_dict(data: dict[str, Any]) -> TrainConfig:
         if path is not None:
             raise ValueError(f"model.path: only +model=hf takes a model directory (model.name is {name!r})")
         gpt = _build(GPTConfig, model, "model")
-    sections = {
-        "parallel": ParallelConfig,
-        "overlap": OverlapConfig,
-        "fp8": FP8Config,
-        "data": DataConfig,
-        "optim": OptimConfig,
-        "logger": LoggerConfig,
-        "trainer": TrainerConfig,
-        "checkpoint": CheckpointConfig,
-        "debug": DebugConfig,
-    }
+    sections = SECTIONS
     unknown = sorted(set(data) - set(sections))
     if unknown:
         raise ValueError(

@@ -35,16 +35,9 @@ from omegaconf import OmegaConf
 from layers.config import GPTConfig
 
 from .config import (
-    CheckpointConfig,
-    DataConfig,
-    DebugConfig,
-    FP8Config,
-    LoggerConfig,
+    CONFIG_DIR,
+    SECTIONS,
     ModelConfig,
-    OptimConfig,
-    OverlapConfig,
-    ParallelConfig,
-    TrainerConfig,
     from_dict,
     validate,
 )
@@ -58,20 +51,6 @@ CONFIG_ERROR_EXIT = 2
 _OTHER_RANKS_DELAY_S = 2.0
 _OTHER_RANKS_WAIT_S = 60.0
 
-#: The Hydra config directory (``configs/`` at the repository root).
-CONFIG_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
-
-_SECTIONS: dict[str, type] = {
-    "parallel": ParallelConfig,
-    "overlap": OverlapConfig,
-    "fp8": FP8Config,
-    "data": DataConfig,
-    "optim": OptimConfig,
-    "logger": LoggerConfig,
-    "trainer": TrainerConfig,
-    "checkpoint": CheckpointConfig,
-    "debug": DebugConfig,
-}
 
 
 #: Keys that were replaced: the message says what to use instead.
@@ -86,7 +65,7 @@ def known_keys(section: str) -> list[str]:
     if section == "model":
         own = [f.name for f in dataclasses.fields(ModelConfig) if f.name != "gpt"]
         return [*own, *(f.name for f in dataclasses.fields(GPTConfig))]
-    return [f.name for f in dataclasses.fields(_SECTIONS[section])]
+    return [f.name for f in dataclasses.fields(SECTIONS[section])]
 
 
 def closest(name: str, candidates: list[str]) -> Optional[str]:
@@ -114,7 +93,7 @@ def override_key_error(override: str) -> Optional[str]:
         return None
     parts = key.split(".")
     section, field = parts[0], parts[1]
-    sections = ["model", *_SECTIONS]
+    sections = ["model", *SECTIONS]
     if section not in sections:
         return (f"unknown config group {section!r} in {override!r}; groups: {', '.join(sections)}"
                 + _did_you_mean("", section, sections))
