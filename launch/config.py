@@ -19,6 +19,8 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any, Literal, Optional, Union
 
+import torch
+
 from layers.config import GPTConfig
 from tp_fuse.overlap_config import OverlapConfig as TPOverlapConfig
 
@@ -43,6 +45,9 @@ __all__ = [
     "from_dict",
     "validate",
 ]
+
+MEGATRON_NEEDS_CUDA = ("+model=megatron_gpt needs CUDA: megatron-core allocates buffers and RNG states with "
+                       "torch.cuda (on CPU use +model=gpt or +model=llama, tp-fuse's own GPT)")
 
 
 @dataclass
@@ -461,6 +466,8 @@ def validate(cfg: TrainConfig, world_size: int) -> ParallelLayout:
     if cfg.data.source in ("text", "bin"):
         _need(bool(cfg.data.paths), f"data.paths must list at least one file for data.source={cfg.data.source}")
         _check_data_files(cfg)
+    # megatron-core allocates its buffers and RNG states with torch.cuda: say so before start-up.
+    _need(cfg.model.name != "megatron_gpt" or torch.cuda.is_available(), MEGATRON_NEEDS_CUDA)
     if cfg.model.name == "hf":  # tokenized with the model directory's tokenizer.json; no SP for [b, s, h] models
         _need(not par.sequence_parallel, "parallel.sequence_parallel=true does not apply to +model=hf "
               "(Hugging Face activations are [batch, seq, hidden])")

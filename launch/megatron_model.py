@@ -24,13 +24,14 @@ import torch.nn.functional as F
 from layers import GPTConfig, wrap
 from layers.grad_sync import sync_sequence_parallel_grad
 
+from .config import MEGATRON_NEEDS_CUDA
+
 __all__ = ["build_megatron_gpt", "MegatronGPTLoss", "require_cuda"]
 
 
 def require_cuda() -> None:
     if not torch.cuda.is_available():
-        raise ValueError("+model=megatron_gpt needs CUDA: megatron-core 0.16 allocates buffers and RNG states "
-                         "with torch.cuda (use +model=gpt or +model=llama, tp-fuse's own GPT, on CPU)")
+        raise ValueError(MEGATRON_NEEDS_CUDA)
 
 
 class MegatronGPTLoss(torch.nn.Module):

@@ -8,7 +8,9 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
+from launch.config import MEGATRON_NEEDS_CUDA
 from launch.config_errors import CONFIG_DIR, closest, override_key_error, precheck
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -74,3 +76,9 @@ def test_torchrun_config_error_printed_once(tmp_path):
     # No traceback from the training processes (torchrun's own failure report is torchrun's).
     assert "launch/train.py\", line" not in out and "To append to your config" not in out
     assert os.listdir(tmp_path) == []
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the check is for machines without CUDA")
+def test_megatron_model_without_cuda_is_a_config_error_before_start_up():
+    # Used to pass validation and fail inside the Trainer with a Hydra traceback.
+    assert precheck(["+model=megatron_gpt"], CONFIG_DIR, 1) == MEGATRON_NEEDS_CUDA
