@@ -90,9 +90,10 @@ _GPT2 = {
 
 def _gpt2_fixup(model: torch.nn.Module, tp: int) -> None:
     # GPT2Attention splits c_attn's output with split(self.split_size) = hidden: make it
-    # the local width so that [q_r; k_r; v_r] separates again.
+    # the local width so that [q_r; k_r; v_r] separates again -- only where c_attn was
+    # converted (an excluded attention keeps its full projection and width).
     for m in model.modules():
-        if type(m).__name__ == "GPT2Attention":
+        if type(m).__name__ == "GPT2Attention" and isinstance(getattr(m, "c_attn", None), ParallelLinearAdapter):
             m.split_size = m.embed_dim // tp
 
 

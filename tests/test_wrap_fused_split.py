@@ -150,6 +150,28 @@ def phi3_kv_heads_refused(rank: int, world: int) -> dict[str, str]:
         return {"error": str(e)}
 
 
+@case
+def fused_attention_excluded(rank: int, world: int) -> dict[str, Any]:
+    """An excluded attention keeps its full fused projection, so the family fix-ups (GPT-2's
+    ``split_size``, Phi-3's local heads) must leave it alone."""
+    import transformers as tf
+    from layers import wrap
+
+    group = dist.new_group(list(range(world)))
+    torch.manual_seed(4)
+    gpt2 = tf.GPT2LMHeadModel(tf.GPT2Config(vocab_size=V, n_embd=32, n_layer=2, n_head=4, n_positions=S,
+                                            resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)).to(F64)
+    out = {}
+    for label, ref, excluded in (("gpt2", gpt2, "transformer.h.1.attn"), ("phi3", _phi3(), "model.layers.1.self_attn")):
+        model = wrap(copy.deepcopy(ref), group, exclude=[excluded], verbose=False)
+        ids = _tokens(9)
+        try:
+            out[label] = _max_err(model(ids).logits, ref(ids).logits)
+        except Exception as e:  # noqa: BLE001 - the old fix-up made the excluded attention fail
+            out[label] = f"{type(e).__name__}: {e}"
+    return out
+
+
 # ---- a hand-built GQA block with a fused qkv (bias included) ------------------------------
 
 
@@ -239,7 +261,7 @@ def unequal_fused_errors(rank: int, world: int) -> dict[str, str]:
 def _run_all_cases(rank: int, world: int) -> dict[str, tuple[str, Any]]:
     results: dict[str, tuple[str, Any]] = {}
     for name, fn in _CASES.items():
-        if name.startswith("phi3") and not HAVE_TRANSFORMERS:
+        if name.startswith(("phi3", "fused_attention")) and not HAVE_TRANSFORMERS:
             results[name] = ("ok", {"skipped": "transformers is not installed"})
             continue
         try:
@@ -294,6 +316,13 @@ def test_phi3_tp2_matches_unwrapped_float64(results) -> None:
 def test_phi3_kv_heads_not_dividing_tp_refused(results) -> None:
     for v in _values(results, "phi3_kv_heads_refused"):
         assert "config.num_key_value_heads (1) is not divisible by the TP size (2)" in v["error"], v["error"]
+
+
+@pytest.mark.multirank
+def test_excluded_fused_attention_left_alone(results) -> None:
+    for v in _values(results, "fused_attention_excluded"):
+        for label in ("gpt2", "phi3"):
+            assert isinstance(v[label], float) and v[label] <= 0, (label, v[label])
 
 
 @pytest.mark.multirank
