@@ -5,7 +5,9 @@ Contents of ``<checkpoint.dir>/step_XXXXXXXX/``:
 * DCP files (``.metadata``, ``__<rank>_*.distcp``) holding
   ``model/<param>`` and ``optim/<param>/{exp_avg,exp_avg_sq,step}`` -- TP-sharded
   tensors as DTensors in their *full* (TP=1) layout, so a checkpoint loads at any TP
-  size (DCP reads each rank's new slice); replicated tensors are written once;
+  size (DCP reads each rank's new slice); replicated tensors are written once; a tensor
+  of unequal fused parts (``layers.ShardSpec.sizes``: Phi-3's GQA ``[q; k; v]``) is
+  written part by part, ``model/<param>/part<i>`` (and likewise under ``optim/``);
   ``rank<r>/fp8/<module>/<role>/{scale,amax_history,last_amax,nonfinite_amax_count}``
   (delayed-scaling state), ``rank<r>/rng/...`` (torch and dropout RNG states) and
   ``train/{step,consumed_samples}`` (position in the data).

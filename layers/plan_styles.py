@@ -3,7 +3,8 @@
 A fused projection computes several projections with one GEMM: nanoGPT / GPT-2
 ``c_attn`` = ``[q; k; v]`` (three equal parts), Phi-3's GQA ``qkv_proj`` =
 ``[q: heads*d; k: kv_heads*d; v: kv_heads*d]`` (unequal parts), Phi-3's ``gate_up_proj``
-= ``[gate; up]``. Split as one plain column, rank 0 would get all of q and part of k:
+= ``[gate; up]``. Split as one plain column, rank r gets the r-th contiguous block of
+rows (Phi-3 ``[q: 32; k: 16; v: 16]`` at TP=2: rank 0 all of q, rank 1 all of k and v):
 the model's own split of the output (``chunk(3)``, ``qkv[..., :query_pos]``) then
 separates the wrong features -- silently wrong numbers. :class:`FusedColumn` splits
 every part over the TP ranks separately, so rank r holds ``[q_r; k_r; v_r]`` (the
