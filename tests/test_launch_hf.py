@@ -34,9 +34,10 @@ def _model_dir(root, *, weights: bool, seed: int = 0, kv_heads: int = 2, family:
     os.makedirs(path, exist_ok=True)
     config_cls, model_cls = {"llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
                              "phi3": (transformers.Phi3Config, transformers.Phi3ForCausalLM)}[family]
-    cfg = config_cls(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                     num_key_value_heads=kv_heads, max_position_embeddings=64,
-                     **({"pad_token_id": 0, "bos_token_id": 0, "eos_token_id": 0} if family == "phi3" else {}), **config)
+    special = {"pad_token_id": 0, "bos_token_id": 0, "eos_token_id": 0} if family == "phi3" else {}
+    cfg = config_cls(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                     num_attention_heads=4, num_key_value_heads=kv_heads, max_position_embeddings=64,
+                     **special, **config)
     if weights:
         torch.manual_seed(seed)
         model_cls(cfg).save_pretrained(path, safe_serialization=True)
