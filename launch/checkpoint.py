@@ -5,7 +5,9 @@ Contents of ``<checkpoint.dir>/step_XXXXXXXX/``:
 * DCP files (``.metadata``, ``__<rank>_*.distcp``) holding
   ``model/<param>`` and ``optim/<param>/{exp_avg,exp_avg_sq,step}`` -- TP-sharded
   tensors as DTensors in their *full* (TP=1) layout, so a checkpoint loads at any TP
-  size (DCP reads each rank's new slice); replicated tensors are written once;
+  size (DCP reads each rank's new slice); replicated tensors are written once; a tensor
+  of unequal fused parts (``layers.ShardSpec.sizes``: Phi-3's GQA ``[q; k; v]``) is
+  written part by part, ``model/<param>/part<i>`` (and likewise under ``optim/``);
   ``rank<r>/fp8/<module>/<role>/{scale,amax_history,last_amax,nonfinite_amax_count}``
   (delayed-scaling state), ``rank<r>/rng/...`` (torch and dropout RNG states) and
   ``train/{step,consumed_samples}`` (position in the data).
@@ -101,6 +103,34 @@ def _global_view(local: torch.Tensor, spec: Any, rt: Runtime) -> torch.Tensor:
     return DTensor.from_local(view, rt.topology.mesh, [Replicate(), Shard(d + 1)], run_check=False)
 
 
+def _global_views(key: str, local: torch.Tensor, spec: Any, rt: Runtime) -> dict[str, torch.Tensor]:
+    """``{checkpoint key: global view}`` of one TP shard.
+
+    A tensor of unequal parts (``ShardSpec.sizes``, e.g. a fused GQA ``[q; k; v]``
+    projection: the shard is ``[q_r; k_r; v_r]``) cannot be one DTensor whose global
+    shape is the same at every TP size; each part is stored as its own DTensor under
+    ``<key>/part<i>`` (global extent: the part's full size), so it reshards like any
+    other tensor. Everything else is one entry under ``key`` (:func:`_global_view`).
+    """
+    if spec is None or getattr(spec, "sizes", None) is None:
+        return {key: _global_view(local, spec, rt)}
+    tp = rt.topology.tp_size
+    pieces = local.split([s // tp for s in spec.sizes], dim=spec.dim)
+    return {f"{key}/part{i}": DTensor.from_local(piece.contiguous(), rt.topology.mesh, [Replicate(), Shard(spec.dim)],
+                                                 run_check=False)
+            for i, piece in enumerate(pieces)}
+
+
+def _local_shard(sd: dict[str, Any], key: str, spec: Any, shape: torch.Size) -> torch.Tensor:
+    """This rank's shard of ``key`` from a loaded state dict (inverse of :func:`_global_views`)."""
+    def local(t: Any) -> torch.Tensor:
+        return t.to_local() if isinstance(t, DTensor) else t
+
+    if spec is None or getattr(spec, "sizes", None) is None:
+        return local(sd[key]).reshape(shape)
+    return torch.cat([local(sd[f"{key}/part{i}"]) for i in range(len(spec.sizes))], dim=spec.dim).reshape(shape)
+
+
 def _fp8_quantizers(state: TrainingState) -> dict[str, dict[str, DelayedScalingQuantizer]]:
     """Delayed-scaling quantizers of every BasicLinear, by module path and role (their
     state is what a checkpoint carries; current scaling has none)."""
@@ -194,7 +224,7 @@ class CheckpointManager:
             spec = get_shard_spec(p)
             # FSDP2 parameters (DTensors over DP) are stored as their whole TP shard.
             local = dp_unsharded_empty(p) if for_load else dp_unsharded(p.detach())
-            sd[f"model/{name}"] = _global_view(local, spec, rt)
+            sd.update(_global_views(f"model/{name}", local, spec, rt))
             if id(p) not in optimized:
                 continue  # frozen parameter: no optimizer state
             # A parameter that never had a gradient has no AdamW state yet: zeros and
@@ -203,7 +233,7 @@ class CheckpointManager:
             for key in ("exp_avg", "exp_avg_sq"):
                 t = opt_state.get(key) if not for_load else None
                 t = dp_unsharded(t) if t is not None else torch.zeros_like(dp_unsharded_empty(p))
-                sd[f"optim/{name}/{key}"] = _global_view(t, spec, rt)
+                sd.update(_global_views(f"optim/{name}/{key}", t, spec, rt))
             step = opt_state.get("step") if not for_load else None
             sd[f"optim/{name}/step"] = step.detach().cpu() if step is not None else torch.zeros((), dtype=torch.float32)
         sd["train/step"] = torch.tensor(state.step, dtype=torch.int64)
@@ -412,18 +442,16 @@ class CheckpointManager:
 
     @torch.no_grad()
     def _apply(self, sd: dict[str, Any], state: TrainingState, same_layout: bool) -> None:
-        def local(t: Any) -> torch.Tensor:
-            return t.to_local() if isinstance(t, DTensor) else t
-
         opt_state: dict[int, dict[str, torch.Tensor]] = {}
         index = {id(p): i for i, p in enumerate(p for g in state.optimizer.param_groups for p in g["params"])}
         for name, p in state.model.named_parameters():
-            copy_dp_shard_(p, local(sd[f"model/{name}"]).reshape(p.shape))
+            spec, shape = get_shard_spec(p), p.shape
+            copy_dp_shard_(p, _local_shard(sd, f"model/{name}", spec, shape))
             if id(p) in index:
                 opt_state[index[id(p)]] = {
                     "step": sd[f"optim/{name}/step"].clone(),
-                    "exp_avg": dp_shard_like(local(sd[f"optim/{name}/exp_avg"]).reshape(p.shape).clone(), p),
-                    "exp_avg_sq": dp_shard_like(local(sd[f"optim/{name}/exp_avg_sq"]).reshape(p.shape).clone(), p),
+                    "exp_avg": dp_shard_like(_local_shard(sd, f"optim/{name}/exp_avg", spec, shape).clone(), p),
+                    "exp_avg_sq": dp_shard_like(_local_shard(sd, f"optim/{name}/exp_avg_sq", spec, shape).clone(), p),
                 }
         opt_sd = state.optimizer.state_dict()
         opt_sd["state"] = opt_state

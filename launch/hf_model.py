@@ -31,6 +31,9 @@ from layers.hf_plans import FAMILIES
 
 __all__ = ["read_hf_config", "gpt_fields", "load_tokenizer", "build_hf_model", "CausalLMLoss"]
 
+# Families with a SwiGLU MLP and RMSNorm (the others: GELU and LayerNorm).
+_SWIGLU_RMSNORM = ("llama", "mistral", "qwen2", "qwen3", "phi3")
+
 
 def read_hf_config(path: Any) -> dict[str, Any]:
     """``<path>/config.json`` as a dict; ValueError naming the file and the field."""
@@ -79,8 +82,8 @@ def gpt_fields(path: str) -> dict[str, Any]:
         "num_heads": heads,
         "num_query_groups": data.get("num_key_value_heads") or None,
         "ffn_hidden_size": (data.get("n_inner") or 4 * hidden) if gpt2 else _int_field(data, file, "intermediate_size"),
-        "activation": "swiglu" if data["model_type"] in ("llama", "mistral", "qwen2", "qwen3") else "gelu",
-        "normalization": "RMSNorm" if data["model_type"] in ("llama", "mistral", "qwen2", "qwen3") else "LayerNorm",
+        "activation": "swiglu" if data["model_type"] in _SWIGLU_RMSNORM else "gelu",
+        "normalization": "RMSNorm" if data["model_type"] in _SWIGLU_RMSNORM else "LayerNorm",
         "position_embedding": "learned" if gpt2 else "rope",
         "tie_embeddings": bool(data.get("tie_word_embeddings", gpt2)),
         "bias": data["model_type"] in ("gpt2", "gpt_neox"),

@@ -26,7 +26,7 @@ from .sharding import (
 )
 from .tp_regions import CopyToTensorParallelRegion, GatherFromTensorParallelRegion, ScatterToTensorParallelRegion
 from .transformer import TransformerLayer
-from .hf_plans import FusedColumn
+from .plan_styles import FusedColumn
 from .wrap import ParallelLinearAdapter, WrapReport, wrap
 
 __all__ = [

@@ -4,7 +4,10 @@ Each plan shards the attention and MLP projections Megatron-style (column-parall
 row-parallel out) and checks the attention heads against the TP size before anything is
 changed. The attention code of these families reshapes projections with ``-1`` heads and
 pairs query/key heads by a fixed group ratio, so local heads work unchanged once every
-rank holds whole heads -- except GPT-2, whose ``split_size`` is set to the local width.
+rank holds whole heads -- except GPT-2, whose ``split_size`` is set to the local width,
+and Phi-3, whose fused ``qkv_proj`` (``[q; k; v]``, unequal under GQA) is split where
+``config.num_attention_heads`` and ``num_key_value_heads`` say: its attention modules get
+a :class:`LocalHeadsConfig` view with this rank's head counts.
 
 Hugging Face activations are ``[batch, seq, hidden]``: sequence parallelism (which
 splits dim 0) does not apply to these models; ``wrap`` refuses it for a family plan.
@@ -17,37 +20,31 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 import torch
 
-__all__ = ["FusedColumn", "FamilyPlan", "family_plan", "FAMILIES"]
+from .plan_styles import FusedColumn
+from .wrap_modules import ParallelLinearAdapter
 
-
-@dataclasses.dataclass(frozen=True)
-class FusedColumn:
-    """Plan style for a fused projection whose output features are ``parts`` equal blocks
-    (nanoGPT / GPT-2 ``c_attn`` = ``[q; k; v]``): each block is split over the TP ranks
-    separately, so rank r holds ``[q_r; k_r; v_r]`` and a local ``split``/``chunk(3)``
-    still separates q, k and v. (A head-interleaved projection such as GPT-NeoX's
-    ``query_key_value`` -- per head ``[q_h, k_h, v_h]`` -- is a plain ``"column"``: a
-    contiguous slice of whole heads.)"""
-
-    parts: int
-
-    def __post_init__(self) -> None:
-        if isinstance(self.parts, bool) or not isinstance(self.parts, int) or self.parts < 2:
-            raise ValueError(f"FusedColumn: parts must be an int >= 2, got {self.parts!r}")
+__all__ = ["FusedColumn", "FamilyPlan", "LocalHeadsConfig", "family_plan", "FAMILIES"]
 
 
 @dataclasses.dataclass
 class FamilyPlan:
-    """A family's plan, its head checks and the attribute fix-ups after conversion."""
+    """A family's plan, its head checks and the attribute fix-ups after conversion.
+
+    ``plan`` is a ``{glob: style}`` dict, or a function of the model's config returning
+    one (a fused projection's split sizes depend on the head counts: Phi-3)."""
 
     model_type: str
-    plan: dict[str, Any]
+    plan: Union[dict[str, Any], Callable[[Any], dict[str, Any]]]
     check: Callable[[Any, int], list[str]]
     fixup: Optional[Callable[[torch.nn.Module, int], None]] = None
+
+    def plan_for(self, config: Any) -> dict[str, Any]:
+        """The ``{glob: style}`` plan for a model with this ``config``."""
+        return dict(self.plan(config) if callable(self.plan) else self.plan)
 
 
 def _heads_check(config: Any, tp: int) -> list[str]:
@@ -93,9 +90,10 @@ _GPT2 = {
 
 def _gpt2_fixup(model: torch.nn.Module, tp: int) -> None:
     # GPT2Attention splits c_attn's output with split(self.split_size) = hidden: make it
-    # the local width so that [q_r; k_r; v_r] separates again.
+    # the local width so that [q_r; k_r; v_r] separates again -- only where c_attn was
+    # converted (an excluded attention keeps its full projection and width).
     for m in model.modules():
-        if type(m).__name__ == "GPT2Attention":
+        if type(m).__name__ == "GPT2Attention" and isinstance(getattr(m, "c_attn", None), ParallelLinearAdapter):
             m.split_size = m.embed_dim // tp
 
 
@@ -106,10 +104,73 @@ def _gpt2_check(config: Any, tp: int) -> list[str]:
     return problems
 
 
+def _phi3_plan(config: Any) -> dict[str, Any]:
+    # qkv_proj = [q: heads*d; k: kv*d; v: kv*d] (unequal under GQA); gate_up_proj = [gate; up].
+    # Sizes, not head counts: _heads_check already names num_key_value_heads once for the
+    # whole model instead of once per layer and part.
+    plan: dict[str, Any] = {
+        "model.layers.*.self_attn.o_proj": "row",
+        "model.layers.*.mlp.gate_up_proj": FusedColumn(2, names=("gate", "up")),
+        "model.layers.*.mlp.down_proj": "row",
+    }
+    heads = getattr(config, "num_attention_heads", None)
+    if isinstance(heads, int) and heads > 0:  # else _heads_check has reported it already
+        kv = getattr(config, "num_key_value_heads", None) or heads
+        d = getattr(config, "head_dim", None) or config.hidden_size // heads  # as Phi3Attention computes it
+        plan["model.layers.*.self_attn.qkv_proj"] = FusedColumn((heads * d, kv * d, kv * d), names=("q", "k", "v"))
+    return plan
+
+
+class LocalHeadsConfig:
+    """A view of a shared model config whose head counts are this rank's.
+
+    Phi3Attention finds the end of q in its fused projection's output with
+    ``self.config.num_attention_heads * head_dim``; after wrapping the output holds this
+    rank's ``[q_r; k_r; v_r]``, so that attention module must read ``heads / tp``. The
+    config object is shared by the whole model (and saved with it), so it is not edited:
+    each converted attention module gets this view instead. Every other attribute is
+    read from (and written to) the shared config, so later changes to it (e.g.
+    ``set_attn_implementation``) still reach the attention modules.
+    """
+
+    _LOCAL = ("num_attention_heads", "num_key_value_heads")
+
+    def __init__(self, base: Any, num_attention_heads: int, num_key_value_heads: int) -> None:
+        object.__setattr__(self, "_base", base)
+        object.__setattr__(self, "num_attention_heads", num_attention_heads)
+        object.__setattr__(self, "num_key_value_heads", num_key_value_heads)
+
+    def __getattr__(self, name: str) -> Any:  # only called for names not set on the view
+        if name.startswith("__") or name == "_base":  # copy/pickle probe a bare instance
+            raise AttributeError(name)
+        return getattr(self._base, name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name in self._LOCAL:
+            raise ValueError(f"LocalHeadsConfig: {name} is this rank's head count after wrap(); change the "
+                             f"model's config before wrapping")
+        setattr(self._base, name, value)
+
+    def __repr__(self) -> str:
+        return (f"LocalHeadsConfig(num_attention_heads={self.num_attention_heads}, "
+                f"num_key_value_heads={self.num_key_value_heads}, base={type(self._base).__name__})")
+
+
+def _phi3_fixup(model: torch.nn.Module, tp: int) -> None:
+    # Only attention modules whose qkv_proj was converted (not excluded) see local heads.
+    for m in model.modules():
+        if type(m).__name__ == "Phi3Attention" and isinstance(getattr(m, "qkv_proj", None), ParallelLinearAdapter):
+            config = m.config._base if isinstance(m.config, LocalHeadsConfig) else m.config
+            kv = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+            m.num_key_value_heads = kv // tp  # the k/v slice bounds; num_key_value_groups is unchanged
+            m.config = LocalHeadsConfig(config, config.num_attention_heads // tp, kv // tp)
+
+
 FAMILIES: dict[str, FamilyPlan] = {
     **{t: FamilyPlan(t, _LLAMA_LIKE, _heads_check) for t in ("llama", "mistral", "qwen2", "qwen3")},
     "gpt_neox": FamilyPlan("gpt_neox", _GPT_NEOX, _heads_check),
     "gpt2": FamilyPlan("gpt2", _GPT2, _gpt2_check, _gpt2_fixup),
+    "phi3": FamilyPlan("phi3", _phi3_plan, _heads_check, _phi3_fixup),
 }
 
 

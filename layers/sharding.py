@@ -64,14 +64,43 @@ class ShardSpec:
             rank's slice of every part. ``2`` for a SwiGLU ``fc1`` weight ``[gate; up]``,
             so that every rank holds ``[gate_r; up_r]`` and its local SwiGLU pairs the
             right halves.
+        sizes: unequal parts instead of ``blocks`` equal ones: the full extents of the
+            parts along ``dim`` (each divisible by the TP size), e.g. a fused GQA
+            projection ``[q; k; v]`` with ``(heads * d, kv_heads * d, kv_heads * d)``;
+            a shard is ``[q_r; k_r; v_r]`` with local extents ``size / tp``. ``blocks``
+            is then ``len(sizes)`` (set automatically), so code that only knows
+            ``blocks`` can tell the tensor has parts; code that reshards must read
+            ``sizes`` when it is not None.
     """
 
     dim: int
     blocks: int = 1
+    sizes: Optional[tuple[int, ...]] = None
 
     def __post_init__(self) -> None:
         if self.dim < 0 or self.blocks < 1:
             raise ValueError(f"ShardSpec: need dim >= 0 and blocks >= 1, got {self}")
+        if self.sizes is not None:
+            sizes = tuple(self.sizes)
+            if len(sizes) < 2 or any(isinstance(s, bool) or not isinstance(s, int) or s < 1 for s in sizes):
+                raise ValueError(f"ShardSpec: sizes must be a tuple of >= 2 positive ints, got {self.sizes!r}")
+            if self.blocks not in (1, len(sizes)):
+                raise ValueError(f"ShardSpec: blocks ({self.blocks}) must be len(sizes) ({len(sizes)}) when sizes "
+                                 f"are given")
+            object.__setattr__(self, "sizes", sizes)  # frozen dataclass: normalise once here
+            object.__setattr__(self, "blocks", len(sizes))
+
+    def part_sizes(self, extent: int) -> tuple[int, ...]:
+        """The full extents of the parts along ``dim`` for a full tensor of ``extent``
+        there: ``sizes``, or ``blocks`` equal parts."""
+        if self.sizes is not None:
+            if sum(self.sizes) != extent:
+                raise ValueError(f"cannot shard dimension {self.dim} of size {extent} into parts {list(self.sizes)}: "
+                                 f"they sum to {sum(self.sizes)}")
+            return self.sizes
+        if extent % self.blocks:
+            raise ValueError(f"cannot shard dimension {self.dim} of size {extent} into {self.blocks} equal blocks")
+        return (extent // self.blocks,) * self.blocks
 
 
 def tp_rank_and_size(tp_group: Optional[dist.ProcessGroup]) -> tuple[int, int]:
@@ -101,12 +130,13 @@ def shard_tensor(full: torch.Tensor, spec: Optional[ShardSpec], rank: int, size:
     if spec is None or size == 1:
         return full.detach().clone()
     extent = full.shape[spec.dim]
-    if extent % (spec.blocks * size) != 0:
+    sizes = spec.part_sizes(extent)
+    if any(s % size for s in sizes):
         raise ValueError(
-            f"cannot shard dimension {spec.dim} of size {extent} into {spec.blocks} block(s) "
-            f"x {size} tensor-parallel ranks"
+            f"cannot shard dimension {spec.dim} of size {extent} (parts {list(sizes)}) over {size} "
+            f"tensor-parallel ranks: every part must be divisible by {size}"
         )
-    parts = full.detach().chunk(spec.blocks, dim=spec.dim)
+    parts = full.detach().split(sizes, dim=spec.dim)
     return torch.cat([p.chunk(size, dim=spec.dim)[rank] for p in parts], dim=spec.dim).contiguous()
 
 
@@ -121,7 +151,8 @@ def gather_tensor(local: torch.Tensor, spec: Optional[ShardSpec], tp_group: Opti
     check_collective("all_gather_list", [local], pieces, world_size=size)
     dist.all_gather(pieces, local, group=tp_group)
     # pieces[r] = [part0_r; part1_r; ...]: regroup by part, then concatenate.
-    per_rank_parts = [p.chunk(spec.blocks, dim=spec.dim) for p in pieces]
+    local_sizes = [s // size for s in spec.part_sizes(local.shape[spec.dim] * size)]
+    per_rank_parts = [p.split(local_sizes, dim=spec.dim) for p in pieces]
     parts = [torch.cat([rp[b] for rp in per_rank_parts], dim=spec.dim) for b in range(spec.blocks)]
     return torch.cat(parts, dim=spec.dim)
 

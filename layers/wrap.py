@@ -25,7 +25,10 @@ Two kinds of modules are converted:
 
    * ``"column"``: ``nn.Linear`` (or GPT-2 ``Conv1D``) -> column-parallel (output
      features split; the output's last dim is ``out/tp``);
-   * ``FusedColumn(parts)``: a fused ``[q; k; v]``-style projection, each part split;
+   * ``FusedColumn(parts)``: a fused ``[q; k; v]``-style projection, each part split
+     over the ranks separately (rank r holds ``[q_r; k_r; v_r]``); ``parts`` is a number
+     of equal parts or the parts' sizes (Phi-3's GQA ``qkv_proj``), or head counts with
+     ``head_dim`` (``layers.plan_styles``);
    * ``"row"``: ``nn.Linear`` -> row-parallel (input's last dim is ``in/tp``; the
      output is reduced over TP, then the bias is added once);
    * ``"sequence_parallel"``: ``nn.LayerNorm`` / ``nn.RMSNorm`` kept as they are; with
@@ -67,7 +70,8 @@ from .parallel_linear import ColumnParallelLinear, RowParallelLinear
 from .sharding import ShardSpec, set_shard_spec, shard_tensor, tp_rank_and_size
 from .wrap_modules import MegatronLinearAdapter, ParallelLinearAdapter, megatron_adapter
 from .wrap_report import WrapReport
-from .hf_plans import FamilyPlan, FusedColumn, family_plan
+from .hf_plans import FamilyPlan, family_plan
+from .plan_styles import FusedColumn
 
 __all__ = ["wrap", "ParallelLinearAdapter", "WrapReport"]
 
@@ -202,7 +206,7 @@ def _linear_sizes(m: torch.nn.Module) -> tuple[int, int]:
 
 
 def _style_name(style: Any) -> str:
-    return f"fused_column(parts={style.parts})" if isinstance(style, FusedColumn) else str(style)
+    return style.describe() if isinstance(style, FusedColumn) else str(style)
 
 
 def _plain_problems(name: str, m: torch.nn.Module, style: Any, tp: int) -> list[str]:
@@ -211,10 +215,10 @@ def _plain_problems(name: str, m: torch.nn.Module, style: Any, tp: int) -> list[
             return [f"{name}: plan style {_style_name(style)!r} needs a torch.nn.Linear (or GPT-2 Conv1D), "
                     f"got {type(m).__name__}"]
         in_f, out_f = _linear_sizes(m)
-        parts = style.parts if isinstance(style, FusedColumn) else 1
-        if style != "row" and out_f % (tp * parts):
-            what = f"{parts} parts x TP size ({tp})" if parts > 1 else f"the TP size ({tp})"
-            return [f"{name}: out_features ({out_f}) is not divisible by {what}"]
+        if isinstance(style, FusedColumn):
+            return [f"{name}: {_style_name(style)}: {p}" for p in style.problems(out_f, tp)]
+        if style == "column" and out_f % tp:
+            return [f"{name}: out_features ({out_f}) is not divisible by the TP size ({tp})"]
         if style == "row" and in_f % tp:
             return [f"{name}: in_features ({in_f}) is not divisible by the TP size ({tp})"]
         return []
@@ -236,8 +240,8 @@ def _convert_plain(m: torch.nn.Module, style: Any, tp_group: dist.ProcessGroup, 
         wspec, bspec = ShardSpec(dim=1), None
     else:
         layer = ColumnParallelLinear(in_f, out_f, **common)
-        parts = style.parts if isinstance(style, FusedColumn) else 1
-        wspec = bspec = ShardSpec(dim=0, blocks=parts)
+        # A fused projection: every part split separately, rank r holds [q_r; k_r; v_r].
+        wspec = bspec = style.spec(out_f) if isinstance(style, FusedColumn) else ShardSpec(dim=0)
     with torch.no_grad():
         layer.weight.copy_(shard_tensor(w, wspec, rank, size))
         if m.bias is not None:
@@ -287,7 +291,7 @@ def wrap(
             ``plan`` are replaced (the root module itself cannot be).
         tp_group: the TP process group (collective: call on every rank of it).
         plan: ``{glob over module names: "column" | "row" | "sequence_parallel" |
-            FusedColumn(parts)}``. None for a Hugging Face model (``model.config.model_type``
+            FusedColumn(parts | sizes, names=..., head_dim=...)}``. None for a Hugging Face model (``model.config.model_type``
             in ``layers.hf_plans.FAMILIES``) uses the family's built-in plan.
         exclude: globs over module names left exactly as they are (not converted, not
             checked); they are listed in the report.
@@ -319,10 +323,11 @@ def wrap(
             if sequence_parallel:
                 problems.append(f"{family.model_type}: sequence_parallel=True does not apply to Hugging Face "
                                 f"models (activations are [batch, seq, hidden]; SP splits dim 0)")
-    plan = dict(family.plan if family is not None else (plan or {}))
+    plan = family.plan_for(model.config) if family is not None else dict(plan or {})
     bad_styles = {g: s for g, s in plan.items() if not (isinstance(s, FusedColumn) or s in _STYLES)}
     for glob, style in bad_styles.items():
-        problems.append(f"plan[{glob!r}]: unknown style {style!r}; expected one of {_STYLES} or FusedColumn(parts)")
+        problems.append(f"plan[{glob!r}]: unknown style {style!r}; expected one of {_STYLES} or "
+                        f"FusedColumn(parts | sizes, names=..., head_dim=...)")
     report = WrapReport(family=family.model_type if family is not None else None)
 
     megatron: dict[str, str] = {}

@@ -10,6 +10,7 @@ import glob
 import json
 import math
 import os
+import shutil
 
 import pytest
 import torch
@@ -17,7 +18,7 @@ import torch
 transformers = pytest.importorskip("transformers", reason="transformers is not installed (pip install -e .[hf])")
 tokenizers = pytest.importorskip("tokenizers", reason="tokenizers is not installed (pip install -e .[hf])")
 
-from launch.api import compose  # noqa: E402
+from launch.api import compose, train  # noqa: E402
 from launch.config import validate  # noqa: E402
 from launch.data import stdlib_corpus  # noqa: E402
 from launch.hf_model import build_hf_model, load_tokenizer  # noqa: E402
@@ -27,14 +28,19 @@ from test_launch_train import torchrun  # noqa: E402
 VOCAB = 320
 
 
-def _model_dir(root, *, weights: bool, seed: int = 0, kv_heads: int = 2) -> str:
+def _model_dir(root, *, weights: bool, seed: int = 0, kv_heads: int = 2, family: str = "llama",
+               **config: float) -> str:
     path = str(root)
     os.makedirs(path, exist_ok=True)
-    cfg = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                   num_attention_heads=4, num_key_value_heads=kv_heads, max_position_embeddings=64)
+    config_cls, model_cls = {"llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+                             "phi3": (transformers.Phi3Config, transformers.Phi3ForCausalLM)}[family]
+    special = {"pad_token_id": 0, "bos_token_id": 0, "eos_token_id": 0} if family == "phi3" else {}
+    cfg = config_cls(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                     num_attention_heads=4, num_key_value_heads=kv_heads, max_position_embeddings=64,
+                     **special, **config)
     if weights:
         torch.manual_seed(seed)
-        transformers.LlamaForCausalLM(cfg).save_pretrained(path, safe_serialization=True)
+        model_cls(cfg).save_pretrained(path, safe_serialization=True)
     else:
         cfg.save_pretrained(path)
     tok = tokenizers.Tokenizer(tokenizers.models.BPE(unk_token="[UNK]"))
@@ -63,6 +69,31 @@ def test_torchrun_hf_llama_tp2_fp8_overlap(tmp_path):
     # Tokens come from the model's tokenizer (vocab 320): the first loss is about ln(320), not ln(256).
     assert abs(metrics[0]["loss"] - math.log(VOCAB)) < 0.5, metrics[0]["loss"]
     assert os.path.exists(os.path.join(run_dirs[0], "fp8_stats.jsonl"))
+
+
+@pytest.mark.multirank
+def test_torchrun_hf_phi3_tp2_checkpoint_resumes_at_tp1(tmp_path):
+    """Phi-3's fused unequal [q; k; v] (GQA) through the launcher: trained at TP=2 with its
+    built-in plan, checkpointed (each part stored on its own, layers.ShardSpec.sizes),
+    resumed at TP=1 where the loss trajectory continues."""
+    # initializer_range 0.3: large enough weights that a mis-assembled qkv changes the loss visibly.
+    model_dir = _model_dir(tmp_path / "model", weights=True, seed=3, family="phi3", initializer_range=0.3)
+    args = ["+model=hf", f"model.path={model_dir}", "data.seq_len=32", "trainer.global_batch_size=4",
+            "trainer.micro_batch_size=4", "trainer.max_steps=4", "trainer.log_interval=1", "trainer.val_interval=0",
+            "logger=none", "trainer.progress=false", "optim.warmup_steps=1", "optim.lr=3e-3", "checkpoint.interval=2"]
+    os.makedirs(tmp_path / "run")
+    proc = torchrun([*args, "parallel.tp=2", f"checkpoint.dir={tmp_path / 'ck'}", f"hydra.run.dir={tmp_path / 'run'}"],
+                    cwd=str(tmp_path / "run"), env={"HOME": str(tmp_path / "home")})
+    assert "plan for model_type 'phi3'" in proc.stdout + proc.stderr
+    expected = {m["step"]: m["loss"] for m in read_jsonl(os.path.join(tmp_path / "run", "metrics.jsonl"))}
+    assert sorted(expected) == [1, 2, 3, 4]
+    ck = tmp_path / "ck1"
+    ck.mkdir()
+    shutil.copytree(tmp_path / "ck" / "step_00000002", ck / "step_00000002")
+    result = train([*args, "checkpoint.resume=true", f"checkpoint.dir={ck}", "parallel.tp=1"], str(tmp_path / "run1"))
+    assert result.start_step == 2
+    for step in (3, 4):  # TP=1 vs TP=2: float32 reduction order only
+        assert result.losses[step] == pytest.approx(expected[step], rel=2e-4), (step, result.losses, expected)
 
 
 def test_sizes_come_from_config_json_and_are_validated(tmp_path):
