@@ -334,6 +334,9 @@ def wrap(
     planned: dict[str, Any] = {}
     matched_globs: set[str] = set()
     excluded_prefixes: list[str] = []
+    # Excluded modules the plan would have sharded. (An excluded Megatron module keeps
+    # Megatron's own TP, so its neighbours still agree with it.)
+    excluded_gemms: list[str] = []
     for name, m in model.named_modules():
         label = name or "<root>"
         if any(name == p or name.startswith(p + ".") for p in excluded_prefixes):
@@ -342,6 +345,8 @@ def wrap(
             excluded_prefixes.append(name)
             report.left.append((label, "excluded by the caller"))
             matched_globs |= {g for g in plan if fnmatch.fnmatchcase(name, g)}
+            if any(fnmatch.fnmatchcase(name, g) and plan[g] != "sequence_parallel" for g in plan):
+                excluded_gemms.append(name)
             continue
         kind = ("column" if _is_megatron(m, _COLUMN_ATTRS) else "row" if _is_megatron(m, _ROW_ATTRS) else None)
         matching = [g for g in plan if g not in bad_styles and fnmatch.fnmatchcase(name, g)]
@@ -362,6 +367,7 @@ def wrap(
             report.left.append((label, "not named by the plan: replicated, runs unsharded"))
         if name == "" and (kind is not None or name in planned):
             problems.append("<root>: the root module itself cannot be replaced in place; wrap its parent")
+    problems += _split_pair_problems(excluded_gemms, [n for n, s in planned.items() if s != "sequence_parallel"])
     for glob in plan:
         if glob not in matched_globs:
             problems.append(f"plan[{glob!r}]: matches no module")
@@ -403,6 +409,20 @@ def wrap(
     if verbose and rank == 0:
         print(report)
     return model
+
+
+def _split_pair_problems(excluded: list[str], converted: list[str]) -> list[str]:
+    """An excluded projection whose sibling is sharded: the pair no longer agrees on the
+    per-rank sizes between them (e.g. a sharded ``q_proj`` feeding an unsharded ``o_proj``)."""
+    problems = []
+    for name in excluded:
+        parent = name.rpartition(".")[0]
+        siblings = [c for c in converted if c.rpartition(".")[0] == parent]
+        if siblings:
+            problems.append(f"exclude: {name} is excluded but its sibling(s) {siblings} are sharded; the "
+                            f"tensor-parallel layers of one block are converted or left together: exclude "
+                            f"{parent or '<root>'!s} instead")
+    return problems
 
 
 def _replace(root: torch.nn.Module, name: str, new: torch.nn.Module) -> None:

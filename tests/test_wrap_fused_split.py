@@ -172,6 +172,20 @@ def fused_attention_excluded(rank: int, world: int) -> dict[str, Any]:
     return out
 
 
+@case
+def half_attention_excluded(rank: int, world: int) -> dict[str, str]:
+    """Excluding one projection of a column/row pair (``qkv_proj`` but not ``o_proj``) would
+    feed sharded heads into an unsharded projection: refused, naming the way out."""
+    from layers import wrap
+
+    group = dist.new_group(list(range(world)))
+    try:
+        wrap(_phi3(), group, exclude=["model.layers.1.self_attn.qkv_proj"], verbose=False)
+        return {"error": "no error"}
+    except ValueError as e:
+        return {"error": str(e)}
+
+
 # ---- a hand-built GQA block with a fused qkv (bias included) ------------------------------
 
 
@@ -323,6 +337,14 @@ def test_excluded_fused_attention_left_alone(results) -> None:
     for v in _values(results, "fused_attention_excluded"):
         for label in ("gpt2", "phi3"):
             assert isinstance(v[label], float) and v[label] <= 0, (label, v[label])
+
+
+@pytest.mark.multirank
+def test_excluding_half_of_a_tp_pair_refused(results) -> None:
+    for v in _values(results, "half_attention_excluded"):
+        assert ("model.layers.1.self_attn.qkv_proj is excluded but its sibling(s) "
+                "['model.layers.1.self_attn.o_proj'] are sharded") in v["error"], v["error"]
+        assert "exclude model.layers.1.self_attn instead" in v["error"], v["error"]
 
 
 @pytest.mark.multirank
