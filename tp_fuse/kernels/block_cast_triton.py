@@ -72,6 +72,16 @@ def _scales(amax, FP8_E4M3: tl.constexpr, E8M0: tl.constexpr, POW2: tl.constexpr
 
 
 @triton.jit
+def _cast(x, mult, FP8_E4M3: tl.constexpr, EMULATE: tl.constexpr):
+    """fp8 bytes of ``clamp(x * mult)``. A NaN multiplier (E8M0 block with a non-finite
+    amax) gives the positive NaN for every element, as torch's CPU multiply does even
+    when ``x`` is a negative NaN (it keeps the second operand's NaN; numpy, which runs the
+    interpreter, keeps the first)."""
+    x = tl.where(mult == mult, x, float("nan"))
+    return quantize_values(x, mult, FP8_E4M3, EMULATE)
+
+
+@triton.jit
 def _abs_bits(x, mask):
     """int32 bit patterns of ``|x|`` (0 outside ``mask``): they order like the values, NaN on top."""
     return tl.where(mask, x.to(tl.int32, bitcast=True) & 0x7FFFFFFF, 0)
@@ -102,7 +112,7 @@ def _tile_kernel(
         # One B x B block per program (TR == TC == B): one scale for both layouts.
         amax = tl.max(tl.max(bits, 1), 0).to(tl.float32, bitcast=True)
         mult, sinv = _scales(amax, FP8_E4M3, E8M0, POW2, EPS)
-        q = quantize_values(x, mult, FP8_E4M3, EMULATE)
+        q = _cast(x, mult, FP8_E4M3, EMULATE)
         tl.store(out_ptr + rows[:, None] * C + cols[None, :], q, mask=mask)
         tl.store(sinv_ptr + pid_r * tl.cdiv(C, B) + pid_c, sinv)
         if COLUMNWISE:
@@ -113,7 +123,7 @@ def _tile_kernel(
         # Row-wise: blocks of B consecutive columns -> [TR, TC/B] amaxes.
         amax = tl.max(tl.reshape(bits, (TR, NB_C, B)), 2).to(tl.float32, bitcast=True)
         mult, sinv = _scales(amax, FP8_E4M3, E8M0, POW2, EPS)
-        q = quantize_values(tl.reshape(x, (TR, NB_C, B)), mult[:, :, None], FP8_E4M3, EMULATE)
+        q = _cast(tl.reshape(x, (TR, NB_C, B)), mult[:, :, None], FP8_E4M3, EMULATE)
         tl.store(out_ptr + rows[:, None] * C + cols[None, :], tl.reshape(q, (TR, TC)), mask=mask)
         bcol = pid_c * NB_C + tl.arange(0, NB_C)
         tl.store(sinv_ptr + rows[:, None] * tl.cdiv(C, B) + bcol[None, :], sinv,
@@ -123,7 +133,7 @@ def _tile_kernel(
             # Column-wise: blocks of B consecutive rows -> [TR/B, TC] amaxes.
             amax_t = tl.max(tl.reshape(bits, (NB_R, B, TC)), 1).to(tl.float32, bitcast=True)
             mult_t, sinv_t = _scales(amax_t, FP8_E4M3, E8M0, POW2, EPS)
-            q_t = quantize_values(tl.reshape(x, (NB_R, B, TC)), mult_t[:, None, :], FP8_E4M3, EMULATE)
+            q_t = _cast(tl.reshape(x, (NB_R, B, TC)), mult_t[:, None, :], FP8_E4M3, EMULATE)
             q_t = tl.reshape(q_t, (TR, TC))
             tl.store(out_t_ptr + cols[:, None] * R + rows[None, :], tl.trans(q_t), mask=tl.trans(mask))
             brow = pid_r * NB_R + tl.arange(0, NB_R)
