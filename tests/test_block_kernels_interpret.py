@@ -64,7 +64,7 @@ else:
         "rowwise-nopow2": (BlockSpec(1, None), ScaleRule("fp32", power_2=False)),
     }
     # Tails in both directions, a single element, a single row / column, > 1 tile each way.
-    SHAPES = [(1, 1), (3, 200), (130, 70), (257, 33), (64, 256)]
+    SHAPES = [(1, 1), (3, 200), (130, 70), (257, 33)]
 
     def _bits(t):
         """Exact bytes of a tensor (NaN payloads included), in a comparable dtype."""
@@ -164,7 +164,7 @@ else:
     @pytest.mark.parametrize("name", list(RECIPES))
     @pytest.mark.parametrize("role", ["input", "weight", "grad_output"])
     def test_block_quantizer_triton_equals_torch(name, role):
-        x = _input((150, 260), torch.bfloat16, seed=3).reshape(3, 50, 260)
+        x = _input((80, 260), torch.bfloat16, seed=3).reshape(2, 40, 260)
         torch_q, triton_q = (make_quantizer(RECIPES[name], role) for _ in range(2))
         triton_q.backend = "triton"
         for transpose in (False, True):

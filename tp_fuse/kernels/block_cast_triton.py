@@ -260,17 +260,17 @@ def row_cast(
     dev = x2d.device
     columnwise = col_amax is not None
     data = torch.empty((R, C), dtype=fp8_dtype, device=dev)
-    sinv = torch.empty((R, 1), dtype=torch.float32, device=dev)
+    # An empty row has no block (scale shape [R, 0]), like the torch path's ceil(0 / 1).
+    sinv = torch.empty((R, int(C > 0)), dtype=torch.float32, device=dev)
     data_t = torch.empty((C, R), dtype=fp8_dtype, device=dev) if columnwise else None
-    sinv_t = torch.empty((C, 1), dtype=torch.float32, device=dev) if columnwise else None
+    sinv_t = torch.empty((C, int(R > 0)), dtype=torch.float32, device=dev) if columnwise else None
     emulated = emulate_conversions(dev)
-    if R + C > 0:
-        # Launched for empty rows/columns too: their scale is that of amax 0.
+    if R * C > 0:
         tr, tc = _row_tiles(C)
         ra = row_amax.reshape(-1).to(torch.float32).contiguous()
         ca = col_amax.reshape(-1).to(torch.float32).contiguous() if columnwise else ra
         u8 = data.view(torch.uint8)
-        _row_cast_kernel[(max(1, triton.cdiv(R, tr)), max(1, triton.cdiv(C, tc)))](
+        _row_cast_kernel[(triton.cdiv(R, tr), triton.cdiv(C, tc))](
             x2d, x2d.stride(0), x2d.stride(1), ra, ca, u8, sinv,
             data_t.view(torch.uint8) if columnwise else u8, sinv_t if columnwise else sinv, R, C,
             COLUMNWISE=columnwise, FP8_E4M3=fp8_dtype == torch.float8_e4m3fn, POW2=power_2,
