@@ -65,6 +65,10 @@ def test_backend_errors_name_the_problem(monkeypatch):
     with pytest.raises(ValueError, match="E8M0 scales with whole-row blocks"):
         quantize_layouts(x, BlockSpec(1, None), torch.float8_e4m3fn, ScaleRule("e8m0"), columnwise=False,
                          backend="triton")
+    with pytest.raises(ValueError, match="scale rule 'nvfp4'"):
+        quantize_layouts(x, spec, torch.float8_e4m3fn, ScaleRule("nvfp4"), columnwise=False, backend="triton")
+    with pytest.raises(ValueError, match="float8_e4m3fn / float8_e5m2"):
+        quantize_layouts(x, spec, torch.float8_e4m3fnuz, rule, columnwise=False, backend="triton")
     with pytest.raises(ValueError, match="reduce_columnwise_amax: only row-wise"):
         quantize_layouts(x, spec, torch.float8_e4m3fn, rule, columnwise=True, reduce_columnwise_amax=lambda a: a)
     with pytest.raises(ValueError, match="expected a 2-D tensor"):

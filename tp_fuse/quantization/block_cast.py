@@ -28,7 +28,7 @@ from typing import Callable, Optional
 import torch
 
 from ..kernels import dispatch
-from ..kernels._common import check_fp8_dtype, triton_dtype_issue
+from ..kernels._common import triton_dtype_issue
 from .block_scaling import BlockSpec, ScaleRule, block_amax, quantize_blocks
 from .block_tensor import BlockPayload
 
@@ -57,11 +57,16 @@ class BlockLayouts:
     backend: str
 
 
-def _triton_issue(x2d: torch.Tensor, spec: BlockSpec, rule: ScaleRule) -> Optional[str]:
-    """Why the Triton kernels cannot quantize this (None: they can)."""
+def _triton_issue(x2d: torch.Tensor, spec: BlockSpec, fp8_dtype: torch.dtype, rule: ScaleRule) -> Optional[str]:
+    """Why the Triton kernels cannot quantize this (None: they can). Anything the torch
+    math takes but these kernels do not (other formats or scale rules) runs on torch."""
     issue = triton_dtype_issue(x2d.dtype)
     if issue is not None:
         return issue
+    if fp8_dtype not in (torch.float8_e4m3fn, torch.float8_e5m2):
+        return f"{fp8_dtype}: the Triton block kernels write float8_e4m3fn / float8_e5m2"
+    if rule.kind not in ("fp32", "e8m0"):
+        return f"scale rule {rule.kind!r}: the Triton block kernels have fp32 and E8M0 scales"
     if spec.cols is not None:
         square = spec.rows == spec.cols
         if not ((spec.rows == 1 or square) and spec.cols in (32, 64, 128)):
@@ -93,13 +98,13 @@ def quantize_layouts(
     """
     if x2d.dim() != 2:
         raise ValueError(f"quantize_layouts: expected a 2-D tensor, got shape {tuple(x2d.shape)}")
-    check_fp8_dtype("fp8_dtype", fp8_dtype)
     if reduce_columnwise_amax is not None and not (columnwise and spec.cols is None):
         raise ValueError(
             "reduce_columnwise_amax: only row-wise scaling's column-wise copy has amaxes that span "
             f"ranks; got block {spec.describe()} with columnwise={columnwise}"
         )
-    choice = dispatch.select_backend(KERNEL, x2d.device, backend, triton_unsupported=_triton_issue(x2d, spec, rule))
+    issue = _triton_issue(x2d, spec, fp8_dtype, rule)
+    choice = dispatch.select_backend(KERNEL, x2d.device, backend, triton_unsupported=issue)
     if choice.backend == "torch":
         out, variant = _torch_layouts(x2d, spec, fp8_dtype, rule, columnwise, reduce_columnwise_amax), "reference"
     else:
