@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from ..recipe import Float8BlockScaling, Float8RowwiseScaling, MXFP8BlockScaling, QParams
-from .block_cast import quantize_layouts
+from .block_cast import AmaxHook, quantize_layouts
 from .block_scaling import BlockSpec, ScaleRule
 from .block_tensor import BlockScaledTensor
 from .quantizer import Quantizer, is_backward_role, register_recipe_quantizer
@@ -129,7 +129,9 @@ class BlockScalingQuantizer(Quantizer):
         with torch.no_grad():
             return self._quantize_layouts(x, True, reduce_col_amax)
 
-    def _quantize_layouts(self, x: torch.Tensor, transpose: bool, reduce_col_amax=None) -> BlockScaledTensor:
+    def _quantize_layouts(
+        self, x: torch.Tensor, transpose: bool, reduce_col_amax: Optional[AmaxHook] = None
+    ) -> BlockScaledTensor:
         if x.dim() < 1:
             raise ValueError(f"{type(self).__name__}.quantize: expected a tensor with >= 1 dims, got 0-d")
         x2d = x.detach().reshape(-1, x.shape[-1])
