@@ -7,6 +7,7 @@ from __future__ import annotations
 import copy
 import math
 
+import numpy as np
 import pytest
 import torch
 
@@ -152,6 +153,39 @@ def test_e8m0_scales_follow_the_ocp_mx_rule():
     # E5M2: emax_elem = 15.
     _, s = quantize_blocks(rows[:1], spec, torch.float8_e5m2, rule)
     assert s.float().item() == 2.0**-15
+
+
+def test_e8m0_exponent_is_exact_next_to_powers_of_two():
+    # Regression: exp2(floor(log2(v))) in fp32 gave 2**k for the float just below 2**k
+    # (log2 rounds up to k), i.e. a scale above the power-of-two floor (fp32 rule) and an
+    # E8M0 exponent one too large (MX rule). Exact: clear the mantissa / frexp.
+    k = list(range(-12, 12))
+    below = [float(torch.nextafter(torch.tensor(2.0**i), torch.tensor(0.0))) for i in k]
+    rows = torch.zeros(len(k), 32)
+    rows[:, 0] = torch.tensor(below)
+    _, s = quantize_blocks(rows, BlockSpec(1, 32), E4M3, ScaleRule("e8m0"))
+    assert s.float().flatten().tolist() == [2.0 ** (math.floor(math.log2(b)) - 8) for b in below]
+
+
+def test_power_of_two_scale_is_the_floor_next_to_powers_of_two():
+    # fp32 power-of-two rule: amax just above 448 / 2**k, so 448 / amax is just below 2**k.
+    k = list(range(-12, 12))
+    amax = [float(torch.nextafter(torch.tensor(448.0 / 2.0**i), torch.tensor(math.inf))) for i in k]
+    rows = torch.zeros(len(k), 128)
+    rows[:, 0] = torch.tensor(amax)
+    _, s = quantize_blocks(rows, BlockSpec(1, 128), E4M3, ScaleRule("fp32", power_2=True))
+    assert s.flatten().tolist() == [2.0 ** -math.floor(math.log2(448.0 / a)) for a in amax]
+
+
+def test_fp32_scale_is_one_correctly_rounded_division():
+    # Regression: ``fp8_max / amax`` with a Python float is reciprocal(amax) * fp8_max in
+    # torch (two roundings); TE's scale is the IEEE quotient. numpy's float32 division is.
+    amax = torch.rand(4096, generator=torch.Generator().manual_seed(5), dtype=torch.float32) * 100 + 1e-3
+    x = torch.zeros(4096, 128)
+    x[:, 0] = amax
+    _, s = quantize_blocks(x, BlockSpec(1, 128), E4M3, ScaleRule("fp32", power_2=False))
+    scale = np.float32(448.0) / amax.numpy()
+    assert np.array_equal(s.flatten().numpy(), np.float32(1.0) / scale)
 
 
 def test_rowwise_has_one_power_of_two_scale_per_row():

@@ -144,7 +144,8 @@ def test_kernel_check_runs_under_the_triton_interpreter(tmp_path):
     report = json.loads(out.read_text())
     assert proc.returncode == 0 and report["ok"], proc.stdout + proc.stderr
     assert report["kernels"]["quantize+transpose torch.float8_e4m3fn"]["bit_exact_fraction"] == 1.0
-    assert len(report["kernels"]) == 9
+    assert len(report["kernels"]) == 12
+    assert all(report["kernels"][f"block_quantize {r}"]["ok"] for r in ("blockwise", "mxfp8", "rowwise"))
 
 
 @pytest.mark.multirank

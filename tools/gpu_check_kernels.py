@@ -8,6 +8,8 @@ For each kernel: run it with ``backend="triton"`` and ``backend="torch"`` and co
   differ in the last bit (different operation order), so the report gives the fraction
   of bit-identical bytes and the largest distance in FP8 steps; pass: <= 1 step
   (the criterion of ``tests/test_kernels.py``), amaxes within fp32 rounding.
+* block quantization (``block_quantize``: blockwise, MXFP8, row-wise recipes, both
+  layouts): data bytes (NaN positions, not NaN bytes) and scale bytes identical.
 * FP8 GEMM: the Triton GEMM against ``torch._scaled_mm`` (relative error; accumulation
   order differs).
 
@@ -40,6 +42,8 @@ from tp_fuse.kernels import (  # noqa: E402 - after the repo path
     swiglu_fwd,
 )
 from tp_fuse.kernels.testing import fp8_ulp_distance  # noqa: E402
+from tp_fuse.quantization.quantizer import make_quantizer  # noqa: E402
+from tp_fuse.recipe import Float8BlockScaling, Float8RowwiseScaling, MXFP8BlockScaling  # noqa: E402
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 
@@ -93,6 +97,23 @@ def check_kernels(device: torch.device, rows: int, cols: int, seed: int = 0) -> 
         res["amax_rel_diff"] = _amax_rel(t[-1], r[-1])
         res["ok"] = res["max_fp8_steps"] <= 1 and res["nan_positions_equal"] and res["amax_rel_diff"] <= 1e-5
         report[name] = res
+    for name, recipe in (("blockwise", Float8BlockScaling()), ("mxfp8", MXFP8BlockScaling()),
+                         ("rowwise", Float8RowwiseScaling())):
+        quantized = {}
+        for be in ("triton", "torch"):
+            q = make_quantizer(recipe, "input")
+            q.backend = be
+            quantized[be] = q.quantize(x, transpose=True)
+        res = {}
+        for which in ("rowwise", "columnwise"):
+            pt, pr = quantized["triton"].payload(which), quantized["torch"].payload(which)
+            c = compare_fp8(pt.data, pr.data)
+            res[f"{which}_bit_exact_fraction"] = c["bit_exact_fraction"]
+            res[f"{which}_nan_positions_equal"] = c["nan_positions_equal"]
+            res[f"{which}_scales_equal"] = bool(torch.equal(pt.scale_inv.contiguous().view(torch.uint8),
+                                                            pr.scale_inv.contiguous().view(torch.uint8)))
+        res["ok"] = all(v == 1.0 if k.endswith("fraction") else v for k, v in res.items())
+        report[f"block_quantize {name}"] = res
     a = (torch.randn(rows, cols, generator=g) * 8).to(E4M3).to(device)
     b = (torch.randn(cols, cols, generator=g) * 8).to(E4M3).to(device)
     sa, sb = torch.tensor(0.37, device=device), torch.tensor(0.05, device=device)

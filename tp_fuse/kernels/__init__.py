@@ -5,6 +5,10 @@ semantics; ``backend=None`` picks Triton for CUDA inputs when triton is importab
 torch otherwise (see ``dispatch``), except the FP8 GEMM, which takes
 ``torch._scaled_mm`` on CUDA unless the Triton GEMM is chosen. Importing this package
 does not import triton.
+
+Block-scaled quantization (kernel name ``block_quantize``) has its Triton kernels in
+``block_cast_triton``; its torch reference is the block quantizers' own math, so its entry
+point -- same dispatch rules -- is ``tp_fuse.quantization.block_cast.quantize_layouts``.
 """
 
 from .activations import dgelu_dbias, dswiglu, gelu_fwd, swiglu_fwd

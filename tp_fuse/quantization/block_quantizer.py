@@ -11,7 +11,9 @@ gathered tensor carries the scales of every rank with its bytes.
 
 ``quantize(x, transpose=True)`` quantizes both layouts from high precision in one call:
 the row-wise copy of ``x [R, C]`` and the row-wise quantization of ``x.T [C, R]`` (the
-column-wise copy that dgrad/wgrad GEMMs read). Never one from the other.
+column-wise copy that dgrad/wgrad GEMMs read). Never one from the other. The work is done
+by :func:`~tp_fuse.quantization.block_cast.quantize_layouts`: Triton kernels for CUDA
+tensors (both layouts in one read), the torch reference elsewhere; ``backend`` forces one.
 """
 
 from __future__ import annotations
@@ -22,8 +24,9 @@ import torch
 import torch.distributed as dist
 
 from ..recipe import Float8BlockScaling, Float8RowwiseScaling, MXFP8BlockScaling, QParams
-from .block_scaling import BlockSpec, ScaleRule, block_amax, quantize_blocks
-from .block_tensor import BlockPayload, BlockScaledTensor
+from .block_cast import AmaxHook, quantize_layouts
+from .block_scaling import BlockSpec, ScaleRule
+from .block_tensor import BlockScaledTensor
 from .quantizer import Quantizer, is_backward_role, register_recipe_quantizer
 
 __all__ = ["BlockRecipe", "BlockScalingQuantizer", "block_layout", "is_block_recipe", "recipe_short_name"]
@@ -78,6 +81,8 @@ class BlockScalingQuantizer(Quantizer):
     Attributes:
         spec, rule: block shape and scale rule (:func:`block_layout`).
         last_scale_inv: the row-wise ``scale_inv`` of the last quantization (for stats).
+        backend: None (auto: Triton for CUDA tensors, torch elsewhere), "torch" or
+            "triton" (see ``tp_fuse.kernels.dispatch``); settable.
     """
 
     needs_amax_reduction = False
@@ -95,18 +100,10 @@ class BlockScalingQuantizer(Quantizer):
         self.spec = spec
         self.rule = rule
         self.last_scale_inv: Optional[torch.Tensor] = None
+        self.backend: Optional[str] = None
         # Quantizations with a NaN/inf block amax (the saturating cast would hide an inf);
         # the launcher's non-finite guard reads it like the per-tensor quantizers' count.
         self.nonfinite_amax_count = torch.zeros((), dtype=torch.int64)
-
-    def payload(self, x2d: torch.Tensor, amax: Optional[torch.Tensor] = None) -> BlockPayload:
-        """Row-wise payload of a 2-D high-precision tensor (``amax``: per-block, precomputed)."""
-        if amax is None:
-            amax = block_amax(x2d, self.spec)
-        bad = (~torch.isfinite(amax)).any().to(torch.int64)
-        self.nonfinite_amax_count = self.nonfinite_amax_count.to(bad.device) + bad
-        data, scale_inv = quantize_blocks(x2d, self.spec, self.fp8_dtype, self.rule, amax)
-        return BlockPayload(data, scale_inv, self.spec)
 
     def quantize_gatherable(
         self, x: torch.Tensor, group: Optional[dist.ProcessGroup], *, transpose: bool
@@ -121,28 +118,33 @@ class BlockScalingQuantizer(Quantizer):
         if not (transpose and self.spec.cols is None):
             with torch.no_grad():
                 return self._quantize_impl(x, transpose)
-        with torch.no_grad():
-            x2d = x.detach().reshape(-1, x.shape[-1])
-            rowwise = self.payload(x2d)
-            col_amax = block_amax(x2d.t(), self.spec)  # [K, 1]
+
+        def reduce_col_amax(col_amax: torch.Tensor) -> torch.Tensor:
             if group is not None and dist.get_world_size(group) > 1:
                 # NaN must win the MAX like it does locally: send it as inf.
                 col_amax = torch.nan_to_num(col_amax, nan=float("inf"))
                 dist.all_reduce(col_amax, op=dist.ReduceOp.MAX, group=group)
-            columnwise = self.payload(x2d.t(), col_amax)
-            self.last_scale_inv = rowwise.scale_inv
-        return BlockScaledTensor(x.shape, x.dtype, rowwise, columnwise, self.recipe_name)
+            return col_amax
+
+        with torch.no_grad():
+            return self._quantize_layouts(x, True, reduce_col_amax)
+
+    def _quantize_layouts(
+        self, x: torch.Tensor, transpose: bool, reduce_col_amax: Optional[AmaxHook] = None
+    ) -> BlockScaledTensor:
+        if x.dim() < 1:
+            raise ValueError(f"{type(self).__name__}.quantize: expected a tensor with >= 1 dims, got 0-d")
+        x2d = x.detach().reshape(-1, x.shape[-1])
+        out = quantize_layouts(x2d, self.spec, self.fp8_dtype, self.rule, columnwise=transpose,
+                               reduce_columnwise_amax=reduce_col_amax, backend=self.backend)
+        self.nonfinite_amax_count = self.nonfinite_amax_count.to(out.nonfinite.device) + out.nonfinite
+        self.last_scale_inv = out.rowwise.scale_inv
+        return BlockScaledTensor(x.shape, x.dtype, out.rowwise, out.columnwise, self.recipe_name)
 
     def _quantize_impl(self, x: torch.Tensor, transpose: bool = False) -> BlockScaledTensor:
+        # Both copies from high precision: block scales are not transposition-invariant.
         with torch.no_grad():
-            if x.dim() < 1:
-                raise ValueError(f"{type(self).__name__}.quantize: expected a tensor with >= 1 dims, got 0-d")
-            x2d = x.detach().reshape(-1, x.shape[-1])
-            rowwise = self.payload(x2d)
-            # The transposed copy from high precision: block scales are not transposition-invariant.
-            columnwise = self.payload(x2d.t()) if transpose else None
-            self.last_scale_inv = rowwise.scale_inv
-        return BlockScaledTensor(x.shape, x.dtype, rowwise, columnwise, self.recipe_name)
+            return self._quantize_layouts(x, transpose)
 
     def stats(self) -> dict[str, float]:
         s = self.last_scale_inv

@@ -37,6 +37,8 @@ __all__ = ["ScaleRule", "BlockSpec", "quantize_blocks", "dequantize_blocks", "ex
 
 # Largest unbiased exponent of the element format (OCP MX emax_elem).
 _EMAX_ELEM = {torch.float8_e4m3fn: 8, torch.float8_e5m2: 15}
+# fp32 sign and exponent bits (0xFF800000 as int32).
+_EXPONENT_MASK = -(1 << 23)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -108,6 +110,21 @@ def _mul_blocks(x: torch.Tensor, per_block: torch.Tensor, spec: BlockSpec) -> to
     return x * expand_scales(per_block, spec, (r, c))
 
 
+def _floor_pow2(v: torch.Tensor) -> torch.Tensor:
+    """Largest power of two <= ``v`` for positive normal fp32 ``v`` (0 stays 0), exactly.
+
+    Clears the mantissa bits, as Transformer Engine does. ``exp2(floor(log2(v)))`` is not
+    exact: fp32 ``log2`` rounds ``log2(2**k * (1 - 2**-24))`` up to ``k``, which gives
+    ``2**k`` -- larger than ``v`` -- for the float just below every power of two.
+    """
+    return (v.to(torch.float32).view(torch.int32) & _EXPONENT_MASK).view(torch.float32)
+
+
+def _floor_log2(v: torch.Tensor) -> torch.Tensor:
+    """``floor(log2(v))`` of positive finite ``v`` (fp32 result), exactly, subnormals included."""
+    return (torch.frexp(v.to(torch.float32))[1] - 1).to(torch.float32)
+
+
 def _scales_from_amax(
     amax: torch.Tensor, fp8_dtype: torch.dtype, rule: ScaleRule
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -116,17 +133,19 @@ def _scales_from_amax(
     if rule.kind == "e8m0":
         finite = torch.isfinite(amax)
         safe = torch.where(finite & (amax > 0), amax, torch.ones_like(amax))
-        exp = torch.floor(torch.log2(safe)) - _EMAX_ELEM[fp8_dtype]
+        exp = _floor_log2(safe) - _EMAX_ELEM[fp8_dtype]
         exp = torch.where(amax > 0, exp, torch.full_like(exp, -127.0)).clamp(-127.0, 127.0)
         x = torch.exp2(exp)
         x = torch.where(finite, x, torch.full_like(x, float("nan")))
         return x.to(torch.float8_e8m0fnu), torch.reciprocal(x)
     amax = torch.clamp(amax, min=rule.amax_epsilon) if rule.amax_epsilon > 0 else amax
-    scale = fp8_max / amax
+    # One correctly rounded division (TE's fp8_max / amax); ``fp8_max / amax`` with a
+    # Python float is reciprocal-then-multiply in torch, two roundings.
+    scale = torch.div(torch.full_like(amax, fp8_max), amax)
     # Zero amax (inf scale), NaN amax: scale 1 (the block's data is 0, or NaN anyway).
     scale = torch.where(torch.isfinite(scale) & (amax > 0), scale, torch.ones_like(scale))
     if rule.power_2:
-        scale = torch.exp2(torch.floor(torch.log2(scale)))
+        scale = _floor_pow2(scale)
     return torch.reciprocal(scale), scale
 
 

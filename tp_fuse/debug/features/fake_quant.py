@@ -7,20 +7,69 @@ from typing import Any, Optional
 import torch
 
 from ...quantization import scaling
+from ...quantization.block_cast import quantize_layouts
+from ...quantization.block_scaling import BlockSpec, ScaleRule
 from .api import DebugFeature
 
 __all__ = ["FakeQuant"]
 
-_FORMATS = {"FP8E4M3": torch.float8_e4m3fn, "FP8E5M2": torch.float8_e5m2}
+_E4M3, _E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
+#: Per-tensor formats (current scaling with ``margin``).
+_FORMATS = {"FP8E4M3": _E4M3, "FP8E5M2": _E5M2}
+_POW2 = ScaleRule("fp32", power_2=True)
+#: Block formats: (FP8 dtype, block of activations/gradients, block of weights, scale rule).
+#: MXFP8E4M3/MXFP8E5M2 are TE's names; the others name our block recipes.
+_BLOCK_FORMATS = {
+    "MXFP8E4M3": (_E4M3, BlockSpec(1, 32), BlockSpec(1, 32), ScaleRule("e8m0")),
+    "MXFP8E5M2": (_E5M2, BlockSpec(1, 32), BlockSpec(1, 32), ScaleRule("e8m0")),
+    "FP8E4M3_BLOCKWISE": (_E4M3, BlockSpec(1, 128), BlockSpec(128, 128), _POW2),
+    "FP8E5M2_BLOCKWISE": (_E5M2, BlockSpec(1, 128), BlockSpec(128, 128), _POW2),
+    "FP8E4M3_ROWWISE": (_E4M3, BlockSpec(1, None), BlockSpec(1, None), _POW2),
+    "FP8E5M2_ROWWISE": (_E5M2, BlockSpec(1, None), BlockSpec(1, None), _POW2),
+}
+#: (GEMM, tensor) pairs whose GEMM contracts over the tensor's first dimension: a block
+#: recipe's GEMM reads the column-wise copy (blocks along that dimension) there.
+_TRANSPOSED = {("dgrad", "weight"), ("wgrad", "gradient"), ("wgrad", "activation")}
+
+
+def fake_quantize_blocks(tensor: torch.Tensor, quant_format: str, gemm: str, tensor_name: str) -> torch.Tensor:
+    """Block-format round trip of a GEMM operand ``tensor [..., K]``, in ``tensor.dtype``.
+
+    Quantized as the block recipe's quantizer quantizes the copy ``gemm`` reads: row-wise
+    (blocks along the last dim) for fprop and for dgrad's gradient, column-wise (blocks of
+    ``tensor.T``) for dgrad's weight and wgrad's operands; weights use 128x128 blocks under
+    ``*_BLOCKWISE``. Same code and numerics as ``BlockScalingQuantizer``.
+    """
+    fp8_dtype, act_spec, weight_spec, rule = _BLOCK_FORMATS[quant_format]
+    spec = weight_spec if tensor_name == "weight" else act_spec
+    x2d = tensor.detach().reshape(-1, tensor.shape[-1])
+    transposed = (gemm, tensor_name) in _TRANSPOSED
+    src = x2d.t() if transposed else x2d
+    out = quantize_layouts(src, spec, fp8_dtype, rule, columnwise=False).rowwise.dequantize()
+    out = out.t() if transposed else out
+    return out.to(tensor.dtype).reshape(tensor.shape)
 
 
 class FakeQuant(DebugFeature):
-    """Replace GEMM inputs by their FP8 round trip, computed with current scaling.
+    """Replace GEMM inputs by their FP8 round trip.
 
     Options: ``gemms`` / ``gemms_struct`` (which GEMMs), ``tensors`` /
-    ``tensors_struct`` (activation, weight, gradient), ``quant_format``
-    (``FP8E4M3`` or ``FP8E5M2``, required), ``margin`` (int >= 0, default 0):
-    ``scale = fp8_max / amax(x) / 2**margin``, ``x' = dequant(cast(x * scale))``.
+    ``tensors_struct`` (activation, weight, gradient), ``quant_format`` (required):
+
+    * ``FP8E4M3`` / ``FP8E5M2`` -- per-tensor current scaling, ``margin`` (int >= 0,
+      default 0): ``scale = fp8_max / amax(x) / 2**margin``, ``x' = dequant(cast(x * scale))``;
+    * ``MXFP8E4M3`` / ``MXFP8E5M2`` (TE's names) -- 1x32 blocks, E8M0 scales
+      (``MXFP8BlockScaling``);
+    * ``FP8E4M3_BLOCKWISE`` / ``FP8E5M2_BLOCKWISE`` -- ``Float8BlockScaling``'s blocks:
+      1x128 for activations and gradients, 128x128 for weights, power-of-two fp32 scales;
+    * ``FP8E4M3_ROWWISE`` / ``FP8E5M2_ROWWISE`` -- one power-of-two scale per row
+      (``Float8RowwiseScaling``).
+
+    Block formats quantize exactly as the block recipes' quantizers do, with blocks along
+    the dimension the GEMM contracts (the copy that recipe's GEMM reads: ``x.T`` for
+    wgrad, ``W.T`` for dgrad); Transformer Engine always blocks along the last dimension.
+    ``margin`` applies to the per-tensor formats only.
+
     The covered GEMMs run in high precision on the fake-quantized values (TE
     semantics: ``fp8_gemm_enabled`` is False for them), so a model can be tried at
     FP8 precision without FP8 GEMMs, or with a different format per tensor.
@@ -32,11 +81,15 @@ class FakeQuant(DebugFeature):
 
     def check(self, opts: dict[str, Any], where: str) -> None:
         fmt = opts.get("quant_format")
-        if fmt is not None and fmt not in _FORMATS:
-            raise ValueError(f"{where}.quant_format: expected one of {sorted(_FORMATS)}, got {fmt!r}")
+        if fmt is not None and fmt not in _FORMATS and fmt not in _BLOCK_FORMATS:
+            raise ValueError(f"{where}.quant_format: expected one of {sorted(_FORMATS) + sorted(_BLOCK_FORMATS)}, "
+                             f"got {fmt!r}")
         margin = opts.get("margin", 0)
         if not isinstance(margin, int) or isinstance(margin, bool) or margin < 0:
             raise ValueError(f"{where}.margin: expected an int >= 0, got {margin!r}")
+        if fmt in _BLOCK_FORMATS and margin != 0:
+            raise ValueError(f"{where}.margin: block format {fmt} takes its scales from each block's amax; "
+                             f"margin applies to FP8E4M3/FP8E5M2 only, got margin={margin}")
 
     def modify_tensor_enabled(self, config, layer_name, gemm, tensor_name, iteration):
         if "quant_format" not in config:
@@ -58,7 +111,10 @@ class FakeQuant(DebugFeature):
         iteration: int,
         out: Optional[torch.Tensor] = None,
     ) -> torch.Tensor:
-        dtype = _FORMATS[config["quant_format"]]
+        fmt = config["quant_format"]
+        if fmt in _BLOCK_FORMATS:
+            return fake_quantize_blocks(tensor, fmt, gemm, tensor_name)
+        dtype = _FORMATS[fmt]
         fp8_max = float(torch.finfo(dtype).max)
         x = tensor.detach().to(torch.float32)
         scale = scaling.current_scale(x.abs().amax(), fp8_max) / (2.0 ** int(config.get("margin", 0)))

@@ -221,10 +221,15 @@ class BasicLinear(QuantizerStateMixin, BasicOperation):
 
     def kernels_used(self, direction: str) -> tuple[str, ...]:
         """``tp_fuse.kernels`` functions this op calls in ``direction`` (for ``explain``):
-        the FP8 casts and GEMMs under an FP8 recipe, none in high precision."""
-        from ...quantization import active_autocast
+        the FP8 casts and GEMMs under an FP8 recipe, none in high precision. Block-scaled
+        recipes cast with ``block_quantize``; their GEMM (``block_gemm``) is not a
+        ``tp_fuse.kernels`` function."""
+        from ...quantization import active_autocast, is_block_recipe
 
-        return ("quantize", "fp8_gemm") if active_autocast() is not None else ()
+        state = active_autocast()
+        if state is None:
+            return ()
+        return ("block_quantize",) if is_block_recipe(state.recipe) else ("quantize", "fp8_gemm")
 
     # ---- quantization helpers (shared with fused ops) --------------------
 
