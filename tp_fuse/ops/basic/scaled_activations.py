@@ -35,8 +35,8 @@ class _ScaledActivation(BasicOperation):
 
     Saved for backward: ``x`` and ``scales``; the backward re-runs the activation
     forward (one elementwise pass) instead of keeping ``a`` alive between the passes.
-    The product with the scale is taken in float32 (float64 for float64 inputs) and
-    rounded once to the input dtype.
+    The activation, the product with the scale and the scale's gradient are computed in
+    float32 (float64 for float64 inputs) and rounded once to the input dtype.
     """
 
     num_extra_inputs: int = 1
@@ -101,9 +101,9 @@ class _ScaledActivation(BasicOperation):
         x = maybe_dequantize(input_)
         scales_in = basic_op_extra_inputs[0][0]
         scales = self._scales_for(x, maybe_dequantize(scales_in))
-        a, _ = self._activation_out(x, requires_grad=False)
         cdtype = compute_dtype(x.dtype)
-        y = (a.to(cdtype) * scales.to(cdtype).unsqueeze(-1)).to(x.dtype)
+        a, _ = self._activation_out(x.to(cdtype), requires_grad=False)
+        y = (a * scales.to(cdtype).unsqueeze(-1)).to(x.dtype)
         ctx = basic_op_ctxs[0]
         if ctx.requires_grad:
             ctx.save_for_backward(x, scales)
@@ -122,12 +122,12 @@ class _ScaledActivation(BasicOperation):
         x, scales = ctx.saved_tensors
         dy = maybe_dequantize(grad_output)
         cdtype = compute_dtype(x.dtype)
-        a, act_ctx = self._activation_out(x, requires_grad=True)
+        a, act_ctx = self._activation_out(x.to(cdtype), requires_grad=True)
         dy_c = dy.to(cdtype)
-        dx = self.activation.activation_backward(act_ctx, (dy_c * scales.to(cdtype).unsqueeze(-1)).to(x.dtype))
+        dx = self.activation.activation_backward(act_ctx, dy_c * scales.to(cdtype).unsqueeze(-1)).to(x.dtype)
         dscales = None
         if ctx.scales_requires_grad:
-            dscales = (a.to(cdtype) * dy_c).sum(dim=-1).to(scales.dtype)
+            dscales = (a * dy_c).sum(dim=-1).to(scales.dtype)
         return dx, [()], [(dscales,)]
 
 
