@@ -19,7 +19,7 @@ from ...quantization import (
 )
 from ..extra_state import QuantizerStateMixin
 from ..op import BasicOperation, OperationContext, require
-from ._checks import maybe_dequantize, param_dtype
+from ._checks import compute_dtype, maybe_dequantize, param_dtype
 from .basic_linear import add_into_main_grad, weight_in_dtype
 
 __all__ = ["GroupedLinear", "is_op_fuser_grouped_tensor_path_supported"]
@@ -297,7 +297,7 @@ class GroupedLinear(QuantizerStateMixin, BasicOperation):
         dx = torch.empty(dy2d.shape[0], self.in_features, dtype=dtype, device=dy2d.device)
         dws: list[Optional[torch.Tensor]] = []
         dbs: list[Optional[torch.Tensor]] = []
-        dscales = torch.empty(dy2d.shape[0], dtype=torch.float32, device=dy2d.device) if ctx.scales_requires_grad else None
+        dscales = torch.empty(dy2d.shape[0], dtype=compute_dtype(dtype), device=dy2d.device) if ctx.scales_requires_grad else None
         start = 0
         for i, (m, w, b) in enumerate(zip(ctx.sizes, self.weights(), self.biases())):
             dyi, dxi = dy2d[start : start + m], dx[start : start + m]
@@ -325,12 +325,14 @@ class GroupedLinear(QuantizerStateMixin, BasicOperation):
                 dw = dw.to(w.dtype)
             dws.append(dw)
             if b is not None:
-                dyc = maybe_dequantize(dyi).float()
+                # Bias and scale gradients in float32 (float64 for float64): sums over rows.
+                cdtype = compute_dtype(dtype)
+                dyc = maybe_dequantize(dyi).to(cdtype)
                 if self._scale_bias:
-                    si = scales[start : start + m].float()
+                    si = scales[start : start + m].to(cdtype)
                     db = (dyc * si[:, None]).sum(dim=0) if b.requires_grad else None
                     if dscales is not None:
-                        dscales[start : start + m] = dyc @ b.float()
+                        dscales[start : start + m] = dyc @ b.to(cdtype)
                 else:
                     db = dyc.sum(dim=0) if b.requires_grad else None
                 dbs.append(None if db is None else db.to(b.dtype))
