@@ -279,16 +279,16 @@ class BasicLinear(QuantizerStateMixin, BasicOperation):
         bias: Optional[torch.Tensor] = None,
         residual: Optional[torch.Tensor] = None,
         alpha: float = 1.0,
-        residual_in_place: bool = False,
+        into_residual: bool = False,
     ) -> torch.Tensor:
         """``y = alpha x W^T (+ bias) (+ residual)``; saves what ``backward_gemm`` needs.
 
-        ``residual_in_place``: the GEMM accumulates into ``residual``'s buffer and the
+        ``into_residual``: the GEMM accumulates into ``residual``'s buffer and the
         result aliases it (``AddExtraInput(in_place=True)`` fused into the GEMM).
         ``alpha`` (``ConstantScale`` fused into the GEMM) is never combined with ``bias``.
         """
         assert alpha == 1.0 or bias is None, "the fused ops never scale a GEMM that has a bias"
-        assert residual is not None or not residual_in_place
+        assert residual is not None or not into_residual
         self.check_input(x)
         lead = x.shape[:-1]
         x2d = x.reshape(-1, self.in_features)
@@ -303,7 +303,7 @@ class BasicLinear(QuantizerStateMixin, BasicOperation):
         if ctx.debug:
             # Debug features (tp_fuse.debug) make the feature API's calls around each GEMM
             # (fusions skip debug layers, so no scale or in-place residual arrives here).
-            assert alpha == 1.0 and not residual_in_place
+            assert alpha == 1.0 and not into_residual
             return hooks.forward_gemm(self, ctx, x, bias=bias, residual=residual)
         ctx.fp8 = self.fp8_quantizers() is not None
         if bias is not None and bias.dtype != x.dtype:
@@ -314,7 +314,7 @@ class BasicLinear(QuantizerStateMixin, BasicOperation):
             x_fp8, w_fp8 = self.quantize_operands(x2d, ctx)
             out_dtype = x.dtype
             y = fp8_gemm(x_fp8, w_fp8, out_dtype=out_dtype, bias=bias)
-            if residual_in_place:
+            if into_residual:
                 y = _accumulate_in_place(residual, y, alpha)
             elif residual is not None:
                 y = torch.add(residual.reshape(-1, self.out_features), y, alpha=alpha)
@@ -324,7 +324,7 @@ class BasicLinear(QuantizerStateMixin, BasicOperation):
         else:
             x2d = maybe_dequantize(x2d)
             w = self.weight_in(x2d.dtype)
-            if residual_in_place:
+            if into_residual:
                 y = _addmm_in_place(residual, bias, x2d, w, alpha)
             elif residual is not None and alpha != 1.0:
                 y = torch.addmm(residual.reshape(-1, self.out_features), x2d, w.t(), alpha=alpha)

@@ -85,7 +85,9 @@ class ForwardLinearBiasAdd(FusedOperation):
         extra = maybe_dequantize(basic_op_extra_inputs[-1][0])
         add_op.check_extra_input(out_shape, input_.dtype, input_.device, extra)
         residual = extra if tuple(extra.shape) == out_shape else extra.expand(out_shape)
-        y = linear.forward_gemm(basic_op_ctxs[0], input_, bias=bias, residual=residual, residual_in_place=add_op.in_place)
+        y = linear.forward_gemm(
+            basic_op_ctxs[0], input_, bias=bias, residual=residual, into_residual=add_op.in_place
+        )
         return y, [() for _ in self.basic_ops]
 
 

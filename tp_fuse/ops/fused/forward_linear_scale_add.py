@@ -64,7 +64,7 @@ class ForwardLinearScaleAdd(FusedOperation):
         residual = maybe_dequantize(basic_op_extra_inputs[2][0])
         add_op.check_extra_input(out_shape, input_.dtype, input_.device, residual)
         y = linear.forward_gemm(
-            basic_op_ctxs[0], input_, residual=residual, alpha=scale_op.scale, residual_in_place=True
+            basic_op_ctxs[0], input_, residual=residual, alpha=scale_op.scale, into_residual=True
         )
         return y, [(), (), ()]
 
