@@ -270,3 +270,26 @@ def test_user_errors():
             GroupedLinear(2, IN, OUT, **{flag: True})
     with pytest.raises(ValueError, match="GroupedLinear: num_groups must be a positive int, got 0"):
         GroupedLinear(0, IN, OUT)
+
+
+@pytest.mark.parametrize("recipe", ["Float8BlockScaling", "MXFP8BlockScaling", "Float8RowwiseScaling"])
+def test_block_recipes_equal_one_basic_linear_per_group(recipe):
+    # Block-scaled recipes (block sizes 128 / 32): groups of 128 rows, K = N = 128.
+    make = getattr(te.recipe, recipe)
+    torch.manual_seed(0)
+    op = GroupedLinear(2, 128, 128, bias=False)
+    linears = [BasicLinear(128, 128) for _ in range(2)]
+    with torch.no_grad():
+        for i in range(2):
+            linears[i].weight.copy_(getattr(op, f"weight{i}"))
+    x, dy = _randn((256, 128), seed=1), _randn((256, 128), seed=2)
+    xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
+    with te.autocast(recipe=make()):
+        y = op(xa, torch.tensor([128, 128]))
+    y.backward(dy)
+    with te.autocast(recipe=make()):
+        yb = torch.cat([linears[0](xb[:128]), linears[1](xb[128:])])
+    yb.backward(dy)
+    assert torch.equal(y, yb) and torch.equal(xa.grad, xb.grad)
+    for i in range(2):
+        assert torch.equal(getattr(op, f"weight{i}").grad, linears[i].weight.grad)
