@@ -303,7 +303,7 @@ class GroupedLinear(QuantizerStateMixin, BasicOperation):
             dyi, dxi = dy2d[start : start + m], dx[start : start + m]
             dw = None
             if m == 0:
-                dw = torch.zeros_like(w, dtype=w.dtype) if wgrad else None
+                dw = torch.zeros(w.shape, dtype=w.dtype, device=w.device) if wgrad else None
             elif ctx.fp8:
                 q = self._quantizers.groups[i].quantizers["grad_output"]
                 dy8, fresh = q.quantize_or_pass(dyi, transpose=wgrad)
