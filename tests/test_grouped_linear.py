@@ -245,6 +245,10 @@ def test_grouped_mlp_with_scaled_swiglu():
     assert_close(y, torch.cat(ys))
     assert_close(x.grad, x64.grad)
     assert_close(probs.grad, p64.grad)
+    (fuser,) = seq.fusers()
+    assert [type(op) for op, _ in fuser.forward_ops] == [GroupedLinear, ScaledSwiGLU, GroupedLinear]
+    reasons = [r.reason for r in fuser.explain().rejected if r.fusion == "fuse_grouped_mlp"]
+    assert len(reasons) == 2 and all("CUDA sm100 only" in r for r in reasons), reasons
 
 
 def test_backward_activation_bias_after_a_grouped_linear_under_fp8():

@@ -21,6 +21,7 @@ from .forward_linear_bias_activation import (
 )
 from .forward_linear_bias_add import ForwardLinearBiasAdd, fuse_forward_linear_bias_add
 from .forward_linear_scale_add import ForwardLinearScaleAdd, fuse_forward_linear_scale_add
+from .grouped_mlp import fuse_grouped_mlp
 from .forward_norm_quantize_linear import ForwardNormQuantizeLinear, fuse_forward_norm_quantize_linear
 from .userbuffers_backward_linear import UserbuffersBackwardLinear, fuse_userbuffers_backward_linear
 from .userbuffers_forward_linear import UserbuffersForwardLinear, fuse_userbuffers_forward_linear
@@ -39,6 +40,9 @@ register_backward_fusion(fuse_backward_linear_add)
 register_backward_fusion(fuse_backward_linear_scale)
 register_backward_fusion(fuse_backward_activation_bias)
 register_backward_fusion(fuse_backward_add_rmsnorm)
+# Reports only (Transformer Engine's grouped-MLP fusion needs CUDA-only cuDNN kernels).
+register_forward_fusion(fuse_grouped_mlp)
+register_backward_fusion(fuse_grouped_mlp)
 # Communication-overlap fusions go in front of all others (prepend), so that they see the
 # BasicLinear before [BasicLinear, Bias] is taken by the epilogue fusions. Each prepend
 # goes to the front: the forward order ends up all-gather/reduce-scatter, then all-reduce.
