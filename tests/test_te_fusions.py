@@ -242,3 +242,20 @@ def test_backward_add_rmsnorm_not_fused_under_other_conditions():
         if reason:
             rejected = [r.reason for r in fuser.explain().rejected if r.fusion == "fuse_backward_add_rmsnorm"]
             assert any(reason in r for r in rejected), rejected
+
+
+def test_norm_writes_fp8_for_the_scale_add_gemm():
+    # Under FP8 the norm before a ForwardLinearScaleAdd writes the GEMM's FP8 input.
+    from tp_fuse.ops.fused import ForwardNormQuantizeLinear
+
+    norm, linear = RMSNorm(IN), BasicLinear(IN, OUT)
+    model = Sequential(norm, linear, ConstantScale(0.5), AddExtraInput(in_place=True))
+    x, residual = _randn((*LEAD, IN), torch.float32, 1), _randn((*LEAD, OUT), torch.float32, 2)
+    with autocast(recipe=Float8CurrentScaling()):
+        y = model(x, residual.clone())
+    (fuser,) = model.fusers()
+    assert _types(fuser.forward_ops) == [ForwardNormQuantizeLinear]
+    assert isinstance(fuser.forward_ops[0][0].linear_op, ForwardLinearScaleAdd)
+    h = x.double() * torch.rsqrt(x.double().square().mean(-1, keepdim=True) + norm.eps)
+    e4 = FP8_UNIT_ROUNDOFF["e4m3"]
+    assert_fp8_matmul_close((y - residual).reshape(-1, OUT), 0.5 * h.reshape(-1, IN), linear.weight.double(), e4, e4, underflow_atol=8e-3)
