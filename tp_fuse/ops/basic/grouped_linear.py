@@ -179,7 +179,10 @@ class GroupedLinear(QuantizerStateMixin, BasicOperation):
         for i, (w, b) in enumerate(zip(self.weights(), self.biases())):
             for name, p in ((f"weight{i}", w), (f"bias{i}", b)):
                 if p is None:
-                    require(not self.use_bias or not name.startswith("bias"), f"GroupedLinear: {name} is None but bias=True")
+                    require(
+                        not self.use_bias or not name.startswith("bias"),
+                        f"GroupedLinear: {name} is None but bias=True",
+                    )
                     continue
                 require(
                     p.dtype == w0.dtype and p.device == w0.device and p.requires_grad == w0.requires_grad,
@@ -216,7 +219,10 @@ class GroupedLinear(QuantizerStateMixin, BasicOperation):
             f"GroupedLinear: expected input with last dimension in_features={self.in_features}, "
             f"got shape {tuple(input_.shape)}",
         )
-        require(input_.device == self.weight0.device, f"GroupedLinear: input on {input_.device}, weights on {self.weight0.device}")
+        require(
+            input_.device == self.weight0.device,
+            f"GroupedLinear: input on {input_.device}, weights on {self.weight0.device}",
+        )
         x2d = input_.reshape(-1, self.in_features)
         sizes = self._splits(basic_op_extra_inputs[0][0], x2d.shape[0])
         scales = None
@@ -297,7 +303,9 @@ class GroupedLinear(QuantizerStateMixin, BasicOperation):
         dx = torch.empty(dy2d.shape[0], self.in_features, dtype=dtype, device=dy2d.device)
         dws: list[Optional[torch.Tensor]] = []
         dbs: list[Optional[torch.Tensor]] = []
-        dscales = torch.empty(dy2d.shape[0], dtype=compute_dtype(dtype), device=dy2d.device) if ctx.scales_requires_grad else None
+        dscales = None
+        if ctx.scales_requires_grad:
+            dscales = torch.empty(dy2d.shape[0], dtype=compute_dtype(dtype), device=dy2d.device)
         start = 0
         for i, (m, w, b) in enumerate(zip(ctx.sizes, self.weights(), self.biases())):
             dyi, dxi = dy2d[start : start + m], dx[start : start + m]

@@ -72,6 +72,7 @@ def fuse_backward_add_rmsnorm(
                 "the fused RMSNorm backward writes a new dx (Transformer Engine's condition: in_place=False)",
                 2,
             )
-        return Fuse(BackwardAddRMSNorm(add=make_extra, rmsnorm=window[1]), 2, "residual grad added inside the RMSNorm backward")
+        fused = BackwardAddRMSNorm(add=make_extra, rmsnorm=window[1])
+        return Fuse(fused, 2, fused.fusion_summary())
 
     return fuse_by_window(ops, matcher, fusion_log)
