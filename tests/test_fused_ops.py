@@ -16,6 +16,7 @@ from tp_fuse.ops.basic import (
     Bias,
     LayerNorm,
     MakeExtraOutput,
+    Quantize,
     ReLU,
     SwiGLU,
 )
@@ -151,9 +152,12 @@ def _check_case(kinds, dtype, extra_shapes=(), out_dim=OUT, extra_out=False):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("act", ["gelu", "relu"])
 def test_linear_bias_activation(dtype, act):
-    fuser, _ = _check_case(["linear", "bias", act], dtype)
+    fuser, exp = _check_case(["linear", "bias", act], dtype)
     assert _op_types(fuser.forward_ops) == [ForwardLinearBiasActivation]
-    assert _op_types(fuser.backward_ops) == [BasicLinear, BackwardActivationBias]
+    # Transformer Engine's condition: dact+dbias fuses only for an FP8 consumer (see
+    # test_backward_activation_bias_is_bit_identical for the FP8 case).
+    assert _op_types(fuser.backward_ops) == [BasicLinear, Bias, {"gelu": GELU, "relu": ReLU}[act]]
+    assert any("no FP8 recipe" in r.reason for r in exp.rejected if r.direction == "backward"), str(exp)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -188,7 +192,7 @@ def test_linear_add_without_bias(dtype):
 def test_backward_linear_add(dtype):
     fuser, _ = _check_case(["extra_out", "linear", "bias", "gelu"], dtype, extra_out=True)
     assert _op_types(fuser.forward_ops) == [MakeExtraOutput, ForwardLinearBiasActivation]
-    assert _op_types(fuser.backward_ops) == [BackwardLinearAdd, BackwardActivationBias]
+    assert _op_types(fuser.backward_ops) == [BackwardLinearAdd, Bias, GELU]
 
 
 @pytest.mark.parametrize("in_place", [False, True])
@@ -205,20 +209,41 @@ def test_backward_linear_add_in_place_make_extra_output(in_place):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_backward_activation_bias_is_bit_identical(dtype):
-    # [Bias, GELU] alone: the forward is basic in both runs, so the backward fusion
-    # must reproduce the basic ops' dx and dbias bit for bit.
+    # [Quantize(backward), Bias, GELU] under FP8 (Transformer Engine's conditions): the
+    # forward is basic in both runs, so the backward fusion must reproduce the basic
+    # ops' dx and dbias bit for bit. Without FP8, or without an FP8 consumer, no fusion.
+    from tp_fuse.quantization import autocast
+    from tp_fuse.recipe import Float8CurrentScaling
+
     for act in (GELU, ReLU):
-        bias, activation = Bias(IN, dtype=dtype), act()
+        quantize, bias, activation = Quantize(forward=False, backward=True), Bias(IN, dtype=dtype), act()
         with torch.no_grad():
             bias.bias.copy_(_randn(IN, dtype, 4))
         x = _randn((*LEAD, IN), dtype, 5)
         dy = _randn((*LEAD, IN), dtype, 6)
-        seq = Sequential(bias, activation)
-        fused = _run(seq, [bias.bias], [x], [dy])
-        assert _op_types(seq.fusers()[0].backward_ops) == [BackwardActivationBias]
-        basic = _run(_unfused([bias, activation]), [bias.bias], [x], [dy])
+
+        def under_fp8(fn):
+            def run(*args):
+                with autocast(recipe=Float8CurrentScaling()):
+                    return fn(*args)
+
+            return run
+
+        seq = Sequential(quantize, bias, activation)
+        fused = _run(under_fp8(seq), [bias.bias], [x], [dy])
+        assert _op_types(seq.fusers()[0].backward_ops) == [Quantize, BackwardActivationBias]
+        basic = _run(under_fp8(_unfused([quantize, bias, activation])), [bias.bias], [x], [dy])
         for a, b in zip(fused[1] + fused[2], basic[1] + basic[2]):
             assert torch.equal(a, b)
+        hp = Sequential(Quantize(forward=False, backward=True), Bias(IN, dtype=dtype), act())
+        _run(hp, list(hp.parameters()), [x], [dy])
+        assert _op_types(hp.fusers()[0].backward_ops) == [Quantize, Bias, act]
+        alone = Sequential(Bias(IN, dtype=dtype), act())
+        _run(under_fp8(alone), list(alone.parameters()), [x], [dy])
+        assert _op_types(alone.fusers()[0].backward_ops) == [Bias, act]
+        with autocast(recipe=Float8CurrentScaling()):
+            reasons = [r.reason for r in alone.explain().records if not r.fused]
+        assert any("preceded by nothing" in r and "grad-output quantizer" in r for r in reasons), reasons
 
 
 def test_linear_container_fuses_like_its_basic_ops():
@@ -269,7 +294,9 @@ def test_mismatched_bias_is_rejected_and_the_basic_op_reports_it():
         seq(torch.randn(*LEAD, IN))
 
 
-def test_in_place_add_is_not_fused_and_still_correct():
+def test_in_place_add_is_fused_into_the_residual_buffer():
+    # Transformer Engine fuses [BasicLinear, Bias, AddExtraInput(in_place=True)]: the GEMM
+    # accumulates into the residual's buffer, which the output aliases.
     ops = [BasicLinear(IN, OUT), Bias(OUT), AddExtraInput(in_place=True)]
     seq = Sequential(*ops)
     x = torch.randn(*LEAD, IN)
@@ -277,8 +304,8 @@ def test_in_place_add_is_not_fused_and_still_correct():
     buf = residual.clone()
     y = seq(x, buf)
     (fuser,) = seq.fusers()
-    assert ForwardLinearBiasAdd not in _op_types(fuser.forward_ops)
-    assert any("in_place=True" in r.reason for r in fuser.explain().rejected)
+    assert _op_types(fuser.forward_ops) == [ForwardLinearBiasAdd]
+    assert any("residual's buffer" in r.reason for r in fuser.explain().fused)
     expected = torch.nn.functional.linear(x, ops[0].weight, ops[1].bias) + residual
     assert_close(y, expected)
     assert y.data_ptr() == buf.data_ptr()

@@ -34,11 +34,14 @@ from tp_fuse.ops.basic import (
     Reshape,
     ReLU,
     RMSNorm,
+    ScaledSwiGLU,
     SwiGLU,
 )
 from tp_fuse.ops.fused import (
     BackwardActivationBias,
+    BackwardAddRMSNorm,
     BackwardLinearAdd,
+    BackwardLinearScale,
     ForwardLinearBiasActivation,
     ForwardLinearBiasAdd,
     ForwardNormQuantizeLinear,
@@ -67,9 +70,14 @@ CASES: dict[str, tuple[Callable[[], list], list[tuple[int, ...]], object, object
     "AllGather(tp=1)": (lambda: [AllGather()], [], None, None),
     "ReduceScatter(tp=1)": (lambda: [ReduceScatter()], [], None, None),
     "AllReduce(tp=1)": (lambda: [AllReduce()], [], None, None),
-    "ForwardLinearBiasActivation+BackwardActivationBias": (
+    "ForwardLinearBiasActivation": (
         lambda: [BasicLinear(H, H), Bias(H), GELU()], [],
-        [ForwardLinearBiasActivation], [BasicLinear, BackwardActivationBias]),
+        [ForwardLinearBiasActivation], [BasicLinear, Bias, GELU]),
+    "BackwardLinearScale": (
+        lambda: [BasicLinear(H, H), ConstantScale(-1.5)], [], None, [BackwardLinearScale]),
+    "BackwardAddRMSNorm": (
+        lambda: [MakeExtraOutput(), RMSNorm(H)], [], None, [BackwardAddRMSNorm]),
+    "ScaledSwiGLU": (lambda: [BasicLinear(H, 2 * H), ScaledSwiGLU()], [LEAD], None, None),
     "ForwardLinearBiasAdd": (
         lambda: [BasicLinear(H, H), Bias(H), AddExtraInput()], [(*LEAD, H)],
         [ForwardLinearBiasAdd], None),
@@ -78,6 +86,9 @@ CASES: dict[str, tuple[Callable[[], list], list[tuple[int, ...]], object, object
         None, [BackwardLinearAdd, Bias]),
 }
 FP8_CASES = {
+    "ForwardLinearBiasActivation+BackwardActivationBias (FP8)": (
+        lambda: [BasicLinear(H, H), Bias(H), GELU()], [],
+        [ForwardLinearBiasActivation], [BasicLinear, BackwardActivationBias]),
     "ForwardNormQuantizeLinear (FP8)": (lambda: [LayerNorm(H), BasicLinear(H, H)], [],
                                         [ForwardNormQuantizeLinear], None),
     "Quantize+BasicLinear (FP8)": (lambda: [Quantize(), BasicLinear(H, H)], [], None, None),

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from tolerances import assert_close
-from tp_fuse.ops.basic import GELU, BasicLinear, Bias, MakeExtraOutput
-from tp_fuse.ops.fused import BackwardActivationBias, BackwardLinearAdd
+from tp_fuse.ops.basic import BasicLinear, Bias, ConstantScale, MakeExtraOutput
+from tp_fuse.ops.fused import BackwardLinearAdd, BackwardLinearScale
 from tp_fuse.ops.sequential import Sequential
 
 
@@ -16,10 +16,11 @@ def _ops(fused_backward: str) -> list:
     torch.manual_seed(0)
     if fused_backward == "linear_add":
         return [MakeExtraOutput(), BasicLinear(8, 8, accumulate_into_main_grad=True), Bias(8)]
-    return [BasicLinear(8, 6, accumulate_into_main_grad=True), Bias(6), GELU()]
+    # BackwardLinearScale computes the wgrad itself (alpha in the GEMM).
+    return [BasicLinear(8, 6, accumulate_into_main_grad=True), ConstantScale(-1.5)]
 
 
-@pytest.mark.parametrize("fused_backward", ["activation_bias", "linear_add"])
+@pytest.mark.parametrize("fused_backward", ["linear_scale", "linear_add"])
 @pytest.mark.parametrize("megatron_flag", [False, True])
 def test_wgrad_goes_to_main_grad(fused_backward: str, megatron_flag: bool) -> None:
     seq = Sequential(*_ops(fused_backward))
@@ -40,7 +41,7 @@ def test_wgrad_goes_to_main_grad(fused_backward: str, megatron_flag: bool) -> No
     ref_w = [op for op in ref if isinstance(op, BasicLinear)][0].weight
     assert_close((w.main_grad - 0.5).float(), ref_w.grad)
     (fuser,) = seq.fusers()
-    want = BackwardLinearAdd if fused_backward == "linear_add" else BackwardActivationBias
+    want = BackwardLinearAdd if fused_backward == "linear_add" else BackwardLinearScale
     assert want in [type(op) for op, _ in fuser.backward_ops]
     if megatron_flag:  # a zero dummy keeps Megatron DDP's grad hooks firing; they skip their add
         assert w.grad_added_to_main_grad and w.grad is not None and float(w.grad.abs().sum()) == 0.0

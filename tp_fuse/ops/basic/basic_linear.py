@@ -192,14 +192,7 @@ class BasicLinear(QuantizerStateMixin, BasicOperation):
     def weight_in(self, dtype: torch.dtype) -> torch.Tensor:
         """The weight for a high-precision GEMM in ``dtype`` (itself when it matches;
         an FP8 weight dequantized, not converted as a parameter with its master)."""
-        w = self.weight
-        if w.dtype == dtype:
-            return w
-        from ...quantization import Float8Tensor
-
-        if isinstance(w, Float8Tensor):
-            return w.dequantize(dtype)
-        return w.detach().to(dtype)
+        return weight_in_dtype(self.weight, dtype)
 
     def check_input(self, x: torch.Tensor) -> None:
         """Shape and device checks, raised before any compute or communication.
@@ -290,8 +283,17 @@ class BasicLinear(QuantizerStateMixin, BasicOperation):
         *,
         bias: Optional[torch.Tensor] = None,
         residual: Optional[torch.Tensor] = None,
+        alpha: float = 1.0,
+        into_residual: bool = False,
     ) -> torch.Tensor:
-        """``y = x W^T (+ bias) (+ residual)``; saves what ``backward_gemm`` needs."""
+        """``y = alpha x W^T (+ bias) (+ residual)``; saves what ``backward_gemm`` needs.
+
+        ``into_residual``: the GEMM accumulates into ``residual``'s buffer and the
+        result aliases it (``AddExtraInput(in_place=True)`` fused into the GEMM).
+        ``alpha`` (``ConstantScale`` fused into the GEMM) is never combined with ``bias``.
+        """
+        assert alpha == 1.0 or bias is None, "the fused ops never scale a GEMM that has a bias"
+        assert residual is not None or not into_residual
         self.check_input(x)
         lead = x.shape[:-1]
         x2d = x.reshape(-1, self.in_features)
@@ -304,7 +306,9 @@ class BasicLinear(QuantizerStateMixin, BasicOperation):
         hooks = self.debug_hooks
         ctx.debug = hooks is not None and hooks.features_enabled
         if ctx.debug:
-            # Debug features (tp_fuse.debug) make the feature API's calls around each GEMM.
+            # Debug features (tp_fuse.debug) make the feature API's calls around each GEMM
+            # (fusions skip debug layers, so no scale or in-place residual arrives here).
+            assert alpha == 1.0 and not into_residual
             return hooks.forward_gemm(self, ctx, x, bias=bias, residual=residual)
         ctx.fp8 = self.fp8_quantizers() is not None
         if bias is not None and bias.dtype != x.dtype:
@@ -315,13 +319,23 @@ class BasicLinear(QuantizerStateMixin, BasicOperation):
             x_fp8, w_fp8 = self.quantize_operands(x2d, ctx)
             out_dtype = x.dtype
             y = fp8_gemm(x_fp8, w_fp8, out_dtype=out_dtype, bias=bias)
-            if residual is not None:
-                y = y + residual.reshape(-1, self.out_features)
+            if into_residual:
+                y = _accumulate_in_place(residual, y, alpha)
+            elif residual is not None:
+                y = torch.add(residual.reshape(-1, self.out_features), y, alpha=alpha)
+            elif alpha != 1.0:
+                y = y.mul_(alpha)
             saved = (x_fp8, w_fp8)
         else:
             x2d = maybe_dequantize(x2d)
             w = self.weight_in(x2d.dtype)
-            if residual is not None:
+            if into_residual:
+                y = _addmm_in_place(residual, bias, x2d, w, alpha)
+            elif residual is not None and alpha != 1.0:
+                y = torch.addmm(residual.reshape(-1, self.out_features), x2d, w.t(), alpha=alpha)
+            elif alpha != 1.0:
+                y = torch.mm(x2d, w.t()).mul_(alpha)
+            elif residual is not None:
                 base = residual.reshape(-1, self.out_features)
                 if bias is not None:
                     base = base + bias
@@ -351,9 +365,14 @@ class BasicLinear(QuantizerStateMixin, BasicOperation):
         dy: torch.Tensor,
         *,
         grad_input_accumulate: Optional[torch.Tensor] = None,
+        alpha: float = 1.0,
     ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-        """``dx = dy W (+ grad_input_accumulate)``, ``dW = dy^T x``."""
+        """``dx = alpha dy W (+ grad_input_accumulate)``, ``dW = alpha dy^T x``.
+
+        ``alpha``: a following ``ConstantScale`` fused into both GEMMs (``BackwardLinearScale``).
+        """
         if getattr(ctx, "debug", False):
+            assert alpha == 1.0, "fusions skip debug layers"
             dx, dw = self.debug_hooks.backward_gemm(self, ctx, dy, grad_input_accumulate=grad_input_accumulate)
             return self.reduce_dgrad(dx), dw
         x_saved, w_saved = ctx.saved_tensors
@@ -372,20 +391,28 @@ class BasicLinear(QuantizerStateMixin, BasicOperation):
             # dx[M, in] = dy[M, out] @ W[out, in]: _scaled_mm wants b as [in, out].
             dx = fp8_gemm(dy_fp8, w_saved.transpose_fp8(), out_dtype=dy.dtype)
             if acc is not None:
-                dx = dx + acc
+                dx = torch.add(acc, dx, alpha=alpha)
+            elif alpha != 1.0:
+                dx = dx.mul_(alpha)
             dw = None
             if self.weight.requires_grad:
                 x_saved = self.input_for_wgrad(ctx, x_saved)
                 # dW[out, in] = dy^T[out, M] @ x[M, in]
                 dw = fp8_gemm(dy_fp8.transpose_fp8(), x_saved.transpose_fp8(), out_dtype=dy.dtype)
+                if alpha != 1.0:
+                    dw = dw.mul_(alpha)
         else:
             if acc is not None:
-                dx = torch.addmm(acc, dy2d, w_saved)
+                dx = torch.addmm(acc, dy2d, w_saved, alpha=alpha)
+            elif alpha != 1.0:
+                dx = torch.mm(dy2d, w_saved).mul_(alpha)
             else:
                 dx = dy2d @ w_saved
             dw = None
             if self.weight.requires_grad:
                 dw = dy2d.t() @ self.input_for_wgrad(ctx, x_saved)
+                if alpha != 1.0:
+                    dw = dw.mul_(alpha)
         if dw is not None and dw.dtype != self.weight.dtype and not self._accumulate_into_main_grad:
             dw = dw.to(self.weight.dtype)  # computed in the input's (autocast) dtype
         return self.reduce_dgrad(dx.reshape(ctx.input_shape)), self.finish_wgrad(dw)
@@ -405,27 +432,10 @@ class BasicLinear(QuantizerStateMixin, BasicOperation):
         ``weight.main_grad``. Every backward (fused or not) passes its dW through here."""
         if dw is None or not self._accumulate_into_main_grad:
             return dw
-        w = self.weight
-        main_grad = getattr(w, "main_grad", None)
-        if not isinstance(main_grad, torch.Tensor) or main_grad.shape != w.shape:
-            raise ValueError(
-                "BasicLinear(accumulate_into_main_grad=True): weight.main_grad is not set or has the wrong "
-                f"shape: weight.main_grad must be a tensor of shape {tuple(w.shape)} (attach it before the "
-                f"backward pass, e.g. Megatron's DistributedDataParallel does), got "
-                f"{tuple(main_grad.shape) if isinstance(main_grad, torch.Tensor) else type(main_grad).__name__}"
-            )
-        with torch.no_grad():
-            if getattr(w, "overwrite_main_grad", False):
-                main_grad.copy_(dw)
-            else:
-                main_grad.add_(dw.to(main_grad.dtype))
-        if not hasattr(w, "grad_added_to_main_grad"):
-            return None
-        w.grad_added_to_main_grad = True
-        dummy = self._dummy_wgrad
-        if dummy is None or dummy.shape != w.shape or dummy.dtype != w.dtype or dummy.device != w.device:
-            dummy = self._dummy_wgrad = torch.zeros_like(w.detach())
-        return dummy
+        grad, self._dummy_wgrad = add_into_main_grad(
+            "BasicLinear(accumulate_into_main_grad=True)", "weight", self.weight, dw, self._dummy_wgrad
+        )
+        return grad
 
     # ---- basic-op interface ------------------------------------------------
 
@@ -435,3 +445,67 @@ class BasicLinear(QuantizerStateMixin, BasicOperation):
     def op_backward(self, ctx: OperationContext, grad_output: torch.Tensor):
         dx, dw = self.backward_gemm(ctx, grad_output)
         return dx, (dw,)
+
+
+def _accumulate_in_place(residual: torch.Tensor, y2d: torch.Tensor, alpha: float) -> torch.Tensor:
+    """``residual += alpha * y`` in ``residual``'s buffer; the result aliases it (2-D)."""
+    out = residual.detach()  # autograd's version counter still sees the write
+    out.add_(y2d.reshape(out.shape), alpha=alpha)
+    return out.reshape(y2d.shape)
+
+
+def _addmm_in_place(
+    residual: torch.Tensor, bias: Optional[torch.Tensor], x2d: torch.Tensor, w: torch.Tensor, alpha: float
+) -> torch.Tensor:
+    """``residual (+ bias) + alpha x W^T`` written by the GEMM into ``residual``'s buffer
+    (beta = 1 accumulation, no output-sized temporary); the result aliases it (2-D)."""
+    out = residual.detach()
+    if not out.is_contiguous():
+        # The GEMM cannot write a strided 2-D view of this buffer: compute, then copy in.
+        base = out.reshape(-1, w.shape[0]) if bias is None else out.reshape(-1, w.shape[0]) + bias
+        out.copy_(torch.addmm(base, x2d, w.t(), alpha=alpha).reshape(out.shape))
+        return out.reshape(-1, w.shape[0])
+    out2d = out.view(-1, w.shape[0])
+    if bias is not None:
+        out2d.add_(bias)
+    return out2d.addmm_(x2d, w.t(), alpha=alpha)
+
+
+def weight_in_dtype(w: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A weight for a high-precision GEMM in ``dtype``: itself when it matches; an FP8
+    weight dequantized (not converted as a parameter with its master)."""
+    if w.dtype == dtype:
+        return w
+    from ...quantization import Float8Tensor
+
+    if isinstance(w, Float8Tensor):
+        return w.dequantize(dtype)
+    return w.detach().to(dtype)
+
+
+def add_into_main_grad(
+    op_name: str, param_name: str, w: torch.Tensor, dw: torch.Tensor, dummy: Optional[torch.Tensor]
+) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
+    """Add ``dw`` into ``w.main_grad`` (Megatron's gradient_accumulation_fusion; overwrite
+    when ``w.overwrite_main_grad``). Returns ``(gradient for autograd, dummy to cache)``:
+    None without Megatron's ``grad_added_to_main_grad`` flag, else a zero dummy (the
+    cached one when it still fits) so that Megatron DDP's grad hooks still fire."""
+    main_grad = getattr(w, "main_grad", None)
+    if not isinstance(main_grad, torch.Tensor) or main_grad.shape != w.shape:
+        raise ValueError(
+            f"{op_name}: {param_name}.main_grad is not set or has the wrong "
+            f"shape: {param_name}.main_grad must be a tensor of shape {tuple(w.shape)} (attach it before the "
+            f"backward pass, e.g. Megatron's DistributedDataParallel does), got "
+            f"{tuple(main_grad.shape) if isinstance(main_grad, torch.Tensor) else type(main_grad).__name__}"
+        )
+    with torch.no_grad():
+        if getattr(w, "overwrite_main_grad", False):
+            main_grad.copy_(dw)
+        else:
+            main_grad.add_(dw.to(main_grad.dtype))
+    if not hasattr(w, "grad_added_to_main_grad"):
+        return None, dummy
+    w.grad_added_to_main_grad = True
+    if dummy is None or dummy.shape != w.shape or dummy.dtype != w.dtype or dummy.device != w.device:
+        dummy = torch.zeros_like(w.detach())
+    return dummy, dummy

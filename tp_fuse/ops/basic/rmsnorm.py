@@ -56,6 +56,14 @@ class RMSNorm(NormBase):
     def op_backward(
         self, ctx: OperationContext, grad_output: torch.Tensor
     ) -> tuple[torch.Tensor, tuple[Optional[torch.Tensor]]]:
+        return self.norm_backward(ctx, grad_output)
+
+    def norm_backward(
+        self, ctx: OperationContext, grad_output: torch.Tensor, grad_add: Optional[torch.Tensor] = None
+    ) -> tuple[torch.Tensor, tuple[Optional[torch.Tensor]]]:
+        """The backward; ``grad_add`` (shaped like the input) is added to dx in the compute
+        dtype before the one rounding to the input dtype (``BackwardAddRMSNorm``: the
+        residual gradient of a preceding ``MakeExtraOutput``)."""
         x2d, rstd = ctx.saved_tensors
         cdtype = rstd.dtype
         dy = grad_output.reshape(x2d.shape).to(cdtype)  # [rows, H]; no copy when fp32
@@ -68,6 +76,8 @@ class RMSNorm(NormBase):
         # matrix-vector product instead of another full-size product and reduction.
         c = torch.mv(dy_xhat, gamma).div_(self.hidden)  # [rows]
         dx = (dy * gamma).sub_(xhat.mul_(c[:, None])).mul_(r)  # rstd (gd - xhat c)
+        if grad_add is not None:
+            dx.add_(grad_add.reshape(x2d.shape))
         return (
             dx.to(x2d.dtype).reshape(grad_output.shape),
             (None if dweight is None else dweight.to(self.weight.dtype).reshape(self.normalized_shape),),

@@ -24,13 +24,14 @@ from ..fusion import Fuse, FusionLog, MatchResult, Reject, fuse_by_window
 from ..op import FusedOperation, FusibleOperation, OperationContext
 from .forward_linear_bias_activation import ForwardLinearBiasActivation
 from .forward_linear_bias_add import ForwardLinearBiasAdd
+from .forward_linear_scale_add import ForwardLinearScaleAdd
 
 Norm = Union[LayerNorm, RMSNorm]
 
 #: Ops that may read the norm's FP8 output: a BasicLinear, alone or already fused with its
 #: bias (and activation / residual). Each passes a Float8Tensor input straight to
 #: ``BasicLinear.forward_gemm``, whose ``quantize_operands`` uses it as is.
-LINEAR_CONSUMERS = (BasicLinear, ForwardLinearBiasActivation, ForwardLinearBiasAdd)
+LINEAR_CONSUMERS = (BasicLinear, ForwardLinearBiasActivation, ForwardLinearBiasAdd, ForwardLinearScaleAdd)
 
 
 class ForwardNormQuantizeLinear(FusedOperation):

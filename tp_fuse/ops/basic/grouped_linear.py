@@ -1,0 +1,353 @@
+"""``GroupedLinear``: one linear per group of rows, split sizes given at forward time (MoE)."""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Callable
+from typing import Any, Optional
+
+import torch
+
+from ...quantization import (
+    OpQuantizers,
+    active_autocast,
+    fp8_gemm,
+    is_quantized_tensor,
+    make_fp8_parameter,
+    model_init_recipe,
+)
+from ..extra_state import QuantizerStateMixin
+from ..op import BasicOperation, OperationContext, require
+from ._checks import compute_dtype, maybe_dequantize, param_dtype
+from .basic_linear import add_into_main_grad, weight_in_dtype
+
+__all__ = ["GroupedLinear", "is_op_fuser_grouped_tensor_path_supported"]
+
+_ROLES = ("input", "weight", "grad_output")
+
+
+def is_op_fuser_grouped_tensor_path_supported(recipe: Any, dtype: torch.dtype) -> bool:
+    """Transformer Engine's predicate for its graph-safe grouped-tensor GEMM path
+    (cuBLASLt grouped GEMM on Hopper/Blackwell). tp_fuse has no such path: every
+    configuration runs the split path (one GEMM per group), so this is always False."""
+    return False
+
+
+class _GroupQuantizers:
+    """One ``OpQuantizers(("input", "weight", "grad_output"))`` per group, seen as one.
+
+    Role names are ``"input:i"``, ``"weight:i"``, ``"grad_output:i"``, ordered as
+    Transformer Engine numbers a grouped linear's quantizers: forward ``2i`` input and
+    ``2i + 1`` weight of group i, backward ``i`` grad_output of group i. Each group's
+    quantizers are built for the plain roles, so recipes treat them as a linear's.
+    """
+
+    def __init__(self, num_groups: int) -> None:
+        self.groups = [OpQuantizers(_ROLES) for _ in range(num_groups)]
+        fwd = [f"{r}:{i}" for i in range(num_groups) for r in _ROLES[:2]]
+        self.roles = tuple(fwd + [f"grad_output:{i}" for i in range(num_groups)])
+
+    def get(self, recipe: Any, amax_reduction_group: Any = None) -> dict[str, Any]:
+        out = {}
+        for i, g in enumerate(self.groups):
+            out.update({f"{r}:{i}": q for r, q in g.get(recipe, amax_reduction_group).items()})
+        return out
+
+    @property
+    def quantizers(self) -> dict[str, Any]:
+        return {f"{r}:{i}": q for i, g in enumerate(self.groups) for r, q in g.quantizers.items()}
+
+
+class GroupedLinear(QuantizerStateMixin, BasicOperation):
+    r"""``num_groups`` linears over consecutive row groups: ``y_i = x_i W_i^T (+ b_i)``.
+
+    Transformer Engine's op (experimental there too). Call ``y = op(x, split_sizes)``:
+    the rows of ``x`` (leading dims flattened) are split into ``num_groups`` consecutive
+    groups of ``split_sizes[i]`` rows (an int tensor or sequence, given at every call,
+    e.g. tokens routed to each expert); each group gets its own weight ``weight{i}``
+    ``[out, in]`` and bias ``bias{i}`` ``[out]`` (Transformer Engine's names).
+
+    Shapes: ``x [..., in]`` with ``M = prod(leading dims) = sum(split_sizes)`` rows,
+    ``y [..., out]``; ``scales [M]`` with ``scale_bias``.
+
+    Equations, per group i (rows ``x_i [m_i, in]``, ``dy_i [m_i, out]``):
+        forward: y_i  = x_i W_i^T + b_i               (``scale_bias``: + s_i[:, None] b_i)
+        dgrad:   dx_i = dy_i W_i
+        wgrad:   dW_i = dy_i^T x_i
+                 db_i = sum_rows(dy_i)               (``scale_bias``: sum_rows(dy_i s_i[:, None]))
+                 ds_i = dy_i b_i                      (``scale_bias`` only)
+
+    Under ``tp_fuse.autocast`` every group's GEMMs run in FP8 with the group's own
+    quantizers (any recipe a ``BasicLinear`` supports); an empty group runs no GEMM
+    and gets zero weight and bias gradients. ``quantized_model_init`` stores each
+    weight in FP8 with its master copy. ``accumulate_into_main_grad`` adds each dW into
+    ``weight{i}.main_grad`` as ``BasicLinear`` does. Not supported (ValueError):
+    ``single_grouped_weight``/``single_grouped_bias`` (Transformer Engine's experimental
+    packed parameters) and ``delay_wgrad_compute``.
+    """
+
+    num_extra_inputs: int = 1
+
+    def __init__(
+        self,
+        num_groups: int,
+        in_features: int,
+        out_features: int,
+        *,
+        bias: bool = True,
+        device: Optional[torch.device | str] = None,
+        dtype: Optional[torch.dtype] = None,
+        rng_state_tracker_function: Optional[Callable[[], Any]] = None,
+        accumulate_into_main_grad: bool = False,
+        single_grouped_weight: bool = False,
+        single_grouped_bias: bool = False,
+        delay_wgrad_compute: bool = False,
+        scale_bias: bool = False,
+    ) -> None:
+        for name, v in (("num_groups", num_groups), ("in_features", in_features), ("out_features", out_features)):
+            if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+                raise ValueError(f"GroupedLinear: {name} must be a positive int, got {v!r}")
+        for name, v in (
+            ("single_grouped_weight", single_grouped_weight),
+            ("single_grouped_bias", single_grouped_bias),
+            ("delay_wgrad_compute", delay_wgrad_compute),
+        ):
+            if v:
+                raise ValueError(f"GroupedLinear: {name}=True is not supported by tp_fuse (leave it False)")
+        # Decided before BasicOperation.__init__: the fuser counts extra inputs per op.
+        self._scale_bias = bool(scale_bias and bias)
+        super().__init__()
+        if self._scale_bias:
+            self.num_extra_inputs = 2
+        self.num_groups, self.in_features, self.out_features = num_groups, in_features, out_features
+        self.use_bias = bool(bias)
+        self.single_grouped_weight = self.single_grouped_bias = False
+        self._accumulate_into_main_grad = bool(accumulate_into_main_grad)
+        self._dummy_wgrads: list[Optional[torch.Tensor]] = [None] * num_groups
+        self._rng_state_tracker_function = rng_state_tracker_function
+        dtype = param_dtype("GroupedLinear", dtype)
+        self._quantizers = _GroupQuantizers(num_groups)
+        recipe = model_init_recipe()
+        # Packed as Transformer Engine allocates them; each group initialized like a
+        # torch.nn.Linear (kaiming uniform), under the RNG tracker's fork when given.
+        packed = torch.empty(num_groups, out_features, in_features, device=device, dtype=dtype)
+        for i in range(num_groups):
+            fork = rng_state_tracker_function().fork() if rng_state_tracker_function else contextlib.nullcontext()
+            with fork:
+                torch.nn.init.kaiming_uniform_(packed[i], a=math.sqrt(5))
+            if recipe is not None:
+                q = self._quantizers.groups[i].get(recipe, None)["weight"]
+                weight = make_fp8_parameter(packed[i].clone(), q)
+            else:
+                weight = torch.nn.Parameter(packed[i])
+            self.register_parameter(f"weight{i}", weight)
+        for i in range(num_groups):
+            b = torch.nn.Parameter(torch.zeros(out_features, device=device, dtype=dtype)) if bias else None
+            self.register_parameter(f"bias{i}", b)
+
+    @property
+    def has_bias(self) -> bool:
+        return self.use_bias
+
+    def num_quantizers(self, mode: str) -> int:
+        """Transformer Engine's count: 2 per group forward (input, weight), 1 backward."""
+        return {"forward": 2 * self.num_groups, "backward": self.num_groups}.get(mode, 0)
+
+    def extra_repr(self) -> str:
+        return (
+            f"num_groups={self.num_groups}, in_features={self.in_features}, "
+            f"out_features={self.out_features}, bias={self.use_bias}, scale_bias={self._scale_bias}"
+        )
+
+    def weights(self) -> list[torch.Tensor]:
+        return [getattr(self, f"weight{i}") for i in range(self.num_groups)]
+
+    def biases(self) -> list[Optional[torch.Tensor]]:
+        return [getattr(self, f"bias{i}") for i in range(self.num_groups)]
+
+    def input_dtype(self, autocast_dtype: Optional[torch.dtype]) -> Optional[torch.dtype]:
+        """torch.autocast's dtype, else the weights': the fuser casts the input to it."""
+        return autocast_dtype or self.weight0.dtype
+
+    def kernels_used(self, direction: str) -> tuple[str, ...]:
+        """``tp_fuse.kernels`` functions this op calls (for ``explain``)."""
+        return ("quantize", "fp8_gemm") if active_autocast() is not None else ()
+
+    def pre_first_fuser_forward(self) -> None:
+        w0 = self.weight0
+        for i, (w, b) in enumerate(zip(self.weights(), self.biases())):
+            for name, p in ((f"weight{i}", w), (f"bias{i}", b)):
+                if p is None:
+                    require(
+                        not self.use_bias or not name.startswith("bias"),
+                        f"GroupedLinear: {name} is None but bias=True",
+                    )
+                    continue
+                require(
+                    p.dtype == w0.dtype and p.device == w0.device and p.requires_grad == w0.requires_grad,
+                    f"GroupedLinear: {name} must match weight0 (dtype {w0.dtype}, device {w0.device}, "
+                    f"requires_grad {w0.requires_grad}), got ({p.dtype}, {p.device}, {p.requires_grad})",
+                )
+
+    # ---- forward / backward ------------------------------------------------
+
+    def _splits(self, split_sizes: Any, rows: int) -> list[int]:
+        sizes = split_sizes.tolist() if isinstance(split_sizes, torch.Tensor) else list(split_sizes)
+        require(
+            len(sizes) == self.num_groups and all(isinstance(s, int) and s >= 0 for s in sizes),
+            f"GroupedLinear: expected {self.num_groups} non-negative integer split sizes, got {sizes!r}",
+        )
+        require(
+            sum(sizes) == rows,
+            f"GroupedLinear: split sizes {sizes} sum to {sum(sizes)}, but the input has {rows} rows",
+        )
+        return sizes
+
+    def fuser_forward(
+        self,
+        basic_op_ctxs: list[OperationContext],
+        input_: torch.Tensor,
+        *,
+        basic_op_extra_inputs: list[tuple[torch.Tensor, ...]],
+        basic_op_kwargs: list[dict[str, Any]],
+        **unused: Any,
+    ) -> tuple[torch.Tensor, list[tuple[()]]]:
+        ctx = basic_op_ctxs[0]
+        require(
+            input_.dim() >= 1 and input_.shape[-1] == self.in_features,
+            f"GroupedLinear: expected input with last dimension in_features={self.in_features}, "
+            f"got shape {tuple(input_.shape)}",
+        )
+        require(
+            input_.device == self.weight0.device,
+            f"GroupedLinear: input on {input_.device}, weights on {self.weight0.device}",
+        )
+        x2d = input_.reshape(-1, self.in_features)
+        sizes = self._splits(basic_op_extra_inputs[0][0], x2d.shape[0])
+        scales = None
+        if self._scale_bias:
+            scales = maybe_dequantize(basic_op_extra_inputs[0][1])
+            require(
+                scales.numel() == x2d.shape[0],
+                f"GroupedLinear(scale_bias=True): scales must have one entry per row ({x2d.shape[0]}), "
+                f"got shape {tuple(scales.shape)}",
+            )
+            scales = scales.reshape(-1)
+        state = active_autocast()
+        dtype = input_.dtype
+        wgrad = ctx.requires_grad and self.weight0.requires_grad
+        y = torch.empty(x2d.shape[0], self.out_features, dtype=dtype, device=x2d.device)
+        xs: list[Optional[torch.Tensor]] = []
+        ws: list[Optional[torch.Tensor]] = []
+        start = 0
+        for i, (m, w, b) in enumerate(zip(sizes, self.weights(), self.biases())):
+            xi, yi = x2d[start : start + m], y[start : start + m]
+            bias = None
+            if b is not None and not self._scale_bias:
+                bias = b if b.dtype == dtype else b.to(dtype)
+            if m == 0:
+                xs.append(None)
+                ws.append(None)
+            elif state is not None:
+                qs = self._quantizers.groups[i].get(state.recipe, state.amax_reduction_group)
+                x8 = xi if is_quantized_tensor(xi) else qs["input"].quantize(xi, transpose=wgrad)
+                if x8 is not xi:
+                    state.track_forward(qs["input"])
+                if is_quantized_tensor(w):
+                    w8 = w  # FP8 parameter (quantized_model_init): its quantizer joins the reduction
+                    if w.quantizer is not None:
+                        state.track_forward(w.quantizer)
+                else:
+                    w8 = qs["weight"].quantize(w.detach(), transpose=ctx.requires_grad)
+                    state.track_forward(qs["weight"])
+                yi.copy_(fp8_gemm(x8, w8, out_dtype=dtype, bias=bias))
+                xs.append(x8)
+                ws.append(w8)
+                ctx.grad_tracker = state.backward_tracker
+            else:
+                xi = maybe_dequantize(xi)
+                wi = weight_in_dtype(w, dtype)
+                if bias is not None:
+                    torch.addmm(bias, xi, wi.t(), out=yi)
+                else:
+                    torch.mm(xi, wi.t(), out=yi)
+                xs.append(xi)
+                ws.append(wi)
+            if self._scale_bias and m:
+                yi.add_(scales[start : start + m, None].to(dtype) * b.to(dtype))
+            start += m
+        if ctx.requires_grad:
+            ctx.save_for_backward(*xs, *ws, scales)
+            ctx.sizes = sizes
+            ctx.fp8 = state is not None
+            ctx.input_shape = input_.shape
+            ctx.scales_requires_grad = self._scale_bias and basic_op_extra_inputs[0][1].requires_grad
+        return y.reshape(*input_.shape[:-1], self.out_features), [()]
+
+    def fuser_backward(
+        self,
+        basic_op_ctxs: list[OperationContext],
+        grad_output: torch.Tensor,
+        *,
+        basic_op_grad_extra_outputs: list[tuple[torch.Tensor, ...]],
+        **unused: Any,
+    ) -> tuple[torch.Tensor, list[list[Optional[torch.Tensor]]], list[tuple[Optional[torch.Tensor], ...]]]:
+        ctx = basic_op_ctxs[0]
+        g = self.num_groups
+        saved = ctx.saved_tensors
+        xs, ws, scales = saved[:g], saved[g : 2 * g], saved[2 * g]
+        dy2d = grad_output.reshape(-1, self.out_features)
+        dtype = grad_output.dtype
+        wgrad = self.weight0.requires_grad
+        dx = torch.empty(dy2d.shape[0], self.in_features, dtype=dtype, device=dy2d.device)
+        dws: list[Optional[torch.Tensor]] = []
+        dbs: list[Optional[torch.Tensor]] = []
+        dscales = None
+        if ctx.scales_requires_grad:
+            dscales = torch.empty(dy2d.shape[0], dtype=compute_dtype(dtype), device=dy2d.device)
+        start = 0
+        for i, (m, w, b) in enumerate(zip(ctx.sizes, self.weights(), self.biases())):
+            dyi, dxi = dy2d[start : start + m], dx[start : start + m]
+            dw = None
+            if m == 0:
+                dw = torch.zeros(w.shape, dtype=w.dtype, device=w.device) if wgrad else None
+            elif ctx.fp8:
+                q = self._quantizers.groups[i].quantizers["grad_output"]
+                dy8, fresh = q.quantize_or_pass(dyi, transpose=wgrad)
+                if fresh:
+                    ctx.grad_tracker.track(q)
+                dxi.copy_(fp8_gemm(dy8, ws[i].transpose_fp8(), out_dtype=dtype))
+                if wgrad:
+                    dw = fp8_gemm(dy8.transpose_fp8(), xs[i].transpose_fp8(), out_dtype=dtype)
+            else:
+                dyi = maybe_dequantize(dyi)
+                torch.mm(dyi, ws[i], out=dxi)
+                if wgrad:
+                    dw = dyi.t() @ xs[i]
+            if dw is not None and self._accumulate_into_main_grad:
+                dw, self._dummy_wgrads[i] = add_into_main_grad(
+                    "GroupedLinear(accumulate_into_main_grad=True)", f"weight{i}", w, dw, self._dummy_wgrads[i]
+                )
+            elif dw is not None:
+                dw = dw.to(w.dtype)
+            dws.append(dw)
+            if b is not None:
+                # Bias and scale gradients in float32 (float64 for float64): sums over rows.
+                cdtype = compute_dtype(dtype)
+                dyc = maybe_dequantize(dyi).to(cdtype)
+                if self._scale_bias:
+                    si = scales[start : start + m].to(cdtype)
+                    db = (dyc * si[:, None]).sum(dim=0) if b.requires_grad else None
+                    if dscales is not None:
+                        dscales[start : start + m] = dyc @ b.to(cdtype)
+                else:
+                    db = dyc.sum(dim=0) if b.requires_grad else None
+                dbs.append(None if db is None else db.to(b.dtype))
+            start += m
+        grad_params = dws + dbs
+        grad_extra: tuple[Optional[torch.Tensor], ...] = (None,)
+        if self._scale_bias:
+            grad_extra = (None, None if dscales is None else dscales.to(scales.dtype))
+        return dx.reshape(ctx.input_shape), [grad_params], [grad_extra]
+
