@@ -43,7 +43,7 @@ _EMAX_ELEM = {torch.float8_e4m3fn: 8, torch.float8_e5m2: 15}
 class ScaleRule:
     """How a block's scale follows from its amax (see the module docstring)."""
 
-    kind: Literal["fp32", "e8m0"] = "fp32"
+    kind: Literal["fp32", "e8m0", "nvfp4"] = "fp32"
     power_2: bool = True
     amax_epsilon: float = 0.0
 
