@@ -121,7 +121,8 @@ def columnwise_wire(t: BlockScaledTensor) -> torch.Tensor:
     groups = m // g if m else 0
     per = 2 if p.is_fp4 else 1  # values per byte along M
     # data.T [M/per, K] -> [groups, (g/per)*K] bytes; scales [K, groups] -> [groups, K*size] bytes.
-    data = p.data.t().contiguous().view(torch.uint8).reshape(groups, (g // per) * k)
+    # (Transposed as bytes: torch has no strided copy for float4_e2m1fn_x2.)
+    data = p.data.view(torch.uint8).t().contiguous().reshape(groups, (g // per) * k)
     scales = p.scale_inv.t().contiguous()
     return torch.cat([data, _scale_bytes(scales)] + _amax_bytes(p, groups), dim=1)
 
@@ -135,7 +136,7 @@ def columnwise_from_wire(buf: torch.Tensor, like: BlockScaledTensor) -> BlockSca
     per = 2 if p.is_fp4 else 1
     nbytes = (g // per) * k
     end = buf.shape[1] - (4 if p.amax is not None else 0)
-    data_t = buf[:, :nbytes].contiguous().view(p.data.dtype).reshape(groups * (g // per), k)
+    data_t = buf[:, :nbytes].contiguous().reshape(groups * (g // per), k)
     scales = buf[:, nbytes:end].contiguous().view(p.scale_inv.dtype).reshape(groups, k)
     if p.spec.cols is None:
         # Row-wise scaling: every rank sent the same (TP-reduced) per-column scales.
@@ -147,7 +148,7 @@ def columnwise_from_wire(buf: torch.Tensor, like: BlockScaledTensor) -> BlockSca
         scale_inv = scales[:1].t().contiguous()  # [K, 1]
     else:
         scale_inv = scales.t().contiguous()  # [K, groups]
-    col = BlockPayload(data_t.t().contiguous(), scale_inv, p.spec, _amax_from(buf[:, end:], p))
+    col = BlockPayload(data_t.t().contiguous().view(p.data.dtype), scale_inv, p.spec, _amax_from(buf[:, end:], p))
     return BlockScaledTensor((groups * g, k), like.dtype, None, col, like.recipe_name)
 
 

@@ -196,7 +196,8 @@ class NVFP4Quantizer(BlockScalingQuantizer):
             rowwise = BlockPayload(data, scale_inv, self.spec, row_amax.reshape(()))
             columnwise = None
             if col_src is not None:
-                data_t, scale_t = quantize_nvfp4(col_src, self.spec, col_amax, sr_seed=sr(1), col_offset=row_offset)
+                data_t, scale_t = quantize_nvfp4(col_src, self.spec, col_amax, sr_seed=sr(1), col_offset=row_offset,
+                                                 what="the column-wise copy (x.T, for the wgrad/dgrad GEMMs)")
                 columnwise = BlockPayload(data_t, scale_t, self.spec, col_amax.reshape(()))
             self.last_scale_inv = scale_inv
             self.last_amax = row_amax

@@ -203,6 +203,7 @@ def quantize_nvfp4(
     sr_seed: Optional[torch.Tensor] = None,
     row_offset: int = 0,
     col_offset: int = 0,
+    what: str = "x",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(packed data [R, C/2] float4_e2m1fn_x2, block scales e4m3)`` of 2-D ``x``.
 
@@ -211,7 +212,7 @@ def quantize_nvfp4(
     ``row_offset`` / ``col_offset``: where ``x`` sits in the whole tensor (a shard), for the
     rounding bits.
     """
-    _check_cols(x)
+    _check_cols(x, what)
     xf = x.detach().to(torch.float32).contiguous()
     s_enc, s_dec = global_scales(amax)
     mult = s_enc * torch.reciprocal(torch.tensor(FP4_MAX, device=xf.device))
