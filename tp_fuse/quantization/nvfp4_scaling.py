@@ -76,8 +76,6 @@ E4M3_MAX = 448.0
 _FLT_MAX = torch.finfo(torch.float32).max
 #: Magnitudes of codes 0..7; codes 8..15 are the negatives.
 FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
-# Midpoints between neighbouring magnitudes; a tie goes to the even code.
-_MIDPOINTS = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)
 # TE's fixed sign vector of the wgrad RHT.
 _RHT_SIGNS = (1, 1, 1, -1, 1, -1, -1, -1, -1, -1, -1, 1, -1, 1, -1, -1)
 _M32 = 0xFFFFFFFF
@@ -87,30 +85,37 @@ def _table(values: tuple, device: torch.device, dtype: torch.dtype = torch.float
     return torch.tensor(values, dtype=dtype, device=device)
 
 
-def encode_e2m1(v: torch.Tensor) -> torch.Tensor:
-    """E2M1 codes (uint8 0..15) of fp32 ``v`` already clamped to [-6, 6]; nearest, ties to even."""
-    a = v.abs()
-    mids = _table(_MIDPOINTS, v.device)
-    below = torch.bucketize(a, mids, right=False)  # number of midpoints < a
-    upto = torch.bucketize(a, mids, right=True)  # number of midpoints <= a
-    # a equals midpoint `below` when upto > below: the tie goes up only to an even code.
-    tie_up = ((below + 1) % 2 == 0) & (upto > below)
-    mag = (below + tie_up.to(below.dtype)).to(torch.uint8)
+def _code_of(q: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """E2M1 code of representable magnitudes ``q`` (0..6) with the sign of ``v``."""
+    # 0, .5, 1, 1.5 -> 2q; 2, 3 -> q + 2; 4, 6 -> q / 2 + 4 (exact in fp32).
+    mag = torch.where(q < 2, q * 2, torch.where(q < 4, q + 2, q * 0.5 + 4)).to(torch.uint8)
     return mag | ((v < 0).to(torch.uint8) << 3)
+
+
+def _step(a: torch.Tensor) -> torch.Tensor:
+    # Spacing of E2M1 magnitudes around a: 0.5 below 2, 1 below 4, 2 up to 6.
+    return torch.where(a < 2, 0.5, torch.where(a < 4, 1.0, 2.0))
+
+
+def encode_e2m1(v: torch.Tensor) -> torch.Tensor:
+    """E2M1 codes (uint8 0..15) of fp32 ``v`` already clamped to [-6, 6]; nearest, ties to even.
+
+    Within each binade the magnitudes are multiples of its spacing, and even multiples are
+    even codes, so ``torch.round`` (half to even) of ``a / step`` is the E2M1 rounding.
+    """
+    a = v.abs()
+    step = _step(a)
+    return _code_of(torch.round(a / step) * step, v)
 
 
 def encode_e2m1_stochastic(v: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     """E2M1 codes of ``v`` (clamped to [-6, 6]) rounded up in magnitude when ``u < p``,
     ``p = (|v| - lo) / (hi - lo)``, ``u`` uniform in [0, 1) of ``v``'s shape."""
     a = v.abs()
-    vals = _table(FP4_VALUES, v.device)
-    lo_idx = (torch.bucketize(a, vals, right=True) - 1).clamp(0, 7)  # largest value <= a
-    hi_idx = (lo_idx + 1).clamp(max=7)
-    lo, hi = vals[lo_idx], vals[hi_idx]
-    gap = torch.where(hi > lo, hi - lo, torch.ones_like(hi))
-    p = (a - lo) / gap
-    mag = torch.where(u < p, hi_idx, lo_idx).to(torch.uint8)
-    return mag | ((v < 0).to(torch.uint8) << 3)
+    step = _step(a)
+    lo = torch.floor(a / step) * step  # largest representable <= a (6 stays 6)
+    p = (a - lo) / step
+    return _code_of(torch.where(u < p, lo + step, lo), v)
 
 
 def decode_e2m1(codes: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -175,8 +180,12 @@ def sr_uniform(
     rows = torch.arange(row_offset, row_offset + r, device=device, dtype=torch.int64)[:, None]
     cols = torch.arange(col_offset, col_offset + c, device=device, dtype=torch.int64)[None, :]
     s = _mix32(seed.to(device=device, dtype=torch.int64).reshape(()) + 0x9E3779B)
-    h = _mix32(_mix32(s + _mix32(rows)) + cols)
-    return (h >> 8).to(torch.float32) * (1.0 / (1 << 24))
+    # Well-mixed row and column hashes (cheap: [R, 1] and [1, C]), then one
+    # multiply-xorshift round per element.
+    h = _mix32(s + _mix32(rows)) ^ _mix32(cols + 0x632BE5A)
+    h = (h * 0x45D9F3B) & _M32
+    h = h ^ (h >> 15)
+    return (h & 0xFFFFFF).to(torch.float32) * (1.0 / (1 << 24))
 
 
 def global_scales(amax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
