@@ -9,7 +9,9 @@ A :class:`BlockScaledTensor` of nominal shape ``[*, C]`` (flattened to ``[R, C]`
   from high precision in the same pass, for GEMMs that read the tensor transposed
   (dgrad reads ``W.T``, wgrad reads ``dy.T`` and ``x.T``).
 
-Either may be None (a forward-only tensor has no column-wise copy). Block scales are
+NVFP4 payloads hold FP4 E2M1 data packed two values per byte (``[R, C/2]``), E4M3 block
+scales and the per-tensor amax (see :class:`BlockPayload`); the rest of this class is the
+same for them. Either may be None (a forward-only tensor has no column-wise copy). Block scales are
 not transposition-invariant (a 1x128 block of ``x`` is not a 1x128 block of ``x.T``),
 which is why the transpose is quantized from high precision rather than from the
 row-wise bytes. :meth:`transpose_fp8` swaps the two copies (no arithmetic).
