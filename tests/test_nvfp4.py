@@ -405,3 +405,4 @@ def test_disable_fp8_gemm_with_nvfp4(gemms):
     dbg = run(model, True)
     for i, gemm in enumerate(("fprop", "dgrad", "wgrad")):
         assert torch.equal(dbg[i], hp[i] if gemm in gemms else q[i]), gemm
+    assert not torch.equal(hp[0], q[0]) and not torch.equal(hp[2], q[2])  # NVFP4 GEMMs did run
