@@ -8,7 +8,9 @@
    recipe, as a ratio to per-tensor current scaling (``Float8CurrentScaling``, whose GEMMs run
    through ``torch._scaled_mm``), measured side by side in one run: median of ``--repeats``
    after warm-up. Block recipes run the exact emulation (per-block dequantization + fp32 GEMM)
-   on CPU; row-wise runs ``torch._scaled_mm`` with row-wise scales.
+   on CPU; row-wise runs ``torch._scaled_mm`` with row-wise scales. NVFP4 is timed with TE's
+   defaults (RHT on the wgrad operands, stochastic rounding of gradients, 16x16 weight blocks)
+   and without RHT and stochastic rounding.
 
     nice python examples/bench_block_recipes.py [--tokens 2048] [--repeats 7]
 """
@@ -32,6 +34,7 @@ from tp_fuse.recipe import (
     Float8RowwiseScaling,
     Format,
     MXFP8BlockScaling,
+    NVFP4BlockScaling,
 )
 
 RECIPES = {
@@ -41,22 +44,24 @@ RECIPES = {
     "blockwise": Float8BlockScaling(),
     "mxfp8": MXFP8BlockScaling(),
     "rowwise": Float8RowwiseScaling(),
+    "nvfp4": NVFP4BlockScaling(),
+    "nvfp4 (no RHT, no SR)": NVFP4BlockScaling(disable_rht=True, disable_stochastic_rounding=True),
 }
 
 
 def wire_table(rows: int) -> None:
     print("wire bytes per element, overlapped all-gather of an activation [rows, K]")
-    print(f"{'recipe':<20} {'K=128':>8} {'K=512':>8}")
-    print(f"{'fp32':<20} {4.0:>8.4f} {4.0:>8.4f}")
-    print(f"{'bf16':<20} {2.0:>8.4f} {2.0:>8.4f}")
-    print(f"{'per-tensor FP8':<20} {1.0:>8.4f} {1.0:>8.4f}")
-    for name in ("blockwise", "mxfp8", "rowwise"):
+    print(f"{'recipe':<22} {'K=128':>8} {'K=512':>8}")
+    print(f"{'fp32':<22} {4.0:>8.4f} {4.0:>8.4f}")
+    print(f"{'bf16':<22} {2.0:>8.4f} {2.0:>8.4f}")
+    print(f"{'per-tensor FP8':<22} {1.0:>8.4f} {1.0:>8.4f}")
+    for name in ("blockwise", "mxfp8", "rowwise", "nvfp4"):
         q = make_quantizer(RECIPES[name], "input")
         cells = []
         for k in (128, 512):
             t = q.quantize(torch.randn(rows, k))
             cells.append(block_wire.rowwise_wire(t).numel() / t.numel())
-        print(f"{name:<20} {cells[0]:>8.4f} {cells[1]:>8.4f}")
+        print(f"{name:<22} {cells[0]:>8.4f} {cells[1]:>8.4f}")
 
 
 def time_step(recipe, tokens: int, fin: int, fout: int, repeats: int) -> float:
@@ -93,14 +98,14 @@ def main() -> None:
     shapes = [(128, 512), (512, 128)]  # the default GPT's fc1 and fc2
     print(f"linear step (fwd+dgrad+wgrad), {args.tokens} tokens, median of {args.repeats}, 1 thread; "
           "ratio to per-tensor current scaling")
-    print(f"{'recipe':<20} " + " ".join(f"{f'{a}->{b} ms':>12} {'ratio':>6}" for a, b in shapes))
+    print(f"{'recipe':<22} " + " ".join(f"{f'{a}->{b} ms':>12} {'ratio':>6}" for a, b in shapes))
     base = {s: time_step(RECIPES["per-tensor current"], args.tokens, *s, args.repeats) for s in shapes}
     for name, recipe in RECIPES.items():
         cells = []
         for s in shapes:
             t = base[s] if name == "per-tensor current" else time_step(recipe, args.tokens, *s, args.repeats)
             cells.append(f"{t * 1e3:>12.2f} {t / base[s]:>6.2f}")
-        print(f"{name:<20} " + " ".join(cells))
+        print(f"{name:<22} " + " ".join(cells))
 
 
 if __name__ == "__main__":

@@ -107,7 +107,9 @@ class FP8Config:
     # blockwise / mxfp8 / rowwise: Float8BlockScaling, MXFP8BlockScaling, Float8RowwiseScaling
     # (per-block or per-row scales from local data: ``group`` and the delayed-scaling
     # fields do not apply; ``power_2_scale`` applies to rowwise).
-    recipe: Literal["none", "delayed", "current", "blockwise", "mxfp8", "rowwise"] = "none"
+    # nvfp4: NVFP4BlockScaling (FP4 E2M1, E4M3 scales per 16 values + a per-tensor scale;
+    # ``format`` does not apply, the three ``disable_*`` fields are TE's recipe fields).
+    recipe: Literal["none", "delayed", "current", "blockwise", "mxfp8", "rowwise", "nvfp4"] = "none"
     format: Literal["HYBRID", "E4M3", "E5M2"] = "HYBRID"
     margin: int = 0
     amax_history_len: int = 1024
@@ -115,6 +117,9 @@ class FP8Config:
     power_2_scale: bool = False
     group: Literal["tp", "dp", "world"] = "world"
     stats: bool = True
+    disable_rht: bool = False
+    disable_stochastic_rounding: bool = False
+    disable_2d_quantization: bool = False
 
     @property
     def enabled(self) -> bool:
@@ -499,7 +504,7 @@ def validate(cfg: TrainConfig, world_size: int) -> ParallelLayout:
         _need(fp8.margin >= 0, f"fp8.margin must be >= 0, got {fp8.margin}")
         _need(fp8.amax_history_len >= 1, f"fp8.amax_history_len must be >= 1, got {fp8.amax_history_len}")
         _check_fp8_dims(cfg, tp)
-        block = {"blockwise": 128, "mxfp8": 32}.get(fp8.recipe)
+        block = {"blockwise": 128, "mxfp8": 32, "nvfp4": 16}.get(fp8.recipe)
         if block is not None and cfg.overlap.enabled and par.sequence_parallel and tp > 1:
             # The overlapped all-gathers move each rank's rows with their block scales; the
             # wgrad copy has blocks along those rows, so a block must not straddle two ranks.

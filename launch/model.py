@@ -25,6 +25,7 @@ from tp_fuse.recipe import (
     Float8RowwiseScaling,
     Format,
     MXFP8BlockScaling,
+    NVFP4BlockScaling,
     Recipe,
 )
 
@@ -70,6 +71,9 @@ def build_recipe(cfg: FP8Config) -> Optional[Recipe]:
         return Float8BlockScaling(fp8_format=fmt)
     if cfg.recipe == "mxfp8":
         return MXFP8BlockScaling(fp8_format=fmt)
+    if cfg.recipe == "nvfp4":
+        return NVFP4BlockScaling(disable_rht=cfg.disable_rht, disable_stochastic_rounding=cfg.disable_stochastic_rounding,
+                                 disable_2d_quantization=cfg.disable_2d_quantization)
     if cfg.recipe == "rowwise":
         return Float8RowwiseScaling(fp8_format=fmt, power_2_scale=cfg.power_2_scale)
     return None

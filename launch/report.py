@@ -74,7 +74,10 @@ def flops_per_token(gpt: GPTConfig, seq_len: int) -> float:
 
 def _measure_cpu_flops(n: int = 512, repeats: int = 5) -> float:
     """Best-of-``repeats`` float32 ``n x n`` matmul rate of this process (its threads)."""
-    a, b = torch.randn(n, n), torch.randn(n, n)
+    # A private generator: the global stream must be where a resumed checkpoint left it
+    # (NVFP4's stochastic rounding draws its seeds from it).
+    gen = torch.Generator().manual_seed(0)
+    a, b = torch.randn(n, n, generator=gen), torch.randn(n, n, generator=gen)
     torch.mm(a, b)  # warm-up
     best = float("inf")
     for _ in range(repeats):

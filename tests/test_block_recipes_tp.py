@@ -1,8 +1,10 @@
 """Block-scaled recipes with tensor parallelism on 2 gloo ranks: every overlap fusion
 (AllGather+GEMM, GEMM+ReduceScatter, GEMM+AllReduce, and their backwards) equals the unfused
-ops under Float8BlockScaling / MXFP8BlockScaling / Float8RowwiseScaling, the fusions happen,
-the wire carries bytes plus scales, explain says no amax reduction is needed, and a shard
-whose blocks would straddle ranks is refused with the reason."""
+ops under Float8BlockScaling / MXFP8BlockScaling / Float8RowwiseScaling / NVFP4BlockScaling
+(with its RHT and stochastic rounding), the fusions happen, the wire carries bytes plus
+scales (0.5 byte/element for FP4), explain says no amax reduction is needed (NVFP4: that
+its per-tensor amax is reduced over the TP group), and a shard whose blocks would straddle
+ranks is refused with the reason."""
 
 from __future__ import annotations
 
@@ -19,21 +21,23 @@ _NAME = {"col": "fc1", "row": "fc2", "ar": "proj"}
 
 
 def _recipes() -> dict:
-    from tp_fuse.recipe import Float8BlockScaling, Float8RowwiseScaling, MXFP8BlockScaling
+    from tp_fuse.recipe import Float8BlockScaling, Float8RowwiseScaling, MXFP8BlockScaling, NVFP4BlockScaling
 
-    # Local rows per case: a multiple of the column-wise block (128 / 32 / any).
+    # Local rows per case: a multiple of the column-wise block (128 / 32 / any / 16).
     return {"blockwise": (Float8BlockScaling(), 128), "mxfp8": (MXFP8BlockScaling(), 32),
-            "rowwise": (Float8RowwiseScaling(), 24)}
+            "rowwise": (Float8RowwiseScaling(), 24), "nvfp4": (NVFP4BlockScaling(), 32)}
 
 
 def _block_case(case: Case, r: int, group, cfg, recipe, label: str) -> None:
     """One step fused vs unfused (same quantization; fp32 summation order may differ)."""
     import tp_fuse
+    from tolerances import NVFP4_REL_NORM
     from tp_fuse.overlap_config import TPOverlap
 
     models = [case.build(r, group, ov, _NAME[case.kind]) for ov in (TPOverlap(cfg), _unfused())]
     results = []
     for seq, lin, b in models:
+        torch.manual_seed(11)  # NVFP4's stochastic rounding: the same seed draws in both runs
         with tp_fuse.autocast(recipe=recipe):
             x = case.x[r].float().requires_grad_()
             y = seq(x)
@@ -45,11 +49,12 @@ def _block_case(case: Case, r: int, group, cfg, recipe, label: str) -> None:
     got, base = results
     for k in got:
         _close(got[k], base[k], f"{label} {k}: fused vs unfused")
-    # And near the float64 math (block FP8 rounding: a few percent).
+    # And near the float64 math (block FP8 rounding: a few percent; FP4: the table's bound).
     ref = case.reference(r)
+    bound = NVFP4_REL_NORM if label.startswith("nvfp4") else 0.1
     for k in ("y", "dx", "dW"):
         err = (got[k].double() - ref[k]).norm() / ref[k].norm()
-        assert err < 0.1, f"{label} {k}: relative error {err:.3g} vs float64"
+        assert err < bound, f"{label} {k}: relative error {err:.3g} vs float64"
     with tp_fuse.autocast(recipe=recipe):
         _expect_fused(models[0][0], _FWD[case.kind], _BWD[case.kind], label)
 
@@ -126,7 +131,7 @@ def _check(results: list[dict], topic: str, min_cases: int) -> None:
 
 
 @pytest.mark.multirank
-@pytest.mark.parametrize("recipe", ["blockwise", "mxfp8", "rowwise"])
+@pytest.mark.parametrize("recipe", ["blockwise", "mxfp8", "rowwise", "nvfp4"])
 def test_overlap_fusions_match_unfused(results, recipe):
     _check(results, recipe, 5)
 
@@ -134,7 +139,9 @@ def test_overlap_fusions_match_unfused(results, recipe):
 @pytest.mark.multirank
 def test_wire_carries_bytes_plus_scales(results):
     k = 256
-    per_row = {"blockwise": k + 4 * (k // 128), "mxfp8": k + k // 32, "rowwise": k + 4}
+    # NVFP4: two values per byte, a 1-byte E4M3 scale per 16 values, the fp32 tensor amax.
+    per_row = {"blockwise": k + 4 * (k // 128), "mxfp8": k + k // 32, "rowwise": k + 4,
+               "nvfp4": k // 2 + k // 16 + 4}
     for res in results:
         for name, (sent, numel) in res["data"]["wire"].items():
             rows = numel // k
@@ -147,7 +154,10 @@ def test_explain_says_no_amax_reduction_for_block_scales(results):
     for name, text in results[0]["data"]["explain"].items():
         assert "UserbuffersForwardLinear" in text or "AllGather+GEMM" in text, text
         assert f"{name}: input quantized before the gather" in text, text
-        assert "no amax reduction is needed" in text, text
+        if name == "nvfp4":
+            assert "0.5 byte/element" in text and "per-tensor amax" in text and "all-reduced (MAX)" in text, text
+        else:
+            assert "no amax reduction is needed" in text, text
         assert "re-gathered for wgrad (block-scaled: its column-wise copy)" in text, text
 
 

@@ -1,4 +1,4 @@
-"""The launcher with every block-scaled recipe: ``fp8=blockwise|mxfp8|rowwise`` at TP=2 with
+"""The launcher with every block-scaled recipe: ``fp8=blockwise|mxfp8|rowwise|nvfp4`` at TP=2 with
 sequence parallelism and overlap on (the block-scaled all-gathers fused), a few steps each;
 and the config check for rows that would split a block between ranks."""
 
@@ -17,7 +17,7 @@ from test_launch_train import TINY, torchrun
 
 
 @pytest.mark.multirank
-@pytest.mark.parametrize("recipe", ["blockwise", "mxfp8", "rowwise"])
+@pytest.mark.parametrize("recipe", ["blockwise", "mxfp8", "rowwise", "nvfp4"])
 def test_launcher_trains_with_block_recipe_tp_sp_overlap(tmp_path, recipe):
     # 4 sequences x 64 tokens / 2 ranks = 128 rows per rank: whole 1x128 / 1x32 blocks.
     args = [a for a in TINY if not a.startswith("data.seq_len")] + ["data.seq_len=64"]
@@ -47,9 +47,13 @@ def test_config_refuses_rows_that_split_blocks_between_ranks():
     with pytest.raises(ValueError, match=r"fp8.recipe=blockwise .* = 64\) to be a multiple of the 128-row block"):
         validate(compose([*base, "fp8=blockwise"]), 2)
     validate(compose([*base, "fp8=blockwise", "overlap=off"]), 2)  # unfused: gathers in high precision
+    validate(compose([*base, "fp8=nvfp4"]), 2)  # 64 % 16 == 0
+    odd = [a for a in base if not a.startswith("data.seq_len")] + ["data.seq_len=24"]  # 2 * 24 / 2 = 24 rows
+    with pytest.raises(ValueError, match=r"fp8.recipe=nvfp4 .* = 24\) to be a multiple of the 16-row block"):
+        validate(compose([*odd, "fp8=nvfp4"]), 2)
 
 
-@pytest.mark.parametrize("recipe", ["blockwise", "rowwise"])
+@pytest.mark.parametrize("recipe", ["blockwise", "rowwise", "nvfp4"])
 def test_checkpoint_resume_with_block_recipe_continues_bitwise(tmp_path, recipe):
     import shutil
 

@@ -55,8 +55,12 @@ def is_mxfp8_available(return_reason: bool = False) -> Answer:
 
 
 def is_nvfp4_available(return_reason: bool = False) -> Answer:
-    """NVFP4: not implemented in tp_fuse."""
-    return _answer(False, "NVFP4 is not implemented in tp_fuse", return_reason)
+    """NVFP4 (``NVFP4BlockScaling``): an exact emulation on CPU; on CUDA the FP4 GEMM needs sm100+."""
+    if torch.cuda.is_available() and torch.cuda.get_device_capability()[0] < 10:
+        cap = torch.cuda.get_device_capability()
+        return _answer(False, f"the NVFP4 GEMM needs an sm100+ GPU (Blackwell), this one is sm{cap[0]}{cap[1]}",
+                       return_reason)
+    return _answer(True, "", return_reason)
 
 
 def is_fp8_block_scaling_available(return_reason: bool = False) -> Answer:

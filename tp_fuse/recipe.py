@@ -9,6 +9,9 @@ so that user code can switch between the two libraries:
   absolute maxima ("amax"), updated once per step after an amax reduction.
 * :class:`Float8CurrentScaling` -- per-tensor scales computed from the tensor
   being quantized, at the moment it is quantized.
+* Block-scaled recipes (:class:`Float8BlockScaling`, :class:`MXFP8BlockScaling`,
+  :class:`Float8RowwiseScaling`) and :class:`NVFP4BlockScaling` (FP4 E2M1 data,
+  E4M3 block scales plus an FP32 per-tensor scale).
 
 Recipes are plain validated dataclasses. Equality is field-wise, so two recipes
 built with the same arguments are interchangeable (quantizer state is reused);
@@ -18,7 +21,8 @@ callables compare by identity.
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
+import os
+from dataclasses import dataclass, field
 from typing import Any, Callable, NamedTuple, Optional, Union
 
 import torch
@@ -33,6 +37,7 @@ __all__ = [
     "Float8BlockScaling",
     "MXFP8BlockScaling",
     "Float8RowwiseScaling",
+    "NVFP4BlockScaling",
 ]
 
 
@@ -51,36 +56,53 @@ class Format(enum.Enum):
     ``E5M2``: E5M2 everywhere (max 57344, wider range).
     ``HYBRID``: E4M3 for forward tensors, E5M2 for gradients -- gradients need
     range more than precision.
+    ``E2M1``: the FP4 format of :class:`NVFP4BlockScaling` (max 6); its torch dtype is
+    ``torch.float4_e2m1fn_x2`` (two values packed per byte).
 
     Values are ``(max_fwd, max_bwd)`` named tuples, as in Transformer Engine.
     """
 
+    E2M1 = _FormatHelper(max_fwd=6.0, max_bwd=6.0)
     E4M3 = _FormatHelper(max_fwd=448.0, max_bwd=448.0)
     E5M2 = _FormatHelper(max_fwd=57344.0, max_bwd=57344.0)
     HYBRID = _FormatHelper(max_fwd=448.0, max_bwd=57344.0)
 
     @property
     def fwd_dtype(self) -> torch.dtype:
-        """FP8 dtype of forward-pass tensors (inputs, weights)."""
+        """Low-precision dtype of forward-pass tensors (inputs, weights)."""
+        if self is Format.E2M1:
+            return torch.float4_e2m1fn_x2
         return torch.float8_e5m2 if self is Format.E5M2 else torch.float8_e4m3fn
 
     @property
     def bwd_dtype(self) -> torch.dtype:
-        """FP8 dtype of backward-pass tensors (gradients)."""
+        """Low-precision dtype of backward-pass tensors (gradients)."""
+        if self is Format.E2M1:
+            return torch.float4_e2m1fn_x2
         return torch.float8_e4m3fn if self is Format.E4M3 else torch.float8_e5m2
 
     @property
     def fwd_max(self) -> float:
-        """Largest finite value of :attr:`fwd_dtype` (448 or 57344)."""
-        return fp8_dtype_max(self.fwd_dtype)
+        """Largest finite value of :attr:`fwd_dtype` (6, 448 or 57344)."""
+        return low_precision_max(self.fwd_dtype)
 
     @property
     def bwd_max(self) -> float:
-        """Largest finite value of :attr:`bwd_dtype` (448 or 57344)."""
-        return fp8_dtype_max(self.bwd_dtype)
+        """Largest finite value of :attr:`bwd_dtype` (6, 448 or 57344)."""
+        return low_precision_max(self.bwd_dtype)
 
 
 _FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+#: FP4 E2M1 (two values per byte): 0, 0.5, 1, 1.5, 2, 3, 4, 6 and their negatives.
+FP4_DTYPE = torch.float4_e2m1fn_x2
+FP4_MAX = 6.0
+
+
+def low_precision_max(dtype: torch.dtype) -> float:
+    """Largest finite value of an FP8 dtype or of FP4 E2M1 (6.0)."""
+    if dtype == FP4_DTYPE:
+        return FP4_MAX
+    return fp8_dtype_max(dtype)
 
 
 def fp8_dtype_max(dtype: torch.dtype) -> float:
@@ -99,6 +121,12 @@ def _check_type(name: str, value: Any, expected: type | tuple[type, ...], what: 
     )
     if not ok:
         raise ValueError(f"{name}: expected {what}, got {value!r} ({type(value).__name__})")
+
+
+def _check_not_fp4(name: str, fmt: "Format") -> None:
+    if fmt is Format.E2M1:
+        raise ValueError(f"{name}.fp8_format: expected an FP8 format (E4M3, E5M2, HYBRID), got E2M1 "
+                         "(FP4 training is NVFP4BlockScaling)")
 
 
 class Recipe:
@@ -162,6 +190,7 @@ class DelayedScaling(Recipe):
                 f"DelayedScaling.margin: expected a non-negative int, got {self.margin}"
             )
         _check_type("DelayedScaling.fp8_format", self.fp8_format, Format, "a recipe.Format")
+        _check_not_fp4("DelayedScaling", self.fp8_format)
         _check_type(
             "DelayedScaling.amax_history_len", self.amax_history_len, int, "an int >= 1"
         )
@@ -206,6 +235,7 @@ class Float8CurrentScaling(Recipe):
         _check_type(
             "Float8CurrentScaling.fp8_format", self.fp8_format, Format, "a recipe.Format"
         )
+        _check_not_fp4("Float8CurrentScaling", self.fp8_format)
         _check_type("Float8CurrentScaling.power_2_scale", self.power_2_scale, bool, "a bool")
 
 
@@ -222,13 +252,22 @@ class QParams:
         power_2_scale: round each scale down to a power of two.
         amax_epsilon: lower bound applied to every block amax before the scale is
             computed (0.0: none).
+        random_hadamard_transform: (NVFP4) apply the 16x16 random Hadamard transform to
+            the column-wise copy (the one the wgrad GEMM reads).
+        stochastic_rounding: (NVFP4) round to FP4 stochastically instead of to nearest.
+        fp4_2d_quantization: (NVFP4) 16x16 blocks instead of 1x16.
     """
 
     power_2_scale: bool = False
     amax_epsilon: float = 0.0
+    random_hadamard_transform: bool = False
+    stochastic_rounding: bool = False
+    fp4_2d_quantization: bool = False
 
     def __post_init__(self) -> None:
         _check_type("QParams.power_2_scale", self.power_2_scale, bool, "a bool")
+        for name in ("random_hadamard_transform", "stochastic_rounding", "fp4_2d_quantization"):
+            _check_type(f"QParams.{name}", getattr(self, name), bool, "a bool")
         _check_type("QParams.amax_epsilon", self.amax_epsilon, (int, float), "a float >= 0")
         if not self.amax_epsilon >= 0:
             raise ValueError(f"QParams.amax_epsilon: expected a float >= 0, got {self.amax_epsilon}")
@@ -245,6 +284,7 @@ class MMParams:
 
 def _check_not_e5m2(name: str, fmt: Any) -> None:
     _check_type(f"{name}.fp8_format", fmt, Format, "a recipe.Format")
+    _check_not_fp4(name, fmt)
     if fmt is Format.E5M2:
         raise ValueError(f"{name}.fp8_format: expected Format.E4M3 or Format.HYBRID, got E5M2 "
                          "(pure E5M2 training is not supported by block scaling)")
@@ -364,3 +404,107 @@ class Float8RowwiseScaling(Recipe):
     def __post_init__(self) -> None:
         _check_not_e5m2("Float8RowwiseScaling", self.fp8_format)
         _check_type("Float8RowwiseScaling.power_2_scale", self.power_2_scale, bool, "a bool")
+
+
+def _env_flag(name: str) -> bool:
+    return os.getenv(name, "0") == "1"
+
+
+@dataclass
+class NVFP4BlockScaling(Recipe):
+    """NVFP4: FP4 E2M1 values with two levels of scaling (Transformer Engine's fields).
+
+    Level 1: every block of 16 consecutive values of a row (16x16 tiles for weights)
+    shares an E4M3 scale; level 2: one FP32 scale per tensor, from the tensor's amax.
+    With ``g = amax_tensor / (6 * 448)`` a value decodes as
+    ``fp4 * e4m3_block_scale * g``; the block scale is ``amax_block / 6 / g`` cast to
+    E4M3 (saturating, round to nearest even) and the data ``x / (block_scale * g)``
+    cast to E2M1 with saturation at +-6.
+
+    Per tensor kind (TE's ``fp4_quant_fwd_inp`` / ``fp4_quant_fwd_weight`` /
+    ``fp4_quant_bwd_grad`` :class:`QParams`, derived from the flags below):
+
+    * inputs: 1x16 blocks; the column-wise copy (read by wgrad) gets the random
+      Hadamard transform (RHT);
+    * weights: 16x16 blocks, no RHT, round to nearest;
+    * gradients: 1x16 blocks, RHT on the column-wise copy, stochastic rounding.
+
+    The RHT multiplies each run of 16 values along the token dimension by
+    ``diag(signs) @ H16 / 4`` (an orthogonal matrix): both wgrad operands get it, so
+    ``dW = dy.T @ x`` is unchanged in exact arithmetic while outliers are spread out.
+    Row-wise and column-wise copies are both quantized from high precision.
+
+    Args (defaults from TE's environment variables ``NVTE_NVFP4_DISABLE_RHT``,
+    ``NVTE_NVFP4_DISABLE_STOCHASTIC_ROUNDING``, ``NVTE_NVFP4_DISABLE_2D_QUANTIZATION``,
+    read when the recipe is built):
+        disable_rht: no random Hadamard transform anywhere.
+        disable_stochastic_rounding: round gradients to nearest too.
+        disable_2d_quantization: 1x16 blocks for weights too.
+        fp4_format: must be ``Format.E2M1``.
+        fp8_format: format of the block scales, must be ``Format.E4M3``.
+        fp8_dpa / fp8_mha: must be False (no low-precision attention).
+        row_scaled_activation, nvfp4_4over6 (``"none"``), nvfp4_4over6_e4m3_use_256,
+        nvfp4_4over6_err_mode, backward_override (None): TE's newer options, accepted
+            at their defaults only (other values raise ValueError: not implemented here).
+    """
+
+    disable_rht: bool = field(default_factory=lambda: _env_flag("NVTE_NVFP4_DISABLE_RHT"))
+    disable_stochastic_rounding: bool = field(
+        default_factory=lambda: _env_flag("NVTE_NVFP4_DISABLE_STOCHASTIC_ROUNDING")
+    )
+    disable_2d_quantization: bool = field(default_factory=lambda: _env_flag("NVTE_NVFP4_DISABLE_2D_QUANTIZATION"))
+    row_scaled_activation: bool = False
+    nvfp4_4over6: str = "none"
+    nvfp4_4over6_e4m3_use_256: str = "all"
+    nvfp4_4over6_err_mode: str = "MAE"
+    fp4_format: Format = Format.E2M1
+    fp8_format: Format = Format.E4M3
+    fp8_dpa: bool = False
+    fp8_mha: bool = False
+    backward_override: Optional[str] = None
+
+    def __post_init__(self) -> None:
+        for name in ("disable_rht", "disable_stochastic_rounding", "disable_2d_quantization", "row_scaled_activation",
+                     "fp8_dpa", "fp8_mha"):
+            _check_type(f"NVFP4BlockScaling.{name}", getattr(self, name), bool, "a bool")
+        if self.fp4_format is not Format.E2M1:
+            raise ValueError(f"NVFP4BlockScaling.fp4_format: expected Format.E2M1, got {self.fp4_format!r}")
+        if self.fp8_format is not Format.E4M3:
+            raise ValueError(
+                f"NVFP4BlockScaling.fp8_format: expected Format.E4M3 (the block scales' format), got {self.fp8_format!r}"
+            )
+        if self.fp8_dpa or self.fp8_mha:
+            raise ValueError("NVFP4BlockScaling: fp8_dpa/fp8_mha must be False (low-precision attention is not supported)")
+        unsupported = {
+            "row_scaled_activation": (self.row_scaled_activation, False),
+            "nvfp4_4over6": (self.nvfp4_4over6, "none"),
+            "backward_override": (self.backward_override, None),
+        }
+        for name, (value, default) in unsupported.items():
+            if value != default:
+                raise ValueError(
+                    f"NVFP4BlockScaling.{name}: only {default!r} is implemented in tp-fuse, got {value!r}"
+                )
+        if self.nvfp4_4over6_e4m3_use_256 not in ("none", "weights", "activations", "all"):
+            raise ValueError(
+                "NVFP4BlockScaling.nvfp4_4over6_e4m3_use_256: expected 'none', 'weights', 'activations' or 'all', "
+                f"got {self.nvfp4_4over6_e4m3_use_256!r}"
+            )
+        if str(self.nvfp4_4over6_err_mode).upper() not in ("MAE", "MSE"):
+            raise ValueError(
+                f"NVFP4BlockScaling.nvfp4_4over6_err_mode: expected 'MAE' or 'MSE', got {self.nvfp4_4over6_err_mode!r}"
+            )
+
+    # TE derives these from the flags (RHT only on the column-wise copy, for wgrad).
+    @property
+    def fp4_quant_fwd_inp(self) -> QParams:
+        return QParams(random_hadamard_transform=not self.disable_rht)
+
+    @property
+    def fp4_quant_fwd_weight(self) -> QParams:
+        return QParams(fp4_2d_quantization=not self.disable_2d_quantization)
+
+    @property
+    def fp4_quant_bwd_grad(self) -> QParams:
+        return QParams(random_hadamard_transform=not self.disable_rht,
+                       stochastic_rounding=not self.disable_stochastic_rounding)

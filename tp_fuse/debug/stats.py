@@ -31,6 +31,7 @@ import torch.distributed as dist
 from comm.nccl_rules import check_collective
 
 from ..quantization.block_scaling import expand_scales
+from ..recipe import low_precision_max
 
 __all__ = [
     "FP8_STATS",
@@ -169,15 +170,19 @@ def simulate_fp8_cast(x: torch.Tensor, quantizer: Any) -> tuple[torch.Tensor, to
 
 @torch.no_grad()
 def block_fp8_components(x: torch.Tensor, q: Any) -> dict[str, torch.Tensor]:
-    """FP8 components of a block-scaled cast ``x -> q`` (a ``BlockScaledTensor``, row-wise copy):
+    """FP8 components of a block-scaled cast ``x -> q`` (a ``BlockScaledTensor``, row-wise copy;
+    for NVFP4 the block "scale_inv" is the effective decode scale ``e4m3 scale * amax / 2688``):
     underflows, overflows (``|x| * block scale > fp8_max``: saturated), squared error, amax,
     and the min / max / sum / sum of squares / count of the finite block ``scale_inv`` values."""
     p = q.payload("rowwise")
-    x64 = _f64(x.detach()).reshape(p.data.shape)
+    x64 = _f64(x.detach()).reshape(p.shape)
     d64 = _f64(p.dequantize())
     s_inv = p.scale_inv.to(torch.float32)
-    scale = torch.reciprocal(expand_scales(s_inv, p.spec, tuple(p.data.shape))).to(torch.float64)
-    fp8_max = float(torch.finfo(p.data.dtype).max)
+    if p.is_fp4:
+        # NVFP4: the decode scale of a block is its E4M3 scale times the per-tensor amax / (6 * 448).
+        s_inv = s_inv * (p.amax.to(torch.float32) / (6.0 * 448.0))
+    scale = torch.reciprocal(expand_scales(s_inv, p.spec, p.shape)).to(torch.float64)
+    fp8_max = low_precision_max(p.data.dtype)
     blocks = _f64(s_inv[torch.isfinite(s_inv)])
     return {
         "numel": torch.tensor(float(x64.numel()), dtype=torch.float64, device=x64.device),

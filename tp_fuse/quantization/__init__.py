@@ -15,6 +15,7 @@ from . import block_wire
 from .block_gemm import block_gemm
 from .block_quantizer import BlockScalingQuantizer, is_block_recipe
 from .block_tensor import BlockPayload, BlockScaledTensor
+from .nvfp4_quantizer import NVFP4Quantizer
 from .float8_tensor import Float8Tensor
 from .quantized_tensor import QuantizedTensor
 from .te_quantizers import DType, Float8CurrentScalingQuantizer, Float8Quantizer
@@ -53,6 +54,7 @@ __all__ = [
     "Float8CurrentScalingQuantizer",
     "Float8Quantizer",
     "Float8Tensor",
+    "NVFP4Quantizer",
     "QuantizedTensor",
     "OpQuantizers",
     "Quantizer",

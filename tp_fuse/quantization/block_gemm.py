@@ -17,6 +17,11 @@ Backends:
   ``BlockWise1x128``/``BlockWise128x128`` (sm90) or ``BlockWise1x32`` + swizzled E8M0
   scales (sm100). Other GPUs raise a ValueError naming the requirement. This path is
   written against torch's API but untested here (CI has no GPU).
+* **NVFP4**: the emulation multiplies the exact products ``e2m1 * e4m3_block_scale`` of
+  both operands in one fp32 GEMM and applies the global ``alpha = amax_a * amax_b /
+  (6*6*448*448)`` to the result (what the FP4 tensor cores do with their alpha). On CUDA
+  ``torch.nn.functional.scaled_mm`` with ``[BlockWise1x16, TensorWise]`` scales (swizzled
+  E4M3 block scales plus the fp32 global scale) on sm100+; other GPUs raise. Untested here.
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ import torch.nn.functional as F
 from ..kernels import cuda_rules
 from .block_scaling import BlockSpec
 from .block_tensor import BlockPayload, BlockScaledTensor
+from .nvfp4_scaling import E4M3_MAX, block_decode_values, gemm_alpha
 
 __all__ = ["block_gemm", "emulated_block_gemm", "swizzle_mx_scales"]
 
@@ -61,7 +67,18 @@ def _check(a: BlockScaledTensor, b: BlockScaledTensor, out_dtype: torch.dtype, b
 def emulated_block_gemm(
     a: BlockPayload, b: BlockPayload, out_dtype: torch.dtype, bias: Optional[torch.Tensor] = None
 ) -> torch.Tensor:
-    """The reference: per-block dequantization, fp32 GEMM (+ fp32 bias), cast."""
+    """The reference: per-block dequantization, fp32 GEMM (+ fp32 bias), cast.
+
+    NVFP4: ``alpha * (A @ B.T)`` with ``A``, ``B`` the exact ``e2m1 * block_scale`` values
+    and ``alpha`` the product of the two global scales (module docstring).
+    """
+    if a.is_fp4 or b.is_fp4:
+        assert a.is_fp4 and b.is_fp4 and a.amax is not None and b.amax is not None
+        out = block_decode_values(a.data, a.scale_inv, a.spec) @ block_decode_values(b.data, b.scale_inv, b.spec).t()
+        out = out * gemm_alpha(a.amax, b.amax)
+        if bias is not None:
+            out = out + bias.to(torch.float32)
+        return out.to(out_dtype)
     out = a.dequantize() @ b.dequantize().t()
     if bias is not None:
         out = out + bias.to(torch.float32)
@@ -117,6 +134,25 @@ def _cuda_block_gemm(
             a.data, b.data.t(), swizzle_mx_scales(a.scale_inv), st.BlockWise1x32,
             swizzle_mx_scales(b.scale_inv), st.BlockWise1x32, swizzle_a=sw, swizzle_b=sw,
             bias=bias, output_dtype=out_dtype,
+        )
+    if recipe_name == "nvfp4":
+        if cap[0] < 10:
+            raise ValueError(
+                f"NVFP4BlockScaling GEMM on CUDA needs an sm100+ GPU (Blackwell), got sm{cap[0]}{cap[1]}; "
+                "run on CPU (exact emulation) instead"
+            )
+        sw = F.SwizzleType.SWIZZLE_32_4_4
+
+        def scales(p: BlockPayload) -> list[torch.Tensor]:
+            # 16x16 (2-D) weight scales repeat over their 16 rows: cuBLAS reads one per 1x16.
+            s = p.scale_inv.repeat_interleave(p.spec.rows, dim=0)[: p.data.shape[0]] if p.spec.rows > 1 else p.scale_inv
+            glob = (p.amax.to(torch.float32) / (6.0 * E4M3_MAX)).reshape(1)
+            return [swizzle_mx_scales(s.contiguous()), glob]
+
+        return F.scaled_mm(
+            a.data, b.data.t(), scales(a), [st.BlockWise1x16, st.TensorWise], scales(b),
+            [st.BlockWise1x16, st.TensorWise], swizzle_a=[sw, F.SwizzleType.NO_SWIZZLE],
+            swizzle_b=[sw, F.SwizzleType.NO_SWIZZLE], bias=bias, output_dtype=out_dtype,
         )
     raise AssertionError(recipe_name)
 

@@ -23,7 +23,7 @@ from typing import Optional, Union
 import torch
 import torch.distributed as dist
 
-from ..recipe import Float8BlockScaling, Float8RowwiseScaling, MXFP8BlockScaling, QParams
+from ..recipe import FP4_DTYPE, Float8BlockScaling, Float8RowwiseScaling, MXFP8BlockScaling, NVFP4BlockScaling, QParams
 from .block_cast import AmaxHook, quantize_layouts
 from .block_scaling import BlockSpec, ScaleRule
 from .block_tensor import BlockScaledTensor
@@ -31,8 +31,10 @@ from .quantizer import Quantizer, is_backward_role, register_recipe_quantizer
 
 __all__ = ["BlockRecipe", "BlockScalingQuantizer", "block_layout", "is_block_recipe", "recipe_short_name"]
 
-BlockRecipe = Union[Float8BlockScaling, MXFP8BlockScaling, Float8RowwiseScaling]
-BLOCK_RECIPES = (Float8BlockScaling, MXFP8BlockScaling, Float8RowwiseScaling)
+BlockRecipe = Union[Float8BlockScaling, MXFP8BlockScaling, Float8RowwiseScaling, NVFP4BlockScaling]
+# The FP8 recipes this class quantizes; NVFP4 has its own subclass (nvfp4_quantizer.py).
+FP8_BLOCK_RECIPES = (Float8BlockScaling, MXFP8BlockScaling, Float8RowwiseScaling)
+BLOCK_RECIPES = FP8_BLOCK_RECIPES + (NVFP4BlockScaling,)
 
 _BLOCK_1D = BlockSpec(1, 128)
 _BLOCK_2D = BlockSpec(128, 128)
@@ -46,7 +48,9 @@ def is_block_recipe(recipe: object) -> bool:
 
 
 def recipe_short_name(recipe: BlockRecipe) -> str:
-    """``blockwise``, ``mxfp8`` or ``rowwise`` (the launcher's names)."""
+    """``blockwise``, ``mxfp8``, ``rowwise`` or ``nvfp4`` (the launcher's names)."""
+    if isinstance(recipe, NVFP4BlockScaling):
+        return "nvfp4"
     if isinstance(recipe, Float8BlockScaling):
         return "blockwise"
     if isinstance(recipe, MXFP8BlockScaling):
@@ -55,7 +59,14 @@ def recipe_short_name(recipe: BlockRecipe) -> str:
 
 
 def block_layout(recipe: BlockRecipe, role: str) -> tuple[BlockSpec, ScaleRule, torch.dtype]:
-    """``(block shape, scale rule, FP8 dtype)`` of ``role`` under ``recipe``."""
+    """``(block shape, scale rule, FP8 dtype)`` of ``role`` under ``recipe``.
+
+    NVFP4: 1x16 blocks (16x16 for weights unless ``disable_2d_quantization``), E4M3
+    block scales (rule ``"nvfp4"``: two-level, see ``nvfp4_scaling``), FP4 data.
+    """
+    if isinstance(recipe, NVFP4BlockScaling):
+        two_d = role == "weight" and recipe.fp4_quant_fwd_weight.fp4_2d_quantization
+        return (BlockSpec(16, 16) if two_d else BlockSpec(1, 16)), ScaleRule("nvfp4", power_2=False), FP4_DTYPE
     fmt = recipe.fp8_format
     dtype = fmt.bwd_dtype if is_backward_role(role) else fmt.fwd_dtype
     if isinstance(recipe, Float8BlockScaling):
@@ -88,7 +99,7 @@ class BlockScalingQuantizer(Quantizer):
     needs_amax_reduction = False
 
     def __init__(self, recipe: BlockRecipe, role: str) -> None:
-        if not is_block_recipe(recipe):
+        if not isinstance(recipe, FP8_BLOCK_RECIPES):
             raise ValueError(
                 f"BlockScalingQuantizer recipe: expected Float8BlockScaling, MXFP8BlockScaling or "
                 f"Float8RowwiseScaling, got {type(recipe).__name__}"
@@ -168,5 +179,5 @@ class BlockScalingQuantizer(Quantizer):
                 f"fp8_dtype={self.fp8_dtype})")
 
 
-for _recipe_type in BLOCK_RECIPES:
+for _recipe_type in FP8_BLOCK_RECIPES:
     register_recipe_quantizer(_recipe_type, BlockScalingQuantizer)

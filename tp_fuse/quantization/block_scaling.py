@@ -45,7 +45,7 @@ _EXPONENT_MASK = -(1 << 23)
 class ScaleRule:
     """How a block's scale follows from its amax (see the module docstring)."""
 
-    kind: Literal["fp32", "e8m0"] = "fp32"
+    kind: Literal["fp32", "e8m0", "nvfp4"] = "fp32"
     power_2: bool = True
     amax_epsilon: float = 0.0
 

@@ -9,7 +9,9 @@ A :class:`BlockScaledTensor` of nominal shape ``[*, C]`` (flattened to ``[R, C]`
   from high precision in the same pass, for GEMMs that read the tensor transposed
   (dgrad reads ``W.T``, wgrad reads ``dy.T`` and ``x.T``).
 
-Either may be None (a forward-only tensor has no column-wise copy). Block scales are
+NVFP4 payloads hold FP4 E2M1 data packed two values per byte (``[R, C/2]``), E4M3 block
+scales and the per-tensor amax (see :class:`BlockPayload`); the rest of this class is the
+same for them. Either may be None (a forward-only tensor has no column-wise copy). Block scales are
 not transposition-invariant (a 1x128 block of ``x`` is not a 1x128 block of ``x.T``),
 which is why the transpose is quantized from high precision rather than from the
 row-wise bytes. :meth:`transpose_fp8` swaps the two copies (no arithmetic).
@@ -30,7 +32,9 @@ from typing import Any, Optional
 import torch
 from torch.utils._pytree import tree_map
 
+from ..recipe import FP4_DTYPE
 from .block_scaling import BlockSpec, dequantize_blocks
+from .nvfp4_scaling import dequantize_nvfp4
 
 __all__ = ["BlockPayload", "BlockScaledTensor"]
 
@@ -39,17 +43,36 @@ aten = torch.ops.aten
 
 @dataclasses.dataclass
 class BlockPayload:
-    """One quantized layout: 2-D FP8 ``data``, its ``scale_inv`` per block of ``spec``."""
+    """One quantized layout: 2-D FP8 ``data``, its ``scale_inv`` per block of ``spec``.
+
+    NVFP4 (``data`` of dtype ``torch.float4_e2m1fn_x2``, two values per byte): ``data`` is
+    ``[R, C/2]``, ``scale_inv`` the E4M3 block scales and ``amax`` the fp32 per-tensor amax
+    (0-d) that sets the second-level scale (``nvfp4_scaling``). :attr:`shape` is the
+    logical ``[R, C]`` either way.
+    """
 
     data: torch.Tensor
     scale_inv: torch.Tensor
     spec: BlockSpec
+    amax: Optional[torch.Tensor] = None
+
+    @property
+    def is_fp4(self) -> bool:
+        return self.data.dtype == FP4_DTYPE
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        r, c = self.data.shape
+        return (r, c * 2) if self.is_fp4 else (r, c)
 
     def dequantize(self) -> torch.Tensor:
+        if self.is_fp4:
+            assert self.amax is not None
+            return dequantize_nvfp4(self.data, self.scale_inv, self.spec, self.amax)
         return dequantize_blocks(self.data, self.scale_inv, self.spec)
 
     def map(self, fn: Any) -> "BlockPayload":
-        return BlockPayload(fn(self.data), fn(self.scale_inv), self.spec)
+        return BlockPayload(fn(self.data), fn(self.scale_inv), self.spec, None if self.amax is None else fn(self.amax))
 
 
 class BlockScaledTensor(torch.Tensor):
@@ -93,14 +116,14 @@ class BlockScaledTensor(torch.Tensor):
         rows = shape[:-1].numel()
         ref = rowwise if rowwise is not None else columnwise
         assert ref is not None
-        if rowwise is not None and tuple(rowwise.data.shape) != (rows, shape[-1]):
+        if rowwise is not None and tuple(rowwise.shape) != (rows, shape[-1]):
             raise ValueError(
-                f"BlockScaledTensor: row-wise data shape {tuple(rowwise.data.shape)} does not match "
+                f"BlockScaledTensor: row-wise data shape {tuple(rowwise.shape)} does not match "
                 f"nominal shape {tuple(shape)} (expected {(rows, shape[-1])})"
             )
-        if columnwise is not None and tuple(columnwise.data.shape) != (shape[-1], rows):
+        if columnwise is not None and tuple(columnwise.shape) != (shape[-1], rows):
             raise ValueError(
-                f"BlockScaledTensor: column-wise data shape {tuple(columnwise.data.shape)} does not match "
+                f"BlockScaledTensor: column-wise data shape {tuple(columnwise.shape)} does not match "
                 f"nominal shape {tuple(shape)} (expected {(shape[-1], rows)})"
             )
         if master is not None and (master.shape != shape or master.dtype != dtype):
@@ -168,8 +191,9 @@ class BlockScaledTensor(torch.Tensor):
     def __tensor_flatten__(self) -> tuple[list[str], tuple[Any, ...]]:
         names = []
         for which in ("_rowwise", "_columnwise"):
-            if getattr(self, which) is not None:
-                names += [f"{which}_data", f"{which}_scale_inv"]
+            p = getattr(self, which)
+            if p is not None:
+                names += [f"{which}_data", f"{which}_scale_inv"] + ([f"{which}_amax"] if p.amax is not None else [])
         if self._master is not None:
             names.append("_master")
         specs = tuple(getattr(self, w).spec if getattr(self, w) is not None else None for w in ("_rowwise", "_columnwise"))
@@ -178,7 +202,7 @@ class BlockScaledTensor(torch.Tensor):
     def __getattr__(self, name: str) -> Any:
         # Flattened attribute names for __tensor_flatten__ (e.g. "_rowwise_data").
         for which in ("_rowwise", "_columnwise"):
-            for part in ("data", "scale_inv"):
+            for part in ("data", "scale_inv", "amax"):
                 payload = self.__dict__.get(which)
                 if name == f"{which}_{part}" and payload is not None:
                     return getattr(payload, part)
@@ -189,7 +213,8 @@ class BlockScaledTensor(torch.Tensor):
         shape, dtype, specs, name, quantizer = ctx
         payloads = []
         for which, spec in zip(("_rowwise", "_columnwise"), specs):
-            payloads.append(None if spec is None else BlockPayload(inner[f"{which}_data"], inner[f"{which}_scale_inv"], spec))
+            payloads.append(None if spec is None else BlockPayload(
+                inner[f"{which}_data"], inner[f"{which}_scale_inv"], spec, inner.get(f"{which}_amax")))
         return BlockScaledTensor(shape, dtype, *payloads, name, master=inner.get("_master"), quantizer=quantizer)
 
     def __repr__(self, *, tensor_contents: Any = None) -> str:  # noqa: D105
@@ -223,6 +248,8 @@ class BlockScaledTensor(torch.Tensor):
             if mine is not None:
                 mine.data.copy_(new.data)
                 mine.scale_inv.copy_(new.scale_inv)
+                if mine.amax is not None:
+                    mine.amax.copy_(new.amax)
 
 
 def _dequantize_impl(t: BlockScaledTensor, dtype: Optional[torch.dtype] = None) -> torch.Tensor:

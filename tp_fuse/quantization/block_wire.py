@@ -21,6 +21,12 @@ along dim 0 between ranks. Two packings:
 
 The wgrad GEMM reads only the column-wise copy, the fprop/dgrad GEMM only the row-wise one,
 so each collective carries one of them.
+
+**NVFP4** packs two values per byte (``K/2`` data bytes per row, ``g/2`` packed rows per
+column-wise group), one 1-byte E4M3 scale per 16 values, and appends the 4-byte fp32
+per-tensor amax to every wire row, so a chunk stays self-describing. The quantizer makes
+that amax equal on all ranks (``NVFP4Quantizer.quantize_gatherable`` all-reduces it);
+the receiver checks that it is, ValueError otherwise.
 """
 
 from __future__ import annotations
@@ -48,22 +54,48 @@ def _scale_bytes(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous().view(torch.uint8).reshape(t.shape[0], -1)
 
 
+def _amax_bytes(p: BlockPayload, rows: int) -> list[torch.Tensor]:
+    """NVFP4: the per-tensor amax as 4 bytes on each of ``rows`` wire rows ([] otherwise)."""
+    if p.amax is None:
+        return []
+    a = p.amax.to(torch.float32).reshape(1).view(torch.uint8)
+    return [a.reshape(1, 4).expand(rows, 4)]
+
+
+def _amax_from(buf_tail: torch.Tensor, p: BlockPayload) -> Optional[torch.Tensor]:
+    """The amax carried in the last 4 bytes of every wire row (NVFP4); all rows must agree."""
+    if p.amax is None:
+        return None
+    amax = buf_tail.contiguous().view(torch.float32).reshape(-1)
+    if amax.numel() == 0:
+        return p.amax.reshape(()).clone()
+    if not bool((amax.view(torch.int32) == amax[:1].view(torch.int32)).all()):
+        raise ValueError(
+            "NVFP4 all-gather: ranks quantized with different per-tensor amaxes; quantize the shard with "
+            "NVFP4Quantizer.quantize_gatherable (amax all-reduced over the TP group)"
+        )
+    return amax[0].clone()
+
+
 def rowwise_wire(t: BlockScaledTensor) -> torch.Tensor:
-    """uint8 ``[M, K + scale bytes per row]`` of the row-wise payload."""
+    """uint8 ``[M, K (K/2 for FP4) + scale bytes per row (+ 4 amax bytes, NVFP4)]`` of the row-wise payload."""
     p = t.payload("rowwise")
     if p.spec.rows != 1:
         raise ValueError(f"rowwise_wire: {p.spec.describe()} blocks span rows; only 1-D blocks can be cut between rows")
-    return torch.cat([p.data.contiguous().view(torch.uint8), _scale_bytes(p.scale_inv)], dim=1)
+    rows = p.data.shape[0]
+    return torch.cat([p.data.contiguous().view(torch.uint8), _scale_bytes(p.scale_inv)] + _amax_bytes(p, rows), dim=1)
 
 
 def rowwise_from_wire(buf: torch.Tensor, like: BlockScaledTensor) -> BlockScaledTensor:
     """Inverse of :func:`rowwise_wire` for ``buf [M', W]`` (any number of rows), typed like ``like``."""
     p = like.payload("rowwise")
-    k = p.data.shape[1]
+    k = p.data.shape[1]  # bytes of data per row (K/2 for FP4)
     buf = buf.reshape(buf.shape[0], -1)
+    end = buf.shape[1] - (4 if p.amax is not None else 0)
     data = buf[:, :k].contiguous().view(p.data.dtype)
-    scales = buf[:, k:].contiguous().view(p.scale_inv.dtype).reshape(buf.shape[0], -1)
-    return BlockScaledTensor((buf.shape[0], k), like.dtype, BlockPayload(data, scales, p.spec), None, like.recipe_name)
+    scales = buf[:, k:end].contiguous().view(p.scale_inv.dtype).reshape(buf.shape[0], -1)
+    payload = BlockPayload(data, scales, p.spec, _amax_from(buf[:, end:], p))
+    return BlockScaledTensor((buf.shape[0], p.shape[1]), like.dtype, payload, None, like.recipe_name)
 
 
 def _group_rows(p: BlockPayload, local_rows: int) -> int:
@@ -84,23 +116,28 @@ def _group_rows(p: BlockPayload, local_rows: int) -> int:
 def columnwise_wire(t: BlockScaledTensor) -> torch.Tensor:
     """uint8 ``[M / g, g*K + K*scale_size]`` of the column-wise payload (module docstring)."""
     p = t.payload("columnwise")
-    k, m = p.data.shape
+    k, m = p.shape
     g = _group_rows(p, m)
     groups = m // g if m else 0
-    # data.T [M, K] -> [groups, g*K] bytes; scales [K, groups] -> [groups, K*size] bytes.
-    data = p.data.t().contiguous().view(torch.uint8).reshape(groups, g * k)
+    per = 2 if p.is_fp4 else 1  # values per byte along M
+    # data.T [M/per, K] -> [groups, (g/per)*K] bytes; scales [K, groups] -> [groups, K*size] bytes.
+    # (Transposed as bytes: torch has no strided copy for float4_e2m1fn_x2.)
+    data = p.data.view(torch.uint8).t().contiguous().reshape(groups, (g // per) * k)
     scales = p.scale_inv.t().contiguous()
-    return torch.cat([data, _scale_bytes(scales)], dim=1)
+    return torch.cat([data, _scale_bytes(scales)] + _amax_bytes(p, groups), dim=1)
 
 
 def columnwise_from_wire(buf: torch.Tensor, like: BlockScaledTensor) -> BlockScaledTensor:
     """The gathered tensor's column-wise copy from a gathered :func:`columnwise_wire`."""
     p = like.payload("columnwise")
-    k, m_local = p.data.shape
+    k, m_local = p.shape
     g = _group_rows(p, m_local)
     groups = buf.shape[0]
-    data_t = buf[:, : g * k].contiguous().view(p.data.dtype).reshape(groups * g, k)
-    scales = buf[:, g * k:].contiguous().view(p.scale_inv.dtype).reshape(groups, k)
+    per = 2 if p.is_fp4 else 1
+    nbytes = (g // per) * k
+    end = buf.shape[1] - (4 if p.amax is not None else 0)
+    data_t = buf[:, :nbytes].contiguous().reshape(groups * (g // per), k)
+    scales = buf[:, nbytes:end].contiguous().view(p.scale_inv.dtype).reshape(groups, k)
     if p.spec.cols is None:
         # Row-wise scaling: every rank sent the same (TP-reduced) per-column scales.
         if not bool((scales == scales[:1]).all()):
@@ -111,7 +148,7 @@ def columnwise_from_wire(buf: torch.Tensor, like: BlockScaledTensor) -> BlockSca
         scale_inv = scales[:1].t().contiguous()  # [K, 1]
     else:
         scale_inv = scales.t().contiguous()  # [K, groups]
-    col = BlockPayload(data_t.t().contiguous(), scale_inv, p.spec)
+    col = BlockPayload(data_t.t().contiguous().view(p.data.dtype), scale_inv, p.spec, _amax_from(buf[:, end:], p))
     return BlockScaledTensor((groups * g, k), like.dtype, None, col, like.recipe_name)
 
 

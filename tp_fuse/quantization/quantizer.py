@@ -34,7 +34,7 @@ import torch.distributed as dist
 from comm.nccl_rules import check_collective
 
 from .. import kernels
-from ..recipe import DelayedScaling, Float8CurrentScaling, Recipe, fp8_dtype_max
+from ..recipe import DelayedScaling, Float8CurrentScaling, Recipe, low_precision_max
 from . import scaling
 from .block_tensor import BlockScaledTensor
 from .float8_tensor import Float8Tensor
@@ -110,7 +110,7 @@ class Quantizer(abc.ABC):
 
     def __init__(self, fp8_dtype: torch.dtype, role: str) -> None:
         self.fp8_dtype = fp8_dtype
-        self.fp8_max = fp8_dtype_max(fp8_dtype)
+        self.fp8_max = low_precision_max(fp8_dtype)
         self.role = role
 
     def quantize(self, x: torch.Tensor, *, transpose: bool = False) -> Float8Tensor:

@@ -42,6 +42,7 @@ class DType(enum.Enum):
     kBFloat16 = torch.bfloat16
     kFloat8E4M3 = torch.float8_e4m3fn
     kFloat8E5M2 = torch.float8_e5m2
+    kFloat4E2M1 = torch.float4_e2m1fn_x2  # NVFP4 data: two E2M1 values per byte
 
     @property
     def torch_dtype(self) -> torch.dtype:

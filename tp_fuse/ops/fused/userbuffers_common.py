@@ -248,6 +248,13 @@ def fp8_wire_note(recipe: Any, what: str = "input") -> str:
         # (texts as they were before block recipes existed)
         return f"{what} quantized before the gather (1 byte/element{' on the wire' if what == 'input' else ''})"
     spec, rule, _ = block_layout(recipe, "grad_output" if what == "dy" else "input")
+    if rule.kind == "nvfp4":
+        return (
+            f"nvfp4: {what} quantized before the gather, 0.5 byte/element plus one 1-byte E4M3 scale per "
+            f"{spec.describe()} block and the 4-byte fp32 tensor amax per row on the wire; block scales come "
+            "from local data, the per-tensor amax (and the stochastic-rounding seed) are all-reduced (MAX) "
+            "over the TP group in one collective before quantizing"
+        )
     size = "4-byte fp32" if rule.kind == "fp32" else "1-byte E8M0"
     return (
         f"{recipe_short_name(recipe)}: {what} quantized before the gather, 1 byte/element plus one {size} "

@@ -1,0 +1,84 @@
+"""The Triton NVFP4 1x16 quantize kernel against the torch quantizer, bit for bit, in the
+Triton interpreter (round to nearest with ties, saturation, zero blocks, stochastic rounding
+with shard offsets, bf16 and strided inputs, partial tiles).
+
+Two modes, as ``test_kernels_interpret.py``: a normal run starts ONE pytest subprocess on
+this file with ``TRITON_INTERPRET=1`` (which must be set before triton is imported and must
+not leak into the rest of the suite) and asserts that it passed."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+if not INTERPRETED:
+
+    @pytest.mark.skipif(importlib.util.find_spec("triton") is None,
+                        reason="triton is not installed: the NVFP4 Triton kernel is untested")
+    def test_nvfp4_triton_kernel_in_interpreter():
+        env = {**os.environ, "TRITON_INTERPRET": "1"}
+        cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", os.path.abspath(__file__)]
+        proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+        report = proc.stdout[-12000:] + proc.stderr[-4000:]
+        assert proc.returncode == 0, report
+        assert " passed" in proc.stdout and " failed" not in proc.stdout, report
+
+else:
+    pytest.importorskip("triton")
+    from tp_fuse.kernels.nvfp4_cast_triton import nvfp4_quantize_1x16
+    from tp_fuse.quantization.nvfp4_scaling import NVFP4_BLOCK, global_scales, quantize_nvfp4
+
+    def _factors(amax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        enc, dec = global_scales(amax)
+        return enc * torch.reciprocal(torch.tensor(6.0)), dec
+
+    def _check(x: torch.Tensor, *, seed=None, row_offset=0, col_offset=0, **tiles) -> None:
+        amax = x.detach().abs().amax().float()
+        want_d, want_s = quantize_nvfp4(x, NVFP4_BLOCK, amax, sr_seed=None if seed is None else torch.tensor(seed),
+                                        row_offset=row_offset, col_offset=col_offset)
+        mult, dec = _factors(amax)
+        got_d, got_s = nvfp4_quantize_1x16(x, mult, dec, sr_seed=seed, row_offset=row_offset,
+                                           col_offset=col_offset, **tiles)
+        assert torch.equal(got_s, want_s.view(torch.uint8)), "block scales differ"
+        diff = (got_d != want_d.view(torch.uint8)).nonzero()
+        assert diff.numel() == 0, f"{diff.shape[0]} bytes differ, first at {diff[:3].tolist()}"
+
+    def _gen(seed: int, *shape: int, scale: float = 1.0) -> torch.Tensor:
+        g = torch.Generator().manual_seed(seed)
+        return torch.randn(*shape, generator=g) * scale
+
+    @pytest.mark.parametrize("shape", [(16, 64), (37, 96), (5, 160)])
+    @pytest.mark.parametrize("scale", [1e-3, 1.0, 300.0])
+    def test_round_to_nearest_matches_torch(shape, scale):
+        x = _gen(shape[0] * 7 + shape[1], *shape, scale=scale)
+        x[0, :16] = 0.0  # a zero block
+        _check(x, block_rows=8, block_cols=64)
+
+    def test_ties_and_saturation():
+        # Tensor amax 2688 and block amax 6: block scale 1, the values reach E2M1 as exact ties.
+        x = torch.zeros(1, 32)
+        x[0, :12] = torch.tensor([6.0, 0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, -0.25, -0.75, -2.5, -5.0])
+        x[0, 16] = 2688.0
+        _check(x)
+        # A block scale that rounds down in E4M3: the block maximum saturates at 6.
+        y = torch.zeros(1, 16)
+        y[0, 0], y[0, 1] = 2688.0 * (1 + 2.0**-5), 1.0
+        _check(y)
+
+    @pytest.mark.parametrize("offsets", [(0, 0), (48, 0), (0, 32)])
+    def test_stochastic_rounding_matches_torch(offsets):
+        x = _gen(3, 24, 64)
+        _check(x, seed=12345, row_offset=offsets[0], col_offset=offsets[1], block_rows=16, block_cols=32)
+
+    def test_bf16_and_strided_input():
+        base = _gen(4, 64, 48).to(torch.bfloat16)
+        _check(base.t())  # [48, 64], column stride 48
+        _check(_gen(5, 32, 64)[:, ::1][::2])
