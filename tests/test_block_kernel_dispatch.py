@@ -14,7 +14,7 @@ from tp_fuse import kernels
 from tp_fuse.kernels import dispatch, record_kernel_paths
 from tp_fuse.quantization.block_cast import quantize_layouts
 from tp_fuse.quantization.block_scaling import BlockSpec, ScaleRule
-from tp_fuse.recipe import Float8BlockScaling, Float8RowwiseScaling, MXFP8BlockScaling
+from tp_fuse.recipe import Float8BlockScaling, Float8RowwiseScaling, MXFP8BlockScaling, NVFP4BlockScaling
 
 RECIPES = [Float8BlockScaling(), MXFP8BlockScaling(), Float8RowwiseScaling()]
 IDS = ["blockwise", "mxfp8", "rowwise"]
@@ -40,6 +40,24 @@ def test_block_recipes_quantize_on_the_torch_path_on_cpu_and_explain_plans_it(re
     planned = {(p.kernel, p.backend) for p in plan.kernels if p.kernel == "block_quantize"}
     assert planned == {("block_quantize", "torch")}
     assert "block_quantize=torch" in str(plan)
+
+
+def test_nvfp4_plans_no_dispatched_kernel_and_runs_none():
+    # NVFP4 quantizes with torch ops (its Triton kernel is not wired in): explain must not
+    # claim a block_quantize kernel for it (it did after the Triton and NVFP4 branches met).
+    torch.manual_seed(0)
+    seq = te.ops.Sequential(te.ops.Linear(128, 64), te.ops.GELU(), te.ops.Linear(64, 128))
+    x = torch.randn(4, 32, 128, requires_grad=True)
+    recipe = NVFP4BlockScaling()
+    with te.autocast(recipe=recipe):
+        plan = te.explain(seq)
+    with record_kernel_paths() as log:
+        with te.autocast(recipe=recipe):
+            y = seq(x)
+        y.sum().backward()
+    ran = {c.kernel for c in log.calls}
+    assert "block_quantize" not in ran and "block_quantize" not in {p.kernel for p in plan.kernels}
+    assert {p.kernel for p in plan.kernels} == ran
 
 
 def test_cuda_plan_is_triton_and_float64_stays_on_torch(monkeypatch):

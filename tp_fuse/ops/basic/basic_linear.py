@@ -10,6 +10,7 @@ import torch
 
 from comm import all_reduce
 
+from ...recipe import NVFP4BlockScaling
 from ..extra_state import QuantizerStateMixin
 from ..op import BasicOperation, OperationContext, require
 from ._checks import maybe_dequantize
@@ -216,11 +217,12 @@ class BasicLinear(QuantizerStateMixin, BasicOperation):
         """``tp_fuse.kernels`` functions this op calls in ``direction`` (for ``explain``):
         the FP8 casts and GEMMs under an FP8 recipe, none in high precision. Block-scaled
         recipes cast with ``block_quantize``; their GEMM (``block_gemm``) is not a
-        ``tp_fuse.kernels`` function."""
+        ``tp_fuse.kernels`` function. NVFP4 quantizes with torch ops only (its Triton
+        kernel is not wired in), so it dispatches no kernel."""
         from ...quantization import active_autocast, is_block_recipe
 
         state = active_autocast()
-        if state is None:
+        if state is None or isinstance(state.recipe, NVFP4BlockScaling):
             return ()
         return ("block_quantize",) if is_block_recipe(state.recipe) else ("quantize", "fp8_gemm")
 
