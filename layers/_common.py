@@ -18,18 +18,21 @@ from __future__ import annotations
 import dataclasses
 from collections import OrderedDict
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, Literal, Optional
+from typing import Any, Literal, Optional
 
 import torch
 import torch.distributed as dist
 
 from tp_fuse.ops import AllGather, AllReduce, BasicLinear, BasicOperation, Bias, LayerNorm, ReduceScatter, RMSNorm
 from tp_fuse.overlap_config import TPOverlap
+from tp_fuse.quantization import active_autocast
 
 from .grad_sync import sync_sequence_parallel_grad
+from .random import DropoutRNG
 from .sharding import (
     ShardSpec,
     deferred_full_tensor,
+    derive_seed,
     divide,
     seeded_full_tensor,
     set_deferred_init,
@@ -38,9 +41,6 @@ from .sharding import (
     tp_rank_and_size,
 )
 from .tp_regions import CopyToTensorParallelRegion, ScatterToTensorParallelRegion
-
-if TYPE_CHECKING:
-    from .random import DropoutRNG
 
 InitMethod = Callable[[torch.Tensor], Any]
 Normalization = Literal["LayerNorm", "RMSNorm"]
@@ -92,8 +92,6 @@ class ParallelContext:
 
     def child(self, name: str) -> "ParallelContext":
         """The context of a sub-layer: same sharding, seed derived from ``name``."""
-        from .sharding import derive_seed
-
         seed = None if self.seed is None else derive_seed(self.seed, name)
         return dataclasses.replace(self, seed=seed)
 
@@ -262,8 +260,6 @@ def dropout_rng(ctx: ParallelContext, rng: Optional["DropoutRNG"]) -> "DropoutRN
     Models share one :class:`~layers.random.DropoutRNG` between layers (GPT does); a
     standalone layer gets its own, so its masks never come from an unmanaged stream.
     """
-    from .random import DropoutRNG
-
     if rng is not None:
         if not isinstance(rng, DropoutRNG):
             raise ValueError(f"rng must be a layers.random.DropoutRNG, got {type(rng).__name__}")
@@ -285,8 +281,6 @@ def check_fp8_amax_group(tp_group: Optional[dist.ProcessGroup], sequence_paralle
     reduced over (at least) the TP group: FP8 group ``tp`` or ``world``, not ``dp``.
     Otherwise the gathered shards would be decoded with the wrong scale, silently.
     """
-    from tp_fuse.quantization import active_autocast
-
     state = active_autocast()
     if state is None or not sequence_parallel or tp_group is None:
         return

@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any, Optional
 import torch
 import torch.distributed as dist
 
+from ..quantization import BlockScalingQuantizer, active_autocast, fp8_gemm, is_quantized_tensor
 from .config import FeatureSpec
 
 if TYPE_CHECKING:
@@ -171,8 +172,6 @@ class LinearDebugHooks:
         residual: Optional[torch.Tensor] = None,
     ) -> torch.Tensor:
         """``BasicLinear.forward_gemm`` with feature calls (input already checked by the op)."""
-        from ..quantization import BlockScalingQuantizer, active_autocast, is_quantized_tensor
-
         lead = x.shape[:-1]
         x2d = x.reshape(-1, op.in_features)
         autocast_state = active_autocast()
@@ -241,8 +240,6 @@ class LinearDebugHooks:
         grad_input_accumulate: Optional[torch.Tensor] = None,
     ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
         """``BasicLinear.backward_gemm`` with feature calls."""
-        from ..quantization import BlockScalingQuantizer
-
         x_op, w_op = ctx.saved_tensors
         fp8 = ctx.debug_fp8
         dy2d = dy.reshape(-1, op.out_features)
@@ -285,8 +282,6 @@ class LinearDebugHooks:
         fprop: ``a [M, in] @ b[out, in]^T``; dgrad: ``a [M, out] @ b [out, in]``;
         wgrad: ``a [M, out]^T @ b [M, in]``.
         """
-        from ..quantization import fp8_gemm, is_quantized_tensor
-
         a_fp8, b_fp8 = is_quantized_tensor(a), is_quantized_tensor(b)
         if a_fp8 != b_fp8:
             raise ValueError(

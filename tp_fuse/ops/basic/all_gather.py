@@ -7,6 +7,9 @@ from typing import Any, Callable, Optional
 import torch
 import torch.distributed as dist
 
+from comm import all_gather_dim0, reduce_scatter_dim0
+
+from ...quantization import BlockScaledTensor, Float8Tensor, block_wire
 from ..op import OperationContext, require
 from ._tp import TPCommOperation, check_first_dim_divisible
 
@@ -31,7 +34,6 @@ class AllGather(TPCommOperation):
     """
 
     def op_forward(self, ctx: OperationContext, input_: torch.Tensor, **unused: Any) -> torch.Tensor:
-        from comm import all_gather_dim0
 
         require(input_.dim() >= 1, "AllGather: expected a tensor with a sequence dimension, got a scalar")
         if self.tp_size == 1:
@@ -40,7 +42,6 @@ class AllGather(TPCommOperation):
         return gather_maybe_fp8(input_, self.process_group, all_gather_dim0)
 
     def op_backward(self, ctx: OperationContext, grad_output: torch.Tensor):
-        from comm import reduce_scatter_dim0
 
         size = self.tp_size
         if size == 1:
@@ -58,8 +59,6 @@ def gather_maybe_fp8(
 
     ``gather(tensor, group)`` is the dim-0 all-gather to use (``comm.all_gather_dim0``).
     """
-    from ...quantization import BlockScaledTensor, Float8Tensor, block_wire
-
     if isinstance(x, BlockScaledTensor):
         # Data bytes and block scales travel together, one collective per quantized copy.
         return block_wire.gather_block_scaled(x, group, gather)

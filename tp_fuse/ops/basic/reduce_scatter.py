@@ -6,6 +6,8 @@ from typing import Any
 
 import torch
 
+from comm import all_gather_dim0, reduce_scatter_dim0
+
 from ..op import OperationContext
 from ._checks import maybe_dequantize
 from ._tp import TPCommOperation, check_first_dim_divisible
@@ -29,7 +31,6 @@ class ReduceScatter(TPCommOperation):
     """
 
     def op_forward(self, ctx: OperationContext, input_: torch.Tensor, **unused: Any) -> torch.Tensor:
-        from comm import reduce_scatter_dim0
 
         size = self.tp_size
         check_first_dim_divisible("ReduceScatter", input_, size)
@@ -39,7 +40,6 @@ class ReduceScatter(TPCommOperation):
         return reduce_scatter_dim0(maybe_dequantize(input_).contiguous(), self.process_group)
 
     def op_backward(self, ctx: OperationContext, grad_output: torch.Tensor):
-        from comm import all_gather_dim0
 
         if self.tp_size == 1:
             return grad_output, ()

@@ -9,15 +9,19 @@ from typing import Any, Optional
 
 import torch
 
+import comm
+
+from ...overlap_auto import AUTO, UNFUSED, parse_label
+from ...quantization import BlockScaledTensor, BlockScalingQuantizer, fp8_gemm
+from ..basic._checks import compute_dtype
 from ..basic._tp import check_first_dim_divisible
 from ..basic.all_gather import AllGather
 from ..basic.basic_linear import BasicLinear
 from ..basic.bias import Bias
 from ..basic.reduce_scatter import ReduceScatter
-from ..basic._checks import compute_dtype
 from ..fusion import Fuse, FusionLog, MatchResult, Reject, describe_next, fuse_by_window
 from ..op import FusedOperation, FusibleOperation, OperationContext
-from ...overlap_auto import AUTO, UNFUSED, parse_label
+from .forward_linear_bias_activation import linear_bias_mismatch
 from .userbuffers_common import (
     OverlapPlan,
     fp8_from_wire,
@@ -25,11 +29,11 @@ from .userbuffers_common import (
     fp8_gemm_from_bytes,
     fp8_wire,
     fp8_wire_note,
-    observe_cast,
     gemm_label,
     hp_gemm,
     match_gemm_then,
     match_linear_bias,
+    observe_cast,
     plan_overlap,
     precision_label,
     quantize_same_scale_over,
@@ -170,9 +174,7 @@ class UserbuffersBackwardLinear(FusedOperation):
     # ---- column-parallel ---------------------------------------------------------
 
     def _backward_all_gather(self, ctxs: list[OperationContext], dy: torch.Tensor):
-        import comm
 
-        from ...quantization import BlockScalingQuantizer
 
         ag, linear = self.basic_ops[0], self.basic_ops[1]
         bias_op = self.basic_ops[2] if len(self.basic_ops) == 3 else None
@@ -211,7 +213,6 @@ class UserbuffersBackwardLinear(FusedOperation):
             if not need_dw:
                 return None
             if lin_ctx.fp8:
-                from ...quantization import fp8_gemm
 
                 return fp8_gemm(dy_q.transpose_fp8(), x_full.transpose_fp8(), out_dtype=dy.dtype)
             return dy_q.t() @ x_full
@@ -262,9 +263,7 @@ class UserbuffersBackwardLinear(FusedOperation):
     # ---- row-parallel ------------------------------------------------------------
 
     def _backward_reduce_scatter(self, ctxs: list[OperationContext], dy: torch.Tensor):
-        import comm
 
-        from ...quantization import BlockScaledTensor
 
         linear, rs = self.basic_ops[0], self.basic_ops[-1]
         bias_op = self.basic_ops[1] if len(self.basic_ops) == 3 else None
@@ -327,7 +326,6 @@ class UserbuffersBackwardLinear(FusedOperation):
             # backward did not fuse): BasicLinear's hook gathers it.
             x_full = linear.input_for_wgrad(lin_ctx, x_saved)
             if lin_ctx.fp8:
-                from ...quantization import fp8_gemm
 
                 if isinstance(dy_q, BlockScaledTensor):
                     # The ring moved dy's row-wise copy (for dgrad); wgrad reads the
@@ -353,8 +351,6 @@ def fuse_userbuffers_backward_linear(
 ) -> list[FusibleOperation]:
     """Replace ``[AllGather, BasicLinear(, Bias)]`` and ``[BasicLinear(, Bias), ReduceScatter]``
     windows with :class:`UserbuffersBackwardLinear`, as the overlap config says."""
-    from .forward_linear_bias_activation import linear_bias_mismatch
-
     fp8 = recipe is not None
 
     def match_all_gather(window: Sequence[FusibleOperation]) -> MatchResult:

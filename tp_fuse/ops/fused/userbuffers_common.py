@@ -24,6 +24,18 @@ import torch.distributed as dist
 
 from ...overlap_auto import AUTO, UNFUSED, candidate_labels
 from ...overlap_config import METHODS, GemmOverlapConfig, TPOverlap
+from ...quantization import (
+    BlockScaledTensor,
+    BlockScalingQuantizer,
+    CurrentScalingQuantizer,
+    Float8Tensor,
+    active_autocast,
+    block_wire,
+    fp8_gemm,
+    is_block_recipe,
+)
+from ...quantization.block_quantizer import block_layout, recipe_short_name
+from ...recipe import DelayedScaling
 from ..basic._tp import TPCommOperation
 from ..basic.basic_linear import BasicLinear
 from ..basic.bias import Bias
@@ -185,9 +197,6 @@ def fp8_gather_problem(tp_group: Optional[dist.ProcessGroup], what: str) -> Opti
     fused op reduces the amax over the autocast's group when it contains the TP group,
     and over the TP group when the autocast has none.
     """
-    from ...quantization import active_autocast, is_block_recipe
-    from ...recipe import DelayedScaling
-
     state = active_autocast()
     if state is None or is_block_recipe(state.recipe):
         # Block / row scales are computed from local data and travel with the bytes.
@@ -222,8 +231,6 @@ def quantize_same_scale_over(
     ``transpose`` it also makes the column-wise copy that the wgrad GEMM reads
     (``BlockScalingQuantizer.quantize_gatherable``).
     """
-    from ...quantization import BlockScalingQuantizer, CurrentScalingQuantizer
-
     if isinstance(quantizer, BlockScalingQuantizer):
         return quantizer.quantize_gatherable(x, tp_group if tp_group is not None else dist.group.WORLD,
                                              transpose=transpose)
@@ -239,9 +246,6 @@ def quantize_same_scale_over(
 
 def fp8_wire_note(recipe: Any, what: str = "input") -> str:
     """What an FP8 all-gather of ``what`` puts on the wire under ``recipe`` (for ``explain``)."""
-    from ...quantization import is_block_recipe
-    from ...quantization.block_quantizer import block_layout, recipe_short_name
-
     if recipe is None:
         return ""
     if not is_block_recipe(recipe):
@@ -279,8 +283,6 @@ def fp8_wire(x_fp8: Any, layout: str = "rowwise") -> torch.Tensor:
     (``block_wire``): ``layout="rowwise"`` for the GEMM that reads it as is,
     ``"columnwise"`` for the copy a wgrad GEMM reads transposed.
     """
-    from ...quantization import BlockScaledTensor, block_wire
-
     if isinstance(x_fp8, BlockScaledTensor):
         return block_wire.rowwise_wire(x_fp8) if layout == "rowwise" else block_wire.columnwise_wire(x_fp8)
     return x_fp8._data.contiguous().view(torch.uint8)
@@ -289,8 +291,6 @@ def fp8_wire(x_fp8: Any, layout: str = "rowwise") -> torch.Tensor:
 def fp8_from_wire(data: torch.Tensor, like: Any, layout: str = "rowwise"):
     """Re-wrap gathered uint8 bytes with the scale and dtypes of ``like`` (a Float8Tensor;
     a BlockScaledTensor's scales come out of the bytes themselves)."""
-    from ...quantization import BlockScaledTensor, Float8Tensor, block_wire
-
     if isinstance(like, BlockScaledTensor):
         if layout == "rowwise":
             return block_wire.rowwise_from_wire(data, like)
@@ -319,8 +319,6 @@ def hp_gemm(mat: torch.Tensor, bias: Optional[torch.Tensor] = None) -> GemmFn:
 def fp8_gemm_from_bytes(a_like: Any, b_fp8: Any, out_dtype: torch.dtype, bias: Optional[torch.Tensor] = None) -> GemmFn:
     """``out = A_chunk @ b^T (+ bias)`` through ``torch._scaled_mm``, where ``A_chunk`` arrives
     as uint8 bytes quantized like ``a_like`` (same FP8 dtype and scale) and ``b_fp8 [N, K]``."""
-    from ...quantization import fp8_gemm
-
     def gemm(chunk: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         a = fp8_from_wire(chunk.reshape(-1, chunk.shape[-1]), a_like)
         out.view(-1, out.shape[-1]).copy_(fp8_gemm(a, b_fp8, out_dtype=out_dtype, bias=bias))

@@ -12,6 +12,16 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
+from comm import (
+    all_gather_dim0,
+    gemm_reduce_scatter_pipelined,
+    gemm_reduce_scatter_ring,
+    reduce_scatter_dim0,
+    ring_exchange_ag_gemm,
+)
+
+from ...overlap_auto import UNFUSED, parse_label
+from ...quantization import BlockScaledTensor, active_autocast, is_quantized_tensor
 from ...quantization.block_quantizer import is_block_recipe
 from ..basic._checks import maybe_dequantize
 from ..basic._tp import check_first_dim_divisible
@@ -22,7 +32,6 @@ from ..basic.reduce_scatter import ReduceScatter
 from ..fusion import Fuse, FusionLog, MatchResult, Reject, describe_next, fuse_by_window
 from ..op import FusedOperation, FusibleOperation, OperationContext, require
 from .forward_linear_bias_activation import linear_bias_mismatch
-from ...overlap_auto import UNFUSED, parse_label
 from .userbuffers_common import (
     OverlapPlan,
     fp8_from_wire,
@@ -30,12 +39,12 @@ from .userbuffers_common import (
     fp8_gemm_from_bytes,
     fp8_wire,
     fp8_wire_note,
-    observe_cast,
     gemm_label,
     gemm_then_reduce_operands,
     hp_gemm,
     match_gemm_then,
     match_linear_bias,
+    observe_cast,
     plan_overlap,
     precision_label,
     quantize_same_scale_over,
@@ -58,8 +67,6 @@ _RS_FPROP_UNSUPPORTED = {
 
 def _regather(group: Optional[dist.ProcessGroup], x2d: torch.Tensor) -> torch.Tensor:
     """All-gather a saved input shard for the wgrad GEMM (FP8 shards travel as bytes)."""
-    from comm import all_gather_dim0
-
     return gather_maybe_fp8(x2d, group, all_gather_dim0)
 
 
@@ -181,9 +188,7 @@ class UserbuffersForwardLinear(FusedOperation):
     # ---- column-parallel: all-gather + GEMM ------------------------------------
 
     def _forward_all_gather(self, ctxs: list[OperationContext], x: torch.Tensor) -> torch.Tensor:
-        from comm import all_gather_dim0, ring_exchange_ag_gemm
 
-        from ...quantization import BlockScaledTensor, active_autocast, is_quantized_tensor
 
         ag, linear = self.basic_ops[0], self.basic_ops[1]
         bias_op = self.basic_ops[2] if len(self.basic_ops) == 3 else None
@@ -275,9 +280,7 @@ class UserbuffersForwardLinear(FusedOperation):
     # ---- row-parallel: GEMM + reduce-scatter -----------------------------------
 
     def _forward_reduce_scatter(self, ctxs: list[OperationContext], x: torch.Tensor) -> torch.Tensor:
-        from comm import gemm_reduce_scatter_pipelined, gemm_reduce_scatter_ring, reduce_scatter_dim0
 
-        from ...quantization import active_autocast
 
         linear, rs = self.basic_ops[0], self.basic_ops[-1]
         bias_op = self.basic_ops[1] if len(self.basic_ops) == 3 else None

@@ -8,13 +8,16 @@ from typing import Any, Optional
 
 import torch
 
+from comm import all_reduce, gemm_all_reduce_chunked
+
+from ...overlap_auto import UNFUSED, parse_label
+from ...quantization import active_autocast
 from ..basic._checks import maybe_dequantize
 from ..basic.all_reduce import AllReduce
 from ..basic.basic_linear import BasicLinear
 from ..basic.bias import Bias
 from ..fusion import Fuse, FusionLog, MatchResult, Reject, fuse_by_window
 from ..op import FusedOperation, FusibleOperation, OperationContext, require
-from ...overlap_auto import UNFUSED, parse_label
 from .userbuffers_common import (
     OverlapPlan,
     gemm_label,
@@ -87,9 +90,7 @@ class UserbuffersForwardLinearAllReduce(FusedOperation):
         basic_op_kwargs: list[dict[str, Any]],
         **unused: Any,
     ) -> tuple[torch.Tensor, list[tuple[()]]]:
-        from comm import all_reduce, gemm_all_reduce_chunked
 
-        from ...quantization import active_autocast
 
         linear, ar = self.basic_ops[0], self.basic_ops[-1]
         bias_op = self.basic_ops[1] if len(self.basic_ops) == 3 else None
