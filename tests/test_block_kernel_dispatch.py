@@ -42,9 +42,10 @@ def test_block_recipes_quantize_on_the_torch_path_on_cpu_and_explain_plans_it(re
     assert "block_quantize=torch" in str(plan)
 
 
-def test_nvfp4_plans_no_dispatched_kernel_and_runs_none():
-    # NVFP4 quantizes with torch ops (its Triton kernel is not wired in): explain must not
-    # claim a block_quantize kernel for it (it did after the Triton and NVFP4 branches met).
+def test_nvfp4_plans_the_nvfp4_quantize_kernel_and_runs_it():
+    # NVFP4 casts with its own dispatched kernel (nvfp4_quantize), never block_quantize:
+    # explain claimed block_quantize after the Triton and NVFP4 branches met, then nothing
+    # while the NVFP4 Triton kernel was not wired in. Plan == what ran, on torch on CPU.
     torch.manual_seed(0)
     seq = te.ops.Sequential(te.ops.Linear(128, 64), te.ops.GELU(), te.ops.Linear(64, 128))
     x = torch.randn(4, 32, 128, requires_grad=True)
@@ -56,8 +57,10 @@ def test_nvfp4_plans_no_dispatched_kernel_and_runs_none():
             y = seq(x)
         y.sum().backward()
     ran = {c.kernel for c in log.calls}
-    assert "block_quantize" not in ran and "block_quantize" not in {p.kernel for p in plan.kernels}
+    assert "nvfp4_quantize" in ran and "block_quantize" not in ran
     assert {p.kernel for p in plan.kernels} == ran
+    assert {p.backend for p in plan.kernels} == {c.backend for c in log.calls} == {"torch"}
+    assert {p.direction for p in plan.kernels if p.kernel == "nvfp4_quantize"} == {"forward", "backward"}
 
 
 def test_cuda_plan_is_triton_and_float64_stays_on_torch(monkeypatch):

@@ -106,7 +106,7 @@ def test_block_format_option_errors():
                 te.ops.Sequential(te.ops.BasicLinear(4, 4)))
 
     err({"quant_format": "MXFP8E4M3", "margin": 1}, r"margin: block format MXFP8E4M3 .* FP8E4M3/FP8E5M2 only")
-    err({"quant_format": "NVFP4"}, r"quant_format: expected one of .*MXFP8E4M3.*got 'NVFP4'")
+    err({"quant_format": "NVFP8"}, r"quant_format: expected one of .*MXFP8E4M3.*NVFP4.*got 'NVFP8'")
 
 
 def test_training_run_with_block_fake_quant_debug_config(tmp_path):

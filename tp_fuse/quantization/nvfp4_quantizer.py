@@ -30,7 +30,8 @@ from ..recipe import FP4_DTYPE, NVFP4BlockScaling
 from .block_quantizer import BlockScalingQuantizer
 from .block_scaling import ScaleRule
 from .block_tensor import BlockPayload, BlockScaledTensor
-from .nvfp4_scaling import NVFP4_BLOCK, NVFP4_BLOCK_2D, apply_rht, quantize_nvfp4
+from .nvfp4_cast import quantize_nvfp4_layout
+from .nvfp4_scaling import NVFP4_BLOCK, NVFP4_BLOCK_2D, apply_rht
 from .quantizer import Quantizer, is_backward_role, register_recipe_quantizer
 from .te_quantizers import DType, as_torch_dtype
 
@@ -63,6 +64,8 @@ class NVFP4Quantizer(BlockScalingQuantizer):
         row_scaled_nvfp4, nvfp4_use_4over6: must be False (not implemented here).
         role: the tensor role when built by an op (``"input"``, ``"weight"``,
             ``"grad_output"``...).
+
+    Attribute ``backend``: the quantize kernel (``nvfp4_quantize``, see :mod:`.nvfp4_cast`).
     """
 
     def __init__(
@@ -111,6 +114,8 @@ class NVFP4Quantizer(BlockScalingQuantizer):
         self.last_scale_inv: Optional[torch.Tensor] = None
         self.last_amax: Optional[torch.Tensor] = None
         self.nonfinite_amax_count = torch.zeros((), dtype=torch.int64)
+        #: None (auto: the Triton kernel for CUDA tensors, torch elsewhere), "torch" or "triton".
+        self.backend: Optional[str] = None
 
     @classmethod
     def for_role(cls, recipe: NVFP4BlockScaling, role: str) -> "NVFP4Quantizer":
@@ -192,12 +197,15 @@ class NVFP4Quantizer(BlockScalingQuantizer):
             bad = ~torch.isfinite(row_amax) | (col_amax is not None and ~torch.isfinite(col_amax))
             self.nonfinite_amax_count = self.nonfinite_amax_count.to(row_amax.device) + bad.to(torch.int64)
             sr = (lambda tag: None if seed is None else seed * 2 + tag)  # noqa: E731 -- independent bits per copy
-            data, scale_inv = quantize_nvfp4(x2d, self.spec, row_amax, sr_seed=sr(0), row_offset=row_offset)
+            data, scale_inv = quantize_nvfp4_layout(x2d, self.spec, row_amax, sr_seed=sr(0), row_offset=row_offset,
+                                                    backend=self.backend)
             rowwise = BlockPayload(data, scale_inv, self.spec, row_amax.reshape(()))
             columnwise = None
             if col_src is not None:
-                data_t, scale_t = quantize_nvfp4(col_src, self.spec, col_amax, sr_seed=sr(1), col_offset=row_offset,
-                                                 what="the column-wise copy (x.T, for the wgrad/dgrad GEMMs)")
+                data_t, scale_t = quantize_nvfp4_layout(
+                    col_src, self.spec, col_amax, sr_seed=sr(1), col_offset=row_offset,
+                    what="the column-wise copy (x.T, for the wgrad/dgrad GEMMs)", backend=self.backend,
+                )
                 columnwise = BlockPayload(data_t, scale_t, self.spec, col_amax.reshape(()))
             self.last_scale_inv = scale_inv
             self.last_amax = row_amax

@@ -9,6 +9,9 @@ import torch
 from ...quantization import scaling
 from ...quantization.block_cast import quantize_layouts
 from ...quantization.block_scaling import BlockSpec, ScaleRule
+from ...quantization.nvfp4_quantizer import NVFP4Quantizer
+from ...quantization.nvfp4_scaling import rht_matrix
+from ...recipe import NVFP4BlockScaling
 from .api import DebugFeature
 
 __all__ = ["FakeQuant"]
@@ -30,6 +33,10 @@ _BLOCK_FORMATS = {
 #: (GEMM, tensor) pairs whose GEMM contracts over the tensor's first dimension: a block
 #: recipe's GEMM reads the column-wise copy (blocks along that dimension) there.
 _TRANSPOSED = {("dgrad", "weight"), ("wgrad", "gradient"), ("wgrad", "activation")}
+#: NVFP4 (not a Transformer Engine FakeQuant format: TE's FakeQuant has none for FP4).
+_NVFP4 = "NVFP4"
+#: Debug tensor name -> the quantizer role whose NVFP4BlockScaling settings apply.
+_NVFP4_ROLE = {"activation": "input", "weight": "weight", "gradient": "grad_output"}
 
 
 def fake_quantize_blocks(tensor: torch.Tensor, quant_format: str, gemm: str, tensor_name: str) -> torch.Tensor:
@@ -50,6 +57,33 @@ def fake_quantize_blocks(tensor: torch.Tensor, quant_format: str, gemm: str, ten
     return out.to(tensor.dtype).reshape(tensor.shape)
 
 
+def fake_quantize_nvfp4(tensor: torch.Tensor, gemm: str, tensor_name: str) -> torch.Tensor:
+    """NVFP4 round trip of a GEMM operand ``tensor [..., K]``, in ``tensor.dtype``.
+
+    Quantized by ``NVFP4Quantizer.for_role(NVFP4BlockScaling(), role)`` exactly as the
+    recipe's GEMM operand: the row-wise copy (1x16 blocks; 16x16 for weights) for fprop and
+    for dgrad's gradient, the column-wise copy (blocks of ``x.T``) for dgrad's weight and
+    the wgrad operands. Gradients round stochastically (a seed from torch's default
+    generator of the tensor's device). Where the recipe applies the random Hadamard
+    transform (the wgrad operands' column-wise copies) the dequantized ``Q(x.T H)`` is
+    multiplied back by ``H.T`` (float64, rounded once): the wgrad GEMM's product
+    ``Q(dy.T H) @ Q(x.T H).T`` then equals the product of the two fake-quantized operands
+    in exact arithmetic. The recipe flags come from ``NVTE_NVFP4_DISABLE_*`` as for the recipe.
+    """
+    quantizer = NVFP4Quantizer.for_role(NVFP4BlockScaling(), _NVFP4_ROLE[tensor_name])
+    transposed = (gemm, tensor_name) in _TRANSPOSED
+    q = quantizer.quantize(tensor.detach(), transpose=transposed)
+    if not transposed:
+        out = q._rowwise.dequantize()
+    else:
+        out = q._columnwise.dequantize()  # [K, rows]: blocks (and the RHT) along the rows
+        if quantizer.with_rht:
+            m = rht_matrix(out.device)
+            out = (out.to(torch.float64).reshape(-1, 16) @ m.t()).reshape(out.shape)
+        out = out.t()
+    return out.to(tensor.dtype).reshape(tensor.shape)
+
+
 class FakeQuant(DebugFeature):
     """Replace GEMM inputs by their FP8 round trip.
 
@@ -63,7 +97,11 @@ class FakeQuant(DebugFeature):
     * ``FP8E4M3_BLOCKWISE`` / ``FP8E5M2_BLOCKWISE`` -- ``Float8BlockScaling``'s blocks:
       1x128 for activations and gradients, 128x128 for weights, power-of-two fp32 scales;
     * ``FP8E4M3_ROWWISE`` / ``FP8E5M2_ROWWISE`` -- one power-of-two scale per row
-      (``Float8RowwiseScaling``).
+      (``Float8RowwiseScaling``);
+    * ``NVFP4`` (our name; TE's FakeQuant has no FP4 format) -- ``NVFP4BlockScaling``'s
+      quantizer for the tensor's role: 1x16 blocks (16x16 for weights), E4M3 block scales
+      and a per-tensor FP32 scale, stochastic rounding for gradients, the random Hadamard
+      transform undone after dequantizing (:func:`fake_quantize_nvfp4`).
 
     Block formats quantize exactly as the block recipes' quantizers do, with blocks along
     the dimension the GEMM contracts (the copy that recipe's GEMM reads: ``x.T`` for
@@ -81,13 +119,13 @@ class FakeQuant(DebugFeature):
 
     def check(self, opts: dict[str, Any], where: str) -> None:
         fmt = opts.get("quant_format")
-        if fmt is not None and fmt not in _FORMATS and fmt not in _BLOCK_FORMATS:
-            raise ValueError(f"{where}.quant_format: expected one of {sorted(_FORMATS) + sorted(_BLOCK_FORMATS)}, "
-                             f"got {fmt!r}")
+        known = sorted(_FORMATS) + sorted(_BLOCK_FORMATS) + [_NVFP4]
+        if fmt is not None and fmt not in known:
+            raise ValueError(f"{where}.quant_format: expected one of {known}, got {fmt!r}")
         margin = opts.get("margin", 0)
         if not isinstance(margin, int) or isinstance(margin, bool) or margin < 0:
             raise ValueError(f"{where}.margin: expected an int >= 0, got {margin!r}")
-        if fmt in _BLOCK_FORMATS and margin != 0:
+        if (fmt in _BLOCK_FORMATS or fmt == _NVFP4) and margin != 0:
             raise ValueError(f"{where}.margin: block format {fmt} takes its scales from each block's amax; "
                              f"margin applies to FP8E4M3/FP8E5M2 only, got margin={margin}")
 
@@ -114,6 +152,8 @@ class FakeQuant(DebugFeature):
         fmt = config["quant_format"]
         if fmt in _BLOCK_FORMATS:
             return fake_quantize_blocks(tensor, fmt, gemm, tensor_name)
+        if fmt == _NVFP4:
+            return fake_quantize_nvfp4(tensor, gemm, tensor_name)
         dtype = _FORMATS[fmt]
         fp8_max = float(torch.finfo(dtype).max)
         x = tensor.detach().to(torch.float32)

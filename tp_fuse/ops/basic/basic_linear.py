@@ -216,14 +216,15 @@ class BasicLinear(QuantizerStateMixin, BasicOperation):
     def kernels_used(self, direction: str) -> tuple[str, ...]:
         """``tp_fuse.kernels`` functions this op calls in ``direction`` (for ``explain``):
         the FP8 casts and GEMMs under an FP8 recipe, none in high precision. Block-scaled
-        recipes cast with ``block_quantize``; their GEMM (``block_gemm``) is not a
-        ``tp_fuse.kernels`` function. NVFP4 quantizes with torch ops only (its Triton
-        kernel is not wired in), so it dispatches no kernel."""
+        recipes cast with ``block_quantize``, NVFP4 with ``nvfp4_quantize``; their GEMM
+        (``block_gemm``) is not a ``tp_fuse.kernels`` function."""
         from ...quantization import active_autocast, is_block_recipe
 
         state = active_autocast()
-        if state is None or isinstance(state.recipe, NVFP4BlockScaling):
+        if state is None:
             return ()
+        if isinstance(state.recipe, NVFP4BlockScaling):
+            return ("nvfp4_quantize",)
         return ("block_quantize",) if is_block_recipe(state.recipe) else ("quantize", "fp8_gemm")
 
     # ---- quantization helpers (shared with fused ops) --------------------
