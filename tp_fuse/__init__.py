@@ -22,6 +22,7 @@ from .quantization import (
     Float8Tensor,
     QuantizedTensor,
     Quantizer,
+    QuantizerRole,
     autocast,
     quantized_model_init,
 )
@@ -33,6 +34,7 @@ __all__ = [
     "Float8Tensor",
     "QuantizedTensor",
     "Quantizer",
+    "QuantizerRole",
     "autocast",
     "checkpoint",
     "explain",

@@ -17,6 +17,7 @@ from .block_quantizer import BlockScalingQuantizer, is_block_recipe
 from .block_tensor import BlockPayload, BlockScaledTensor
 from .float8_tensor import Float8Tensor
 from .quantized_tensor import QuantizedTensor
+from .role import QuantizerRole
 from .te_quantizers import DType, Float8CurrentScalingQuantizer, Float8Quantizer
 from .gemm import fp8_gemm
 from .parameter import is_fp8_parameter, make_fp8_parameter
@@ -54,6 +55,7 @@ __all__ = [
     "Float8Quantizer",
     "Float8Tensor",
     "QuantizedTensor",
+    "QuantizerRole",
     "OpQuantizers",
     "Quantizer",
     "active_autocast",

@@ -26,7 +26,7 @@ from __future__ import annotations
 import abc
 import copy
 from collections.abc import Sequence
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -38,6 +38,7 @@ from ..recipe import DelayedScaling, Float8CurrentScaling, Recipe, fp8_dtype_max
 from . import scaling
 from .block_tensor import BlockScaledTensor
 from .float8_tensor import Float8Tensor
+from .role import QuantizerRole, role_tensor_type
 
 __all__ = [
     "Quantizer",
@@ -374,9 +375,11 @@ def register_recipe_quantizer(recipe_type: type, factory: Callable[[Recipe, str]
 
 
 def make_quantizer(
-    recipe: Recipe, role: str, amax_reduction_group: Optional[dist.ProcessGroup] = None
+    recipe: Recipe, role: Union[str, QuantizerRole], amax_reduction_group: Optional[dist.ProcessGroup] = None
 ) -> Quantizer:
-    """A fresh quantizer for ``role`` under ``recipe``."""
+    """A fresh quantizer for ``role`` (a role name, or a :class:`QuantizerRole`, whose
+    ``tensor_type`` names it) under ``recipe``."""
+    role = role_tensor_type(role)
     if isinstance(recipe, DelayedScaling):
         return DelayedScalingQuantizer(recipe, role)
     if isinstance(recipe, Float8CurrentScaling):

@@ -66,6 +66,9 @@ class BasicLinear(QuantizerStateMixin, BasicOperation):
     (``features_enabled``) its GEMMs run through the hooks and fusions skip it.
     """
 
+    # QuantizerRole.module_type of this op's quantizers (get_quantizer_roles).
+    quantizer_module_type = "linear"
+
     def __init__(
         self,
         in_features: int,
