@@ -331,8 +331,16 @@ class OperationFuser:
         ops = list(ops)
         for func in functions:
             self.fusion_log.begin(direction, func, positions)
+            logged = len(self.fusion_log.records)
+            before = {id(op) for op in ops}
             ops = call_fusion(func, ops, recipe, self.fusion_log)
             self._verify_cover(ops, func)
+            if len(self.fusion_log.records) == logged:
+                # A function that keeps no log (Transformer Engine's signature): explain
+                # still lists what it fused, without a reason.
+                for op in ops:
+                    if id(op) not in before:
+                        self.fusion_log.fused([op], "fused by a fusion function that gives no reason")
         return ops
 
     def _runs(self, ops: list[FusibleOperation]) -> list[OpRun]:

@@ -1,0 +1,102 @@
+"""Transformer Engine names that users and TE's tests reach for beyond the op list:
+``QuantizerRole``, ``get_quantizer_roles``, ``Sequential._module_groups``, a fuser's
+``_forward_ops``/``_backward_ops``, ``Sequential`` ``+``/``+=``."""
+
+import dataclasses
+
+import pytest
+import torch
+
+import tp_fuse as te
+from tp_fuse import ops
+from tp_fuse.ops.fuser import OperationFuser
+from tp_fuse.quantization import BlockScalingQuantizer, QuantizerRole, make_quantizer
+from tp_fuse.recipe import DelayedScaling, Float8BlockScaling
+
+
+def test_quantizer_role_fields_and_str():
+    role = QuantizerRole(tensor_type="weight")
+    assert (role.module_type, role.tensor_type, role.name) == ("", "weight", "")
+    assert str(role) == "tensor_type=weight"
+    assert str(QuantizerRole()) == "QuantizerRole()"
+    assert str(QuantizerRole("linear", "input", "fc1")) == "module_type=linear|tensor_type=input|name=fc1"
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        role.name = "x"
+    assert {role: 1}[QuantizerRole(tensor_type="weight")] == 1  # hashable, by value
+    with pytest.raises(ValueError, match="QuantizerRole.name: expected a string"):
+        QuantizerRole(name=3)
+    assert te.QuantizerRole is te.quantization.QuantizerRole is QuantizerRole
+
+
+def test_make_quantizer_takes_a_role():
+    """The role's tensor_type picks the quantizer: 128x128 blocks for weights,
+    1x128 otherwise (Float8BlockScaling's defaults)."""
+    recipe = Float8BlockScaling()
+    w = make_quantizer(recipe, QuantizerRole(module_type="linear", tensor_type="weight"))
+    x = make_quantizer(recipe, QuantizerRole(tensor_type="input"))
+    assert isinstance(w, BlockScalingQuantizer) and isinstance(x, BlockScalingQuantizer)
+    assert w.role == "weight" and x.role == "input"
+    assert w.spec != x.spec
+    with pytest.raises(ValueError, match="tensor_type is empty"):
+        make_quantizer(recipe, QuantizerRole(name="fc1"))
+
+
+def test_get_quantizer_roles_follow_get_quantizer_order():
+    lin = ops.BasicLinear(16, 16)
+    lin.name = "fc1"
+    assert lin.num_quantizers("forward") == 2 and lin.num_quantizers("backward") == 1
+    assert lin.get_quantizer_roles("forward") == [
+        QuantizerRole("linear", "input", "fc1"),
+        QuantizerRole("linear", "weight", "fc1"),
+    ]
+    assert lin.get_quantizer_roles("backward") == [QuantizerRole("linear", "grad_output", "fc1")]
+    with te.autocast(recipe=DelayedScaling()):
+        lin(torch.rand(16, 16))
+    for mode in ("forward", "backward"):
+        for i, role in enumerate(lin.get_quantizer_roles(mode)):
+            assert lin.get_quantizer(mode, i).role == role.tensor_type
+    assert ops.Bias(4).get_quantizer_roles("forward") is None
+    assert ops.Bias(4).num_quantizers("backward") == 0
+    with pytest.raises(ValueError, match="'forward' or 'backward'"):
+        lin.get_quantizer_roles("sideways")
+
+
+def test_module_groups_are_the_real_groups():
+    model = ops.Sequential(
+        ops.Identity(), ops.Identity(), torch.nn.Identity(), torch.nn.Identity(),
+        ops.Identity(), torch.nn.Identity(), ops.Identity(), ops.Identity(),
+    )
+    model(torch.zeros(1))
+    groups = model._module_groups
+    assert [type(g).__name__ for g in groups] == [
+        "OperationFuser", "Identity", "Identity", "OperationFuser", "Identity", "OperationFuser",
+    ]
+    assert groups is model._module_groups  # cached, not rebuilt per access
+    assert model.fusers() == [g for g in groups if isinstance(g, OperationFuser)]
+    model.append(ops.Identity())
+    assert model._module_groups is not groups  # the container changed
+
+
+def test_fuser_op_lists_are_the_ones_that_run():
+    lin = ops.Linear(16, 16)
+    model = ops.Sequential(lin, ops.GELU())
+    model(torch.rand(4, 16))
+    fuser = model._module_groups[0]
+    assert fuser._forward_ops is fuser.forward_ops and fuser._backward_ops is fuser.backward_ops
+    assert fuser._basic_ops is fuser.basic_ops
+    assert [type(op).__name__ for op, _ in fuser._forward_ops] == ["ForwardLinearBiasActivation"]
+    assert fuser._forward_ops[0][1] == [0, 1, 2]
+    assert [(type(op).__name__, idxs) for op, idxs in fuser._backward_ops] == [
+        ("BasicLinear", [0]),
+        ("BackwardActivationBias", [1, 2]),
+    ]
+
+
+def test_sequential_add_and_iadd_keep_module_objects():
+    a, b, c = ops.Identity(), torch.nn.Identity(), ops.Identity()
+    model = ops.Sequential(a)
+    added = model + ops.Sequential(b, c)
+    assert list(added) == [a, b, c] and list(model) == [a]
+    model += [b, c]
+    assert list(model) == [a, b, c]
+    assert len(model._module_groups) == 3
