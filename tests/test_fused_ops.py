@@ -8,6 +8,7 @@ from collections.abc import Callable, Sequence
 import pytest
 import torch
 
+import tp_fuse as te
 from tolerances import assert_close
 from tp_fuse.ops.basic import (
     GELU,
@@ -16,9 +17,11 @@ from tp_fuse.ops.basic import (
     Bias,
     LayerNorm,
     MakeExtraOutput,
+    Quantize,
     ReLU,
     SwiGLU,
 )
+from tp_fuse.recipe import Float8CurrentScaling
 from tp_fuse.ops.fused import (
     BackwardActivationBias,
     BackwardLinearAdd,
@@ -151,9 +154,11 @@ def _check_case(kinds, dtype, extra_shapes=(), out_dim=OUT, extra_out=False):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("act", ["gelu", "relu"])
 def test_linear_bias_activation(dtype, act):
-    fuser, _ = _check_case(["linear", "bias", act], dtype)
+    fuser, exp = _check_case(["linear", "bias", act], dtype)
     assert _op_types(fuser.forward_ops) == [ForwardLinearBiasActivation]
-    assert _op_types(fuser.backward_ops) == [BasicLinear, BackwardActivationBias]
+    # High precision: dact+dbias stay basic, as in Transformer Engine (FP8 case below).
+    assert _op_types(fuser.backward_ops) == [BasicLinear, Bias, type(fuser.basic_ops[2])]
+    assert any("only under an FP8 recipe" in r.reason for r in exp.rejected), str(exp)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -188,7 +193,7 @@ def test_linear_add_without_bias(dtype):
 def test_backward_linear_add(dtype):
     fuser, _ = _check_case(["extra_out", "linear", "bias", "gelu"], dtype, extra_out=True)
     assert _op_types(fuser.forward_ops) == [MakeExtraOutput, ForwardLinearBiasActivation]
-    assert _op_types(fuser.backward_ops) == [BackwardLinearAdd, BackwardActivationBias]
+    assert _op_types(fuser.backward_ops) == [BackwardLinearAdd, Bias, GELU]
 
 
 @pytest.mark.parametrize("in_place", [False, True])
@@ -205,20 +210,47 @@ def test_backward_linear_add_in_place_make_extra_output(in_place):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_backward_activation_bias_is_bit_identical(dtype):
-    # [Bias, GELU] alone: the forward is basic in both runs, so the backward fusion
-    # must reproduce the basic ops' dx and dbias bit for bit.
+    # [Quantize(backward), Bias, GELU] under FP8 (Transformer Engine's conditions: the
+    # op before Bias quantizes the gradient): the forward is basic in both runs, so the
+    # backward fusion must reproduce the basic ops' dx and dbias bit for bit. Current
+    # scaling: the gradient's scale comes from the gradient, equal in both runs.
     for act in (GELU, ReLU):
-        bias, activation = Bias(IN, dtype=dtype), act()
+        quant, bias, activation = Quantize(forward=False, backward=True), Bias(IN, dtype=dtype), act()
         with torch.no_grad():
             bias.bias.copy_(_randn(IN, dtype, 4))
         x = _randn((*LEAD, IN), dtype, 5)
         dy = _randn((*LEAD, IN), dtype, 6)
-        seq = Sequential(bias, activation)
-        fused = _run(seq, [bias.bias], [x], [dy])
-        assert _op_types(seq.fusers()[0].backward_ops) == [BackwardActivationBias]
-        basic = _run(_unfused([bias, activation]), [bias.bias], [x], [dy])
+        seq = Sequential(quant, bias, activation)
+        with te.autocast(recipe=Float8CurrentScaling()):
+            fused = _run(seq, [bias.bias], [x], [dy])
+            basic = _run(_unfused([quant, bias, activation]), [bias.bias], [x], [dy])
+        assert _op_types(seq.fusers()[0].backward_ops) == [Quantize, BackwardActivationBias]
         for a, b in zip(fused[1] + fused[2], basic[1] + basic[2]):
             assert torch.equal(a, b)
+
+
+def test_backward_activation_bias_conditions_are_te_s():
+    """Old: ``[Bias, GELU]`` fused in every case; Transformer Engine fuses it only under an
+    FP8 recipe and when the op before Bias quantizes its grad_output (its
+    test_backward_activation_bias expects 3 basic backward ops in high precision)."""
+    x = torch.randn(*LEAD, IN, requires_grad=True)
+
+    def backward_ops(ops, fp8):
+        seq = Sequential(*ops)
+        with te.autocast(enabled=fp8, recipe=Float8CurrentScaling() if fp8 else None):
+            seq(x).sum().backward()
+        return _op_types(seq.fusers()[0].backward_ops), seq.fusers()[0].explain()
+
+    got, exp = backward_ops([Quantize(forward=False, backward=True), Bias(IN), GELU()], fp8=False)
+    assert got == [Quantize, Bias, GELU]
+    assert any("only under an FP8 recipe" in r.reason for r in exp.rejected), str(exp)
+    got, exp = backward_ops([Bias(IN), GELU()], fp8=True)  # nothing before Bias
+    assert got == [Bias, GELU]
+    got, exp = backward_ops([Quantize(forward=True, backward=False), Bias(IN), GELU()], fp8=True)
+    assert got == [Quantize, Bias, GELU]
+    assert any("does not quantize its grad_output" in r.reason for r in exp.rejected), str(exp)
+    got, _ = backward_ops([BasicLinear(IN, IN), Bias(IN), ReLU()], fp8=True)
+    assert got == [BasicLinear, BackwardActivationBias]
 
 
 def test_linear_container_fuses_like_its_basic_ops():
@@ -269,19 +301,26 @@ def test_mismatched_bias_is_rejected_and_the_basic_op_reports_it():
         seq(torch.randn(*LEAD, IN))
 
 
-def test_in_place_add_is_not_fused_and_still_correct():
-    ops = [BasicLinear(IN, OUT), Bias(OUT), AddExtraInput(in_place=True)]
-    seq = Sequential(*ops)
-    x = torch.randn(*LEAD, IN)
-    residual = torch.randn(*LEAD, OUT)
-    buf = residual.clone()
+@pytest.mark.parametrize("bias", [True, False])
+def test_in_place_add_fuses_into_the_residual_buffer(bias):
+    """Old: ``AddExtraInput(in_place=True)`` was rejected, the one case Transformer
+    Engine fuses (TE's test_forward_linear_bias_add). Now the GEMM accumulates into the
+    residual's buffer; the output aliases it, as the unfused in-place add's does."""
+    ops = [BasicLinear(IN, OUT, dtype=torch.float64)] + ([Bias(OUT, dtype=torch.float64)] if bias else [])
+    seq = Sequential(*ops, AddExtraInput(in_place=True))
+    x = _randn((*LEAD, IN), torch.float64, 1).requires_grad_()
+    residual = _randn((*LEAD, OUT), torch.float64, 2)
+    buf = residual.clone().requires_grad_()
     y = seq(x, buf)
     (fuser,) = seq.fusers()
-    assert ForwardLinearBiasAdd not in _op_types(fuser.forward_ops)
-    assert any("in_place=True" in r.reason for r in fuser.explain().rejected)
-    expected = torch.nn.functional.linear(x, ops[0].weight, ops[1].bias) + residual
+    assert _op_types(fuser.forward_ops) == [ForwardLinearBiasAdd]
+    assert "in place" in str(fuser.explain())
+    expected = torch.nn.functional.linear(x, ops[0].weight, ops[1].bias if bias else None) + residual
     assert_close(y, expected)
     assert y.data_ptr() == buf.data_ptr()
+    y.backward(torch.ones_like(y))
+    assert_close(buf.grad, torch.ones_like(residual))
+    assert_close(x.grad, torch.ones(*LEAD, OUT, dtype=torch.float64) @ ops[0].weight.detach())
 
 
 # ---- fused ops raise what the basic ops raise ----------------------------

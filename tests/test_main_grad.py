@@ -6,7 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+import tp_fuse as te
 from tolerances import assert_close
+from tp_fuse.recipe import Float8CurrentScaling
 from tp_fuse.ops.basic import GELU, BasicLinear, Bias, MakeExtraOutput
 from tp_fuse.ops.fused import BackwardActivationBias, BackwardLinearAdd
 from tp_fuse.ops.sequential import Sequential
@@ -33,8 +35,11 @@ def test_wgrad_goes_to_main_grad(fused_backward: str, megatron_flag: bool) -> No
     if megatron_flag:
         w.grad_added_to_main_grad = False
     x = torch.randn(4, 8, generator=torch.Generator().manual_seed(1))
+    # BackwardActivationBias fuses under an FP8 recipe only (as in Transformer Engine).
+    recipe = Float8CurrentScaling() if fused_backward == "activation_bias" else None
     for model in (seq, ref):
-        out = model(x.clone().requires_grad_())
+        with te.autocast(enabled=recipe is not None, recipe=recipe):
+            out = model(x.clone().requires_grad_())
         outs = out if isinstance(out, tuple) else (out,)
         sum(o.square().sum() for o in outs).backward()
     ref_w = [op for op in ref if isinstance(op, BasicLinear)][0].weight

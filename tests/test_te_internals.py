@@ -88,7 +88,8 @@ def test_fuser_op_lists_are_the_ones_that_run():
     assert fuser._forward_ops[0][1] == [0, 1, 2]
     assert [(type(op).__name__, idxs) for op, idxs in fuser._backward_ops] == [
         ("BasicLinear", [0]),
-        ("BackwardActivationBias", [1, 2]),
+        ("Bias", [1]),
+        ("GELU", [2]),
     ]
 
 

@@ -288,8 +288,14 @@ class BasicLinear(QuantizerStateMixin, BasicOperation):
         *,
         bias: Optional[torch.Tensor] = None,
         residual: Optional[torch.Tensor] = None,
+        into_residual: bool = False,
     ) -> torch.Tensor:
-        """``y = x W^T (+ bias) (+ residual)``; saves what ``backward_gemm`` needs."""
+        """``y = x W^T (+ bias) (+ residual)``; saves what ``backward_gemm`` needs.
+
+        ``into_residual``: write ``y`` into ``residual``'s storage and return it
+        (``AddExtraInput(in_place=True)``); high precision accumulates the GEMM into
+        the residual (``addmm_``), FP8 adds the scaled GEMM's output to it.
+        """
         self.check_input(x)
         lead = x.shape[:-1]
         x2d = x.reshape(-1, self.in_features)
@@ -299,11 +305,17 @@ class BasicLinear(QuantizerStateMixin, BasicOperation):
                 f"BasicLinear: residual must have shape {(*lead, self.out_features)}, "
                 f"got {tuple(residual.shape)}",
             )
+        assert not into_residual or residual is not None, "into_residual needs a residual"
+        if into_residual and not residual.is_contiguous():
+            # A strided buffer cannot take the 2-D GEMM view: compute out of place, then copy.
+            y = self.forward_gemm(ctx, x, bias=bias, residual=residual)
+            return residual.detach().copy_(y)
         hooks = self.debug_hooks
         ctx.debug = hooks is not None and hooks.features_enabled
         if ctx.debug:
             # Debug features (tp_fuse.debug) make the feature API's calls around each GEMM.
-            return hooks.forward_gemm(self, ctx, x, bias=bias, residual=residual)
+            y = hooks.forward_gemm(self, ctx, x, bias=bias, residual=residual)
+            return residual.detach().copy_(y) if into_residual else y
         ctx.fp8 = self.fp8_quantizers() is not None
         if bias is not None and bias.dtype != x.dtype:
             bias = bias.to(x.dtype)
@@ -313,13 +325,20 @@ class BasicLinear(QuantizerStateMixin, BasicOperation):
             x_fp8, w_fp8 = self.quantize_operands(x2d, ctx)
             out_dtype = x.dtype
             y = fp8_gemm(x_fp8, w_fp8, out_dtype=out_dtype, bias=bias)
-            if residual is not None:
+            if into_residual:
+                y = residual.detach().view(-1, self.out_features).add_(y)
+            elif residual is not None:
                 y = y + residual.reshape(-1, self.out_features)
             saved = (x_fp8, w_fp8)
         else:
             x2d = maybe_dequantize(x2d)
             w = self.weight_in(x2d.dtype)
-            if residual is not None:
+            if into_residual:
+                y = residual.detach().view(-1, self.out_features)
+                if bias is not None:
+                    y.add_(bias)
+                y.addmm_(x2d, w.t())
+            elif residual is not None:
                 base = residual.reshape(-1, self.out_features)
                 if bias is not None:
                     base = base + bias

@@ -27,7 +27,9 @@ class BackwardActivationBias(FusedOperation):
         db = sum of dz over every dimension but the last
         dx = dz
 
-    Backward only. GELU: one ``tp_fuse.kernels.dgelu_dbias`` call (on CUDA a
+    Fused under Transformer Engine's conditions only (see
+    :func:`fuse_backward_activation_bias`). Backward only. GELU: one
+    ``tp_fuse.kernels.dgelu_dbias`` call (on CUDA a
     Triton kernel that reduces dz as it produces it). Its torch path computes
     ``dz`` with the function ``GELU``'s backward uses and ``db`` exactly as
     ``Bias.bias_grad`` does, so the result is bit-identical to the basic ops'
@@ -75,13 +77,31 @@ def fuse_backward_activation_bias(
     fusion_log: Optional[FusionLog] = None,
     **unused: Any,
 ) -> list[FusibleOperation]:
-    """Replace ``[Bias, GELU|ReLU]`` windows with ``BackwardActivationBias``."""
+    """Replace ``[Bias, GELU|ReLU]`` windows with ``BackwardActivationBias`` under
+    Transformer Engine's conditions: an FP8 recipe is in force and the op before the
+    Bias quantizes its grad_output (a ``BasicLinear``, ``Quantize(backward=True)``),
+    i.e. the fused gradient feeds an FP8 backward GEMM or cast. In high precision the
+    basic ops' backward runs unfused, as in TE."""
+    # Bias ops preceded by an op that quantizes its incoming gradient.
+    feeds_fp8 = {
+        id(op)
+        for prev, op in zip(ops, ops[1:])
+        if isinstance(op, Bias) and prev.basic_op_list[-1].num_quantizers("backward") > 0
+    }
 
     def matcher(window: Sequence[FusibleOperation]) -> MatchResult:
         bias = window[0]
         if not isinstance(bias, Bias):
             return None
         act = window[1] if len(window) > 1 else None
+        if isinstance(act, FUSABLE_ACTIVATIONS) and recipe is None:
+            return Reject("high precision: dact+dbias fuse only under an FP8 recipe (as in Transformer Engine)", 2)
+        if isinstance(act, FUSABLE_ACTIVATIONS) and id(bias) not in feeds_fp8:
+            return Reject(
+                "the op before Bias does not quantize its grad_output (needs BasicLinear or "
+                "Quantize(backward=True) before it, as in Transformer Engine)",
+                2,
+            )
         if isinstance(act, FUSABLE_ACTIVATIONS):
             return Fuse(
                 BackwardActivationBias(bias=bias, activation=act),

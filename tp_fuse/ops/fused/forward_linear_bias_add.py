@@ -28,6 +28,10 @@ class ForwardLinearBiasAdd(FusedOperation):
                  residual (+ b), so no separate add pass over y;
                  FP8: the scaled GEMM (bias in its epilogue), then the add.
 
+    With ``AddExtraInput(in_place=True)`` (the only case Transformer Engine fuses) the
+    GEMM accumulates into the residual's own buffer and ``y`` aliases it, as the
+    unfused in-place add does.
+
     Forward only. Contexts are filled as the basic ops fill them
     (``BasicLinear.forward_gemm`` saves the GEMM operands; ``Bias`` and
     ``AddExtraInput`` need nothing).
@@ -52,7 +56,8 @@ class ForwardLinearBiasAdd(FusedOperation):
             with_bias = "bias in the scaled-GEMM epilogue, " if len(self.basic_ops) == 3 else ""
             return f"FP8: {with_bias}residual added after the scaled GEMM (no FP8 residual epilogue yet)"
         with_bias = " + bias" if len(self.basic_ops) == 3 else ""
-        return f"residual{with_bias} as the GEMM accumulator"
+        where = " (in place: written into the residual's buffer)" if self.basic_ops[-1].in_place else ""
+        return f"residual{with_bias} as the GEMM accumulator{where}"
 
     def fuser_forward(
         self,
@@ -77,7 +82,9 @@ class ForwardLinearBiasAdd(FusedOperation):
         extra = maybe_dequantize(basic_op_extra_inputs[-1][0])
         add_op.check_extra_input(out_shape, input_.dtype, input_.device, extra)
         residual = extra if tuple(extra.shape) == out_shape else extra.expand(out_shape)
-        y = linear.forward_gemm(basic_op_ctxs[0], input_, bias=bias, residual=residual)
+        y = linear.forward_gemm(
+            basic_op_ctxs[0], input_, bias=bias, residual=residual, into_residual=add_op.in_place
+        )
         return y, [() for _ in self.basic_ops]
 
 
@@ -107,12 +114,6 @@ def fuse_forward_linear_bias_add(
             mismatch = linear_bias_mismatch(linear, bias)
             if mismatch is not None:
                 return Reject(mismatch, k + 1)
-        if add.in_place:
-            return Reject(
-                "AddExtraInput(in_place=True) must write the sum into the residual's buffer; "
-                "BasicLinear.forward_gemm has no output-buffer argument",
-                k + 1,
-            )
         fused = ForwardLinearBiasAdd(linear=linear, bias=bias, add=add, fp8=recipe is not None)
         return Fuse(fused, k + 1, fused.fusion_summary())
 
