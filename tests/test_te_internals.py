@@ -12,6 +12,7 @@ from tp_fuse import ops
 from tp_fuse.ops.fuser import OperationFuser
 from tp_fuse.quantization import BlockScalingQuantizer, QuantizerRole, make_quantizer
 from tp_fuse.recipe import DelayedScaling, Float8BlockScaling
+from tolerances import assert_close
 
 
 def test_quantizer_role_fields_and_str():
@@ -101,3 +102,42 @@ def test_sequential_add_and_iadd_keep_module_objects():
     model += [b, c]
     assert list(model) == [a, b, c]
     assert len(model._module_groups) == 3
+
+
+def test_custom_forward_fusion_with_te_style_linear_context(monkeypatch):
+    """Old: a custom fused forward that fills BasicLinear's context the way Transformer
+    Engine's does (``save_for_backward(x, w)``, ``with_quantized_compute=False``, ``dtype``)
+    crashed the basic backward (``'OperationContext' object has no attribute 'fp8'``)."""
+    from tp_fuse.ops import fusion
+
+    monkeypatch.setattr(fusion, "_FORWARD_FUSIONS", list(fusion._FORWARD_FUSIONS))
+
+    class LinearSiLU(ops.FusedOperation):
+        def fuser_forward(self, ctxs, x, **unused):
+            w = self.basic_ops[0].weight
+            y = x @ w.T
+            ctxs[0].save_for_backward(x, w)
+            ctxs[0].with_quantized_compute = False
+            ctxs[0].dtype = w.dtype
+            ctxs[1].save_for_backward(y)
+            return torch.nn.functional.silu(y), [(), ()]
+
+    def fuse(ops_, **unused):
+        if len(ops_) == 2 and isinstance(ops_[0], ops.BasicLinear) and isinstance(ops_[1], ops.SiLU):
+            return [LinearSiLU(ops_)]
+        return ops_
+
+    ops.register_forward_fusion(fuse, prepend=True)
+    lin = ops.BasicLinear(11, 11, dtype=torch.float64)
+    model = ops.Sequential(lin, ops.SiLU())
+    x = torch.rand(2, 7, 11, dtype=torch.float64, requires_grad=True)
+    y = model(x)
+    assert isinstance(model._module_groups[0]._forward_ops[0][0], LinearSiLU)
+    dy = torch.rand_like(y)
+    y.backward(dy)
+    x_ref = x.detach().clone().requires_grad_()
+    w_ref = lin.weight.detach().clone().requires_grad_()
+    torch.nn.functional.silu(x_ref @ w_ref.T).backward(dy)
+    assert_close(x.grad, x_ref.grad)
+    assert_close(lin.weight.grad, w_ref.grad)
+    assert x.grad.shape == x.shape

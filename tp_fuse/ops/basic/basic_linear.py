@@ -378,7 +378,7 @@ class BasicLinear(QuantizerStateMixin, BasicOperation):
         acc = None
         if grad_input_accumulate is not None:
             acc = grad_input_accumulate.reshape(-1, self.in_features)
-        if ctx.fp8:
+        if self._context_fp8(ctx):
             from ...quantization import fp8_gemm
 
             dy_fp8, fresh = ctx.grad_quantizer.quantize_or_pass(dy2d, transpose=self.weight.requires_grad)
@@ -402,10 +402,30 @@ class BasicLinear(QuantizerStateMixin, BasicOperation):
                 dx = dy2d @ w_saved
             dw = None
             if self.weight.requires_grad:
-                dw = dy2d.t() @ self.input_for_wgrad(ctx, x_saved)
+                dw = dy2d.t() @ self.input_for_wgrad(ctx, x_saved).reshape(-1, self.in_features)
         if dw is not None and dw.dtype != self.weight.dtype and not self._accumulate_into_main_grad:
             dw = dw.to(self.weight.dtype)  # computed in the input's (autocast) dtype
-        return self.reduce_dgrad(dx.reshape(ctx.input_shape)), self.finish_wgrad(dw)
+        # dx has x's shape: the leading dims are dy's (a context filled by a third-party
+        # fused op may not record ``input_shape``).
+        input_shape = getattr(ctx, "input_shape", None) or (*dy.shape[:-1], self.in_features)
+        return self.reduce_dgrad(dx.reshape(input_shape)), self.finish_wgrad(dw)
+
+    @staticmethod
+    def _context_fp8(ctx: OperationContext) -> bool:
+        """Whether ``forward_gemm`` ran in FP8. A custom fused op may instead fill the
+        context with Transformer Engine's names (``save_for_backward(x, w)``,
+        ``with_quantized_compute``, ...): high precision is supported that way; FP8
+        needs this op's own quantizer state, which such a context lacks."""
+        fp8 = getattr(ctx, "fp8", None)
+        if fp8 is not None:
+            return fp8
+        if getattr(ctx, "with_quantized_compute", False):
+            raise ValueError(
+                "BasicLinear backward: the context has with_quantized_compute=True but no tp_fuse FP8 "
+                "state (ctx.fp8, ctx.grad_quantizer); a custom fused forward must call "
+                "BasicLinear.forward_gemm to run the GEMM in FP8"
+            )
+        return False
 
     @property
     def accumulate_into_main_grad(self) -> bool:
