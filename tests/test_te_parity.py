@@ -109,6 +109,23 @@ def test_model_built_in_inference_mode_runs_outside():
     assert x.grad is not None
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_quantizing_a_matrix_in_inference_mode(dtype):
+    """Old: ``Float8Quantizer(...)(x)`` on a 2-D tensor inside ``torch.inference_mode``
+    raised 'Inference tensors do not track version counter' (the FP8 transpose cache
+    read ``_data._version``; TE's inference-loop test quantizes its inputs this way)."""
+    from tp_fuse import DType, Float8Quantizer
+
+    x = torch.rand(32, 16, dtype=torch.float64)
+    with torch.inference_mode():
+        q = Float8Quantizer(scale=torch.ones(()), amax=torch.zeros(1), fp8_dtype=DType.kFloat8E4M3)
+        x8 = q(x.to(dtype))
+        assert x8.is_inference()
+        data_t = x8.transpose_data()
+    assert torch.equal(data_t.float(), x8._data.float().t())
+    assert_close(x8.dequantize().double(), x, "fp8_e4m3")
+
+
 # ---- torch.autocast and mixed dtypes --------------------------------------------
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]

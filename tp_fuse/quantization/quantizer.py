@@ -70,8 +70,9 @@ def _with_transpose(t: Float8Tensor, data_t: Optional[torch.Tensor]) -> Float8Te
     otherwise re-read the FP8 data in the wgrad GEMM. The key is the one
     ``transpose_data`` checks, so any later in-place write still invalidates it.
     """
-    if data_t is not None and t.dim() >= 2:
-        t._transpose_cache = ((t._alias.generation, t._data._version), data_t)
+    key = t.transpose_cache_key() if data_t is not None and t.dim() >= 2 else None
+    if key is not None:
+        t._transpose_cache = (key, data_t)
     return t
 
 
