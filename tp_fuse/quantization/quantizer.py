@@ -248,6 +248,12 @@ class DelayedScalingQuantizer(Quantizer):
         the old values). A scale that already fits is kept, so delayed scaling's
         step-to-step behaviour (Transformer Engine's) is unchanged. The history is
         not rolled.
+
+        The re-derived scale is rounded down to a power of two (unless the recipe has
+        its own ``scaling_factor_compute_algo``): values already on the FP8 grid at any
+        power-of-two scale -- weights saved from an FP8 model, Transformer Engine's
+        scale-1 FP8 weights -- then load without rounding, at the cost of less than
+        one bit of range.
         """
         self._to_device(x.device)
         amax = _amax(x).to(self.amax_history.device)
@@ -255,9 +261,12 @@ class DelayedScalingQuantizer(Quantizer):
         if bool(amax * self.scale > self.fp8_max):
             r = self.recipe
             hist_amax = scaling.amax_from_history(self.amax_history, r.amax_compute_algo)
-            self.scale.copy_(
-                scaling.delayed_scale(hist_amax, self.scale, self.fp8_max, self.margin, r.scaling_factor_compute_algo, r)
+            scale = scaling.delayed_scale(
+                hist_amax, self.scale, self.fp8_max, self.margin, r.scaling_factor_compute_algo, r
             )
+            if r.scaling_factor_compute_algo is None:
+                scale = scaling.round_down_to_power_of_2(scale)
+            self.scale.copy_(scale)
 
     @property
     def current_amax(self) -> torch.Tensor:
