@@ -8,6 +8,7 @@ from collections.abc import Callable, Sequence
 import pytest
 import torch
 
+import tp_fuse as te
 from tolerances import assert_close
 from tp_fuse.ops.basic import (
     GELU,
@@ -20,6 +21,7 @@ from tp_fuse.ops.basic import (
     ReLU,
     SwiGLU,
 )
+from tp_fuse.recipe import Float8CurrentScaling
 from tp_fuse.ops.fused import (
     BackwardActivationBias,
     BackwardLinearAdd,
@@ -246,6 +248,30 @@ def test_backward_activation_bias_is_bit_identical(dtype):
         assert any("preceded by nothing" in r and "grad-output quantizer" in r for r in reasons), reasons
 
 
+def test_backward_activation_bias_conditions_are_te_s():
+    """Old: ``[Bias, GELU]`` fused in every case; Transformer Engine fuses it only under an
+    FP8 recipe and when the op before Bias quantizes its grad_output (its
+    test_backward_activation_bias expects 3 basic backward ops in high precision)."""
+    x = torch.randn(*LEAD, IN, requires_grad=True)
+
+    def backward_ops(ops, fp8):
+        seq = Sequential(*ops)
+        with te.autocast(enabled=fp8, recipe=Float8CurrentScaling() if fp8 else None):
+            seq(x).sum().backward()
+        return _op_types(seq.fusers()[0].backward_ops), seq.fusers()[0].explain()
+
+    got, exp = backward_ops([Quantize(forward=False, backward=True), Bias(IN), GELU()], fp8=False)
+    assert got == [Quantize, Bias, GELU]
+    assert any("no FP8 recipe" in r.reason for r in exp.rejected), str(exp)
+    got, exp = backward_ops([Bias(IN), GELU()], fp8=True)  # nothing before Bias
+    assert got == [Bias, GELU]
+    got, exp = backward_ops([Quantize(forward=True, backward=False), Bias(IN), GELU()], fp8=True)
+    assert got == [Quantize, Bias, GELU]
+    assert any("has no grad-output quantizer" in r.reason for r in exp.rejected), str(exp)
+    got, _ = backward_ops([BasicLinear(IN, IN), Bias(IN), ReLU()], fp8=True)
+    assert got == [BasicLinear, BackwardActivationBias]
+
+
 def test_linear_container_fuses_like_its_basic_ops():
     torch.manual_seed(0)
     seq = Sequential(Linear(IN, OUT), ReLU(), Linear(OUT, IN), AddExtraInput())
@@ -294,21 +320,26 @@ def test_mismatched_bias_is_rejected_and_the_basic_op_reports_it():
         seq(torch.randn(*LEAD, IN))
 
 
-def test_in_place_add_is_fused_into_the_residual_buffer():
-    # Transformer Engine fuses [BasicLinear, Bias, AddExtraInput(in_place=True)]: the GEMM
-    # accumulates into the residual's buffer, which the output aliases.
-    ops = [BasicLinear(IN, OUT), Bias(OUT), AddExtraInput(in_place=True)]
-    seq = Sequential(*ops)
-    x = torch.randn(*LEAD, IN)
-    residual = torch.randn(*LEAD, OUT)
-    buf = residual.clone()
+@pytest.mark.parametrize("bias", [True, False])
+def test_in_place_add_fuses_into_the_residual_buffer(bias):
+    """Old: ``AddExtraInput(in_place=True)`` was rejected, the one case Transformer
+    Engine fuses (TE's test_forward_linear_bias_add). Now the GEMM accumulates into the
+    residual's buffer; the output aliases it, as the unfused in-place add's does."""
+    ops = [BasicLinear(IN, OUT, dtype=torch.float64)] + ([Bias(OUT, dtype=torch.float64)] if bias else [])
+    seq = Sequential(*ops, AddExtraInput(in_place=True))
+    x = _randn((*LEAD, IN), torch.float64, 1).requires_grad_()
+    residual = _randn((*LEAD, OUT), torch.float64, 2)
+    buf = residual.clone().requires_grad_()
     y = seq(x, buf)
     (fuser,) = seq.fusers()
     assert _op_types(fuser.forward_ops) == [ForwardLinearBiasAdd]
-    assert any("residual's buffer" in r.reason for r in fuser.explain().fused)
-    expected = torch.nn.functional.linear(x, ops[0].weight, ops[1].bias) + residual
+    assert "in place" in str(fuser.explain())
+    expected = torch.nn.functional.linear(x, ops[0].weight, ops[1].bias if bias else None) + residual
     assert_close(y, expected)
     assert y.data_ptr() == buf.data_ptr()
+    y.backward(torch.ones_like(y))
+    assert_close(buf.grad, torch.ones_like(residual))
+    assert_close(x.grad, torch.ones(*LEAD, OUT, dtype=torch.float64) @ ops[0].weight.detach())
 
 
 # ---- fused ops raise what the basic ops raise ----------------------------

@@ -6,21 +6,28 @@ from __future__ import annotations
 import pytest
 import torch
 
+import tp_fuse as te
 from tolerances import assert_close
-from tp_fuse.ops.basic import BasicLinear, Bias, ConstantScale, MakeExtraOutput
-from tp_fuse.ops.fused import BackwardLinearAdd, BackwardLinearScale
+from tp_fuse.ops.basic import GELU, BasicLinear, Bias, ConstantScale, MakeExtraOutput
+from tp_fuse.ops.fused import BackwardActivationBias, BackwardLinearAdd, BackwardLinearScale
 from tp_fuse.ops.sequential import Sequential
+from tp_fuse.recipe import Float8CurrentScaling
 
 
 def _ops(fused_backward: str) -> list:
     torch.manual_seed(0)
     if fused_backward == "linear_add":
         return [MakeExtraOutput(), BasicLinear(8, 8, accumulate_into_main_grad=True), Bias(8)]
+    if fused_backward == "activation_bias":
+        return [BasicLinear(8, 6, accumulate_into_main_grad=True), Bias(6), GELU()]
     # BackwardLinearScale computes the wgrad itself (alpha in the GEMM).
     return [BasicLinear(8, 6, accumulate_into_main_grad=True), ConstantScale(-1.5)]
 
 
-@pytest.mark.parametrize("fused_backward", ["linear_scale", "linear_add"])
+FUSED = {"linear_add": BackwardLinearAdd, "activation_bias": BackwardActivationBias, "linear_scale": BackwardLinearScale}
+
+
+@pytest.mark.parametrize("fused_backward", sorted(FUSED))
 @pytest.mark.parametrize("megatron_flag", [False, True])
 def test_wgrad_goes_to_main_grad(fused_backward: str, megatron_flag: bool) -> None:
     seq = Sequential(*_ops(fused_backward))
@@ -34,14 +41,17 @@ def test_wgrad_goes_to_main_grad(fused_backward: str, megatron_flag: bool) -> No
     if megatron_flag:
         w.grad_added_to_main_grad = False
     x = torch.randn(4, 8, generator=torch.Generator().manual_seed(1))
+    # BackwardActivationBias fuses under an FP8 recipe only (as in Transformer Engine).
+    recipe = Float8CurrentScaling() if fused_backward == "activation_bias" else None
     for model in (seq, ref):
-        out = model(x.clone().requires_grad_())
+        with te.autocast(enabled=recipe is not None, recipe=recipe):
+            out = model(x.clone().requires_grad_())
         outs = out if isinstance(out, tuple) else (out,)
         sum(o.square().sum() for o in outs).backward()
     ref_w = [op for op in ref if isinstance(op, BasicLinear)][0].weight
     assert_close((w.main_grad - 0.5).float(), ref_w.grad)
     (fuser,) = seq.fusers()
-    want = BackwardLinearAdd if fused_backward == "linear_add" else BackwardLinearScale
+    want = FUSED[fused_backward]
     assert want in [type(op) for op, _ in fuser.backward_ops]
     if megatron_flag:  # a zero dummy keeps Megatron DDP's grad hooks firing; they skip their add
         assert w.grad_added_to_main_grad and w.grad is not None and float(w.grad.abs().sum()) == 0.0

@@ -46,9 +46,28 @@ def test_loading_fp8_weights_rederives_scale(load):
     got = w.dequantize()
     u = FP8_UNIT_ROUNDOFF["e4m3"]
     assert ((got - new).abs() <= new.abs() * u + 1e-6).all(), (got - new).abs().max()
-    # The weight's quantizer scale was derived from the new amax.
+    # The weight's quantizer scale was derived from the new amax (rounded down to a
+    # power of two, see the next test).
     fp8_max = Format.HYBRID.fwd_max
-    assert_close(w.quantizer.scale, fp8_max / new.abs().max(), torch.float32)
+    want = 2.0 ** torch.floor(torch.log2(fp8_max / new.abs().max().double()))
+    assert_close(w.quantizer.scale, want.float(), torch.float32)
+
+
+def test_loading_fp8_grid_values_is_exact():
+    """Old: the re-derived scale was fp8_max / amax (not a power of two), so weights
+    already on the E4M3 grid at scale 1 -- Transformer Engine's FP8 weights, its
+    test_dtype_cast / test_linear with quantized weights -- were rounded again on load
+    (up to 4.8 % off). A power-of-two scale keeps them exact."""
+    from tp_fuse import DType, Float8Quantizer
+
+    torch.manual_seed(0)
+    q = Float8Quantizer(scale=torch.ones(()), amax=torch.zeros(1), fp8_dtype=DType.kFloat8E4M3)
+    on_grid = q(torch.rand(32, 32)).dequantize()  # E4M3 values at scale 1, in [0, 1)
+    with te.quantized_model_init(recipe=DelayedScaling()):
+        lin = ops.BasicLinear(32, 32)  # init amax ~0.18: the new values would clip
+    with torch.no_grad():
+        lin.weight.copy_(on_grid)
+    assert torch.equal(lin.weight.dequantize(), on_grid)
 
 
 def test_fp8_weight_copy_then_train_step():
@@ -107,6 +126,23 @@ def test_model_built_in_inference_mode_runs_outside():
     assert_fp8_matmul_close(y.detach(), x.detach(), lin.weight.dequantize(), u, u, bias=lin.bias.detach())
     y.sum().backward()
     assert x.grad is not None
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_quantizing_a_matrix_in_inference_mode(dtype):
+    """Old: ``Float8Quantizer(...)(x)`` on a 2-D tensor inside ``torch.inference_mode``
+    raised 'Inference tensors do not track version counter' (the FP8 transpose cache
+    read ``_data._version``; TE's inference-loop test quantizes its inputs this way)."""
+    from tp_fuse import DType, Float8Quantizer
+
+    x = torch.rand(32, 16, dtype=torch.float64)
+    with torch.inference_mode():
+        q = Float8Quantizer(scale=torch.ones(()), amax=torch.zeros(1), fp8_dtype=DType.kFloat8E4M3)
+        x8 = q(x.to(dtype))
+        assert x8.is_inference()
+        data_t = x8.transpose_data()
+    assert torch.equal(data_t.float(), x8._data.float().t())
+    assert_close(x8.dequantize().double(), x, "fp8_e4m3")
 
 
 # ---- torch.autocast and mixed dtypes --------------------------------------------

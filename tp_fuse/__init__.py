@@ -23,6 +23,7 @@ from .quantization import (
     NVFP4Quantizer,
     QuantizedTensor,
     Quantizer,
+    QuantizerRole,
     autocast,
     quantized_model_init,
 )
@@ -35,6 +36,7 @@ __all__ = [
     "NVFP4Quantizer",
     "QuantizedTensor",
     "Quantizer",
+    "QuantizerRole",
     "autocast",
     "checkpoint",
     "explain",

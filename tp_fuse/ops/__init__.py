@@ -5,7 +5,7 @@ from .basic import *  # noqa: F401,F403
 from .explain import Explanation, FuserExplanation, explain
 from .fused import *  # noqa: F401,F403
 from .fuser import OperationFuser
-from .fusion import register_backward_fusion, register_forward_fusion
+from .fusion import register_backward_fusion, register_forward_backward_fusion, register_forward_fusion
 from .linear import Linear
 from .op import BasicOperation, FusedOperation, FusibleOperation, OperationContext
 from .sequential import Sequential
@@ -27,6 +27,7 @@ __all__ = [
     "Sequential",
     "explain",
     "register_backward_fusion",
+    "register_forward_backward_fusion",
     "register_forward_fusion",
     *_public_classes(basic),
     *_public_classes(fused),

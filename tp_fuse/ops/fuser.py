@@ -14,8 +14,9 @@ from typing import Any, Optional
 import torch
 
 from . import fusion as fusion_registry
+from .channels import ChannelRouting
 from .explain import FuserExplanation
-from .fusion import FusionLog
+from .fusion import FusionLog, call_fusion
 from .op import (
     BasicOperation,
     FusibleOperation,
@@ -103,13 +104,14 @@ class _OperationFuserAutogradFunction(torch.autograd.Function):
     Inputs: ``input_`` (the main input), the fuser, per-op kwargs, whether
     gradients are needed (ops skip saving tensors otherwise), then every
     basic op's parameters (flattened, so autograd tracks them), then the
-    extra inputs of all basic ops (flattened in op order).
+    extra inputs the caller passes (flattened in op order; inputs fed by a
+    named channel are not among them, see :mod:`tp_fuse.ops.channels`).
 
-    Outputs: the main output, then the extra outputs of all basic ops.
+    Outputs: the main output, then the extra outputs returned to the caller.
 
     Backward returns the main input's gradient, each parameter's gradient as
-    produced by its op's (possibly fused) backward, and each extra input's
-    gradient.
+    produced by its op's (possibly fused) backward, and each caller-passed extra
+    input's gradient. Gradients of channel-fed inputs go to their producers.
     """
 
     @staticmethod
@@ -124,7 +126,8 @@ class _OperationFuserAutogradFunction(torch.autograd.Function):
         basic_ops = fuser.basic_ops
         num_params = fuser.num_params
         extra_inputs = params_and_extra_inputs[num_params:]
-        basic_op_extra_inputs = fuser.split_extra_inputs(extra_inputs)
+        routing = fuser.routing
+        basic_op_extra_inputs = routing.place_external_inputs(extra_inputs)
         device_type = input_.device.type
         autocast_dtype = _autocast_dtype(device_type)
         basic_op_ctxs = [OperationContext() for _ in basic_ops]
@@ -138,6 +141,7 @@ class _OperationFuserAutogradFunction(torch.autograd.Function):
         # cast); the backward casts the input gradient back to it.
         cast_from: list[Optional[torch.dtype]] = [None] * len(basic_ops)
         for op, idxs in fuser.forward_ops:
+            routing.fill_channel_inputs(idxs, basic_op_extra_inputs, extra_outputs, requires_grad)
             want = basic_ops[idxs[0]].input_dtype(autocast_dtype)
             if want is not None and x.dtype != want:
                 cast_from[idxs[0]] = x.dtype
@@ -148,17 +152,17 @@ class _OperationFuserAutogradFunction(torch.autograd.Function):
                 x, fused_extra_outputs = op.fuser_forward(
                     [basic_op_ctxs[i] for i in idxs],
                     x,
-                    basic_op_extra_inputs=[basic_op_extra_inputs[i] for i in idxs],
+                    basic_op_extra_inputs=[tuple(basic_op_extra_inputs[i]) for i in idxs],
                     basic_op_kwargs=[basic_op_kwargs[i] for i in idxs],
                 )
-            fused_extra_outputs = list(fused_extra_outputs)
+            fused_extra_outputs = [tuple(outs) for outs in fused_extra_outputs]
             check_sequence_length(op, "extra-output tuples", fused_extra_outputs, len(idxs))
             for i, outs in zip(idxs, fused_extra_outputs):
-                outs = tuple(outs)
                 check_sequence_length(
                     basic_ops[i], "extra outputs", outs, basic_ops[i].num_extra_outputs
                 )
                 extra_outputs[i] = outs
+            routing.check_produced(type(op).__name__, idxs, fused_extra_outputs)
 
         # Route saved tensors through autograd's ctx (version-counter checks).
         to_save: list[Optional[torch.Tensor]] = []
@@ -178,10 +182,9 @@ class _OperationFuserAutogradFunction(torch.autograd.Function):
         func_ctx.saved_ranges = ranges
         func_ctx.fuser = fuser
         func_ctx.basic_op_ctxs = basic_op_ctxs
-        func_ctx.num_extra_inputs = len(extra_inputs)
         func_ctx.cast_from = cast_from
 
-        outputs = [x] + [t for outs in extra_outputs for t in (outs or ())]
+        outputs = [x] + routing.public_outputs(extra_outputs)
         return tuple(_outputs_safe_for_inplace(outputs, (input_, *params_and_extra_inputs)))
 
     @staticmethod
@@ -193,23 +196,22 @@ class _OperationFuserAutogradFunction(torch.autograd.Function):
         for ctx, (start, end) in zip(basic_op_ctxs, func_ctx.saved_ranges):
             ctx.saved_tensors = tuple(saved[start:end])
 
-        grad_extra_per_op: list[tuple[torch.Tensor, ...]] = []
-        offset = 0
-        for op in basic_ops:
-            n = op.num_extra_outputs
-            grad_extra_per_op.append(tuple(grad_extra_outputs[offset : offset + n]))
-            offset += n
+        routing: ChannelRouting = fuser.routing
+        grad_extra_per_op = routing.place_output_grads(grad_extra_outputs)
+        # Per channel name, the sum of its consumers' input gradients so far.
+        channel_grads: dict[str, torch.Tensor] = {}
 
         grad_params: list[Optional[list[Optional[torch.Tensor]]]] = [None] * len(basic_ops)
         grad_extra_inputs: list[Optional[tuple]] = [None] * len(basic_ops)
         dx: Optional[torch.Tensor] = grad_output
         cast_from: list[Optional[torch.dtype]] = func_ctx.cast_from
         for op, idxs in reversed(fuser.backward_ops):
+            routing.add_channel_grads(idxs, grad_extra_per_op, channel_grads)
             with torch.autocast(grad_output.device.type, enabled=False):
                 dx, fused_grad_params, fused_grad_extra_inputs = op.fuser_backward(
                     [basic_op_ctxs[i] for i in idxs],
                     dx,
-                    basic_op_grad_extra_outputs=[grad_extra_per_op[i] for i in idxs],
+                    basic_op_grad_extra_outputs=[tuple(grad_extra_per_op[i]) for i in idxs],
                 )
             back = cast_from[idxs[0]]
             if back is not None and dx is not None and dx.dtype != back:
@@ -224,11 +226,12 @@ class _OperationFuserAutogradFunction(torch.autograd.Function):
                 check_sequence_length(basic_ops[i], "extra-input grads", ge, basic_ops[i].num_extra_inputs)
                 grad_params[i] = gp
                 grad_extra_inputs[i] = ge
+            routing.collect_channel_grads(idxs, fused_grad_extra_inputs, channel_grads)
 
         for ctx in basic_op_ctxs:
             ctx.saved_tensors = ()
         flat_params = [g for gp in grad_params for g in (gp or ())]
-        flat_extra = [g for ge in grad_extra_inputs for g in (ge or ())]
+        flat_extra = routing.external_input_grads(grad_extra_inputs)
         return (dx, None, None, None, *flat_params, *flat_extra)
 
 
@@ -253,8 +256,13 @@ class OperationFuser:
         self.basic_ops: list[BasicOperation] = basic_ops
         self.params_per_op = [count_params(op) for op in basic_ops]
         self.num_params = sum(self.params_per_op)
-        self.num_extra_inputs = sum(op.num_extra_inputs for op in basic_ops)
-        self.num_extra_outputs = sum(op.num_extra_outputs for op in basic_ops)
+        # Named channels (validated here) decide which extra tensors the caller passes
+        # and receives; the bindings are frozen from now on, as in Transformer Engine.
+        self.routing = ChannelRouting(basic_ops)
+        for op in basic_ops:
+            op._lock_extra_tensor_channels()
+        self.num_extra_inputs = len(self.routing.external_input_slots)
+        self.num_extra_outputs = len(self.routing.public_output_slots)
         self.forward_ops: list[OpRun] = []
         self.backward_ops: list[OpRun] = []
         self.fusion_log = FusionLog()
@@ -263,6 +271,34 @@ class OperationFuser:
         self._first_call_done = False
         # (key, recipe) of the last forward: explain() outside autocast reports what ran.
         self._last_run: Optional[tuple[Any, Any]] = None
+
+    # ---- Transformer Engine's attribute names (the same lists, not copies) ------
+
+    @property
+    def _basic_ops(self) -> list[BasicOperation]:
+        return self.basic_ops
+
+    @property
+    def _forward_ops(self) -> list[OpRun]:
+        """``(op, basic op indices)`` per op run in the forward pass, after fusion."""
+        return self.forward_ops
+
+    @property
+    def _backward_ops(self) -> list[OpRun]:
+        """The same for the backward pass (run in reverse order)."""
+        return self.backward_ops
+
+    @property
+    def _basic_op_extra_input_sources(self) -> list[list[Optional[tuple[int, int]]]]:
+        return self.routing.input_sources
+
+    @property
+    def _external_extra_input_slots(self) -> list[tuple[int, int]]:
+        return self.routing.external_input_slots
+
+    @property
+    def _public_extra_output_slots(self) -> list[tuple[int, int]]:
+        return self.routing.public_output_slots
 
     # ---- fusion ---------------------------------------------------------
 
@@ -273,22 +309,43 @@ class OperationFuser:
         if key == self._fusion_key:
             return
         self.fusion_log = FusionLog()
-        self.forward_ops = self._apply(fusion_registry.forward_fusions(), "forward", recipe)
-        self.backward_ops = self._apply(fusion_registry.backward_fusions(), "backward", recipe)
+        # Joint fusions first: their fused ops run both passes and are what the
+        # forward-only and backward-only fusions then see.
+        joint = self._apply(fusion_registry.forward_backward_fusions(), "both", recipe, self.basic_ops)
+        self.forward_ops = self._runs(
+            self._apply(fusion_registry.forward_fusions(), "forward", recipe, joint)
+        )
+        self.backward_ops = self._runs(
+            self._apply(fusion_registry.backward_fusions(), "backward", recipe, joint)
+        )
         self._fusion_key = key
         self._fusion_recipe = recipe
 
-    def _apply(self, functions, direction: str, recipe: Any) -> list[OpRun]:
-        positions = {id(op): i for i, op in enumerate(self.basic_ops)}
-        ops: list[FusibleOperation] = list(self.basic_ops)
+    def _positions(self) -> dict[int, int]:
+        return {id(op): i for i, op in enumerate(self.basic_ops)}
+
+    def _apply(
+        self, functions, direction: str, recipe: Any, ops: Sequence[FusibleOperation]
+    ) -> list[FusibleOperation]:
+        positions = self._positions()
+        ops = list(ops)
         for func in functions:
             self.fusion_log.begin(direction, func, positions)
-            ops = list(func(ops, recipe=recipe, fusion_log=self.fusion_log))
+            logged = len(self.fusion_log.records)
+            before = {id(op) for op in ops}
+            ops = call_fusion(func, ops, recipe, self.fusion_log)
             self._verify_cover(ops, func)
-        runs: list[OpRun] = []
-        for op in ops:
-            runs.append((op, [positions[id(b)] for b in op.basic_op_list]))
-        return runs
+            if len(self.fusion_log.records) == logged:
+                # A function that keeps no log (Transformer Engine's signature): explain
+                # still lists what it fused, without a reason.
+                for op in ops:
+                    if id(op) not in before:
+                        self.fusion_log.fused([op], "fused by a fusion function that gives no reason")
+        return ops
+
+    def _runs(self, ops: list[FusibleOperation]) -> list[OpRun]:
+        positions = self._positions()
+        return [(op, [positions[id(b)] for b in op.basic_op_list]) for op in ops]
 
     def _verify_cover(self, ops: list[FusibleOperation], func: Any) -> None:
         flat = [b for op in ops for b in op.basic_op_list]
@@ -306,14 +363,6 @@ class OperationFuser:
 
     # ---- running --------------------------------------------------------
 
-    def split_extra_inputs(self, extra_inputs: Sequence[torch.Tensor]) -> list[tuple[torch.Tensor, ...]]:
-        per_op = []
-        offset = 0
-        for op in self.basic_ops:
-            per_op.append(tuple(extra_inputs[offset : offset + op.num_extra_inputs]))
-            offset += op.num_extra_inputs
-        return per_op
-
     # torch.compile: a fusion group runs eagerly, a documented graph break (docs/fsdp.md).
     # Dynamo cannot trace its autograd function (Float8Tensor subclasses, FP8 state updated
     # in place, contextvar autocast state, collectives chosen at run time); the code between
@@ -329,7 +378,7 @@ class OperationFuser:
             raise ValueError(f"expected a torch.Tensor input, got {type(input_).__name__}")
         if len(extra_inputs) != self.num_extra_inputs:
             names = ", ".join(
-                f"{type(op).__name__}[{i}]" for i, op in enumerate(self.basic_ops) if op.num_extra_inputs
+                f"{type(self.basic_ops[i]).__name__}[{i}]" for i, _ in self.routing.external_input_slots
             ) or "none"
             raise ValueError(
                 f"expected {self.num_extra_inputs} extra input(s) (ops taking them: {names}), "

@@ -7,7 +7,8 @@ some runs of ops were replaced by fused ops:
 
 It receives keyword arguments ``recipe`` (the active FP8 recipe or None) and
 ``fusion_log`` (a :class:`FusionLog` to record why windows did or did not
-fuse). Third-party fusion functions may ignore both (``**unused``).
+fuse). Functions written for Transformer Engine's signature ``func(ops, *, recipe)``
+are called without ``fusion_log`` (see :func:`call_fusion`).
 
 Built-in fusions are written with :func:`fuse_by_window`, whose matcher
 returns :class:`Fuse`, :class:`Reject` (with the reason) or ``None`` (the
@@ -18,8 +19,10 @@ a fusion considered and rejected has a reason that ``explain`` can show.
 from __future__ import annotations
 
 import dataclasses
+import functools
+import inspect
 from collections.abc import Callable, Sequence
-from typing import Optional, Union
+from typing import Any, Optional, Union
 
 from .op import FusibleOperation, op_display_name
 
@@ -28,8 +31,23 @@ FusionFunction = Callable[..., list[FusibleOperation]]
 # The registry is module state by design: the public API
 # (register_forward_fusion / register_backward_fusion) is process-wide in
 # Transformer Engine too, and fusions are pure functions of the op list.
+_FORWARD_BACKWARD_FUSIONS: list[FusionFunction] = []
 _FORWARD_FUSIONS: list[FusionFunction] = []
 _BACKWARD_FUSIONS: list[FusionFunction] = []
+
+
+def register_forward_backward_fusion(func: FusionFunction, prepend: bool = False) -> FusionFunction:
+    """Register a joint fusion: its fused ops run BOTH the forward and the backward pass.
+
+    Joint fusions are applied first, to the basic ops; the forward-only and
+    backward-only fusions then run on the result, so a joint fused op appears in both
+    op lists (the same object). Unlike a forward-only or backward-only fused op, a joint
+    one need not be interchangeable with the basic ops in each pass separately: its
+    forward may save state that only its own backward understands. Later registrations
+    run after earlier ones unless ``prepend``. Returns ``func`` (usable as a decorator).
+    """
+    _register(_FORWARD_BACKWARD_FUSIONS, func, prepend)
+    return func
 
 
 def register_forward_fusion(func: FusionFunction, prepend: bool = False) -> FusionFunction:
@@ -59,12 +77,36 @@ def _register(registry: list[FusionFunction], func: FusionFunction, prepend: boo
         registry.append(func)
 
 
+def forward_backward_fusions() -> tuple[FusionFunction, ...]:
+    return tuple(_FORWARD_BACKWARD_FUSIONS)
+
+
 def forward_fusions() -> tuple[FusionFunction, ...]:
     return tuple(_FORWARD_FUSIONS)
 
 
 def backward_fusions() -> tuple[FusionFunction, ...]:
     return tuple(_BACKWARD_FUSIONS)
+
+
+def call_fusion(
+    func: FusionFunction, ops: list[FusibleOperation], recipe: Any, fusion_log: "FusionLog"
+) -> list[FusibleOperation]:
+    """``func(ops, recipe=recipe[, fusion_log=fusion_log])``: the log is passed only to
+    functions that take it (a ``fusion_log`` parameter or ``**kwargs``), so fusion
+    functions written for Transformer Engine (``func(ops, *, recipe)``) run unchanged."""
+    if _accepts_fusion_log(func):
+        return list(func(ops, recipe=recipe, fusion_log=fusion_log))
+    return list(func(ops, recipe=recipe))
+
+
+@functools.lru_cache(maxsize=None)
+def _accepts_fusion_log(func: FusionFunction) -> bool:
+    try:
+        params = inspect.signature(func).parameters.values()
+    except (TypeError, ValueError):  # builtins / C callables: assume the full protocol
+        return True
+    return any(p.name == "fusion_log" or p.kind is inspect.Parameter.VAR_KEYWORD for p in params)
 
 
 @dataclasses.dataclass

@@ -18,6 +18,8 @@ from typing import Any, Optional
 import torch
 
 from ..quantization.quantizer import Quantizer, is_backward_role
+from ..quantization.role import QuantizerRole
+from .channels import ExtraTensorChannels
 
 
 class OperationContext:
@@ -80,7 +82,7 @@ class FusibleOperation(torch.nn.Module, metaclass=abc.ABCMeta):
         if mode not in ("forward", "backward"):
             raise ValueError(f"get_quantizer mode: expected 'forward' or 'backward', got {mode!r}")
         quantizers = getattr(self, "_quantizers", None)
-        roles = [] if quantizers is None else [r for r in quantizers.roles if is_backward_role(r) == (mode == "backward")]
+        roles = self._quantizer_role_names(mode)
         if not isinstance(index, int) or not 0 <= index < max(len(roles), 1):
             raise ValueError(
                 f"{type(self).__name__}.get_quantizer: {mode} index must be in [0, {len(roles)}), got {index!r}"
@@ -88,6 +90,34 @@ class FusibleOperation(torch.nn.Module, metaclass=abc.ABCMeta):
         if not roles:
             return None
         return quantizers.quantizers.get(roles[index])
+
+    def _quantizer_role_names(self, mode: str) -> list[str]:
+        """This op's quantizer role names for ``mode``, in ``get_quantizer`` index order."""
+        if mode not in ("forward", "backward"):
+            raise ValueError(f"quantizer mode: expected 'forward' or 'backward', got {mode!r}")
+        quantizers = getattr(self, "_quantizers", None)
+        if quantizers is None:
+            return []
+        return [r for r in quantizers.roles if is_backward_role(r) == (mode == "backward")]
+
+    def num_quantizers(self, mode: str) -> int:
+        """How many quantizers this op has for ``mode`` (Transformer Engine's API)."""
+        return len(self._quantizer_role_names(mode))
+
+    def get_quantizer_roles(self, mode: str) -> Optional[list[QuantizerRole]]:
+        """One :class:`QuantizerRole` per quantizer of ``mode``, in ``get_quantizer``
+        index order (``BasicLinear`` forward: input, weight; backward: grad_output), or
+        None for an op without quantizers (Transformer Engine's API).
+
+        ``module_type`` is the op's ``quantizer_module_type`` and ``name`` its ``name``
+        attribute (``""`` when unset).
+        """
+        names = self._quantizer_role_names(mode)
+        if not names:
+            return None
+        module_type = getattr(self, "quantizer_module_type", "") or ""
+        name = getattr(self, "name", "") or ""
+        return [QuantizerRole(module_type=module_type, tensor_type=r, name=name) for r in names]
 
     def fuser_forward(
         self,
@@ -143,12 +173,14 @@ class FusibleOperation(torch.nn.Module, metaclass=abc.ABCMeta):
         return fuser(input_, *extra_inputs, basic_op_kwargs=[kwargs] * len(basic_ops))
 
 
-class BasicOperation(FusibleOperation):
+class BasicOperation(ExtraTensorChannels, FusibleOperation):
     """A single operation with its own forward and backward pass.
 
     Subclasses implement :meth:`op_forward` and :meth:`op_backward`; ops with
     extra inputs or outputs (``num_extra_inputs``/``num_extra_outputs``)
-    override :meth:`fuser_forward`/:meth:`fuser_backward` instead.
+    override :meth:`fuser_forward`/:meth:`fuser_backward` instead. Extra slots can
+    be wired to each other inside a fuser with ``set_extra_output_channel`` /
+    ``set_extra_input_channel`` (see :mod:`tp_fuse.ops.channels`).
     """
 
     #: Number of tensors this op takes besides the main input.

@@ -102,6 +102,17 @@ class Sequential(torch.nn.Module):
             self.append(module)
         return self
 
+    def __iadd__(self, modules: Iterable[torch.nn.Module]) -> "Sequential":
+        """``seq += modules``: append them (the same module objects)."""
+        return self.extend(modules)
+
+    def __add__(self, modules: Iterable[torch.nn.Module]) -> "Sequential":
+        """``seq + modules``: a new Sequential of this one's modules, then ``modules``."""
+        out = Sequential()
+        out.extend(self)
+        out.extend(modules)
+        return out
+
     def insert(self, index: int, module: torch.nn.Module) -> "Sequential":
         modules = list(self._modules.values())
         n = len(modules)
@@ -116,7 +127,14 @@ class Sequential(torch.nn.Module):
 
     # ---- grouping and running --------------------------------------------
 
+    @property
     def _module_groups(self) -> list[_Group]:
+        """The groups this container runs, in order: one ``OperationFuser`` per run of
+        adjacent fusible ops, other modules as they are (Transformer Engine's attribute;
+        built on first use, rebuilt after the container changes)."""
+        return self._make_module_groups()
+
+    def _make_module_groups(self) -> list[_Group]:
         groups = self.__dict__["_groups"]
         if groups is not None:
             return groups
@@ -136,7 +154,7 @@ class Sequential(torch.nn.Module):
         return groups
 
     def forward(self, input_: torch.Tensor, *extra_inputs: torch.Tensor):
-        groups = self._module_groups()
+        groups = self._make_module_groups()
         needed = sum(g.num_extra_inputs for g in groups if isinstance(g, OperationFuser))
         if len(extra_inputs) != needed:
             raise ValueError(
@@ -167,7 +185,7 @@ class Sequential(torch.nn.Module):
     def explain_groups(self) -> list[tuple[str, Any]]:
         """``(label, FuserExplanation | module name)`` for each group."""
         out: list[tuple[str, Any]] = []
-        for k, group in enumerate(self._module_groups()):
+        for k, group in enumerate(self._make_module_groups()):
             if isinstance(group, OperationFuser):
                 out.append((f"group {k}", group.explain()))
             else:
@@ -183,4 +201,4 @@ class Sequential(torch.nn.Module):
 
     def fusers(self) -> list[OperationFuser]:
         """The op groups (created on demand), e.g. for tests asserting fusions."""
-        return [g for g in self._module_groups() if isinstance(g, OperationFuser)]
+        return [g for g in self._make_module_groups() if isinstance(g, OperationFuser)]

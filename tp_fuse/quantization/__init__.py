@@ -18,6 +18,7 @@ from .block_tensor import BlockPayload, BlockScaledTensor
 from .nvfp4_quantizer import NVFP4Quantizer
 from .float8_tensor import Float8Tensor
 from .quantized_tensor import QuantizedTensor
+from .role import QuantizerRole
 from .te_quantizers import DType, Float8CurrentScalingQuantizer, Float8Quantizer
 from .gemm import fp8_gemm
 from .parameter import is_fp8_parameter, make_fp8_parameter
@@ -56,6 +57,7 @@ __all__ = [
     "Float8Tensor",
     "NVFP4Quantizer",
     "QuantizedTensor",
+    "QuantizerRole",
     "OpQuantizers",
     "Quantizer",
     "active_autocast",

@@ -185,13 +185,26 @@ class Float8Tensor(QuantizedTensor):
         """
         if self.dim() < 2:
             raise ValueError(f"transpose_data: expected a tensor with >= 2 dims, got {self.dim()}")
-        # Writes made inside __torch_dispatch__ run below the ADInplaceOrView key
-        # and do not bump _data's version counter, hence the alias generation.
-        key = (self._alias.generation, self._data._version)
-        if self._transpose_cache is None or self._transpose_cache[0] != key:
+        key = self.transpose_cache_key()
+        if key is None or self._transpose_cache is None or self._transpose_cache[0] != key:
             flat = self._data.reshape(-1, self._data.shape[-1])
-            self._transpose_cache = (key, flat.t().contiguous())
+            transposed = flat.t().contiguous()
+            if key is None:
+                return transposed
+            self._transpose_cache = (key, transposed)
         return self._transpose_cache[1]
+
+    def transpose_cache_key(self) -> Optional[tuple[int, int]]:
+        """What a cached transpose is valid for, or None when it cannot be cached.
+
+        Writes made inside __torch_dispatch__ run below the ADInplaceOrView key and do
+        not bump _data's version counter, hence the alias generation as well. Inference
+        tensors (made under ``torch.inference_mode``) have no version counter: their
+        transpose is recomputed on every call rather than cached unchecked.
+        """
+        if self._data.is_inference():
+            return None
+        return (self._alias.generation, self._data._version)
 
     def transpose_fp8(self) -> "Float8Tensor":
         """:meth:`transpose_data` as a Float8Tensor (same scale), e.g. for

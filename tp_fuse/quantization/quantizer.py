@@ -26,7 +26,7 @@ from __future__ import annotations
 import abc
 import copy
 from collections.abc import Sequence
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -38,6 +38,7 @@ from ..recipe import DelayedScaling, Float8CurrentScaling, Recipe, low_precision
 from . import scaling
 from .block_tensor import BlockScaledTensor
 from .float8_tensor import Float8Tensor
+from .role import QuantizerRole, role_tensor_type
 
 __all__ = [
     "Quantizer",
@@ -69,8 +70,9 @@ def _with_transpose(t: Float8Tensor, data_t: Optional[torch.Tensor]) -> Float8Te
     otherwise re-read the FP8 data in the wgrad GEMM. The key is the one
     ``transpose_data`` checks, so any later in-place write still invalidates it.
     """
-    if data_t is not None and t.dim() >= 2:
-        t._transpose_cache = ((t._alias.generation, t._data._version), data_t)
+    key = t.transpose_cache_key() if data_t is not None and t.dim() >= 2 else None
+    if key is not None:
+        t._transpose_cache = (key, data_t)
     return t
 
 
@@ -246,6 +248,12 @@ class DelayedScalingQuantizer(Quantizer):
         the old values). A scale that already fits is kept, so delayed scaling's
         step-to-step behaviour (Transformer Engine's) is unchanged. The history is
         not rolled.
+
+        The re-derived scale is rounded down to a power of two (unless the recipe has
+        its own ``scaling_factor_compute_algo``): values already on the FP8 grid at any
+        power-of-two scale -- weights saved from an FP8 model, Transformer Engine's
+        scale-1 FP8 weights -- then load without rounding, at the cost of less than
+        one bit of range.
         """
         self._to_device(x.device)
         amax = _amax(x).to(self.amax_history.device)
@@ -253,9 +261,12 @@ class DelayedScalingQuantizer(Quantizer):
         if bool(amax * self.scale > self.fp8_max):
             r = self.recipe
             hist_amax = scaling.amax_from_history(self.amax_history, r.amax_compute_algo)
-            self.scale.copy_(
-                scaling.delayed_scale(hist_amax, self.scale, self.fp8_max, self.margin, r.scaling_factor_compute_algo, r)
+            scale = scaling.delayed_scale(
+                hist_amax, self.scale, self.fp8_max, self.margin, r.scaling_factor_compute_algo, r
             )
+            if r.scaling_factor_compute_algo is None:
+                scale = scaling.round_down_to_power_of_2(scale)
+            self.scale.copy_(scale)
 
     @property
     def current_amax(self) -> torch.Tensor:
@@ -374,9 +385,11 @@ def register_recipe_quantizer(recipe_type: type, factory: Callable[[Recipe, str]
 
 
 def make_quantizer(
-    recipe: Recipe, role: str, amax_reduction_group: Optional[dist.ProcessGroup] = None
+    recipe: Recipe, role: Union[str, QuantizerRole], amax_reduction_group: Optional[dist.ProcessGroup] = None
 ) -> Quantizer:
-    """A fresh quantizer for ``role`` under ``recipe``."""
+    """A fresh quantizer for ``role`` (a role name, or a :class:`QuantizerRole`, whose
+    ``tensor_type`` names it) under ``recipe``."""
+    role = role_tensor_type(role)
     if isinstance(recipe, DelayedScaling):
         return DelayedScalingQuantizer(recipe, role)
     if isinstance(recipe, Float8CurrentScaling):

@@ -67,6 +67,9 @@ class BasicLinear(QuantizerStateMixin, BasicOperation):
     (``features_enabled``) its GEMMs run through the hooks and fusions skip it.
     """
 
+    # QuantizerRole.module_type of this op's quantizers (get_quantizer_roles).
+    quantizer_module_type = "linear"
+
     def __init__(
         self,
         in_features: int,
@@ -306,13 +309,19 @@ class BasicLinear(QuantizerStateMixin, BasicOperation):
                 f"BasicLinear: residual must have shape {(*lead, self.out_features)}, "
                 f"got {tuple(residual.shape)}",
             )
+        assert not into_residual or residual is not None, "into_residual needs a residual"
+        if into_residual and not residual.is_contiguous():
+            # A strided buffer cannot take the 2-D GEMM view: compute out of place, then copy.
+            y = self.forward_gemm(ctx, x, bias=bias, residual=residual)
+            return residual.detach().copy_(y)
         hooks = self.debug_hooks
         ctx.debug = hooks is not None and hooks.features_enabled
         if ctx.debug:
             # Debug features (tp_fuse.debug) make the feature API's calls around each GEMM
-            # (fusions skip debug layers, so no scale or in-place residual arrives here).
-            assert alpha == 1.0 and not into_residual
-            return hooks.forward_gemm(self, ctx, x, bias=bias, residual=residual)
+            # (fusions skip debug layers, so no scale arrives here).
+            assert alpha == 1.0
+            y = hooks.forward_gemm(self, ctx, x, bias=bias, residual=residual)
+            return residual.detach().copy_(y) if into_residual else y
         ctx.fp8 = self.fp8_quantizers() is not None
         if bias is not None and bias.dtype != x.dtype:
             bias = bias.to(x.dtype)
@@ -383,7 +392,7 @@ class BasicLinear(QuantizerStateMixin, BasicOperation):
         acc = None
         if grad_input_accumulate is not None:
             acc = grad_input_accumulate.reshape(-1, self.in_features)
-        if ctx.fp8:
+        if self._context_fp8(ctx):
             from ...quantization import fp8_gemm
 
             dy_fp8, fresh = ctx.grad_quantizer.quantize_or_pass(dy2d, transpose=self.weight.requires_grad)
@@ -413,12 +422,32 @@ class BasicLinear(QuantizerStateMixin, BasicOperation):
                 dx = dy2d @ w_saved
             dw = None
             if self.weight.requires_grad:
-                dw = dy2d.t() @ self.input_for_wgrad(ctx, x_saved)
+                dw = dy2d.t() @ self.input_for_wgrad(ctx, x_saved).reshape(-1, self.in_features)
                 if alpha != 1.0:
                     dw = dw.mul_(alpha)
         if dw is not None and dw.dtype != self.weight.dtype and not self._accumulate_into_main_grad:
             dw = dw.to(self.weight.dtype)  # computed in the input's (autocast) dtype
-        return self.reduce_dgrad(dx.reshape(ctx.input_shape)), self.finish_wgrad(dw)
+        # dx has x's shape: the leading dims are dy's (a context filled by a third-party
+        # fused op may not record ``input_shape``).
+        input_shape = getattr(ctx, "input_shape", None) or (*dy.shape[:-1], self.in_features)
+        return self.reduce_dgrad(dx.reshape(input_shape)), self.finish_wgrad(dw)
+
+    @staticmethod
+    def _context_fp8(ctx: OperationContext) -> bool:
+        """Whether ``forward_gemm`` ran in FP8. A custom fused op may instead fill the
+        context with Transformer Engine's names (``save_for_backward(x, w)``,
+        ``with_quantized_compute``, ...): high precision is supported that way; FP8
+        needs this op's own quantizer state, which such a context lacks."""
+        fp8 = getattr(ctx, "fp8", None)
+        if fp8 is not None:
+            return fp8
+        if getattr(ctx, "with_quantized_compute", False):
+            raise ValueError(
+                "BasicLinear backward: the context has with_quantized_compute=True but no tp_fuse FP8 "
+                "state (ctx.fp8, ctx.grad_quantizer); a custom fused forward must call "
+                "BasicLinear.forward_gemm to run the GEMM in FP8"
+            )
+        return False
 
     @property
     def accumulate_into_main_grad(self) -> bool:

@@ -58,6 +58,10 @@ class MakeExtraOutput(BasicOperation):
         **unused: Any,
     ) -> tuple[torch.Tensor, list[tuple[()]], list[tuple[()]]]:
         (grad_extra,) = basic_op_grad_extra_outputs[0]
+        if grad_extra is None:
+            # Nobody used the extra output: a hidden channel output without consumers,
+            # or consumers that returned no gradient. Its gradient is zero.
+            return grad_output, [()], [()]
         # A broadcast gradient (e.g. from .sum().backward(), stride 0) cannot be written in place.
         if self.in_place and grad_extra.is_contiguous():
             grad_extra += grad_output

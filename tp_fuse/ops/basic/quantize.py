@@ -31,6 +31,12 @@ class Quantize(QuantizerStateMixin, BasicOperation):
         self._quantize_backward = bool(backward)
         self._quantizers = OpQuantizers(("input", "grad_output"))
 
+    def _quantizer_role_names(self, mode: str) -> list[str]:
+        # Transformer Engine counts a quantizer only for the directions that quantize.
+        names = super()._quantizer_role_names(mode)
+        enabled = self._quantize_backward if mode == "backward" else self._quantize_forward
+        return names if enabled else []
+
     def op_forward(self, ctx: OperationContext, input_: torch.Tensor, **unused: Any) -> torch.Tensor:
         from ...quantization import BlockScalingQuantizer, active_autocast, is_quantized_tensor
 

@@ -30,7 +30,9 @@ class BackwardActivationBias(FusedOperation):
         db = sum of dz over every dimension but the last
         dx = dz
 
-    Backward only. GELU: one ``tp_fuse.kernels.dgelu_dbias`` call (on CUDA a
+    Fused under Transformer Engine's conditions only (see
+    :func:`fuse_backward_activation_bias`). Backward only. GELU: one
+    ``tp_fuse.kernels.dgelu_dbias`` call (on CUDA a
     Triton kernel that reduces dz as it produces it). Its torch path computes
     ``dz`` with the function ``GELU``'s backward uses and ``db`` exactly as
     ``Bias.bias_grad`` does, so the result is bit-identical to the basic ops'
