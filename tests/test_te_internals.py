@@ -62,6 +62,18 @@ def test_get_quantizer_roles_follow_get_quantizer_order():
         lin.get_quantizer_roles("sideways")
 
 
+def test_grouped_linear_roles_repeat_the_linear_pattern_per_group():
+    # Our per-group quantizer names carry the group ("input:1"); TE's roles do not (this
+    # gave tensor_type="input:0" after the QuantizerRole and GroupedLinear work met).
+    g = ops.GroupedLinear(2, 16, 16)
+    g.name = "experts"
+    assert g.num_quantizers("forward") == 4 and g.num_quantizers("backward") == 2
+    assert g.get_quantizer_roles("forward") == [
+        QuantizerRole("linear", "input", "experts"), QuantizerRole("linear", "weight", "experts"),
+    ] * 2
+    assert g.get_quantizer_roles("backward") == [QuantizerRole("linear", "grad_output", "experts")] * 2
+
+
 def test_module_groups_are_the_real_groups():
     model = ops.Sequential(
         ops.Identity(), ops.Identity(), torch.nn.Identity(), torch.nn.Identity(),

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 from collections.abc import Callable
 from typing import Any, Optional
@@ -11,6 +12,7 @@ import torch
 
 from ...quantization import (
     OpQuantizers,
+    QuantizerRole,
     active_autocast,
     fp8_gemm,
     is_quantized_tensor,
@@ -153,6 +155,16 @@ class GroupedLinear(QuantizerStateMixin, BasicOperation):
     def num_quantizers(self, mode: str) -> int:
         """Transformer Engine's count: 2 per group forward (input, weight), 1 backward."""
         return {"forward": 2 * self.num_groups, "backward": self.num_groups}.get(mode, 0)
+
+    def get_quantizer_roles(self, mode: str) -> Optional[list[QuantizerRole]]:
+        """Transformer Engine's roles: the linear pattern repeated per group, in
+        ``get_quantizer`` order (forward: input, weight per group; backward: grad_output
+        per group). Our per-group role names (``"input:0"``) carry the group index; the
+        public role does not."""
+        roles = super().get_quantizer_roles(mode)
+        if roles is None:
+            return None
+        return [dataclasses.replace(r, module_type="linear", tensor_type=r.tensor_type.split(":")[0]) for r in roles]
 
     def extra_repr(self) -> str:
         return (
