@@ -50,8 +50,12 @@ def is_fp8_available(return_reason: bool = False) -> Answer:
 
 
 def is_mxfp8_available(return_reason: bool = False) -> Answer:
-    """MXFP8 block scaling: not implemented in tp_fuse."""
-    return _answer(False, "MXFP8 is not implemented in tp_fuse", return_reason)
+    """MXFP8 (``MXFP8BlockScaling``): an exact emulation on CPU; on CUDA the MX GEMM needs sm100+."""
+    if torch.cuda.is_available() and torch.cuda.get_device_capability()[0] < 10:
+        cap = torch.cuda.get_device_capability()
+        return _answer(False, f"the MXFP8 GEMM needs an sm100+ GPU (Blackwell), this one is sm{cap[0]}{cap[1]}",
+                       return_reason)
+    return _answer(True, "", return_reason)
 
 
 def is_nvfp4_available(return_reason: bool = False) -> Answer:
@@ -64,8 +68,13 @@ def is_nvfp4_available(return_reason: bool = False) -> Answer:
 
 
 def is_fp8_block_scaling_available(return_reason: bool = False) -> Answer:
-    """FP8 block scaling (1x128 / 128x128): not implemented in tp_fuse."""
-    return _answer(False, "FP8 block scaling is not implemented in tp_fuse", return_reason)
+    """FP8 block scaling (``Float8BlockScaling``, 1x128 / 128x128): an exact emulation on CPU;
+    on CUDA torch's blockwise scaled_mm needs sm90 (Hopper)."""
+    if torch.cuda.is_available() and torch.cuda.get_device_capability() != (9, 0):
+        cap = torch.cuda.get_device_capability()
+        return _answer(False, f"the FP8 block-scaling GEMM needs an sm90 GPU (Hopper), this one is "
+                              f"sm{cap[0]}{cap[1]}", return_reason)
+    return _answer(True, "", return_reason)
 
 
 def is_bf16_available(return_reason: bool = False) -> Answer:
