@@ -141,6 +141,14 @@ def test_ties_choice_and_saturation_by_hand():
     assert q(x)._rowwise.scale_inv.float().tolist() == [[1.0, 1.5, 448.0, 0.0]]
 
 
+def test_partial_16x16_tile_matches_the_zero_padded_reference():
+    x = _gen(6, 40, 32).float()  # 2.5 tiles of rows
+    q = NVFP4Quantizer(columnwise=False, with_2d_quantization=True, nvfp4_use_4over6=True, nvfp4_e4m3_max=256)
+    p = q(x)._rowwise
+    vals, scales, _ = _ref_4over6(torch.cat([x, torch.zeros(8, 32)]), (16, 16), 256, "MAE")
+    assert torch.equal(p.scale_inv.double(), scales) and torch.equal(_codes_values(p), vals[:40])
+
+
 def test_all_zero_tensor():
     q = NVFP4Quantizer(nvfp4_use_4over6=True, nvfp4_e4m3_max=256)(torch.zeros(32, 32))
     assert (q.dequantize() == 0).all() and (q._columnwise.dequantize() == 0).all()
@@ -198,7 +206,7 @@ def test_recipe_scopes(scope, input_4o6, weight_4o6, use_256):
     (lambda: NVFP4Quantizer(nvfp4_use_4over6=True, stochastic_rounding=True), "with_rht or stochastic_rounding"),
     (lambda: NVFP4Quantizer(nvfp4_e4m3_max=256), "nvfp4_e4m3_max"),
     (lambda: NVFP4Quantizer(nvfp4_use_4over6=True, nvfp4_e4m3_max=300), "nvfp4_e4m3_max"),
-    (lambda: NVFP4Quantizer(nvfp4_use_4over6=True, with_2d_quantization=True)(torch.ones(8, 16)), "multiple of 16"),
+    (lambda: NVFP4Quantizer(nvfp4_use_4over6=True, with_2d_quantization=True)(torch.ones(8, 16)), "column-wise"),
 ])
 def test_validation_names_the_field(make, needle):
     with pytest.raises(ValueError, match=needle):

@@ -62,7 +62,7 @@ def quantize_nvfp4_4over6(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(packed data [R, C/2] float4_e2m1fn_x2, block scales e4m3)`` of 2-D ``x`` (module doc rule).
 
-    ``spec``: 1x16 or 16x16 (for 16x16 the row count must be a multiple of 16);
+    ``spec``: 1x16 or 16x16 (a partial last 16x16 tile is padded with zero rows);
     ``amax``: the per-tensor amax (0-d); ``e4m3_max``: 256 or 448; ``err_mode``: "MAE"/"MSE".
     """
     _check_cols(x, what)
@@ -73,9 +73,12 @@ def quantize_nvfp4_4over6(
     mode = str(err_mode).upper()
     if mode not in ERR_MODES:
         raise ValueError(f"NVFP4 4over6: err_mode must be 'MAE' or 'MSE', got {err_mode!r}")
-    if spec.rows == 16 and x.shape[0] % 16:
-        raise ValueError(f"NVFP4 4over6 with 16x16 blocks: {what} has {x.shape[0]} rows, expected a multiple of 16")
     xf = x.detach().to(torch.float32).contiguous()
+    rows = xf.shape[0]
+    if spec.rows == 16 and rows % 16:
+        # A partial last tile: zero rows quantize to 0 under both candidates (error 0), so
+        # padding leaves the tile's choice as TE's (its reference pads the same way).
+        xf = torch.cat([xf, xf.new_zeros(16 - rows % 16, xf.shape[1])])
     r, c = xf.shape
     dev = xf.device
     amax32 = amax.to(device=dev, dtype=torch.float32).reshape(())
@@ -101,7 +104,8 @@ def quantize_nvfp4_4over6(
     (codes4, s4, err4), (codes6, s6, err6) = cands
     pick4 = err4 < err6
     codes = torch.where(expand_scales(pick4.to(torch.float32), spec, (r, c)) > 0, codes4, codes6)
-    return pack_fp4(codes), torch.where(pick4, s4.to(torch.float32), s6.to(torch.float32)).to(torch.float8_e4m3fn)
+    scales = torch.where(pick4, s4.to(torch.float32), s6.to(torch.float32)).to(torch.float8_e4m3fn)
+    return pack_fp4(codes[:rows]), scales
 
 
 def transpose_nvfp4_2d(data: torch.Tensor, scale_inv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

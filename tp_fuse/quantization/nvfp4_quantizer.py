@@ -32,7 +32,7 @@ from .block_scaling import ScaleRule
 from .block_tensor import BlockPayload, BlockScaledTensor
 from .nvfp4_4over6 import E4M3_MAXES, ERR_MODES, transpose_nvfp4_2d
 from .nvfp4_cast import quantize_nvfp4_layout
-from .nvfp4_scaling import NVFP4_BLOCK, NVFP4_BLOCK_2D, apply_rht
+from .nvfp4_scaling import NVFP4_BLOCK, NVFP4_BLOCK_2D, _check_cols, apply_rht
 from .quantizer import Quantizer, is_backward_role, register_recipe_quantizer
 from .te_quantizers import DType, as_torch_dtype
 
@@ -230,6 +230,7 @@ class NVFP4Quantizer(BlockScalingQuantizer):
                 if fmt is not None and self.spec == NVFP4_BLOCK_2D:
                     # 16x16 tiles with a per-tile choice: the column-wise copy is the same tiles
                     # transposed (TE's layout), not a second selection over x.T's row errors.
+                    _check_cols(col_src, "the column-wise copy (x.T, for the wgrad/dgrad GEMMs)")
                     data_t, scale_t = transpose_nvfp4_2d(data, scale_inv)
                 else:
                     data_t, scale_t = quantize_nvfp4_layout(
