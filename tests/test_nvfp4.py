@@ -111,7 +111,7 @@ def test_recipe_fields_follow_transformer_engine(monkeypatch):
 @pytest.mark.parametrize("make, needle", [
     (lambda: NVFP4BlockScaling(fp4_format=Format.E4M3), "fp4_format"),
     (lambda: NVFP4BlockScaling(fp8_format=Format.HYBRID), "fp8_format"),
-    (lambda: NVFP4BlockScaling(nvfp4_4over6="all"), "nvfp4_4over6"),
+    (lambda: NVFP4BlockScaling(nvfp4_4over6="yes"), "nvfp4_4over6.*expected .none., .weights., .activations. or .all."),
     (lambda: NVFP4BlockScaling(row_scaled_activation=True), "row_scaled_activation"),
     (lambda: NVFP4BlockScaling(disable_rht=1), "disable_rht"),
     (lambda: DelayedScaling(fp8_format=Format.E2M1), "E2M1"),

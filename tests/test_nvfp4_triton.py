@@ -151,3 +151,11 @@ else:
             quantize_nvfp4_layout(x.double(), NVFP4_BLOCK, amax, backend="triton")
         with pytest.raises(ValueError, match="multiple of 16"):
             quantize_nvfp4_layout(x[:, :24], NVFP4_BLOCK, amax, backend="triton")
+
+    def test_4over6_is_refused_by_the_triton_kernel_with_the_reason():
+        # The kernel only maps block amaxes to 6: 4over6 (nvfp4_4over6) runs the torch path.
+        x = _gen(9, 16, 32)
+        q = NVFP4Quantizer(nvfp4_use_4over6=True, nvfp4_e4m3_max=256)
+        q.backend = "triton"
+        with pytest.raises(ValueError, match="4over6"):
+            q(x)

@@ -443,8 +443,15 @@ class NVFP4BlockScaling(Recipe):
         fp4_format: must be ``Format.E2M1``.
         fp8_format: format of the block scales, must be ``Format.E4M3``.
         fp8_dpa / fp8_mha: must be False (no low-precision attention).
-        row_scaled_activation, nvfp4_4over6 (``"none"``), nvfp4_4over6_e4m3_use_256,
-        nvfp4_4over6_err_mode, backward_override (None): TE's newer options, accepted
+        nvfp4_4over6: which tensors use 4over6 block scaling ("none", "weights",
+            "activations" -- every non-weight forward tensor -- or "all"); gradients never
+            do. Each 4over6 block keeps the map-to-4 or map-to-6 scale, whichever errs
+            less (``tp_fuse.quantization.nvfp4_4over6``). Needs ``disable_rht=True`` when
+            it covers activations (no RHT variant, as in TE).
+        nvfp4_4over6_e4m3_use_256: which 4over6 tensors use 256 instead of 448 as the
+            global scale's E4M3 bound (same values; default "all").
+        nvfp4_4over6_err_mode: the 4over6 error metric, "MAE" or "MSE".
+        row_scaled_activation, backward_override (None): TE's newer options, accepted
             at their defaults only (other values raise ValueError: not implemented here).
     """
 
@@ -477,7 +484,6 @@ class NVFP4BlockScaling(Recipe):
             raise ValueError("NVFP4BlockScaling: fp8_dpa/fp8_mha must be False (low-precision attention is not supported)")
         unsupported = {
             "row_scaled_activation": (self.row_scaled_activation, False),
-            "nvfp4_4over6": (self.nvfp4_4over6, "none"),
             "backward_override": (self.backward_override, None),
         }
         for name, (value, default) in unsupported.items():
@@ -485,6 +491,11 @@ class NVFP4BlockScaling(Recipe):
                 raise ValueError(
                     f"NVFP4BlockScaling.{name}: only {default!r} is implemented in tp-fuse, got {value!r}"
                 )
+        if self.nvfp4_4over6 not in ("none", "weights", "activations", "all"):
+            raise ValueError(
+                "NVFP4BlockScaling.nvfp4_4over6: expected 'none', 'weights', 'activations' or 'all', "
+                f"got {self.nvfp4_4over6!r}"
+            )
         if self.nvfp4_4over6_e4m3_use_256 not in ("none", "weights", "activations", "all"):
             raise ValueError(
                 "NVFP4BlockScaling.nvfp4_4over6_e4m3_use_256: expected 'none', 'weights', 'activations' or 'all', "

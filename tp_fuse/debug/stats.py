@@ -179,8 +179,9 @@ def block_fp8_components(x: torch.Tensor, q: Any) -> dict[str, torch.Tensor]:
     d64 = _f64(p.dequantize())
     s_inv = p.scale_inv.to(torch.float32)
     if p.is_fp4:
-        # NVFP4: the decode scale of a block is its E4M3 scale times the per-tensor amax / (6 * 448).
-        s_inv = s_inv * (p.amax.to(torch.float32) / (6.0 * 448.0))
+        # NVFP4: the decode scale of a block is its E4M3 scale times the per-tensor amax / (6 * 448)
+        # (6 * 256 for 4over6 tensors that use that bound).
+        s_inv = s_inv * (p.amax.to(torch.float32) / (6.0 * p.e4m3_max))
     scale = torch.reciprocal(expand_scales(s_inv, p.spec, p.shape)).to(torch.float64)
     fp8_max = low_precision_max(p.data.dtype)
     blocks = _f64(s_inv[torch.isfinite(s_inv)])

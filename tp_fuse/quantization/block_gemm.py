@@ -35,7 +35,7 @@ import torch.nn.functional as F
 from ..kernels import cuda_rules
 from .block_scaling import BlockSpec
 from .block_tensor import BlockPayload, BlockScaledTensor
-from .nvfp4_scaling import E4M3_MAX, block_decode_values, gemm_alpha
+from .nvfp4_scaling import block_decode_values, gemm_alpha
 
 __all__ = ["block_gemm", "emulated_block_gemm", "swizzle_mx_scales"]
 
@@ -75,7 +75,7 @@ def emulated_block_gemm(
     if a.is_fp4 or b.is_fp4:
         assert a.is_fp4 and b.is_fp4 and a.amax is not None and b.amax is not None
         out = block_decode_values(a.data, a.scale_inv, a.spec) @ block_decode_values(b.data, b.scale_inv, b.spec).t()
-        out = out * gemm_alpha(a.amax, b.amax)
+        out = out * gemm_alpha(a.amax, b.amax, a.e4m3_max, b.e4m3_max)
         if bias is not None:
             out = out + bias.to(torch.float32)
         return out.to(out_dtype)
@@ -146,7 +146,7 @@ def _cuda_block_gemm(
         def scales(p: BlockPayload) -> list[torch.Tensor]:
             # 16x16 (2-D) weight scales repeat over their 16 rows: cuBLAS reads one per 1x16.
             s = p.scale_inv.repeat_interleave(p.spec.rows, dim=0)[: p.data.shape[0]] if p.spec.rows > 1 else p.scale_inv
-            glob = (p.amax.to(torch.float32) / (6.0 * E4M3_MAX)).reshape(1)
+            glob = (p.amax.to(torch.float32) / (6.0 * p.e4m3_max)).reshape(1)
             return [swizzle_mx_scales(s.contiguous()), glob]
 
         return F.scaled_mm(

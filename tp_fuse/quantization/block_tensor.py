@@ -47,14 +47,16 @@ class BlockPayload:
 
     NVFP4 (``data`` of dtype ``torch.float4_e2m1fn_x2``, two values per byte): ``data`` is
     ``[R, C/2]``, ``scale_inv`` the E4M3 block scales and ``amax`` the fp32 per-tensor amax
-    (0-d) that sets the second-level scale (``nvfp4_scaling``). :attr:`shape` is the
-    logical ``[R, C]`` either way.
+    (0-d) that sets the second-level scale (``nvfp4_scaling``); ``e4m3_max`` the bound in
+    that scale ``amax / (6 * e4m3_max)`` (448; 256 for 4over6 tensors, ``nvfp4_4over6``).
+    :attr:`shape` is the logical ``[R, C]`` either way.
     """
 
     data: torch.Tensor
     scale_inv: torch.Tensor
     spec: BlockSpec
     amax: Optional[torch.Tensor] = None
+    e4m3_max: float = 448.0
 
     @property
     def is_fp4(self) -> bool:
@@ -68,11 +70,12 @@ class BlockPayload:
     def dequantize(self) -> torch.Tensor:
         if self.is_fp4:
             assert self.amax is not None
-            return dequantize_nvfp4(self.data, self.scale_inv, self.spec, self.amax)
+            return dequantize_nvfp4(self.data, self.scale_inv, self.spec, self.amax, self.e4m3_max)
         return dequantize_blocks(self.data, self.scale_inv, self.spec)
 
     def map(self, fn: Any) -> "BlockPayload":
-        return BlockPayload(fn(self.data), fn(self.scale_inv), self.spec, None if self.amax is None else fn(self.amax))
+        return BlockPayload(fn(self.data), fn(self.scale_inv), self.spec, None if self.amax is None else fn(self.amax),
+                            self.e4m3_max)
 
 
 class BlockScaledTensor(torch.Tensor):
@@ -197,7 +200,9 @@ class BlockScaledTensor(torch.Tensor):
         if self._master is not None:
             names.append("_master")
         specs = tuple(getattr(self, w).spec if getattr(self, w) is not None else None for w in ("_rowwise", "_columnwise"))
-        return names, (self.shape, self.dtype, specs, self.recipe_name, self._quantizer)
+        maxes = tuple(getattr(self, w).e4m3_max if getattr(self, w) is not None else None
+                      for w in ("_rowwise", "_columnwise"))
+        return names, (self.shape, self.dtype, specs, self.recipe_name, self._quantizer, maxes)
 
     def __getattr__(self, name: str) -> Any:
         # Flattened attribute names for __tensor_flatten__ (e.g. "_rowwise_data").
@@ -210,11 +215,11 @@ class BlockScaledTensor(torch.Tensor):
 
     @staticmethod
     def __tensor_unflatten__(inner: dict, ctx: tuple, outer_size: Any, outer_stride: Any) -> "BlockScaledTensor":
-        shape, dtype, specs, name, quantizer = ctx
+        shape, dtype, specs, name, quantizer, maxes = ctx
         payloads = []
-        for which, spec in zip(("_rowwise", "_columnwise"), specs):
+        for which, spec, m in zip(("_rowwise", "_columnwise"), specs, maxes):
             payloads.append(None if spec is None else BlockPayload(
-                inner[f"{which}_data"], inner[f"{which}_scale_inv"], spec, inner.get(f"{which}_amax")))
+                inner[f"{which}_data"], inner[f"{which}_scale_inv"], spec, inner.get(f"{which}_amax"), m))
         return BlockScaledTensor(shape, dtype, *payloads, name, master=inner.get("_master"), quantizer=quantizer)
 
     def __repr__(self, *, tensor_contents: Any = None) -> str:  # noqa: D105

@@ -94,7 +94,7 @@ def rowwise_from_wire(buf: torch.Tensor, like: BlockScaledTensor) -> BlockScaled
     end = buf.shape[1] - (4 if p.amax is not None else 0)
     data = buf[:, :k].contiguous().view(p.data.dtype)
     scales = buf[:, k:end].contiguous().view(p.scale_inv.dtype).reshape(buf.shape[0], -1)
-    payload = BlockPayload(data, scales, p.spec, _amax_from(buf[:, end:], p))
+    payload = BlockPayload(data, scales, p.spec, _amax_from(buf[:, end:], p), p.e4m3_max)
     return BlockScaledTensor((buf.shape[0], p.shape[1]), like.dtype, payload, None, like.recipe_name)
 
 
@@ -148,7 +148,7 @@ def columnwise_from_wire(buf: torch.Tensor, like: BlockScaledTensor) -> BlockSca
         scale_inv = scales[:1].t().contiguous()  # [K, 1]
     else:
         scale_inv = scales.t().contiguous()  # [K, groups]
-    col = BlockPayload(data_t.t().contiguous().view(p.data.dtype), scale_inv, p.spec, _amax_from(buf[:, end:], p))
+    col = BlockPayload(data_t.t().contiguous().view(p.data.dtype), scale_inv, p.spec, _amax_from(buf[:, end:], p), p.e4m3_max)
     return BlockScaledTensor((groups * g, k), like.dtype, None, col, like.recipe_name)
 
 

@@ -27,6 +27,7 @@ from ..kernels import dispatch
 from ..kernels._common import triton_dtype_issue
 from ..recipe import FP4_DTYPE, FP4_MAX
 from .block_scaling import BlockSpec
+from .nvfp4_4over6 import quantize_nvfp4_4over6
 from .nvfp4_scaling import NVFP4_BLOCK, NVFP4_BLOCK_2D, _check_cols, global_scales, quantize_nvfp4
 
 __all__ = ["KERNEL", "quantize_nvfp4_layout"]
@@ -35,8 +36,10 @@ __all__ = ["KERNEL", "quantize_nvfp4_layout"]
 KERNEL = "nvfp4_quantize"
 
 
-def _triton_issue(x: torch.Tensor, spec: BlockSpec) -> Optional[str]:
+def _triton_issue(x: torch.Tensor, spec: BlockSpec, four_over_six: bool = False) -> Optional[str]:
     """Why the Triton kernel cannot quantize this (None: it can)."""
+    if four_over_six:
+        return "4over6 block selection (nvfp4_4over6): the NVFP4 Triton kernel only maps block amaxes to 6"
     issue = triton_dtype_issue(x.dtype)
     if issue is not None:
         return issue
@@ -57,17 +60,25 @@ def quantize_nvfp4_layout(
     col_offset: int = 0,
     what: str = "x",
     backend: Optional[str] = None,
+    four_over_six: Optional[tuple[int, str]] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(packed data [R, C/2] float4_e2m1fn_x2, block scales float8_e4m3fn)`` of 2-D ``x``.
 
     Same arguments and result as :func:`~tp_fuse.quantization.nvfp4_scaling.quantize_nvfp4`
     (``amax``: the per-tensor amax; ``sr_seed``: stochastic rounding; ``row_offset`` /
     ``col_offset``: the shard's place in the whole tensor), plus ``backend``: None (auto),
-    "torch" or "triton".
+    "torch" or "triton", and ``four_over_six``: ``(e4m3_max, err_mode)`` to quantize with
+    4over6 (:mod:`.nvfp4_4over6`, torch only: auto routes it to torch with the reason
+    recorded, ``backend="triton"`` raises); it takes no stochastic rounding.
     """
     _check_cols(x, what)
-    choice = dispatch.select_backend(KERNEL, x.device, backend, triton_unsupported=_triton_issue(x, spec))
-    if choice.backend == "torch":
+    issue = _triton_issue(x, spec, four_over_six is not None)
+    choice = dispatch.select_backend(KERNEL, x.device, backend, triton_unsupported=issue)
+    if four_over_six is not None:
+        assert sr_seed is None, "4over6 rounds to nearest (the quantizer refuses stochastic rounding)"
+        out = quantize_nvfp4_4over6(x, spec, amax, e4m3_max=four_over_six[0], err_mode=four_over_six[1], what=what)
+        variant = "reference_4over6"
+    elif choice.backend == "torch":
         out = quantize_nvfp4(x, spec, amax, sr_seed=sr_seed, row_offset=row_offset, col_offset=col_offset,
                              what=what)
         variant = "reference"

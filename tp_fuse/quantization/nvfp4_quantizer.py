@@ -30,8 +30,9 @@ from ..recipe import FP4_DTYPE, NVFP4BlockScaling
 from .block_quantizer import BlockScalingQuantizer
 from .block_scaling import ScaleRule
 from .block_tensor import BlockPayload, BlockScaledTensor
+from .nvfp4_4over6 import E4M3_MAXES, ERR_MODES, transpose_nvfp4_2d
 from .nvfp4_cast import quantize_nvfp4_layout
-from .nvfp4_scaling import NVFP4_BLOCK, NVFP4_BLOCK_2D, apply_rht
+from .nvfp4_scaling import NVFP4_BLOCK, NVFP4_BLOCK_2D, _check_cols, apply_rht
 from .quantizer import Quantizer, is_backward_role, register_recipe_quantizer
 from .te_quantizers import DType, as_torch_dtype
 
@@ -61,7 +62,11 @@ class NVFP4Quantizer(BlockScalingQuantizer):
         with_2d_quantization: 16x16 blocks instead of 1x16.
         stochastic_rounding: round stochastically (unbiased) instead of to nearest.
         with_random_sign_mask: the RHT's sign vector (False: all +1).
-        row_scaled_nvfp4, nvfp4_use_4over6: must be False (not implemented here).
+        nvfp4_use_4over6: per block, keep the map-to-4 or map-to-6 scale, whichever errs
+            less (:mod:`.nvfp4_4over6`); not with ``with_rht`` or ``stochastic_rounding``.
+        nvfp4_e4m3_max: the global scale's E4M3 bound, 448 or (4over6 only) 256.
+        nvfp4_4over6_err_mode: the 4over6 error metric, "MAE" or "MSE".
+        row_scaled_nvfp4: must be False (not implemented here).
         role: the tensor role when built by an op (``"input"``, ``"weight"``,
             ``"grad_output"``...).
 
@@ -89,12 +94,17 @@ class NVFP4Quantizer(BlockScalingQuantizer):
     ) -> None:
         if as_torch_dtype(fp4_dtype, "NVFP4Quantizer fp4_dtype") != FP4_DTYPE:
             raise ValueError(f"NVFP4Quantizer fp4_dtype: expected DType.kFloat4E2M1, got {fp4_dtype!r}")
-        if row_scaled_nvfp4 or nvfp4_use_4over6:
-            raise ValueError("NVFP4Quantizer: row_scaled_nvfp4 and nvfp4_use_4over6 are not implemented in tp-fuse")
-        if nvfp4_e4m3_max != 448:
-            raise ValueError(f"NVFP4Quantizer nvfp4_e4m3_max: expected 448 (no 4over6 here), got {nvfp4_e4m3_max}")
-        if str(nvfp4_4over6_err_mode).upper() not in ("MAE", "MSE"):
+        if row_scaled_nvfp4:
+            raise ValueError("NVFP4Quantizer: row_scaled_nvfp4 is not implemented in tp-fuse")
+        if nvfp4_e4m3_max not in E4M3_MAXES or (nvfp4_e4m3_max != 448 and not nvfp4_use_4over6):
+            raise ValueError(f"NVFP4Quantizer nvfp4_e4m3_max: expected 448, or 256 with nvfp4_use_4over6=True, "
+                             f"got {nvfp4_e4m3_max!r}")
+        if str(nvfp4_4over6_err_mode).upper() not in ERR_MODES:
             raise ValueError(f"NVFP4Quantizer nvfp4_4over6_err_mode: expected 'MAE' or 'MSE', got {nvfp4_4over6_err_mode!r}")
+        if nvfp4_use_4over6 and (with_rht or stochastic_rounding):
+            # TE's rule: its 4over6 kernels have no RHT or stochastic-rounding variant.
+            raise ValueError("NVFP4Quantizer: nvfp4_use_4over6=True does not support with_rht or stochastic_rounding "
+                             "(expected both False)")
         if with_amax_reduction and amax_reduction_group is None:
             raise ValueError("NVFP4Quantizer: with_amax_reduction=True needs amax_reduction_group")
         Quantizer.__init__(self, FP4_DTYPE, role)
@@ -107,6 +117,9 @@ class NVFP4Quantizer(BlockScalingQuantizer):
         self.with_2d_quantization = bool(with_2d_quantization)
         self.stochastic_rounding = bool(stochastic_rounding)
         self.with_random_sign_mask = bool(with_random_sign_mask)
+        self.nvfp4_use_4over6 = bool(nvfp4_use_4over6)
+        self.nvfp4_e4m3_max = int(nvfp4_e4m3_max)
+        self.nvfp4_4over6_err_mode = str(nvfp4_4over6_err_mode).upper()
         self.with_amax_reduction = bool(with_amax_reduction)
         self.amax_reduction_group = amax_reduction_group
         self.rowwise_usage = bool(rowwise)
@@ -128,9 +141,20 @@ class NVFP4Quantizer(BlockScalingQuantizer):
             qp = recipe.fp4_quant_fwd_weight
         else:
             qp = recipe.fp4_quant_fwd_inp
+        # TE's scopes: 4over6 never applies to gradients; "weights" / "activations" split the rest.
+        use_4over6 = not is_backward_role(role) and _in_scope(recipe.nvfp4_4over6, role)
+        e4m3_max = 256 if use_4over6 and _in_scope(recipe.nvfp4_4over6_e4m3_use_256, role) else 448
+        if use_4over6 and (qp.random_hadamard_transform or qp.stochastic_rounding):
+            raise ValueError(
+                f"NVFP4BlockScaling(nvfp4_4over6={recipe.nvfp4_4over6!r}): the {role!r} quantizer would combine "
+                "4over6 with the random Hadamard transform or stochastic rounding, which 4over6 does not support; "
+                "expected disable_rht=True"
+            )
         q = cls(
             with_rht=qp.random_hadamard_transform, with_post_rht_amax=qp.random_hadamard_transform,
-            with_2d_quantization=qp.fp4_2d_quantization, stochastic_rounding=qp.stochastic_rounding, role=role,
+            with_2d_quantization=qp.fp4_2d_quantization, stochastic_rounding=qp.stochastic_rounding,
+            nvfp4_use_4over6=use_4over6, nvfp4_e4m3_max=e4m3_max,
+            nvfp4_4over6_err_mode=recipe.nvfp4_4over6_err_mode, role=role,
         )
         q.recipe = recipe
         return q
@@ -197,19 +221,31 @@ class NVFP4Quantizer(BlockScalingQuantizer):
             bad = ~torch.isfinite(row_amax) | (col_amax is not None and ~torch.isfinite(col_amax))
             self.nonfinite_amax_count = self.nonfinite_amax_count.to(row_amax.device) + bad.to(torch.int64)
             sr = (lambda tag: None if seed is None else seed * 2 + tag)  # noqa: E731 -- independent bits per copy
+            fmt = self._format()
             data, scale_inv = quantize_nvfp4_layout(x2d, self.spec, row_amax, sr_seed=sr(0), row_offset=row_offset,
-                                                    backend=self.backend)
-            rowwise = BlockPayload(data, scale_inv, self.spec, row_amax.reshape(()))
+                                                    backend=self.backend, four_over_six=fmt)
+            rowwise = BlockPayload(data, scale_inv, self.spec, row_amax.reshape(()), float(self.nvfp4_e4m3_max))
             columnwise = None
             if col_src is not None:
-                data_t, scale_t = quantize_nvfp4_layout(
-                    col_src, self.spec, col_amax, sr_seed=sr(1), col_offset=row_offset,
-                    what="the column-wise copy (x.T, for the wgrad/dgrad GEMMs)", backend=self.backend,
-                )
-                columnwise = BlockPayload(data_t, scale_t, self.spec, col_amax.reshape(()))
+                if fmt is not None and self.spec == NVFP4_BLOCK_2D:
+                    # 16x16 tiles with a per-tile choice: the column-wise copy is the same tiles
+                    # transposed (TE's layout), not a second selection over x.T's row errors.
+                    _check_cols(col_src, "the column-wise copy (x.T, for the wgrad/dgrad GEMMs)")
+                    data_t, scale_t = transpose_nvfp4_2d(data, scale_inv)
+                else:
+                    data_t, scale_t = quantize_nvfp4_layout(
+                        col_src, self.spec, col_amax, sr_seed=sr(1), col_offset=row_offset,
+                        what="the column-wise copy (x.T, for the wgrad/dgrad GEMMs)", backend=self.backend,
+                        four_over_six=fmt,
+                    )
+                columnwise = BlockPayload(data_t, scale_t, self.spec, col_amax.reshape(()), float(self.nvfp4_e4m3_max))
             self.last_scale_inv = scale_inv
             self.last_amax = row_amax
         return BlockScaledTensor(x.shape, x.dtype, rowwise, columnwise, self.recipe_name)
+
+    def _format(self) -> Optional[tuple[int, str]]:
+        """``(e4m3_max, err_mode)`` when this quantizer uses 4over6, else None."""
+        return (self.nvfp4_e4m3_max, self.nvfp4_4over6_err_mode) if self.nvfp4_use_4over6 else None
 
     def stats(self) -> dict[str, float]:
         out = super().stats()
@@ -219,7 +255,15 @@ class NVFP4Quantizer(BlockScalingQuantizer):
 
     def __repr__(self) -> str:
         return (f"NVFP4Quantizer(role={self.role!r}, block={self.spec.describe()}, rht={self.with_rht}, "
-                f"stochastic_rounding={self.stochastic_rounding})")
+                f"stochastic_rounding={self.stochastic_rounding}"
+                + (f", 4over6={self.nvfp4_4over6_err_mode}/e4m3_max={self.nvfp4_e4m3_max}" if self.nvfp4_use_4over6
+                   else "") + ")")
+
+
+def _in_scope(scope: str, role: str) -> bool:
+    """Whether TE's scope value ("none", "weights", "activations", "all") covers ``role``."""
+    return scope == "all" or (scope == "weights" and role == "weight") or (
+        scope == "activations" and role != "weight")
 
 
 def _reduce_max(

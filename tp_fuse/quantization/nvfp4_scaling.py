@@ -188,10 +188,13 @@ def sr_uniform(
     return (h & 0xFFFFFF).to(torch.float32) * (1.0 / (1 << 24))
 
 
-def global_scales(amax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(S_enc, S_dec)`` fp32 0-d from the per-tensor amax (module docstring)."""
+def global_scales(amax: torch.Tensor, e4m3_max: float = E4M3_MAX) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(S_enc, S_dec)`` fp32 0-d from the per-tensor amax (module docstring).
+
+    ``e4m3_max``: the global bound ``M`` in ``S_enc = M * 6 / amax`` (448; 4over6 may use 256).
+    """
     amax = amax.to(torch.float32).reshape(())
-    enc = torch.clamp(torch.tensor(E4M3_MAX * FP4_MAX, device=amax.device) / amax, max=_FLT_MAX)
+    enc = torch.clamp(torch.tensor(e4m3_max * FP4_MAX, device=amax.device) / amax, max=_FLT_MAX)
     enc = torch.where(enc == 0, torch.ones_like(enc), enc)
     return enc, torch.reciprocal(enc)
 
@@ -242,15 +245,21 @@ def block_decode_values(data: torch.Tensor, scale_inv: torch.Tensor, spec: Block
     return vals * expand_scales(scale_inv.to(torch.float32), spec, tuple(vals.shape))
 
 
-def dequantize_nvfp4(data: torch.Tensor, scale_inv: torch.Tensor, spec: BlockSpec, amax: torch.Tensor) -> torch.Tensor:
-    """fp32 ``e2m1 * (block_scale * amax * fp32(1/2688))`` (TE's dequantize)."""
+def dequantize_nvfp4(
+    data: torch.Tensor, scale_inv: torch.Tensor, spec: BlockSpec, amax: torch.Tensor, e4m3_max: float = E4M3_MAX
+) -> torch.Tensor:
+    """fp32 ``e2m1 * (block_scale * amax * fp32(1/(6 * e4m3_max)))`` (TE's dequantize; 1/2688 for 448)."""
     vals = decode_e2m1(unpack_fp4(data))
-    factor_inv = torch.tensor(1.0 / (FP4_MAX * E4M3_MAX), dtype=torch.float32, device=vals.device)
+    factor_inv = torch.tensor(1.0 / (FP4_MAX * e4m3_max), dtype=torch.float32, device=vals.device)
     per_block = scale_inv.to(torch.float32) * amax.to(torch.float32).reshape(()) * factor_inv
     return vals * expand_scales(per_block, spec, tuple(vals.shape))
 
 
-def gemm_alpha(amax_a: torch.Tensor, amax_b: torch.Tensor) -> torch.Tensor:
-    """fp32 ``amax_a * amax_b / (6 * 6 * 448 * 448)``: the global scale of an NVFP4 GEMM."""
+def gemm_alpha(
+    amax_a: torch.Tensor, amax_b: torch.Tensor, e4m3_max_a: float = E4M3_MAX, e4m3_max_b: float = E4M3_MAX
+) -> torch.Tensor:
+    """fp32 ``amax_a * amax_b / (6 * M_a * 6 * M_b)``: the global scale of an NVFP4 GEMM
+    (``M`` = 448, or 256 for 4over6 tensors that use it; the constant is exact in fp32)."""
     prod = amax_a.to(torch.float32).reshape(()) * amax_b.to(torch.float32).reshape(())
-    return prod / torch.tensor((FP4_MAX * E4M3_MAX) ** 2, dtype=torch.float32, device=prod.device)
+    denom = (FP4_MAX * e4m3_max_a) * (FP4_MAX * e4m3_max_b)
+    return prod / torch.tensor(denom, dtype=torch.float32, device=prod.device)
