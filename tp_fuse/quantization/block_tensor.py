@@ -232,6 +232,13 @@ class BlockScaledTensor(torch.Tensor):
     @classmethod
     def __torch_dispatch__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
+        if torch.is_inference_mode_enabled() and _aliases_normal_block_tensor(func, args):
+            # A view/detach of a normal tensor must share its version counter, which
+            # autograd cannot set on an inference tensor (e.g. reading an FP8 weight
+            # under torch.inference_mode): build the result as a normal tensor, as a
+            # view of a normal tensor in inference mode is (same as Float8Tensor).
+            with torch.inference_mode(False):
+                return cls.__torch_dispatch__(func, types, args, kwargs)
         handler = _HANDLERS.get(func)
         if handler is not None:
             return handler(*args, **kwargs)
@@ -293,6 +300,18 @@ _TE_CLASS_BY_RECIPE: dict[str, type] = {
     "blockwise": Float8BlockwiseQTensor,
     "nvfp4": NVFP4Tensor,
 }
+
+
+def _aliases_normal_block_tensor(func: Any, args: tuple) -> bool:
+    """Whether ``func`` returns aliases (views, detach) of a non-inference BlockScaledTensor."""
+    returns = func._schema.returns
+    return (
+        bool(args)
+        and isinstance(args[0], BlockScaledTensor)
+        and not args[0].is_inference()
+        and len(returns) > 0
+        and all(r.alias_info is not None and not r.alias_info.is_write for r in returns)
+    )
 
 
 def _dequantize_impl(t: BlockScaledTensor, dtype: Optional[torch.dtype] = None) -> torch.Tensor:

@@ -149,6 +149,15 @@ class NVFP4Quantizer(BlockScalingQuantizer):
         q = self.quantize(tensor, transpose=self.columnwise_usage)
         return q if self.rowwise_usage else _without_rowwise(q)
 
+    def can_use_quantized(self, x: torch.Tensor, *, transpose: bool = False) -> bool:
+        """As the block quantizers, except that with the RHT a given column-wise copy
+        is not used: a tensor does not record whether its column-wise copy was
+        transformed, and the wgrad GEMM is right only when both operands' copies were
+        (the transform cancels). Such a tensor is quantized again from its row-wise copy."""
+        if transpose and self.with_rht:
+            return False
+        return super().can_use_quantized(x, transpose=transpose)
+
     # ------------------------------------------------------------ quantization
     def _quantize_impl(self, x: torch.Tensor, transpose: bool = False) -> BlockScaledTensor:
         group = self.amax_reduction_group if self.with_amax_reduction else None
