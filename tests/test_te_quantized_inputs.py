@@ -19,6 +19,7 @@ from tp_fuse.quantization import (
     MXFP8Tensor,
     NVFP4Quantizer,
     NVFP4Tensor,
+    QuantizedTensor,
     make_quantizer,
 )
 from tp_fuse.quantization.te_dtype import te_dtype_of
@@ -47,7 +48,7 @@ def test_quantizers_produce_te_tensor_classes(name):
     recipe_cls, te_cls = BLOCK_RECIPES[name]
     x = _gen(0, 32, 64).float()
     q = make_quantizer(recipe_cls(), "input").quantize(x, transpose=True)
-    assert type(q) is te_cls and isinstance(q, BlockScaledTensor)
+    assert type(q) is te_cls and isinstance(q, BlockScaledTensor) and isinstance(q, QuantizedTensor)
     # Derived tensors keep the class (views, detach, the 2-D transpose, row-wise only).
     for derived in (q.detach(), q.view(2, 16, 64), q.transpose_fp8(), q.rowwise_only()):
         assert type(derived) is te_cls

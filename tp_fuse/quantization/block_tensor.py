@@ -35,6 +35,7 @@ from torch.utils._pytree import tree_map
 from ..recipe import FP4_DTYPE
 from .block_scaling import BlockSpec, dequantize_blocks
 from .nvfp4_scaling import dequantize_nvfp4
+from .quantized_tensor import QuantizedTensor
 from .te_dtype import DType, te_dtype_of
 
 __all__ = ["BlockPayload", "BlockScaledTensor", "Float8BlockwiseQTensor", "MXFP8Tensor", "NVFP4Tensor"]
@@ -76,7 +77,7 @@ class BlockPayload:
         return BlockPayload(fn(self.data), fn(self.scale_inv), self.spec, None if self.amax is None else fn(self.amax))
 
 
-class BlockScaledTensor(torch.Tensor):
+class BlockScaledTensor(QuantizedTensor):
     """FP8 data with block scales, posing as a high-precision tensor.
 
     Args:
@@ -225,7 +226,7 @@ class BlockScaledTensor(torch.Tensor):
     def __repr__(self, *, tensor_contents: Any = None) -> str:  # noqa: D105
         parts = [f"{w}={getattr(self, '_' + w).spec.describe()}" for w in ("rowwise", "columnwise")
                  if getattr(self, "_" + w) is not None]
-        return (f"BlockScaledTensor({self.recipe_name}, fp8_dtype={self.fp8_dtype}, {', '.join(parts)}, "
+        return (f"{type(self).__name__}({self.recipe_name}, fp8_dtype={self.fp8_dtype}, {', '.join(parts)}, "
                 f"dtype={self.dtype}, data={_dequantize_impl(self)!r})")
 
     # ---------------------------------------------------------------- dispatch
