@@ -33,7 +33,7 @@ from .block_tensor import BlockPayload, BlockScaledTensor
 from .nvfp4_cast import quantize_nvfp4_layout
 from .nvfp4_scaling import NVFP4_BLOCK, NVFP4_BLOCK_2D, apply_rht
 from .quantizer import Quantizer, is_backward_role, register_recipe_quantizer
-from .te_quantizers import DType, as_torch_dtype
+from .te_dtype import DType, as_torch_dtype
 
 __all__ = ["NVFP4Quantizer"]
 
