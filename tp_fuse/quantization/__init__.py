@@ -14,7 +14,7 @@ from .autocast import (
 from . import block_wire
 from .block_gemm import block_gemm
 from .block_quantizer import BlockScalingQuantizer, is_block_recipe
-from .block_tensor import BlockPayload, BlockScaledTensor
+from .block_tensor import BlockPayload, BlockScaledTensor, Float8BlockwiseQTensor, MXFP8Tensor, NVFP4Tensor
 from .nvfp4_quantizer import NVFP4Quantizer
 from .float8_tensor import Float8Tensor
 from .quantized_tensor import QuantizedTensor
@@ -54,8 +54,11 @@ __all__ = [
     "DelayedScalingQuantizer",
     "Float8CurrentScalingQuantizer",
     "Float8Quantizer",
+    "Float8BlockwiseQTensor",
     "Float8Tensor",
+    "MXFP8Tensor",
     "NVFP4Quantizer",
+    "NVFP4Tensor",
     "QuantizedTensor",
     "QuantizerRole",
     "OpQuantizers",

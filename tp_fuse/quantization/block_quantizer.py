@@ -140,6 +140,18 @@ class BlockScalingQuantizer(Quantizer):
         with torch.no_grad():
             return self._quantize_layouts(x, True, reduce_col_amax)
 
+    def can_use_quantized(self, x: torch.Tensor, *, transpose: bool = False) -> bool:
+        """A :class:`BlockScaledTensor` of this recipe with the copies the GEMMs read:
+        the row-wise one always, the column-wise one when ``transpose`` (block scales
+        are not transposition-invariant, so a missing copy cannot be derived from the
+        other without quantizing twice)."""
+        return (
+            isinstance(x, BlockScaledTensor)
+            and x.recipe_name == self.recipe_name
+            and x._rowwise is not None
+            and (not transpose or x._columnwise is not None)
+        )
+
     def _quantize_layouts(
         self, x: torch.Tensor, transpose: bool, reduce_col_amax: Optional[AmaxHook] = None
     ) -> BlockScaledTensor:

@@ -35,8 +35,10 @@ from torch.utils._pytree import tree_map
 from ..recipe import FP4_DTYPE
 from .block_scaling import BlockSpec, dequantize_blocks
 from .nvfp4_scaling import dequantize_nvfp4
+from .quantized_tensor import QuantizedTensor
+from .te_dtype import DType, te_dtype_of
 
-__all__ = ["BlockPayload", "BlockScaledTensor"]
+__all__ = ["BlockPayload", "BlockScaledTensor", "Float8BlockwiseQTensor", "MXFP8Tensor", "NVFP4Tensor"]
 
 aten = torch.ops.aten
 
@@ -78,7 +80,7 @@ class BlockPayload:
                             self.e4m3_max)
 
 
-class BlockScaledTensor(torch.Tensor):
+class BlockScaledTensor(QuantizedTensor):
     """FP8 data with block scales, posing as a high-precision tensor.
 
     Args:
@@ -134,6 +136,10 @@ class BlockScaledTensor(torch.Tensor):
                 f"BlockScaledTensor master: expected shape {tuple(shape)} dtype {dtype}, "
                 f"got shape {tuple(master.shape)} dtype {master.dtype}"
             )
+        if cls is BlockScaledTensor:
+            # Every constructor call (quantizers, views, transposes, unflatten) gets
+            # Transformer Engine's class for the recipe, so isinstance checks hold.
+            cls = _TE_CLASS_BY_RECIPE.get(recipe_name, BlockScaledTensor)
         self = torch.Tensor._make_wrapper_subclass(
             cls, shape, dtype=dtype, device=ref.data.device, requires_grad=requires_grad
         )
@@ -225,13 +231,20 @@ class BlockScaledTensor(torch.Tensor):
     def __repr__(self, *, tensor_contents: Any = None) -> str:  # noqa: D105
         parts = [f"{w}={getattr(self, '_' + w).spec.describe()}" for w in ("rowwise", "columnwise")
                  if getattr(self, "_" + w) is not None]
-        return (f"BlockScaledTensor({self.recipe_name}, fp8_dtype={self.fp8_dtype}, {', '.join(parts)}, "
+        return (f"{type(self).__name__}({self.recipe_name}, fp8_dtype={self.fp8_dtype}, {', '.join(parts)}, "
                 f"dtype={self.dtype}, data={_dequantize_impl(self)!r})")
 
     # ---------------------------------------------------------------- dispatch
     @classmethod
     def __torch_dispatch__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
+        if torch.is_inference_mode_enabled() and _aliases_normal_block_tensor(func, args):
+            # A view/detach of a normal tensor must share its version counter, which
+            # autograd cannot set on an inference tensor (e.g. reading an FP8 weight
+            # under torch.inference_mode): build the result as a normal tensor, as a
+            # view of a normal tensor in inference mode is (same as Float8Tensor).
+            with torch.inference_mode(False):
+                return cls.__torch_dispatch__(func, types, args, kwargs)
         handler = _HANDLERS.get(func)
         if handler is not None:
             return handler(*args, **kwargs)
@@ -255,6 +268,56 @@ class BlockScaledTensor(torch.Tensor):
                 mine.scale_inv.copy_(new.scale_inv)
                 if mine.amax is not None:
                     mine.amax.copy_(new.amax)
+
+
+class MXFP8Tensor(BlockScaledTensor):
+    """Transformer Engine's name for an MXFP8 :class:`BlockScaledTensor` (1x32 blocks,
+    E8M0 scales); what ``MXFP8Quantizer`` / the ``MXFP8BlockScaling`` recipe produce."""
+
+    @property
+    def _fp8_dtype(self) -> DType:
+        """Transformer Engine's private name: the FP8 dtype of the data as a ``DType``."""
+        return te_dtype_of(self.fp8_dtype)
+
+
+class Float8BlockwiseQTensor(BlockScaledTensor):
+    """Transformer Engine's name for a ``Float8BlockScaling`` :class:`BlockScaledTensor`
+    (1x128 activation / gradient blocks, 128x128 weight blocks, fp32 scales)."""
+
+    @property
+    def _fp8_dtype(self) -> DType:
+        """Transformer Engine's private name: the FP8 dtype of the data as a ``DType``."""
+        return te_dtype_of(self.fp8_dtype)
+
+
+class NVFP4Tensor(BlockScaledTensor):
+    """Transformer Engine's name for an NVFP4 :class:`BlockScaledTensor` (E2M1 data, 1x16
+    or 16x16 E4M3 block scales, a per-tensor fp32 amax per copy)."""
+
+    @property
+    def _fp4_dtype(self) -> DType:
+        """Transformer Engine's private name: ``DType.kFloat4E2M1``."""
+        return te_dtype_of(self.fp8_dtype)
+
+
+# recipe_short_name -> class; the row-wise recipe has no Transformer Engine counterpart.
+_TE_CLASS_BY_RECIPE: dict[str, type] = {
+    "mxfp8": MXFP8Tensor,
+    "blockwise": Float8BlockwiseQTensor,
+    "nvfp4": NVFP4Tensor,
+}
+
+
+def _aliases_normal_block_tensor(func: Any, args: tuple) -> bool:
+    """Whether ``func`` returns aliases (views, detach) of a non-inference BlockScaledTensor."""
+    returns = func._schema.returns
+    return (
+        bool(args)
+        and isinstance(args[0], BlockScaledTensor)
+        and not args[0].is_inference()
+        and len(returns) > 0
+        and all(r.alias_info is not None and not r.alias_info.is_write for r in returns)
+    )
 
 
 def _dequantize_impl(t: BlockScaledTensor, dtype: Optional[torch.dtype] = None) -> torch.Tensor:

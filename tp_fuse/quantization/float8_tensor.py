@@ -36,6 +36,7 @@ import torch
 from torch.utils._pytree import tree_map
 
 from .quantized_tensor import QuantizedTensor
+from .te_dtype import DType, te_dtype_of
 
 __all__ = ["Float8Tensor"]
 
@@ -155,6 +156,11 @@ class Float8Tensor(QuantizedTensor):
     def fp8_dtype(self) -> torch.dtype:
         """The FP8 dtype of the stored data."""
         return self._data.dtype
+
+    @property
+    def _fp8_dtype(self) -> DType:
+        """Transformer Engine's private name: :attr:`fp8_dtype` as a ``DType``."""
+        return te_dtype_of(self._data.dtype)
 
     @property
     def master(self) -> Optional[torch.Tensor]:

@@ -34,7 +34,7 @@ from .nvfp4_4over6 import E4M3_MAXES, ERR_MODES, transpose_nvfp4_2d
 from .nvfp4_cast import quantize_nvfp4_layout
 from .nvfp4_scaling import NVFP4_BLOCK, NVFP4_BLOCK_2D, _check_cols, apply_rht
 from .quantizer import Quantizer, is_backward_role, register_recipe_quantizer
-from .te_quantizers import DType, as_torch_dtype
+from .te_dtype import DType, as_torch_dtype
 
 __all__ = ["NVFP4Quantizer"]
 
@@ -172,6 +172,15 @@ class NVFP4Quantizer(BlockScalingQuantizer):
             raise ValueError("NVFP4Quantizer: neither rowwise nor columnwise usage is set")
         q = self.quantize(tensor, transpose=self.columnwise_usage)
         return q if self.rowwise_usage else _without_rowwise(q)
+
+    def can_use_quantized(self, x: torch.Tensor, *, transpose: bool = False) -> bool:
+        """As the block quantizers, except that with the RHT a given column-wise copy
+        is not used: a tensor does not record whether its column-wise copy was
+        transformed, and the wgrad GEMM is right only when both operands' copies were
+        (the transform cancels). Such a tensor is quantized again from its row-wise copy."""
+        if transpose and self.with_rht:
+            return False
+        return super().can_use_quantized(x, transpose=transpose)
 
     # ------------------------------------------------------------ quantization
     def _quantize_impl(self, x: torch.Tensor, transpose: bool = False) -> BlockScaledTensor:

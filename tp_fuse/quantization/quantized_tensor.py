@@ -1,7 +1,8 @@
 """``QuantizedTensor``: the common base of low-precision tensors (Transformer Engine's name).
 
 ``isinstance(t, QuantizedTensor)`` is how user code asks "is this tensor quantized?"
-without naming a format. :class:`~tp_fuse.quantization.Float8Tensor` derives from it;
+without naming a format. :class:`~tp_fuse.quantization.Float8Tensor` and the block-scaled
+:class:`~tp_fuse.quantization.BlockScaledTensor` (MXFP8, blockwise, NVFP4) derive from it;
 the class itself holds no data and is never instantiated.
 """
 

@@ -134,13 +134,24 @@ class Quantizer(abc.ABC):
         return self._quantize_impl(x, transpose)
 
     def quantize_or_pass(self, x: torch.Tensor, *, transpose: bool = False) -> tuple[Float8Tensor, bool]:
-        """``(x_fp8, quantized_here)``: ``x`` itself when it already is a
-        Float8Tensor (e.g. a gradient quantized by a ``Quantize(backward=True)``
-        op after this one), else :meth:`quantize`. Callers register this
-        quantizer's amax only when ``quantized_here``."""
-        if isinstance(x, Float8Tensor):
-            return x, False
+        """``(x_q, quantized_here)``: ``x`` itself when it already is a quantized
+        tensor this quantizer's GEMMs can read (e.g. a gradient quantized by a
+        ``Quantize(backward=True)`` op after this one, or handed in quantized by the
+        caller; see :meth:`can_use_quantized`), as Transformer Engine's ops do; another
+        quantized tensor (other format, or lacking the copy the GEMM reads) is
+        dequantized and quantized again here. Callers register this quantizer's amax
+        only when ``quantized_here``."""
+        if isinstance(x, (Float8Tensor, BlockScaledTensor)):
+            if self.can_use_quantized(x, transpose=transpose):
+                return x, False
+            x = x.dequantize()
         return self.quantize(x, transpose=transpose), True
+
+    def can_use_quantized(self, x: torch.Tensor, *, transpose: bool = False) -> bool:
+        """Whether the GEMMs fed by this quantizer can read the already-quantized ``x``
+        as is. Per-tensor FP8: any :class:`Float8Tensor` (its transpose is made from
+        the row-wise bytes on demand, exactly: one scale for the whole tensor)."""
+        return isinstance(x, Float8Tensor)
 
     @abc.abstractmethod
     def _quantize_impl(self, x: torch.Tensor, transpose: bool = False) -> Float8Tensor:

@@ -17,7 +17,6 @@ what they produce.
 
 from __future__ import annotations
 
-import enum
 from typing import Optional, Union
 
 import torch
@@ -26,36 +25,10 @@ import torch.distributed as dist
 from .. import kernels
 from ..recipe import Float8CurrentScaling, Format, fp8_dtype_max
 from .float8_tensor import Float8Tensor
+from .te_dtype import DType, as_torch_dtype
 from .quantizer import CurrentScalingQuantizer, Quantizer, _amax, _with_transpose
 
 __all__ = ["DType", "Float8Quantizer", "Float8CurrentScalingQuantizer", "as_torch_dtype"]
-
-
-class DType(enum.Enum):
-    """Transformer Engine's dtype enum; ``.torch_dtype`` is the torch equivalent."""
-
-    kByte = torch.uint8
-    kInt32 = torch.int32
-    kInt64 = torch.int64
-    kFloat32 = torch.float32
-    kFloat16 = torch.float16
-    kBFloat16 = torch.bfloat16
-    kFloat8E4M3 = torch.float8_e4m3fn
-    kFloat8E5M2 = torch.float8_e5m2
-    kFloat4E2M1 = torch.float4_e2m1fn_x2  # NVFP4 data: two E2M1 values per byte
-
-    @property
-    def torch_dtype(self) -> torch.dtype:
-        return self.value
-
-
-def as_torch_dtype(dtype: Union[DType, torch.dtype], what: str) -> torch.dtype:
-    """``dtype`` as a torch dtype (a :class:`DType` or a torch dtype)."""
-    if isinstance(dtype, DType):
-        return dtype.value
-    if isinstance(dtype, torch.dtype):
-        return dtype
-    raise ValueError(f"{what}: expected a tp_fuse.DType or torch.dtype, got {dtype!r}")
 
 
 def _fp8(dtype: Union[DType, torch.dtype], what: str) -> torch.dtype:
