@@ -16,6 +16,7 @@ from .block_gemm import block_gemm
 from .block_quantizer import BlockScalingQuantizer, is_block_recipe
 from .block_tensor import BlockPayload, BlockScaledTensor, Float8BlockwiseQTensor, MXFP8Tensor, NVFP4Tensor
 from .nvfp4_quantizer import NVFP4Quantizer
+from .te_block_quantizers import Float8BlockQuantizer, MXFP8Quantizer
 from .float8_tensor import Float8Tensor
 from .quantized_tensor import QuantizedTensor
 from .role import QuantizerRole
@@ -58,6 +59,8 @@ __all__ = [
     "Float8Tensor",
     "MXFP8Tensor",
     "NVFP4Quantizer",
+    "MXFP8Quantizer",
+    "Float8BlockQuantizer",
     "NVFP4Tensor",
     "QuantizedTensor",
     "QuantizerRole",
