@@ -153,3 +153,32 @@ def test_custom_forward_fusion_with_te_style_linear_context(monkeypatch):
     assert_close(x.grad, x_ref.grad)
     assert_close(lin.weight.grad, w_ref.grad)
     assert x.grad.shape == x.shape
+
+
+def test_basic_linear_context_has_te_dtype_and_quantized_flag(monkeypatch):
+    """A custom fused op that runs BasicLinear's GEMM reads TE's context fields back:
+    ``ctx.dtype`` (the GEMM's compute dtype) and ``ctx.with_quantized_compute``."""
+    from tp_fuse.ops import fusion
+
+    monkeypatch.setattr(fusion, "_FORWARD_FUSIONS", list(fusion._FORWARD_FUSIONS))
+    seen = []
+
+    class LinearThenSiLU(ops.FusedOperation):
+        def fuser_forward(self, ctxs, x, **unused):
+            y = self.basic_ops[0].forward_gemm(ctxs[0], x)
+            seen.append((ctxs[0].dtype, ctxs[0].with_quantized_compute))
+            return self.basic_ops[1].op_forward(ctxs[1], y), [(), ()]
+
+    def fuse(ops_, **unused):
+        if len(ops_) == 2 and isinstance(ops_[0], ops.BasicLinear) and isinstance(ops_[1], ops.SiLU):
+            return [LinearThenSiLU(ops_)]
+        return ops_
+
+    ops.register_forward_fusion(fuse, prepend=True)
+    model = ops.Sequential(ops.BasicLinear(32, 32), ops.SiLU())
+    x = torch.rand(16, 32)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        model(x)
+    with te.autocast(recipe=DelayedScaling()):
+        model(x)
+    assert seen == [(torch.bfloat16, False), (torch.float32, True)]

@@ -360,6 +360,10 @@ class BasicLinear(QuantizerStateMixin, BasicOperation):
         if ctx.requires_grad:
             ctx.save_for_backward(*saved)
         ctx.input_shape = x.shape
+        # Transformer Engine's names for what a custom fused op reads back from this
+        # context: the GEMM's compute dtype and whether it ran quantized.
+        ctx.dtype = y.dtype
+        ctx.with_quantized_compute = ctx.fp8
         return y.reshape(*lead, self.out_features)
 
     @staticmethod
