@@ -16,28 +16,17 @@ programs, and include partial last blocks in both directions.
 
 from __future__ import annotations
 
-import importlib.util
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
 
-INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from interpret_utils import HAVE_TRITON, INTERPRETED, run_in_interpreter
 
 if not INTERPRETED:
 
-    @pytest.mark.skipif(importlib.util.find_spec("triton") is None,
+    @pytest.mark.skipif(not HAVE_TRITON,
                         reason="triton is not installed: Triton block kernels untested")
     def test_triton_block_kernels_in_interpreter():
-        env = {**os.environ, "TRITON_INTERPRET": "1"}
-        cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", os.path.abspath(__file__)]
-        proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
-        report = proc.stdout[-12000:] + proc.stderr[-4000:]
-        assert proc.returncode == 0, report
-        assert " passed" in proc.stdout and " failed" not in proc.stdout, report
+        run_in_interpreter(__file__)
 
 else:
     pytest.importorskip("triton")
