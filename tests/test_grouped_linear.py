@@ -13,6 +13,7 @@ import torch
 import tp_fuse as te
 from tolerances import FP8_UNIT_ROUNDOFF, assert_close
 from tp_fuse.ops.basic import GELU, BasicLinear, Bias, GroupedLinear, ScaledSwiGLU
+from tp_fuse.ops.basic.grouped_linear import GRAD_INPUT_BUFFER_KEY, OUTPUT_BUFFER_KEY
 from tp_fuse.ops.fused import BackwardActivationBias
 from tp_fuse.ops.sequential import Sequential
 from tp_fuse.recipe import DelayedScaling, Float8CurrentScaling
@@ -351,3 +352,39 @@ def test_block_recipes_equal_one_basic_linear_per_group(recipe):
     assert torch.equal(y, yb) and torch.equal(xa.grad, xb.grad)
     for i in range(2):
         assert torch.equal(getattr(op, f"weight{i}").grad, linears[i].weight.grad)
+
+
+def test_caller_buffers_receive_the_output_and_the_input_gradient():
+    """Transformer Engine's ``op_kwargs`` caller buffers: the last op's output is the
+    caller's buffer (no copy) and the first op's dgrad is written into the caller's
+    buffer; both bit-identical to the internally allocated run. Used to raise TypeError
+    (``Sequential.forward() got an unexpected keyword argument 'op_kwargs'``)."""
+    torch.manual_seed(0)
+    sizes = torch.tensor([5, 0, 11])
+    x = torch.randn(16, 8, dtype=torch.float64)
+    dy = torch.randn(16, 4, dtype=torch.float64)
+
+    def build():
+        torch.manual_seed(1)
+        return Sequential(GroupedLinear(3, 8, 12, dtype=torch.float64), GroupedLinear(3, 12, 4, dtype=torch.float64))
+
+    ref = build()
+    x_ref = x.clone().requires_grad_()
+    y_ref = ref(x_ref, sizes, sizes)
+    y_ref.backward(dy)
+    model = build()
+    out = torch.full((16, 4), 7.0, dtype=torch.float64)
+    dgrad = torch.full((16, 8), 7.0, dtype=torch.float64)
+    x_t = x.clone().requires_grad_()
+    y = model(x_t, sizes, sizes, op_kwargs={model[0]: {GRAD_INPUT_BUFFER_KEY: dgrad}, model[1]: {OUTPUT_BUFFER_KEY: out}})
+    assert y.data_ptr() == out.data_ptr() and torch.equal(y, y_ref)
+    y.backward(dy)
+    assert torch.equal(dgrad, x_ref.grad) and torch.equal(x_t.grad, x_ref.grad)
+
+    bad = build()
+    with pytest.raises(ValueError, match=r"output_buffer: expected a contiguous tensor of shape \(16, 4\)"):
+        bad(x, sizes, sizes, op_kwargs={bad[1]: {OUTPUT_BUFFER_KEY: torch.empty(17, 4, dtype=torch.float64)}})
+    with pytest.raises(ValueError, match="unknown op_kwargs"):
+        bad(x, sizes, sizes, op_kwargs={bad[1]: {"outptu": out}})
+    with pytest.raises(ValueError, match="keys must be basic ops of this Sequential"):
+        bad(x, sizes, sizes, op_kwargs={GroupedLinear(3, 8, 12): {}})

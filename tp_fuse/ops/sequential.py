@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Iterable, Iterator
-from typing import Any, Union
+from typing import Any, Optional, Union
 
 import torch
 
@@ -153,7 +153,15 @@ class Sequential(torch.nn.Module):
         self.__dict__["_groups"] = groups
         return groups
 
-    def forward(self, input_: torch.Tensor, *extra_inputs: torch.Tensor):
+    def forward(
+        self,
+        input_: torch.Tensor,
+        *extra_inputs: torch.Tensor,
+        op_kwargs: Optional[dict[FusibleOperation, dict[str, Any]]] = None,
+    ):
+        """Run the groups in order. ``op_kwargs`` (Transformer Engine's): per basic op,
+        keyword arguments for that op in this call (e.g. ``GroupedLinear``'s caller
+        buffers), keyed by the op object."""
         groups = self._make_module_groups()
         needed = sum(g.num_extra_inputs for g in groups if isinstance(g, OperationFuser))
         if len(extra_inputs) != needed:
@@ -161,6 +169,15 @@ class Sequential(torch.nn.Module):
                 f"Sequential expects {needed} extra input(s) after the main input "
                 f"(one per AddExtraInput-style op), got {len(extra_inputs)}"
             )
+        fusers = [g for g in groups if isinstance(g, OperationFuser)]
+        if op_kwargs:
+            known = {id(op) for g in fusers for op in g.basic_ops}
+            for op in op_kwargs:
+                if id(op) not in known:
+                    raise ValueError(
+                        f"Sequential op_kwargs: keys must be basic ops of this Sequential, got "
+                        f"{type(op).__name__} (a composite op such as Linear: key its basic ops)"
+                    )
         x = input_
         remaining = list(extra_inputs)
         extra_outputs: list[torch.Tensor] = []
@@ -170,7 +187,10 @@ class Sequential(torch.nn.Module):
                 continue
             n_in = group.num_extra_inputs
             group_inputs, remaining = remaining[:n_in], remaining[n_in:]
-            result = group(x, *group_inputs)
+            kwargs = None
+            if op_kwargs and any(op in op_kwargs for op in group.basic_ops):
+                kwargs = [dict(op_kwargs.get(op, {})) for op in group.basic_ops]
+            result = group(x, *group_inputs, basic_op_kwargs=kwargs)
             if group.num_extra_outputs:
                 x, *outs = result
                 extra_outputs.extend(outs)

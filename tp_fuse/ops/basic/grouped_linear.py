@@ -24,7 +24,7 @@ from ..op import BasicOperation, OperationContext, require
 from ._checks import compute_dtype, maybe_dequantize, param_dtype
 from .basic_linear import add_into_main_grad, weight_in_dtype
 
-__all__ = ["GroupedLinear", "is_op_fuser_grouped_tensor_path_supported"]
+__all__ = ["GroupedLinear", "GRAD_INPUT_BUFFER_KEY", "OUTPUT_BUFFER_KEY", "is_op_fuser_grouped_tensor_path_supported"]
 
 _ROLES = ("input", "weight", "grad_output")
 
@@ -59,6 +59,30 @@ class _GroupQuantizers:
     @property
     def quantizers(self) -> dict[str, Any]:
         return {f"{r}:{i}": q for i, g in enumerate(self.groups) for r, q in g.quantizers.items()}
+
+
+#: ``Sequential(..., op_kwargs={grouped_linear: {OUTPUT_BUFFER_KEY: buf}})``: the forward
+#: writes its output into ``buf`` (the caller's, same shape/dtype/device) and returns it.
+OUTPUT_BUFFER_KEY = "output_buffer"
+#: ``{GRAD_INPUT_BUFFER_KEY: buf}``: the backward writes the input gradient into ``buf``.
+GRAD_INPUT_BUFFER_KEY = "grad_input_buffer"
+_BUFFER_KEYS = (OUTPUT_BUFFER_KEY, GRAD_INPUT_BUFFER_KEY)
+
+
+def _caller_buffer(kwargs: dict[str, Any], key: str, shape: tuple[int, ...], dtype: torch.dtype,
+                   device: torch.device) -> Optional[torch.Tensor]:
+    """The caller's buffer under ``key``, checked against the tensor it will hold."""
+    buf = kwargs.get(key)
+    if buf is None:
+        return None
+    ok = (isinstance(buf, torch.Tensor) and tuple(buf.shape) == tuple(shape) and buf.dtype == dtype
+          and buf.device == device and buf.is_contiguous() and not buf.requires_grad)
+    require(ok, f"GroupedLinear {key}: expected a contiguous tensor of shape {tuple(shape)}, dtype {dtype}, "
+                f"on {device}, not requiring grad; got "
+                + (f"shape {tuple(buf.shape)}, dtype {buf.dtype}, on {buf.device}, contiguous "
+                   f"{buf.is_contiguous()}, requires_grad {buf.requires_grad}"
+                   if isinstance(buf, torch.Tensor) else type(buf).__name__))
+    return buf
 
 
 class GroupedLinear(QuantizerStateMixin, BasicOperation):
@@ -249,7 +273,16 @@ class GroupedLinear(QuantizerStateMixin, BasicOperation):
         state = active_autocast()
         dtype = input_.dtype
         wgrad = ctx.requires_grad and self.weight0.requires_grad
-        y = torch.empty(x2d.shape[0], self.out_features, dtype=dtype, device=x2d.device)
+        kwargs = basic_op_kwargs[0]
+        unknown = sorted(set(kwargs) - set(_BUFFER_KEYS))
+        require(not unknown, f"GroupedLinear: unknown op_kwargs {unknown}; expected {list(_BUFFER_KEYS)}")
+        out_shape = (*input_.shape[:-1], self.out_features)
+        out_buf = _caller_buffer(kwargs, OUTPUT_BUFFER_KEY, out_shape, dtype, x2d.device)
+        grad_buf = _caller_buffer(kwargs, GRAD_INPUT_BUFFER_KEY, tuple(input_.shape), dtype, x2d.device)
+        if out_buf is not None:
+            y = out_buf.view(-1, self.out_features)  # groups write their rows straight into it
+        else:
+            y = torch.empty(x2d.shape[0], self.out_features, dtype=dtype, device=x2d.device)
         xs: list[Optional[torch.Tensor]] = []
         ws: list[Optional[torch.Tensor]] = []
         start = 0
@@ -295,7 +328,10 @@ class GroupedLinear(QuantizerStateMixin, BasicOperation):
             ctx.fp8 = state is not None
             ctx.input_shape = input_.shape
             ctx.scales_requires_grad = self._scale_bias and basic_op_extra_inputs[0][1].requires_grad
-        return y.reshape(*input_.shape[:-1], self.out_features), [()]
+            ctx.grad_input_buffer = grad_buf
+        if out_buf is not None:
+            return out_buf, [()]
+        return y.reshape(out_shape), [()]
 
     def fuser_backward(
         self,
@@ -312,7 +348,13 @@ class GroupedLinear(QuantizerStateMixin, BasicOperation):
         dy2d = grad_output.reshape(-1, self.out_features)
         dtype = grad_output.dtype
         wgrad = self.weight0.requires_grad
-        dx = torch.empty(dy2d.shape[0], self.in_features, dtype=dtype, device=dy2d.device)
+        grad_buf = getattr(ctx, "grad_input_buffer", None)
+        if grad_buf is not None:
+            require(grad_buf.dtype == dtype, f"GroupedLinear {GRAD_INPUT_BUFFER_KEY}: dtype {grad_buf.dtype}, but "
+                                             f"the input gradient is {dtype}")
+            dx = grad_buf.view(-1, self.in_features)  # groups write their rows straight into it
+        else:
+            dx = torch.empty(dy2d.shape[0], self.in_features, dtype=dtype, device=dy2d.device)
         dws: list[Optional[torch.Tensor]] = []
         dbs: list[Optional[torch.Tensor]] = []
         dscales = None
@@ -361,5 +403,7 @@ class GroupedLinear(QuantizerStateMixin, BasicOperation):
         grad_extra: tuple[Optional[torch.Tensor], ...] = (None,)
         if self._scale_bias:
             grad_extra = (None, None if dscales is None else dscales.to(scales.dtype))
+        if grad_buf is not None:
+            return grad_buf, [grad_params], [grad_extra]
         return dx.reshape(ctx.input_shape), [grad_params], [grad_extra]
 
