@@ -40,8 +40,9 @@ import tempfile
 import time
 import traceback
 from datetime import timedelta
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
+import pytest
 import torch.multiprocessing as mp
 
 __all__ = ["run_distributed", "DistributedTestError"]
@@ -173,3 +174,37 @@ def run_distributed(
             f"run_distributed({fn.__name__}): ranks {missing} did not finish within {timeout}s"
         )
     return [values[r] for r in range(world_size)]
+
+
+def run_cases(
+    cases: dict[str, Callable[[int, int], Any]], rank: int, world_size: int,
+    unavailable: Callable[[str], Optional[str]] = lambda name: None,
+) -> dict[str, tuple[str, Any]]:
+    """Run every case on this rank (inside :func:`run_distributed`): ``name -> ("ok",
+    value)`` or ``("fail", traceback)``, so one failing case does not hide the others.
+    ``unavailable(name)``: a reason to skip that case here (reported as ``{"skipped": why}``)."""
+    results: dict[str, tuple[str, Any]] = {}
+    for name, fn in cases.items():
+        why = unavailable(name)
+        if why is not None:
+            results[name] = ("ok", {"skipped": why})
+            continue
+        try:
+            results[name] = ("ok", fn(rank, world_size))
+        except Exception:  # noqa: BLE001 - reported per case
+            results[name] = ("fail", traceback.format_exc())
+    return results
+
+
+def case_values(results: list[dict[str, tuple[str, Any]]], name: str) -> list[Any]:
+    """Every rank's value of case ``name`` from :func:`run_cases`; fails the test with the
+    rank's traceback, or skips it when the case reported ``{"skipped": why}``."""
+    values = []
+    for rank, res in enumerate(results):
+        status, value = res[name]
+        if status != "ok":
+            pytest.fail(f"case {name} failed on rank {rank}:\n{value}", pytrace=False)
+        if isinstance(value, dict) and "skipped" in value:
+            pytest.skip(value["skipped"])
+        values.append(value)
+    return values

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import copy
 import importlib.util
-import traceback
 from typing import Any, Callable
 
 import pytest
@@ -27,7 +26,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from dist_utils import run_distributed
+from dist_utils import case_values, run_cases, run_distributed
 
 pytestmark = pytest.mark.multirank
 
@@ -441,28 +440,12 @@ def problems_are_listed_together(rank: int, world: int) -> dict[str, str]:
 
 
 def _run_all_cases(rank: int, world: int) -> dict[str, tuple[str, Any]]:
-    results: dict[str, tuple[str, Any]] = {}
-    for name, fn in _CASES.items():
-        try:
-            results[name] = ("ok", fn(rank, world))
-        except Exception:  # noqa: BLE001 - reported per case
-            results[name] = ("fail", traceback.format_exc())
-    return results
+    return run_cases(_CASES, rank, world)
 
 
 @pytest.fixture(scope="module")
 def results() -> list[dict[str, tuple[str, Any]]]:
     return run_distributed(2, _run_all_cases, timeout=240)
-
-
-def _values(results: list[dict], name: str) -> list[Any]:
-    values = []
-    for rank, res in enumerate(results):
-        status, value = res[name]
-        if status != "ok":
-            pytest.fail(f"case {name} failed on rank {rank}:\n{value}", pytrace=False)
-        values.append(value)
-    return values
 
 
 def _check_before_after(result: dict[str, Any], tol: float = 1e-5) -> None:
@@ -474,20 +457,20 @@ def _check_before_after(result: dict[str, Any], tol: float = 1e-5) -> None:
 
 
 def test_megatron_interface_fixture_unchanged_by_wrap(results) -> None:
-    for value in _values(results, "megatron_style_fixture"):
+    for value in case_values(results, "megatron_style_fixture"):
         for sp in (False, True):
             _check_before_after(value[f"sp={sp}"])
 
 
 @pytest.mark.skipif(not HAVE_MEGATRON, reason="megatron.core is not installed")
 def test_megatron_core_layers_unchanged_by_wrap(results) -> None:
-    for value in _values(results, "megatron_core_layers"):
+    for value in case_values(results, "megatron_core_layers"):
         _check_before_after(value)
         assert value["vs_fixture"] <= 1e-5
 
 
 def test_plan_converts_plain_model(results) -> None:
-    for value in _values(results, "plain_model_with_plan"):
+    for value in case_values(results, "plain_model_with_plan"):
         for key, rel in value.items():
             if key.endswith("returns_tensor"):
                 assert rel == 1.0, key
@@ -496,7 +479,7 @@ def test_plan_converts_plain_model(results) -> None:
 
 
 def test_fp8_through_wrap_reduces_once_per_direction(results) -> None:
-    r0, r1 = _values(results, "fp8_through_wrap")
+    r0, r1 = case_values(results, "fp8_through_wrap")
     # Two steps: per step one forward (2 GEMMs x input, weight) and one backward (2 x grad_output).
     assert r0["max_calls"] == [4, 2, 4, 2], r0["max_calls"]
     assert torch.equal(r0["scales"][0], r0["scales"][1]), "scales differ across ranks"
@@ -504,7 +487,7 @@ def test_fp8_through_wrap_reduces_once_per_direction(results) -> None:
 
 
 def test_wrap_lists_every_problem_in_one_error(results) -> None:
-    r0, _ = _values(results, "problems_are_listed_together")
+    r0, _ = case_values(results, "problems_are_listed_together")
     plan = r0["plan"]
     for needle in ("fc1: out_features (7) is not divisible by the TP size (2)",
                    "plan['fc2']: unknown style 'diagonal'",

@@ -18,8 +18,7 @@ from __future__ import annotations
 
 import copy
 import importlib.util
-import traceback
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import pytest
 import torch
@@ -27,7 +26,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from dist_utils import run_distributed
+from dist_utils import case_values, run_cases, run_distributed
 from layers import FusedColumn, ShardSpec, shard_tensor
 from tolerances import tols
 
@@ -272,17 +271,14 @@ def unequal_fused_errors(rank: int, world: int) -> dict[str, str]:
     return out
 
 
+def _needs_transformers(name: str) -> Optional[str]:
+    if name.startswith(("phi3", "fused_attention")) and not HAVE_TRANSFORMERS:
+        return "transformers is not installed"
+    return None
+
+
 def _run_all_cases(rank: int, world: int) -> dict[str, tuple[str, Any]]:
-    results: dict[str, tuple[str, Any]] = {}
-    for name, fn in _CASES.items():
-        if name.startswith(("phi3", "fused_attention")) and not HAVE_TRANSFORMERS:
-            results[name] = ("ok", {"skipped": "transformers is not installed"})
-            continue
-        try:
-            results[name] = ("ok", fn(rank, world))
-        except Exception:  # noqa: BLE001 - reported per case
-            results[name] = ("fail", traceback.format_exc())
-    return results
+    return run_cases(_CASES, rank, world, _needs_transformers)
 
 
 @pytest.fixture(scope="module")
@@ -290,24 +286,12 @@ def results() -> list[dict[str, tuple[str, Any]]]:
     return run_distributed(2, _run_all_cases, timeout=300)
 
 
-def _values(results: list[dict], name: str) -> list[Any]:
-    values = []
-    for rank, res in enumerate(results):
-        status, value = res[name]
-        if status != "ok":
-            pytest.fail(f"case {name} failed on rank {rank}:\n{value}", pytrace=False)
-        if isinstance(value, dict) and "skipped" in value:
-            pytest.skip(value["skipped"])
-        values.append(value)
-    return values
-
-
 # ---- tests -----------------------------------------------------------------------------
 
 
 @pytest.mark.multirank
 def test_phi3_tp2_matches_unwrapped_float64(results) -> None:
-    for v in _values(results, "phi3_family_plan"):
+    for v in case_values(results, "phi3_family_plan"):
         assert "plan for model_type 'phi3'" in v["report"], v["report"]
         assert "fused_column(q=32, k=16, v=16)" in v["report"], v["report"]
         assert "fused_column(parts=2)" in v["report"], v["report"]
@@ -328,20 +312,20 @@ def test_phi3_tp2_matches_unwrapped_float64(results) -> None:
 
 @pytest.mark.multirank
 def test_phi3_kv_heads_not_dividing_tp_refused(results) -> None:
-    for v in _values(results, "phi3_kv_heads_refused"):
+    for v in case_values(results, "phi3_kv_heads_refused"):
         assert "config.num_key_value_heads (1) is not divisible by the TP size (2)" in v["error"], v["error"]
 
 
 @pytest.mark.multirank
 def test_excluded_fused_attention_left_alone(results) -> None:
-    for v in _values(results, "fused_attention_excluded"):
+    for v in case_values(results, "fused_attention_excluded"):
         for label in ("gpt2", "phi3"):
             assert isinstance(v[label], float) and v[label] <= 0, (label, v[label])
 
 
 @pytest.mark.multirank
 def test_excluding_half_of_a_tp_pair_refused(results) -> None:
-    for v in _values(results, "half_attention_excluded"):
+    for v in case_values(results, "half_attention_excluded"):
         assert ("model.layers.1.self_attn.qkv_proj is excluded but its sibling(s) "
                 "['model.layers.1.self_attn.o_proj'] are sharded") in v["error"], v["error"]
         assert "exclude model.layers.1.self_attn instead" in v["error"], v["error"]
@@ -349,7 +333,7 @@ def test_excluding_half_of_a_tp_pair_refused(results) -> None:
 
 @pytest.mark.multirank
 def test_unequal_fused_projection_split_per_part(results) -> None:
-    for v in _values(results, "unequal_fused_block"):
+    for v in case_values(results, "unequal_fused_block"):
         # The old way: a plain column gives rank 0 all of q -- wrong numbers, no error.
         assert v["plain_column"]["y_rel"] > 1e-2, v["plain_column"]
         for label in ("sizes", "heads"):
@@ -362,7 +346,7 @@ def test_unequal_fused_projection_split_per_part(results) -> None:
 
 @pytest.mark.multirank
 def test_unequal_fused_projection_errors(results) -> None:
-    for v in _values(results, "unequal_fused_errors"):
+    for v in case_values(results, "unequal_fused_errors"):
         assert "qkv: fused_column(q=32, k=16, v=8): split sizes [32, 16, 8] sum to 56, but the weight's " \
                "out_features is 64" in v["sum"], v["sum"]
         assert "part 'q' has 33 output features, not divisible by the TP size (2)" in v["part_not_divisible"]

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import copy
 import importlib.util
-import traceback
 from typing import Any, Callable
 
 import pytest
@@ -24,7 +23,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from dist_utils import run_distributed
+from dist_utils import case_values, run_cases, run_distributed
 
 pytestmark = pytest.mark.multirank
 
@@ -403,13 +402,7 @@ def in_place_after_overlap_fusions(rank: int, world: int) -> Any:
 
 
 def _run_all_cases(rank: int, world: int) -> dict[str, tuple[str, Any]]:
-    results: dict[str, tuple[str, Any]] = {}
-    for name, fn in _CASES.items():
-        try:
-            results[name] = ("ok", fn(rank, world))
-        except Exception:  # noqa: BLE001 - reported per case
-            results[name] = ("fail", traceback.format_exc())
-    return results
+    return run_cases(_CASES, rank, world)
 
 
 @pytest.fixture(scope="module")
@@ -417,21 +410,9 @@ def results() -> list[dict[str, tuple[str, Any]]]:
     return run_distributed(2, _run_all_cases, timeout=500)
 
 
-def _values(results: list[dict], name: str) -> list[Any]:
-    values = []
-    for rank, res in enumerate(results):
-        status, value = res[name]
-        if status != "ok":
-            pytest.fail(f"case {name} failed on rank {rank}:\n{value}", pytrace=False)
-        if isinstance(value, dict) and "skipped" in value:
-            pytest.skip(value["skipped"])
-        values.append(value)
-    return values
-
-
 @pytest.mark.parametrize("style", ["megatron_gpt", "megatron_llama", "megatron_gpt_sp", "megatron_llama_sp"])
 def test_megatron_gpt_model_trains_unchanged(results, style: str) -> None:
-    for v in _values(results, style):
+    for v in case_values(results, style):
         assert v["state_dict_same"], "state_dict keys/shapes changed by wrap"
         assert v["sharded_same"], "sharded_state_dict keys changed by wrap"
         assert v["named_params_same"] and v["grad_names_same"] and v["full_state_keys_same"]
@@ -451,7 +432,7 @@ def test_megatron_gpt_model_trains_unchanged(results, style: str) -> None:
 
 
 def test_megatron_fp8_and_main_grad(results) -> None:
-    for v in _values(results, "megatron_fp8_and_main_grad"):
+    for v in case_values(results, "megatron_fp8_and_main_grad"):
         assert v["fp8_loss_rel"] < 0.05, v["fp8_loss_rel"]
         assert any("linear_fc1" in n for n in v["fused"]) and any("linear_qkv" in n for n in v["fused"])
         bad = {n: r for n, r in v["main_grad_rel"].items() if r > 1e-5}
@@ -461,7 +442,7 @@ def test_megatron_fp8_and_main_grad(results) -> None:
 
 @pytest.mark.parametrize("kind", ["llama", "mistral", "qwen2", "gpt_neox", "gpt2"])
 def test_hf_family_plan_matches_unwrapped(results, kind: str) -> None:
-    for v in _values(results, f"hf_{kind}"):
+    for v in case_values(results, f"hf_{kind}"):
         assert v["keys_same"], "state_dict keys changed by wrap"
         assert v["logits_rel"] < 1e-5 and v["grad_rel"] < 1e-4, (v["logits_rel"], v["grad_rel"])
         for a, b in zip(v["losses"], v["losses_ref"]):
@@ -473,7 +454,7 @@ def test_hf_family_plan_matches_unwrapped(results, kind: str) -> None:
 
 
 def test_hf_mqa_refused_and_exclusion_reported(results) -> None:
-    for v in _values(results, "hf_mqa_refused_and_exclusion"):
+    for v in case_values(results, "hf_mqa_refused_and_exclusion"):
         assert "config.num_key_value_heads (1) is not divisible by the TP size (2)" in v["mqa"], v["mqa"]
         report = v["report"]
         assert ("model.layers.1.mlp", "excluded by the caller") in report.left
@@ -484,13 +465,13 @@ def test_hf_mqa_refused_and_exclusion_reported(results) -> None:
 
 
 def test_nanogpt_fused_qkv(results) -> None:
-    for v in _values(results, "nanogpt_fused_qkv"):
+    for v in case_values(results, "nanogpt_fused_qkv"):
         assert v["fused"] < 1e-5, v
         assert v["plain_column"] > 1e-2, "a plain column split of [q; k; v] should be visibly wrong"
 
 
 def test_in_place_after_overlap_fusions(results) -> None:
-    for v in _values(results, "in_place_after_overlap_fusions"):
+    for v in case_values(results, "in_place_after_overlap_fusions"):
         for sp in (True, False):
             r = v[f"sp={sp}"]
             assert r["y"] == 0.0 and r["dx"] == 0.0, r
@@ -501,7 +482,7 @@ def test_in_place_after_overlap_fusions(results) -> None:
 
 
 def test_launcher_megatron_gpt_builder(results) -> None:
-    for v in _values(results, "launcher_megatron_gpt"):
+    for v in case_values(results, "launcher_megatron_gpt"):
         for act in ("gelu", "swiglu"):
             r = v[act]
             assert r["loss_vs_masked_mean"] < 1e-5 and r["sp_loss"] < 1e-5, r
