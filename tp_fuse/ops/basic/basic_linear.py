@@ -10,6 +10,16 @@ import torch
 
 from comm import all_reduce
 
+from ...quantization import (
+    Float8Tensor,
+    OpQuantizers,
+    active_autocast,
+    fp8_gemm,
+    is_block_recipe,
+    is_quantized_tensor,
+    make_fp8_parameter,
+    model_init_recipe,
+)
 from ...recipe import NVFP4BlockScaling
 from ..extra_state import QuantizerStateMixin
 from ..op import BasicOperation, OperationContext, require
@@ -110,7 +120,6 @@ class BasicLinear(QuantizerStateMixin, BasicOperation):
             torch.nn.init.kaiming_uniform_(weight, a=math.sqrt(5))
         else:
             init_method(weight)
-        from ...quantization import OpQuantizers, make_fp8_parameter, model_init_recipe
 
         self._quantizers = OpQuantizers(("input", "weight", "grad_output"))
         recipe = model_init_recipe()
@@ -221,8 +230,6 @@ class BasicLinear(QuantizerStateMixin, BasicOperation):
         the FP8 casts and GEMMs under an FP8 recipe, none in high precision. Block-scaled
         recipes cast with ``block_quantize``, NVFP4 with ``nvfp4_quantize``; their GEMM
         (``block_gemm``) is not a ``tp_fuse.kernels`` function."""
-        from ...quantization import active_autocast, is_block_recipe
-
         state = active_autocast()
         if state is None:
             return ()
@@ -234,8 +241,6 @@ class BasicLinear(QuantizerStateMixin, BasicOperation):
 
     def fp8_quantizers(self) -> Optional[dict[str, Any]]:
         """This op's quantizers for the recipe in force, or None when FP8 is off."""
-        from ...quantization import active_autocast
-
         state = active_autocast()
         if state is None:
             return None
@@ -251,8 +256,6 @@ class BasicLinear(QuantizerStateMixin, BasicOperation):
         read (x for wgrad, W for dgrad) in the same pass; they are held until
         the backward, as Transformer Engine holds its column-wise copies.
         """
-        from ...quantization import active_autocast, is_quantized_tensor
-
         state = active_autocast()
         assert state is not None
         qs = self._quantizers.get(state.recipe, state.amax_reduction_group)
@@ -326,7 +329,6 @@ class BasicLinear(QuantizerStateMixin, BasicOperation):
         if bias is not None and bias.dtype != x.dtype:
             bias = bias.to(x.dtype)
         if ctx.fp8:
-            from ...quantization import fp8_gemm
 
             x_fp8, w_fp8 = self.quantize_operands(x2d, ctx)
             out_dtype = x.dtype
@@ -397,7 +399,6 @@ class BasicLinear(QuantizerStateMixin, BasicOperation):
         if grad_input_accumulate is not None:
             acc = grad_input_accumulate.reshape(-1, self.in_features)
         if self._context_fp8(ctx):
-            from ...quantization import fp8_gemm
 
             dy_fp8, fresh = ctx.grad_quantizer.quantize_or_pass(dy2d, transpose=self.weight.requires_grad)
             if fresh:
@@ -512,7 +513,6 @@ def weight_in_dtype(w: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     weight dequantized (not converted as a parameter with its master)."""
     if w.dtype == dtype:
         return w
-    from ...quantization import Float8Tensor
 
     if isinstance(w, Float8Tensor):
         return w.dequantize(dtype)
