@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from tp_fuse.quantization import DelayedScalingQuantizer, scaling
+from tp_fuse.quantization.quantizer import update_delayed_quantizers
 from tp_fuse.recipe import DelayedScaling, Float8CurrentScaling, Format, Recipe
 
 E4M3_MAX, E5M2_MAX = 448.0, 57344.0
@@ -208,3 +209,31 @@ def test_round_down_to_power_of_2() -> None:
     got = scaling.round_down_to_power_of_2(vals)
     expected = [2.0 ** math.floor(math.log2(v)) for v in vals.double().tolist()]
     assert got.tolist() == expected
+
+
+def test_batched_delayed_update_is_bit_identical_to_per_quantizer_update():
+    """update_delayed_quantizers (one stacked update per step) == q.update() per quantizer,
+    bit for bit, for both built-in amax algorithms, margins, forward/backward formats and
+    NaN / inf / 0 / huge / tiny amaxes."""
+    def build():
+        qs = []
+        for algo in ("max", "most_recent"):
+            for margin in (0, 2):
+                recipe = DelayedScaling(margin=margin, amax_history_len=5, amax_compute_algo=algo)
+                qs += [DelayedScalingQuantizer(recipe, role) for role in ("input", "grad_output")]
+        return qs
+
+    per_quantizer, batched = build(), build()
+    amaxes = [0.5, float("nan"), float("inf"), 0.0, 3e38, 1e-30]
+    for step in range(8):
+        for i, (qa, qb) in enumerate(zip(per_quantizer, batched)):
+            value = torch.tensor(amaxes[(i + step) % len(amaxes)] * (1 + step))
+            qa.amax_history[0] = value
+            qb.amax_history[0] = value
+        for q in per_quantizer:
+            q.update()
+        update_delayed_quantizers(batched)
+        for qa, qb in zip(per_quantizer, batched):
+            for name in ("scale", "amax_history", "last_amax"):
+                assert torch.equal(getattr(qa, name).view(torch.int32), getattr(qb, name).view(torch.int32)), name
+            assert torch.equal(qa.nonfinite_amax_count, qb.nonfinite_amax_count)

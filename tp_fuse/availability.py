@@ -1,8 +1,9 @@
 """``is_fp8_available()`` and siblings (Transformer Engine's names).
 
 Answers for this build of tp_fuse on this machine. FP8 per-tensor GEMMs use
-``torch._scaled_mm``, which torch provides on CPU as well as on CUDA; the probe runs
-one tiny FP8 GEMM on the current device. Formats tp_fuse does not implement report
+``torch._scaled_mm`` on CUDA and its exact emulation on CPU
+(``kernels.fp8_emulation``); the probe runs one tiny FP8 GEMM on the current device
+through that same call site. Formats tp_fuse does not implement report
 False with the reason.
 """
 
@@ -12,6 +13,8 @@ import functools
 from typing import Union
 
 import torch
+
+from .kernels.cuda_rules import scaled_mm
 
 __all__ = [
     "is_bf16_available",
@@ -33,9 +36,9 @@ def _probe_scaled_mm(device: str) -> tuple[bool, str]:
     try:
         a = torch.ones(16, 16, device=device).to(torch.float8_e4m3fn)
         one = torch.ones((), device=device)
-        torch._scaled_mm(a, a.t(), scale_a=one, scale_b=one, out_dtype=torch.float32)
+        scaled_mm(a, a.t(), one, one, torch.float32)
     except (RuntimeError, NotImplementedError) as e:
-        return False, f"torch._scaled_mm does not run on {device}: {e}"
+        return False, f"the FP8 GEMM does not run on {device}: {e}"
     return True, ""
 
 

@@ -24,7 +24,9 @@ rejects, for ``out = mat1 [M, K] @ mat2 [K, N]``:
 
 ``scaled_mm`` is the one place tp_fuse calls ``torch._scaled_mm``: in strict mode it
 checks these rules first and raises :class:`~comm.nccl_rules.CudaConformanceError`
-naming every broken rule. ``cuda_semantics(device)`` tells the callers to take their
+naming every broken rule. On CPU it runs the exact emulation of :mod:`.fp8_emulation`
+(strict mode included: the rules are checked, then the CPU computes) unless
+``TP_FUSE_CPU_FP8_GEMM=scaled_mm`` asks for torch's CPU kernel. ``cuda_semantics(device)`` tells the callers to take their
 CUDA branches (e.g. bias handling) also on CPU in strict mode, so that those branches are
 what the checks see.
 """
@@ -36,6 +38,8 @@ from typing import Optional
 import torch
 
 from comm.nccl_rules import STRICT_ENV, CudaConformanceError, strict_cuda_enabled
+
+from .fp8_emulation import cpu_fp8_gemm_path, emulated_scaled_mm
 
 __all__ = ["SCALED_MM_OUT_DTYPES", "cuda_semantics", "scaled_mm", "scaled_mm_violations"]
 
@@ -135,7 +139,10 @@ def scaled_mm(
     bias: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """``torch._scaled_mm(mat1, mat2, scale_a, scale_b, bias=bias, out_dtype=out_dtype)``,
-    after checking CUDA's rules in strict mode (``TP_FUSE_STRICT_CUDA=1``).
+    after checking CUDA's rules in strict mode (``TP_FUSE_STRICT_CUDA=1``); on CPU the
+    exact emulation (``fp8_emulation.emulated_scaled_mm``) unless
+    ``TP_FUSE_CPU_FP8_GEMM=scaled_mm``, which then writes a float64 output as the fp32
+    GEMM widened (oneDNN's CPU kernel refuses float64).
 
     Shapes: ``mat1 [M, K]`` row-major, ``mat2 [K, N]`` column-major, ``out [M, N]``.
     """
@@ -144,4 +151,10 @@ def scaled_mm(
         if issues:
             raise CudaConformanceError(f"{STRICT_ENV}=1: CUDA's torch._scaled_mm would reject this call: "
                                        + "; ".join(issues))
+    if mat1.device.type == "cpu":
+        if cpu_fp8_gemm_path() == "emulate":
+            return emulated_scaled_mm(mat1, mat2, scale_a, scale_b, out_dtype, bias)
+        if out_dtype == torch.float64:
+            out = torch._scaled_mm(mat1, mat2, scale_a=scale_a, scale_b=scale_b, bias=bias, out_dtype=torch.float32)
+            return out.to(torch.float64)
     return torch._scaled_mm(mat1, mat2, scale_a=scale_a, scale_b=scale_b, bias=bias, out_dtype=out_dtype)

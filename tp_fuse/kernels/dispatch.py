@@ -10,7 +10,8 @@ was first imported). Each public function takes ``backend="torch" | "triton" | N
   Exception: the FP8 GEMM (``select_fp8_gemm_backend``). Its auto choice on CUDA is
   ``torch._scaled_mm`` (cuBLASLt); the Triton GEMM has not been benchmarked on a GPU
   yet and runs only when chosen: ``backend="triton"``, or ``TP_FUSE_FP8_GEMM=triton``
-  in the environment for every auto call on CUDA.
+  in the environment for every auto call on CUDA. On CPU it is the exact emulation of
+  ``kernels.fp8_emulation`` (``TP_FUSE_CPU_FP8_GEMM``).
 * ``"triton"``: Triton or an exception. Never a silent fallback.
 * ``"torch"``: the reference implementation.
 
@@ -35,6 +36,8 @@ from dataclasses import dataclass
 from typing import Iterator, Optional
 
 import torch
+
+from .fp8_emulation import CPU_FP8_GEMM_ENV, cpu_fp8_gemm_path
 
 __all__ = [
     "BACKENDS",
@@ -251,6 +254,8 @@ def select_fp8_gemm_backend(
     if backend is not None or device.type != "cuda":
         choice = select_backend("fp8_gemm", device, backend, triton_unsupported=triton_unsupported)
         if choice.backend == "torch" and backend is None:
+            if device.type == "cpu":
+                return BackendChoice("torch", _cpu_fp8_gemm_reason())
             return BackendChoice("torch", f"torch._scaled_mm ({choice.reason})")
         return choice
     requested = os.environ.get(FP8_GEMM_ENV, "")
@@ -274,6 +279,20 @@ def select_fp8_gemm_backend(
         f"torch._scaled_mm (cuBLASLt) on {sm}: {why}; the Triton GEMM runs only when chosen "
         f"(backend='triton' or {FP8_GEMM_ENV}=triton) until a GPU benchmark shows it at least as fast",
     )
+
+
+def _cpu_fp8_gemm_reason() -> str:
+    return _cpu_fp8_gemm_reason_for(cpu_fp8_gemm_path())
+
+
+@functools.lru_cache(maxsize=None)
+def _cpu_fp8_gemm_reason_for(path: str) -> str:
+    if path == "emulate":
+        return (
+            "CPU: exact emulation of torch._scaled_mm (FP8 decoded by table, fp32 GEMM, scales in the "
+            f"epilogue), fast on every CPU; {CPU_FP8_GEMM_ENV}=scaled_mm runs torch's CPU kernel instead"
+        )
+    return f"CPU: torch._scaled_mm ({CPU_FP8_GEMM_ENV}=scaled_mm; its speed depends on the CPU's oneDNN kernel)"
 
 
 def planned_backend(kernel: str, device: torch.device, dtype: Optional[torch.dtype] = None) -> BackendChoice:

@@ -31,6 +31,7 @@ from ._common import (
     triton_dtype_issue,
 )
 from .cuda_rules import cuda_semantics, scaled_mm
+from .fp8_emulation import cpu_fp8_gemm_path
 
 __all__ = ["fp8_gemm"]
 
@@ -58,7 +59,8 @@ def fp8_gemm(
         out      [M, N]  out_dtype (fp32 / bf16 / fp16; float64 on the torch path)
         pre_gelu_out [M, N]  out_dtype when gelu=True, else None
 
-    The torch backend is ``torch._scaled_mm`` (CPU and CUDA; on CUDA cuBLASLt requires
+    The torch backend is ``torch._scaled_mm`` (on CPU its exact emulation, see
+    ``fp8_emulation``; on CUDA cuBLASLt requires
     K and N multiples of 16, fuses a bias only for 16-bit outputs, in the output
     dtype: there the bias is rounded to out_dtype first, and for fp32 outputs it is
     added after the GEMM; it has no float64 output, so a float64 result is the fp32
@@ -93,7 +95,7 @@ def fp8_gemm(
         raise RuntimeError(f"fp8_gemm: {choice.reason}")
     if choice.backend == "torch":
         out, pre = _fp8_gemm_torch(a, b, scale_a, scale_b, out_dtype, bias, gelu)
-        variant = "scaled_mm"
+        variant = "cpu-emulation" if a.device.type == "cpu" and cpu_fp8_gemm_path() == "emulate" else "scaled_mm"
     else:
         from . import gemm_triton
 

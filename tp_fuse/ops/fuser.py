@@ -8,6 +8,7 @@ fused op in the forward pass and another in the backward pass.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 from typing import Any, Optional
 
@@ -36,8 +37,7 @@ def _fusion_key() -> Any:
     state = active_autocast()
     if state is None:
         return None
-    # repr: a recipe mutated in place, or an equal new one, is detected too.
-    return (type(state.recipe).__name__, repr(state.recipe))
+    return state.fusion_key
 
 
 def _autocast_dtype(device_type: str) -> Optional[torch.dtype]:
@@ -45,6 +45,14 @@ def _autocast_dtype(device_type: str) -> Optional[torch.dtype]:
     if torch.is_autocast_enabled(device_type):
         return torch.get_autocast_dtype(device_type)
     return None
+
+
+def _no_torch_autocast(device_type: str, autocast_dtype: Optional[torch.dtype]) -> Any:
+    """``torch.autocast(device_type, enabled=False)``, or nothing when autocast is off
+    already (``autocast_dtype`` None): entering and leaving it costs ~15 us per op call."""
+    if autocast_dtype is None:
+        return contextlib.nullcontext()
+    return torch.autocast(device_type, enabled=False)
 
 
 def _cast(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -148,7 +156,7 @@ class _OperationFuserAutogradFunction(torch.autograd.Function):
                 x = _cast(x, want)
             # Ops choose their dtypes themselves (above); torch.autocast inside them
             # would re-cast GEMM operands behind their backward's back.
-            with torch.autocast(device_type, enabled=False):
+            with _no_torch_autocast(device_type, autocast_dtype):
                 x, fused_extra_outputs = op.fuser_forward(
                     [basic_op_ctxs[i] for i in idxs],
                     x,
@@ -207,7 +215,8 @@ class _OperationFuserAutogradFunction(torch.autograd.Function):
         cast_from: list[Optional[torch.dtype]] = func_ctx.cast_from
         for op, idxs in reversed(fuser.backward_ops):
             routing.add_channel_grads(idxs, grad_extra_per_op, channel_grads)
-            with torch.autocast(grad_output.device.type, enabled=False):
+            device_type = grad_output.device.type
+            with _no_torch_autocast(device_type, _autocast_dtype(device_type)):
                 dx, fused_grad_params, fused_grad_extra_inputs = op.fuser_backward(
                     [basic_op_ctxs[i] for i in idxs],
                     dx,
@@ -398,7 +407,7 @@ class OperationFuser:
         self.maybe_fuse()
         self._last_run = (self._fusion_key, self._fusion_recipe)
 
-        params = [p for op in self.basic_ops for p in op.parameters()]
+        params = self._parameters()
         if len(params) != self.num_params:
             raise RuntimeError(
                 "parameters were added to or removed from an op after it was put in a fuser; "
@@ -413,6 +422,19 @@ class OperationFuser:
         if self.num_extra_outputs == 0:
             return outputs[0]
         return outputs
+
+    def _parameters(self) -> list[torch.Tensor]:
+        """Every basic op's parameters in ``op.parameters()`` order, read every call
+        (FSDP and users may swap a Parameter object between calls). Leaf ops -- all
+        of tp_fuse's -- are read from ``_parameters`` directly: ``Module.parameters()``
+        walks a generator chain per op (~3 us each)."""
+        params: list[torch.Tensor] = []
+        for op in self.basic_ops:
+            if op._modules:
+                params.extend(op.parameters())
+            else:
+                params.extend(p for p in op._parameters.values() if p is not None)
+        return params
 
     def explain(self) -> FuserExplanation:
         """Fusion decisions, and which recipe they are for (``FuserExplanation.basis``).

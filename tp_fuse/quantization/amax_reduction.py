@@ -33,7 +33,7 @@ from comm.nccl_rules import check_collective
 
 from . import scaling
 from .block_quantizer import BlockScalingQuantizer
-from .quantizer import CurrentScalingQuantizer, DelayedScalingQuantizer, Quantizer
+from .quantizer import CurrentScalingQuantizer, DelayedScalingQuantizer, Quantizer, update_delayed_quantizers
 
 __all__ = ["AmaxReductionBuffer", "BackwardAmaxTracker"]
 
@@ -92,8 +92,7 @@ class AmaxReductionBuffer:
             dist.all_reduce(amaxes, op=dist.ReduceOp.MAX, group=self.group)
             for q, amax in zip(quantizers, amaxes.unbind(0)):
                 q.amax_history[0] = amax
-        for q in quantizers:
-            q.update()
+        update_delayed_quantizers(quantizers)
 
 
 class BackwardAmaxTracker:

@@ -108,6 +108,17 @@ class AutocastContext:
         self.recipe = recipe
         self.amax_reduction_group = amax_reduction_group
         self._state = state
+        self._fusion_key: Optional[tuple[str, str]] = None
+
+    @property
+    def fusion_key(self) -> tuple[str, str]:
+        """What the fuser's fusion decisions depend on: the recipe's type and ``repr``
+        (a recipe mutated in place between steps, or an equal new one, is seen as such).
+        Computed once per context: ``repr`` of a recipe costs ~20 us, and every fusion
+        group asks on every call."""
+        if self._fusion_key is None:
+            self._fusion_key = (type(self.recipe).__name__, repr(self.recipe))
+        return self._fusion_key
 
     def _entry(self) -> _Entry:
         return self._state.entry(self.recipe, self.amax_reduction_group)

@@ -31,6 +31,7 @@ from typing import Literal, Optional
 
 import torch
 
+from ..kernels.fp8_emulation import fp8_to_float
 from ..recipe import fp8_dtype_max
 
 __all__ = ["ScaleRule", "BlockSpec", "quantize_blocks", "dequantize_blocks", "expand_scales", "block_amax"]
@@ -102,7 +103,7 @@ def _mul_blocks(x: torch.Tensor, per_block: torch.Tensor, spec: BlockSpec) -> to
     """fp32 ``x * per_block`` with each block's value broadcast over its elements."""
     r, c = x.shape
     br, bc = spec.rows, spec.cols_for(c)
-    x = x.to(torch.float32)
+    x = fp8_to_float(x)
     if r % br == 0 and c % bc == 0:
         # Whole blocks: broadcast over a [gr, br, gc, bc] view, no per-element scale tensor.
         gr, gc = r // br, c // bc

@@ -35,6 +35,7 @@ from typing import Any, Optional
 import torch
 from torch.utils._pytree import tree_map
 
+from ..kernels.fp8_emulation import fp8_to_float
 from .quantized_tensor import QuantizedTensor
 from .te_dtype import DType, te_dtype_of
 
@@ -47,7 +48,7 @@ _FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 def _dequantize_impl(t: "Float8Tensor", dtype: Optional[torch.dtype] = None) -> torch.Tensor:
     """``_data * _scale_inv`` as a plain tensor, outside autograd."""
-    out = t._data.to(torch.float32) * t._scale_inv
+    out = fp8_to_float(t._data) * t._scale_inv
     return out.to(dtype or t.dtype)
 
 

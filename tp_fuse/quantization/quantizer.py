@@ -48,7 +48,10 @@ __all__ = [
     "is_backward_role",
     "make_quantizer",
     "register_recipe_quantizer",
+    "update_delayed_quantizers",
 ]
+
+_FP32_MAX = float(torch.finfo(torch.float32).max)
 
 
 def is_backward_role(role: str) -> bool:
@@ -289,6 +292,7 @@ class DelayedScalingQuantizer(Quantizer):
         """End of step: new scale from the history, then roll the history.
 
         Call after the step's amax has been reduced into ``amax_history[0]``.
+        :func:`update_delayed_quantizers` does the same for many quantizers at once.
         """
         r = self.recipe
         # A NaN/inf amax is counted but never enters the history: with "max" it would
@@ -313,6 +317,57 @@ class DelayedScalingQuantizer(Quantizer):
             "amax_history_max": float(self.amax_history.amax()),
             "nonfinite_amax_count": float(self.nonfinite_amax_count),
         }
+
+
+def _batchable(q: DelayedScalingQuantizer) -> bool:
+    r = q.recipe
+    return r.scaling_factor_compute_algo is None and r.amax_compute_algo in ("max", "most_recent")
+
+
+@torch.no_grad()
+def update_delayed_quantizers(quantizers: list[DelayedScalingQuantizer]) -> None:
+    """``q.update()`` for every quantizer, as a few batched tensor ops instead of ~20 per quantizer.
+
+    Quantizers with the built-in amax algorithms ("max", "most_recent") and no custom
+    scale function are stacked per (device, history length) into ``H [n, L]`` and updated
+    with the same float operations as :meth:`DelayedScalingQuantizer.update` in the same
+    order (bit-identical results: tested); the others run their own ``update``. This is
+    the once-per-step scale update of every FP8 GEMM's quantizers (Transformer Engine
+    does it in one fused kernel over all of them), so its cost is per-step host time.
+    """
+    groups: dict[tuple, list[DelayedScalingQuantizer]] = {}
+    for q in quantizers:
+        if _batchable(q):
+            groups.setdefault((q.amax_history.device, q.amax_history.numel()), []).append(q)
+        else:
+            q.update()
+    for qs in groups.values():
+        if len(qs) == 1:
+            qs[0].update()
+            continue
+        device = qs[0].amax_history.device
+        hist = torch.stack([q.amax_history for q in qs])  # [n, L], slot 0 = this step
+        current = hist[:, 0]
+        bad_current = ~torch.isfinite(current)
+        hist[:, 0] = torch.where(bad_current, torch.zeros_like(current), current)
+        most_recent = torch.tensor([q.recipe.amax_compute_algo == "most_recent" for q in qs], device=device)
+        amax = torch.where(most_recent, hist[:, 0], hist.amax(dim=1))
+        # scaling.delayed_scale, vectorized: (fp8_max / amax) / 2**margin in float64 when
+        # amax is finite and > 0, else the previous scale; clamped to the fp32 range.
+        amax64 = amax.to(torch.float64)
+        usable = torch.isfinite(amax64) & (amax64 > 0)
+        fp8_max = torch.tensor([q.fp8_max for q in qs], dtype=torch.float64, device=device)
+        pow2_margin = torch.tensor([2.0**q.margin for q in qs], dtype=torch.float64, device=device)
+        new = ((fp8_max / torch.where(usable, amax64, torch.ones_like(amax64))) / pow2_margin).clamp(max=_FP32_MAX)
+        old_scale = torch.stack([q.scale for q in qs]).to(torch.float64)
+        new_scale = torch.where(usable, new, old_scale).to(torch.float32)
+        bad = (bad_current | ~torch.isfinite(amax)).to(torch.int64)
+        rolled = torch.roll(hist, -1, 1)
+        rolled[:, 0] = 0.0
+        torch._foreach_add_([q.nonfinite_amax_count for q in qs], list(bad.unbind(0)))
+        torch._foreach_copy_([q.last_amax for q in qs], list(amax.unbind(0)))
+        torch._foreach_copy_([q.scale for q in qs], list(new_scale.unbind(0)))
+        torch._foreach_copy_([q.amax_history for q in qs], list(rolled.unbind(0)))
 
 
 class CurrentScalingQuantizer(Quantizer):

@@ -1,0 +1,123 @@
+"""The CPU FP8 GEMM: an exact emulation of ``torch._scaled_mm`` that is fast on every CPU.
+
+Why not ``torch._scaled_mm`` on CPU: its speed depends on which kernel the CPU gets.
+torch 2.13 sends CPU ``_scaled_mm`` to oneDNN where oneDNN supports FP8 (Xeons with
+AVX512-FP16 / AMX), and there ``e4m3 x e4m3`` and ``e5m2 x e5m2`` run a reference loop:
+``[2048,128] x [512,128]`` takes ~2 s against ~1 ms for the fp32 GEMM, and a float64
+output is refused. Elsewhere (or with oneDNN off) torch dequantizes with a slow scalar
+cast and runs an fp32 GEMM (~2.4x fp32). ``examples/bench_cpu_fp8.py`` measures both.
+
+The emulation is exact up to fp32 summation order, by construction:
+
+* **decode**: an FP8 byte has 256 possible values, each exactly representable in fp32, so
+  ``fp8_to_float`` reads them from a 256-entry table built with torch's own conversion
+  (``index_select``: one vectorized gather, NaN/inf/subnormals included). This is the
+  step that costs; it is 2-3x faster than ``tensor.float()`` for FP8 on CPU.
+* **GEMM**: the product of two FP8 values has at most 2 x 4 significant bits, exact in
+  fp32, so ``mm(decode(A), decode(B))`` is the FP8 GEMM with fp32 accumulation -- what
+  cuBLASLt computes -- up to the order of the fp32 sums (fp64 accumulation for a float64
+  output: more accurate, never less).
+* **epilogue**: ``(acc * scale_a) * scale_b (+ bias in fp32)``, rounded once to the output
+  dtype: the order of ``_scaled_mm``'s fused epilogue and of the Triton GEMM. Scales are
+  tensor-wise (one element) or row-wise (``scale_a [M, 1]``, ``scale_b [1, N]``).
+
+Choice (``TP_FUSE_CPU_FP8_GEMM``): ``emulate`` (default) or ``scaled_mm`` (torch's CPU
+kernel, for comparison or a future CPU with native FP8 GEMMs). The rule: on every CPU
+behaviour measured (oneDNN FP8 on an AVX512-FP16/AMX Xeon; torch's own fallback with
+oneDNN off, the path of CPUs without oneDNN FP8), the emulation was at least as fast as
+``_scaled_mm`` for every dtype pair and shape of the default GPT, and it is the same
+code -- and the same numbers -- on every CPU. ``record_kernel_paths`` logs the variant
+that ran (``cpu-emulation`` / ``scaled_mm``), ``explain`` shows the choice.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+import torch
+
+__all__ = [
+    "CPU_FP8_GEMM_ENV",
+    "CPU_FP8_GEMM_PATHS",
+    "cpu_fp8_gemm_path",
+    "emulated_scaled_mm",
+    "fp8_to_float",
+]
+
+#: Environment variable choosing the CPU FP8 GEMM: "emulate" (default) or "scaled_mm".
+CPU_FP8_GEMM_ENV = "TP_FUSE_CPU_FP8_GEMM"
+CPU_FP8_GEMM_PATHS = ("emulate", "scaled_mm")
+_FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+# (fp8 dtype, device) -> fp32 [256] table of every byte's value. A few KiB; built once.
+_TABLES: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
+
+
+def _table(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    key = (dtype, device)
+    table = _TABLES.get(key)
+    if table is None:
+        codes = torch.arange(256, dtype=torch.uint8, device=device)
+        table = _TABLES[key] = codes.view(dtype).to(torch.float32)
+    return table
+
+
+def fp8_to_float(data: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """``data.to(dtype)`` for float8_e4m3fn / float8_e5m2 ``data`` of any shape, bit-exact.
+
+    A table lookup of the 256 byte values (see module doc); the result is contiguous.
+    Other dtypes are converted with ``.to``.
+    """
+    if data.dtype not in _FP8_DTYPES:
+        return data.to(dtype)
+    flat = data.contiguous().view(torch.uint8).reshape(-1).to(torch.int32)
+    out = _table(data.dtype, data.device).index_select(0, flat).view(data.shape)
+    return out if dtype == torch.float32 else out.to(dtype)
+
+
+def cpu_fp8_gemm_path() -> str:
+    """The CPU FP8 GEMM ``TP_FUSE_CPU_FP8_GEMM`` asks for ("emulate" when unset)."""
+    path = os.environ.get(CPU_FP8_GEMM_ENV, "") or "emulate"
+    if path not in CPU_FP8_GEMM_PATHS:
+        raise ValueError(f"{CPU_FP8_GEMM_ENV}: expected one of {CPU_FP8_GEMM_PATHS}, got {path!r}")
+    return path
+
+
+def _decode_operand(mat: torch.Tensor, acc_dtype: torch.dtype) -> torch.Tensor:
+    # Decode in the operand's storage order: a column-major mat2 [K, N] (the transpose of
+    # a row-major [N, K] weight) is decoded as that [N, K] and transposed back as a view,
+    # with no transpose copy of the FP8 bytes; torch.mm reads either layout.
+    if not mat.is_contiguous() and mat.t().is_contiguous():
+        return fp8_to_float(mat.t(), acc_dtype).t()
+    return fp8_to_float(mat, acc_dtype)
+
+
+def emulated_scaled_mm(
+    mat1: torch.Tensor,
+    mat2: torch.Tensor,
+    scale_a: torch.Tensor,
+    scale_b: torch.Tensor,
+    out_dtype: torch.dtype,
+    bias: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """``torch._scaled_mm(mat1, mat2, scale_a, scale_b, bias=bias, out_dtype=out_dtype)``, emulated.
+
+    Shapes::
+
+        mat1     [M, K]  float8 (any layout; row-major is read without a copy)
+        mat2     [K, N]  float8 (any layout; column-major is read without a copy)
+        scale_a  [] / [1] tensor-wise, or [M, 1] row-wise   fp32 dequantization scales
+        scale_b  [] / [1] tensor-wise, or [1, N] row-wise
+        bias     [N]     optional, any float dtype, added in the accumulation dtype
+        out      [M, N]  out_dtype (float32 / bfloat16 / float16 / float64)
+
+    ``out = round_out_dtype((decode(mat1) @ decode(mat2)) * scale_a * scale_b + bias)`` with
+    fp32 accumulation (fp64 for a float64 output); the products are exact.
+    """
+    acc_dtype = torch.float64 if out_dtype == torch.float64 else torch.float32
+    out = torch.mm(_decode_operand(mat1, acc_dtype), _decode_operand(mat2, acc_dtype))
+    out.mul_(scale_a.to(acc_dtype)).mul_(scale_b.to(acc_dtype))
+    if bias is not None:
+        out.add_(bias.to(acc_dtype))
+    return out if out_dtype == acc_dtype else out.to(out_dtype)
