@@ -47,11 +47,16 @@ def _autocast_dtype(device_type: str) -> Optional[torch.dtype]:
     return None
 
 
+# Reusable: nullcontext holds no state between uses.
+_NULL_CONTEXT = contextlib.nullcontext()
+
+
 def _no_torch_autocast(device_type: str, autocast_dtype: Optional[torch.dtype]) -> Any:
     """``torch.autocast(device_type, enabled=False)``, or nothing when autocast is off
-    already (``autocast_dtype`` None): entering and leaving it costs ~15 us per op call."""
+    already (``autocast_dtype`` None): creating, entering and leaving it costs ~5 us,
+    per op call. One instance serves a whole pass: it is re-entered by each op."""
     if autocast_dtype is None:
-        return contextlib.nullcontext()
+        return _NULL_CONTEXT
     return torch.autocast(device_type, enabled=False)
 
 
@@ -148,15 +153,18 @@ class _OperationFuserAutogradFunction(torch.autograd.Function):
         # Per basic op, the dtype its input had before the fuser cast it (None: not
         # cast); the backward casts the input gradient back to it.
         cast_from: list[Optional[torch.dtype]] = [None] * len(basic_ops)
+        # Ops choose their dtypes themselves (below); torch.autocast inside them would
+        # re-cast GEMM operands behind their backward's back.
+        no_autocast = _no_torch_autocast(device_type, autocast_dtype)
+        channels = fuser.has_extra_tensors
         for op, idxs in fuser.forward_ops:
-            routing.fill_channel_inputs(idxs, basic_op_extra_inputs, extra_outputs, requires_grad)
+            if channels:
+                routing.fill_channel_inputs(idxs, basic_op_extra_inputs, extra_outputs, requires_grad)
             want = basic_ops[idxs[0]].input_dtype(autocast_dtype)
             if want is not None and x.dtype != want:
                 cast_from[idxs[0]] = x.dtype
                 x = _cast(x, want)
-            # Ops choose their dtypes themselves (above); torch.autocast inside them
-            # would re-cast GEMM operands behind their backward's back.
-            with _no_torch_autocast(device_type, autocast_dtype):
+            with no_autocast:
                 x, fused_extra_outputs = op.fuser_forward(
                     [basic_op_ctxs[i] for i in idxs],
                     x,
@@ -164,13 +172,14 @@ class _OperationFuserAutogradFunction(torch.autograd.Function):
                     basic_op_kwargs=[basic_op_kwargs[i] for i in idxs],
                 )
             fused_extra_outputs = [tuple(outs) for outs in fused_extra_outputs]
-            check_sequence_length(op, "extra-output tuples", fused_extra_outputs, len(idxs))
+            if len(fused_extra_outputs) != len(idxs):
+                check_sequence_length(op, "extra-output tuples", fused_extra_outputs, len(idxs))
             for i, outs in zip(idxs, fused_extra_outputs):
-                check_sequence_length(
-                    basic_ops[i], "extra outputs", outs, basic_ops[i].num_extra_outputs
-                )
+                if len(outs) != basic_ops[i].num_extra_outputs:
+                    check_sequence_length(basic_ops[i], "extra outputs", outs, basic_ops[i].num_extra_outputs)
                 extra_outputs[i] = outs
-            routing.check_produced(type(op).__name__, idxs, fused_extra_outputs)
+            if channels:
+                routing.check_produced(type(op).__name__, idxs, fused_extra_outputs)
 
         # Route saved tensors through autograd's ctx (version-counter checks).
         to_save: list[Optional[torch.Tensor]] = []
@@ -213,10 +222,14 @@ class _OperationFuserAutogradFunction(torch.autograd.Function):
         grad_extra_inputs: list[Optional[tuple]] = [None] * len(basic_ops)
         dx: Optional[torch.Tensor] = grad_output
         cast_from: list[Optional[torch.dtype]] = func_ctx.cast_from
+        device_type = grad_output.device.type
+        no_autocast = _no_torch_autocast(device_type, _autocast_dtype(device_type))
+        channels = fuser.has_extra_tensors
+        params_per_op = fuser.params_per_op
         for op, idxs in reversed(fuser.backward_ops):
-            routing.add_channel_grads(idxs, grad_extra_per_op, channel_grads)
-            device_type = grad_output.device.type
-            with _no_torch_autocast(device_type, _autocast_dtype(device_type)):
+            if channels:
+                routing.add_channel_grads(idxs, grad_extra_per_op, channel_grads)
+            with no_autocast:
                 dx, fused_grad_params, fused_grad_extra_inputs = op.fuser_backward(
                     [basic_op_ctxs[i] for i in idxs],
                     dx,
@@ -227,15 +240,18 @@ class _OperationFuserAutogradFunction(torch.autograd.Function):
                 dx = _cast(dx, back)
             fused_grad_params = list(fused_grad_params)
             fused_grad_extra_inputs = list(fused_grad_extra_inputs)
-            check_sequence_length(op, "param-grad lists", fused_grad_params, len(idxs))
-            check_sequence_length(op, "extra-input-grad tuples", fused_grad_extra_inputs, len(idxs))
+            if len(fused_grad_params) != len(idxs) or len(fused_grad_extra_inputs) != len(idxs):
+                check_sequence_length(op, "param-grad lists", fused_grad_params, len(idxs))
+                check_sequence_length(op, "extra-input-grad tuples", fused_grad_extra_inputs, len(idxs))
             for i, gp, ge in zip(idxs, fused_grad_params, fused_grad_extra_inputs):
                 gp, ge = list(gp), tuple(ge)
-                check_sequence_length(basic_ops[i], "param grads", gp, fuser.params_per_op[i])
-                check_sequence_length(basic_ops[i], "extra-input grads", ge, basic_ops[i].num_extra_inputs)
+                if len(gp) != params_per_op[i] or len(ge) != basic_ops[i].num_extra_inputs:
+                    check_sequence_length(basic_ops[i], "param grads", gp, params_per_op[i])
+                    check_sequence_length(basic_ops[i], "extra-input grads", ge, basic_ops[i].num_extra_inputs)
                 grad_params[i] = gp
                 grad_extra_inputs[i] = ge
-            routing.collect_channel_grads(idxs, fused_grad_extra_inputs, channel_grads)
+            if channels:
+                routing.collect_channel_grads(idxs, fused_grad_extra_inputs, channel_grads)
 
         for ctx in basic_op_ctxs:
             ctx.saved_tensors = ()
@@ -272,6 +288,9 @@ class OperationFuser:
             op._lock_extra_tensor_channels()
         self.num_extra_inputs = len(self.routing.external_input_slots)
         self.num_extra_outputs = len(self.routing.public_output_slots)
+        # Whether any basic op has extra inputs or outputs (channels, caller-passed
+        # tensors): without them the per-call routing steps have nothing to do.
+        self.has_extra_tensors = any(op.num_extra_inputs or op.num_extra_outputs for op in basic_ops)
         self.forward_ops: list[OpRun] = []
         self.backward_ops: list[OpRun] = []
         self.fusion_log = FusionLog()

@@ -25,6 +25,7 @@ divergence visible rather than silently scale from the remaining slots.)
 
 from __future__ import annotations
 
+import math
 from typing import Any, Callable, Optional, Union
 
 import torch
@@ -84,8 +85,8 @@ def amax_from_history(
 
 
 def is_nonfinite(amax: torch.Tensor) -> torch.Tensor:
-    """Bool tensor: amax is NaN or +-inf."""
-    return ~torch.isfinite(amax)
+    """Bool tensor: amax is NaN or +-inf (3 tensor ops; ``isfinite`` decomposes into 4)."""
+    return ~(amax.abs() < math.inf)
 
 
 def delayed_scale(
@@ -148,13 +149,15 @@ def current_scale(amax: torch.Tensor, fp8_max: float, power_2_scale: bool = Fals
     ``power_2_scale`` the result is rounded down to a power of two.
     """
     amax64 = amax.detach().reshape(()).to(torch.float64)
-    usable = torch.isfinite(amax64) & (amax64 > 0)
-    safe = torch.where(usable, amax64, torch.ones_like(amax64))
-    scale64 = (fp8_max / safe).clamp(max=_FP32_MAX)
+    # Finite and > 0 in two comparisons (NaN fails both). Unusable amaxes divide to inf,
+    # 0 or NaN, which the where() discards: 8 tensor ops, as this runs per quantize.
+    usable = (amax64 > 0) & (amax64 < math.inf)
+    scale64 = (fp8_max / amax64).clamp(max=_FP32_MAX)
     # Round in float64: rounding to fp32 first could round up onto the next power
     # of two and make the scaled amax exceed fp8_max.
-    scale = round_down_to_power_of_2(scale64) if power_2_scale else scale64.to(torch.float32)
-    return torch.where(usable, scale, torch.ones_like(scale))
+    if power_2_scale:
+        scale64 = round_down_to_power_of_2(torch.where(usable, scale64, 1.0))
+    return torch.where(usable, scale64.to(torch.float32), 1.0)
 
 
 def nan_to_inf(amax: torch.Tensor) -> torch.Tensor:
