@@ -78,7 +78,7 @@ def test_explain_says_which_gemm_path_and_why(fake_gpu):
         seq(x).sum().backward()
         text = str(te.explain(seq))
         plans = _plan_kernels(seq.fusers()[0], CUDA, torch.bfloat16)  # the plan for a (faked) H100
-    assert "fp8_gemm=torch" in text and "torch: CPU: exact emulation of torch._scaled_mm" in text, text
+    assert "fp8_gemm=torch" in text and "torch: inputs on cpu: exact emulation of torch._scaled_mm" in text, text
     gemm_plans = [p for p in plans if p.kernel == "fp8_gemm"]
     assert gemm_plans and all(p.backend == "torch" and "cuBLASLt" in p.reason for p in gemm_plans)
     assert {p.backend for p in plans if p.kernel == "quantize"} == {"triton"}

@@ -247,10 +247,20 @@ def test_hsdp_matches_replicated_dp(ranks4) -> None:
     assert r["placements"] == ["(Replicate(), Shard(dim=0))"]
 
 
+# FP8 under TP x FSDP vs TP x DP: the two reduce gradients in different orders (reduce-
+# scatter vs all-reduce; with sequence parallelism also the norms' TP reduction), so the fp32
+# weights differ in their last bits, and a weight value on an FP8 rounding boundary may then
+# round to the neighbouring E4M3 value (2^-3 relative) in one run and not the other. Measured
+# on an AVX512-FP16/AMX Xeon: 9.7e-05 relative after the test's steps with delayed scaling
+# and SP (with torch's oneDNN FP8 GEMM as with tp_fuse's emulation), 0 for current scaling
+# without SP.
+FP8_FSDP_PARAM_TOL = 1e-3
+
+
 def test_fp8_compute_under_fsdp(ranks4) -> None:
     for r in _values(ranks4, "fp8_compute_under_fsdp"):
         for key, metrics in r.items():
-            _assert_same_training(metrics, f"fp8 {key}")
+            _assert_same_training(metrics, f"fp8 {key}", tol=FP8_FSDP_PARAM_TOL)
 
 
 def test_meta_init_materializes_local_shards_equal_to_eager(ranks4) -> None:

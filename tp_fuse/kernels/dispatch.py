@@ -289,10 +289,12 @@ def _cpu_fp8_gemm_reason() -> str:
 def _cpu_fp8_gemm_reason_for(path: str) -> str:
     if path == "emulate":
         return (
-            "CPU: exact emulation of torch._scaled_mm (FP8 decoded by table, fp32 GEMM, scales in the "
-            f"epilogue), fast on every CPU; {CPU_FP8_GEMM_ENV}=scaled_mm runs torch's CPU kernel instead"
+            "inputs on cpu: exact emulation of torch._scaled_mm (FP8 decoded by table, fp32 GEMM, scales in "
+            f"the epilogue), fast on every CPU (cuBLASLt and Triton run on CUDA); {CPU_FP8_GEMM_ENV}=scaled_mm "
+            "runs torch's CPU kernel instead"
         )
-    return f"CPU: torch._scaled_mm ({CPU_FP8_GEMM_ENV}=scaled_mm; its speed depends on the CPU's oneDNN kernel)"
+    return (f"inputs on cpu: torch._scaled_mm ({CPU_FP8_GEMM_ENV}=scaled_mm; its speed depends on the CPU's "
+            "oneDNN kernel; cuBLASLt and Triton run on CUDA)")
 
 
 def planned_backend(kernel: str, device: torch.device, dtype: Optional[torch.dtype] = None) -> BackendChoice:
