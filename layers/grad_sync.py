@@ -32,7 +32,7 @@ __all__ = ["sync_sequence_parallel_grad", "is_sequence_parallel_grad_synced"]
 
 def _make_hook(group: dist.ProcessGroup):
     def hook(grad: torch.Tensor) -> torch.Tensor:
-        from comm import all_reduce
+        from tp_fuse.comm import all_reduce
 
         # Not in place (comm's default copies): the incoming grad may be shared with
         # other autograd branches.

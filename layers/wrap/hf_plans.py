@@ -1,0 +1,187 @@
+"""Built-in ``wrap()`` plans for Hugging Face decoder families, keyed by ``config.model_type``.
+
+Each plan shards the attention and MLP projections Megatron-style (column-parallel in,
+row-parallel out) and checks the attention heads against the TP size before anything is
+changed. The attention code of these families reshapes projections with ``-1`` heads and
+pairs query/key heads by a fixed group ratio, so local heads work unchanged once every
+rank holds whole heads -- except GPT-2, whose ``split_size`` is set to the local width,
+and Phi-3, whose fused ``qkv_proj`` (``[q; k; v]``, unequal under GQA) is split where
+``config.num_attention_heads`` and ``num_key_value_heads`` say: its attention modules get
+a :class:`LocalHeadsConfig` view with this rank's head counts.
+
+Hugging Face activations are ``[batch, seq, hidden]``: sequence parallelism (which
+splits dim 0) does not apply to these models; ``wrap`` refuses it for a family plan.
+
+This module reads only the model's ``config`` attributes: it never imports
+``transformers`` (GPT-2's ``Conv1D`` is recognised by its class name and layout).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any, Optional, Union
+
+import torch
+
+from .plan_styles import FusedColumn
+from .modules import ParallelLinearAdapter
+
+__all__ = ["FusedColumn", "FamilyPlan", "LocalHeadsConfig", "family_plan", "FAMILIES"]
+
+
+@dataclasses.dataclass
+class FamilyPlan:
+    """A family's plan, its head checks and the attribute fix-ups after conversion.
+
+    ``plan`` is a ``{glob: style}`` dict, or a function of the model's config returning
+    one (a fused projection's split sizes depend on the head counts: Phi-3)."""
+
+    model_type: str
+    plan: Union[dict[str, Any], Callable[[Any], dict[str, Any]]]
+    check: Callable[[Any, int], list[str]]
+    fixup: Optional[Callable[[torch.nn.Module, int], None]] = None
+
+    def plan_for(self, config: Any) -> dict[str, Any]:
+        """The ``{glob: style}`` plan for a model with this ``config``."""
+        return dict(self.plan(config) if callable(self.plan) else self.plan)
+
+
+def _heads_check(config: Any, tp: int) -> list[str]:
+    problems = []
+    heads = getattr(config, "num_attention_heads", None)
+    kv = getattr(config, "num_key_value_heads", None) or heads
+    if heads is None:
+        return ["config has no num_attention_heads: cannot check the attention heads against the TP size"]
+    if heads % tp:
+        problems.append(f"config.num_attention_heads ({heads}) is not divisible by the TP size ({tp})")
+    if kv % tp:
+        problems.append(
+            f"config.num_key_value_heads ({kv}) is not divisible by the TP size ({tp}): every rank needs whole "
+            f"key/value heads (replicating them would break the model's query-to-KV-head grouping); use a TP "
+            f"size that divides {kv}")
+    return problems
+
+
+_LLAMA_LIKE = {
+    "model.layers.*.self_attn.q_proj": "column",
+    "model.layers.*.self_attn.k_proj": "column",
+    "model.layers.*.self_attn.v_proj": "column",
+    "model.layers.*.self_attn.o_proj": "row",
+    "model.layers.*.mlp.gate_proj": "column",
+    "model.layers.*.mlp.up_proj": "column",
+    "model.layers.*.mlp.down_proj": "row",
+}
+
+_GPT_NEOX = {
+    "gpt_neox.layers.*.attention.query_key_value": "column",  # per head [q, k, v]: whole heads per rank
+    "gpt_neox.layers.*.attention.dense": "row",
+    "gpt_neox.layers.*.mlp.dense_h_to_4h": "column",
+    "gpt_neox.layers.*.mlp.dense_4h_to_h": "row",
+}
+
+_GPT2 = {
+    "transformer.h.*.attn.c_attn": FusedColumn(3),
+    "transformer.h.*.attn.c_proj": "row",
+    "transformer.h.*.mlp.c_fc": "column",
+    "transformer.h.*.mlp.c_proj": "row",
+}
+
+
+def _gpt2_fixup(model: torch.nn.Module, tp: int) -> None:
+    # GPT2Attention splits c_attn's output with split(self.split_size) = hidden: make it
+    # the local width so that [q_r; k_r; v_r] separates again -- only where c_attn was
+    # converted (an excluded attention keeps its full projection and width).
+    for m in model.modules():
+        if type(m).__name__ == "GPT2Attention" and isinstance(getattr(m, "c_attn", None), ParallelLinearAdapter):
+            m.split_size = m.embed_dim // tp
+
+
+def _gpt2_check(config: Any, tp: int) -> list[str]:
+    problems = _heads_check(config, tp)
+    if getattr(config, "add_cross_attention", False):
+        problems.append("GPT-2 with add_cross_attention=True is not supported by the built-in plan")
+    return problems
+
+
+def _phi3_plan(config: Any) -> dict[str, Any]:
+    # qkv_proj = [q: heads*d; k: kv*d; v: kv*d] (unequal under GQA); gate_up_proj = [gate; up].
+    # Sizes, not head counts: _heads_check already names num_key_value_heads once for the
+    # whole model instead of once per layer and part.
+    plan: dict[str, Any] = {
+        "model.layers.*.self_attn.o_proj": "row",
+        "model.layers.*.mlp.gate_up_proj": FusedColumn(2, names=("gate", "up")),
+        "model.layers.*.mlp.down_proj": "row",
+    }
+    heads = getattr(config, "num_attention_heads", None)
+    if isinstance(heads, int) and heads > 0:  # else _heads_check has reported it already
+        kv = getattr(config, "num_key_value_heads", None) or heads
+        d = getattr(config, "head_dim", None) or config.hidden_size // heads  # as Phi3Attention computes it
+        plan["model.layers.*.self_attn.qkv_proj"] = FusedColumn((heads * d, kv * d, kv * d), names=("q", "k", "v"))
+    return plan
+
+
+class LocalHeadsConfig:
+    """A view of a shared model config whose head counts are this rank's.
+
+    Phi3Attention finds the end of q in its fused projection's output with
+    ``self.config.num_attention_heads * head_dim``; after wrapping the output holds this
+    rank's ``[q_r; k_r; v_r]``, so that attention module must read ``heads / tp``. The
+    config object is shared by the whole model (and saved with it), so it is not edited:
+    each converted attention module gets this view instead. Every other attribute is
+    read from (and written to) the shared config, so later changes to it (e.g.
+    ``set_attn_implementation``) still reach the attention modules.
+    """
+
+    _LOCAL = ("num_attention_heads", "num_key_value_heads")
+
+    def __init__(self, base: Any, num_attention_heads: int, num_key_value_heads: int) -> None:
+        object.__setattr__(self, "_base", base)
+        object.__setattr__(self, "num_attention_heads", num_attention_heads)
+        object.__setattr__(self, "num_key_value_heads", num_key_value_heads)
+
+    def __getattr__(self, name: str) -> Any:  # only called for names not set on the view
+        if name.startswith("__") or name == "_base":  # copy/pickle probe a bare instance
+            raise AttributeError(name)
+        return getattr(self._base, name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name in self._LOCAL:
+            raise ValueError(f"LocalHeadsConfig: {name} is this rank's head count after wrap(); change the "
+                             f"model's config before wrapping")
+        setattr(self._base, name, value)
+
+    def __repr__(self) -> str:
+        return (f"LocalHeadsConfig(num_attention_heads={self.num_attention_heads}, "
+                f"num_key_value_heads={self.num_key_value_heads}, base={type(self._base).__name__})")
+
+
+def _phi3_fixup(model: torch.nn.Module, tp: int) -> None:
+    # Only attention modules whose qkv_proj was converted (not excluded) see local heads.
+    for m in model.modules():
+        if type(m).__name__ == "Phi3Attention" and isinstance(getattr(m, "qkv_proj", None), ParallelLinearAdapter):
+            config = m.config._base if isinstance(m.config, LocalHeadsConfig) else m.config
+            kv = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+            m.num_key_value_heads = kv // tp  # the k/v slice bounds; num_key_value_groups is unchanged
+            m.config = LocalHeadsConfig(config, config.num_attention_heads // tp, kv // tp)
+
+
+FAMILIES: dict[str, FamilyPlan] = {
+    **{t: FamilyPlan(t, _LLAMA_LIKE, _heads_check) for t in ("llama", "mistral", "qwen2", "qwen3")},
+    "gpt_neox": FamilyPlan("gpt_neox", _GPT_NEOX, _heads_check),
+    "gpt2": FamilyPlan("gpt2", _GPT2, _gpt2_check, _gpt2_fixup),
+    "phi3": FamilyPlan("phi3", _phi3_plan, _heads_check, _phi3_fixup),
+}
+
+
+def family_plan(model: torch.nn.Module) -> Optional[FamilyPlan]:
+    """The built-in plan for ``model.config.model_type``; None when the model has no such
+    config. A Hugging Face model of a family without a plan is a ``ValueError``."""
+    config = getattr(model, "config", None)
+    model_type = getattr(config, "model_type", None)
+    if not isinstance(model_type, str):
+        return None
+    if model_type not in FAMILIES:
+        raise ValueError(f"wrap: no built-in plan for model_type {model_type!r} (built in: {sorted(FAMILIES)}); "
+                         f"pass plan={{glob: style}}")
+    return FAMILIES[model_type]
