@@ -42,6 +42,7 @@ import torch.nn.functional as F
 
 import tp_fuse
 from tp_fuse import kernels, ops
+from tp_fuse.launch.api import train
 from tp_fuse.recipe import (
     DelayedScaling,
     Float8BlockScaling,
@@ -177,8 +178,6 @@ def host_table(hidden: int, tokens: int, repeats: int) -> None:
 
 def gpt_steps(fp8: str, steps: int) -> tuple[float, float, float]:
     """(median step s, wall s, final loss) of the default GPT with ``fp8=<fp8>``, quietly."""
-    from tp_fuse.launch.api import train  # the launcher (Hydra); imported only for this table
-
     quiet = io.StringIO()
     with tempfile.TemporaryDirectory() as run_dir, contextlib.redirect_stdout(quiet), contextlib.redirect_stderr(quiet):
         start = time.perf_counter()
