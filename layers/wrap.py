@@ -65,15 +65,15 @@ import torch.distributed as dist
 from tp_fuse.overlap_config import TPOverlap
 from tp_fuse.recipe import Recipe
 
-from .grad_sync import sync_sequence_parallel_grad, sync_sharded_activation_grad
+from .grad_sync import sync_sequence_parallel_grad
 from .parallel_linear import ColumnParallelLinear, RowParallelLinear
 from .sharding import ShardSpec, set_shard_spec, shard_tensor, tp_rank_and_size
 from .wrap_checks import attention_converted, collapse, expert_problems, tied_problems
 from .wrap_heads import attention_modules, head_problems, localize_heads
 from .wrap_modules import MegatronLinearAdapter, ParallelLinearAdapter, megatron_adapter
+from .wrap_passes import probe_original, sync_traced, trace_lazily
 from .wrap_report import WrapReport
-from .wrap_trace import TraceResult, trace_first_forward, trace_sharded_uses
-from .wrap_verify import Reference, auto_probe, compare, evaluation, make_probe, reference_pass, stash_grads
+from .wrap_verify import compare, make_probe
 from .hf_plans import FamilyPlan, family_plan
 from .plan_styles import FusedColumn
 
@@ -417,7 +417,7 @@ def wrap(
                                   tp_group)
     trace, reference = None, None
     if not problems:
-        trace, reference = _probe_original(model, probe, columns if tp > 1 else [], rows)
+        trace, reference = probe_original(model, probe, columns if tp > 1 else [], rows)
         problems += trace.problems if trace is not None else []
     if problems:
         raise ValueError("wrap: cannot convert the model:\n  - " + "\n  - ".join(collapse(problems)))
@@ -451,19 +451,9 @@ def wrap(
     if fixup is not None:
         fixup(model, tp)
     if trace is not None:
-        _sync_traced(model, trace, tp_group, report)
+        sync_traced(model, trace, tp_group, report)
     elif columns and tp > 1:
-        # No probe for this model: the first forward is traced (before its backward).
-        def finish(result: TraceResult) -> None:
-            if result.problems:
-                raise ValueError("wrap: the first forward of the wrapped model shows it cannot be correct:\n  - "
-                                 + "\n  - ".join(collapse(result.problems)))
-            added = _sync_traced(model, result, tp_group, report)
-            if verbose and rank == 0 and added:
-                print("wrap (traced first forward):\n" + "\n".join(f"  ~ {n}: {how}" for n, how in added))
-
-        trace_first_forward(model, columns, rows, finish)
-        report.traced = "on the first forward (no probe: pass verify=... to trace before converting)"
+        trace_lazily(model, columns, rows, tp_group, report, verbose=verbose and rank == 0)
     _tag_untouched(model)
     if reference is not None:
         transposed = {f"{n}.weight" for n, m in model.named_modules()
@@ -479,44 +469,6 @@ def wrap(
     if verbose and rank == 0:
         print(report)
     return model
-
-
-def _probe_original(model: torch.nn.Module, probe: Optional[Callable[[torch.nn.Module], Any]], columns: list[str],
-                    rows: list[str]) -> tuple[Optional[TraceResult], Optional[Reference]]:
-    """Trace one forward of the original model (and, with a ``verify`` probe, its
-    backward for the comparison after wrapping). The automatic probe of a Hugging Face
-    model is best effort: if it fails, the wrapped model's first forward is traced."""
-    run = probe if probe is not None else (auto_probe(model) if columns else None)
-    if run is None:
-        return None, None
-    stashed = stash_grads(model) if probe is not None else []
-    try:
-        with evaluation(model):
-            trace = trace_sharded_uses(model, lambda: run(model), columns, rows)
-            reference = reference_pass(model, trace.output, stashed) if probe is not None else None
-    except Exception as e:  # noqa: BLE001 - a failing user probe is reported, the automatic one falls back
-        for p, g in stashed:
-            p.grad = g
-        if probe is not None:
-            raise ValueError(f"wrap(verify=...): the probe failed on the original model: {type(e).__name__}: {e}") \
-                from e
-        return None, None
-    trace.output = None
-    return trace, reference
-
-
-def _sync_traced(model: torch.nn.Module, trace: TraceResult, tp_group: dist.ProcessGroup,
-                 report: WrapReport) -> list[tuple[str, str]]:
-    """Sum over TP the gradients of the replicated parameters the trace saw on sharded
-    activations only (``layers.grad_sync``)."""
-    params = dict(model.named_parameters(remove_duplicate=False))
-    added = []
-    for name in trace.to_sync():
-        sync_sharded_activation_grad(params[name], tp_group)
-        added.append((name, f"replicated, used on TP-sharded activations in {sorted(trace.sharded_uses[name])[0]}: "
-                            f"gradient summed over TP"))
-    report.synced += added
-    return added
 
 
 def _split_pair_problems(excluded: list[str], converted: list[str]) -> list[str]:

@@ -312,12 +312,12 @@ def verify_pass(rank: int, world: int) -> Any:
     out["fused_rel"] = _rel(model(x), block(x))
     if HAVE_TRANSFORMERS:
         # The qwen3 bug with the fix switched off: verify names a q/k norm gradient.
-        saved = wrap_module._sync_traced
-        wrap_module._sync_traced = lambda *a, **k: []
+        saved = wrap_module.sync_traced
+        wrap_module.sync_traced = lambda *a, **k: []
         try:
             out["qwen3_unsynced"] = _error(lambda: wrap(_hf("qwen3"), group, verify=True, verbose=False))
         finally:
-            wrap_module._sync_traced = saved
+            wrap_module.sync_traced = saved
         out["qwen3_verified"] = wrap(_hf("qwen3"), group, verify=True, verbose=False).tp_fuse_wrap_report.verified
     return out
 
