@@ -12,6 +12,10 @@ The directory is untrusted input. Nothing in it runs code:
 
 The model is wrapped with its family plan over the TP group (also at TP size 1, so that
 FP8 reaches its GEMMs) and called by the trainer as ``model(tokens, labels) -> loss``.
+At TP size > 1 the wrapped model is first checked against the original
+(``wrap(verify=True)``: one forward and backward on a ``[2, 8]`` token probe, every output
+and gradient compared; ``model.verify=false`` skips it): a model that would train wrong
+stops at start-up with the first differing parameter named.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ import os
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
 from layers import wrap
@@ -114,8 +119,9 @@ class CausalLMLoss(torch.nn.Module):
 
 
 def build_hf_model(path: str, *, tp_group: Any, dtype: torch.dtype, device: torch.device, seed: int,
-                   overlap: Any) -> CausalLMLoss:
-    """Build (weights from safetensors if present, else seeded random init), wrap, return."""
+                   overlap: Any, verify: bool = True) -> CausalLMLoss:
+    """Build (weights from safetensors if present, else seeded random init), wrap (with
+    ``verify=True`` at TP size > 1 when ``verify``), return."""
     import transformers
 
     read_hf_config(path)
@@ -135,5 +141,6 @@ def build_hf_model(path: str, *, tp_group: Any, dtype: torch.dtype, device: torc
             model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype, **common)
     model.to(device)
     if tp_group is not None:
-        wrap(model, tp_group, overlap=overlap)
+        check = verify and dist.get_world_size(tp_group) > 1
+        wrap(model, tp_group, overlap=overlap, verify=True if check else None)
     return CausalLMLoss(model)

@@ -41,9 +41,12 @@ from .wrap_trace import output_leaves
 
 __all__ = ["Reference", "make_probe", "auto_probe", "evaluation", "reference_pass", "compare"]
 
-# Largest max|wrapped - original| / max|original| accepted, by the parameters' dtype.
+# Largest max|wrapped - original| / max|original| accepted, by the parameters' dtype. A
+# conversion error is O(1) on this scale (a wrong head, a partial gradient: 0.5 to 1.2 in
+# issue 22's models); rounding is ~1e-6 in float32. bf16 / fp16 sum the sharded GEMMs in
+# a different order at 8-bit mantissas: 0.1 keeps that noise out and the errors in.
 TOLERANCE = {torch.float64: 1e-9, torch.float32: 1e-4}
-LOW_PRECISION_TOLERANCE = 5e-2  # bf16 / fp16: the sharded GEMMs sum in a different order
+LOW_PRECISION_TOLERANCE = 0.1
 
 
 def auto_probe(model: torch.nn.Module) -> Optional[Callable[[torch.nn.Module], Any]]:
