@@ -45,8 +45,16 @@ Megatron features, a different TP group, weights differing across ranks) are rep
 together in ONE ``ValueError``; nothing is skipped silently. Modules neither
 Megatron-style nor named in the plan, and those matched by ``exclude``, are left
 untouched (replicated); the :class:`WrapReport` lists them with the reason. With
-``plan=None`` a Hugging Face model gets its family's plan (``layers.hf_plans``).
+``plan=None`` a Hugging Face model gets its family's plan (``layers.hf_plans``); an
+explicit plan for such a model keeps the family's checks and fix-ups.
 The replacements keep the model's ``state_dict`` keys (``layers.wrap_modules``).
+
+Never silently wrong: replicated parameters used on TP-sharded activations are found by a
+traced forward and get their gradient summed over TP (``layers.wrap_trace``,
+``layers.wrap_passes``); head counts stored on converted attention modules are localized
+and per-head module lists refused (``layers.wrap_heads``); ties, MoE experts and the
+error's shape (``layers.wrap_checks``); ``verify=`` compares the wrapped model with the
+original (``layers.wrap_verify``).
 
 ``fp8=recipe`` makes the model's forward run inside ``tp_fuse.autocast(recipe,
 amax_reduction_group=fp8_group)`` (one autocast for the whole forward: one amax

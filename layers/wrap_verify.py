@@ -214,7 +214,8 @@ def _agree(problems: list[str], tp_group: dist.ProcessGroup) -> list[str]:
     only)."""
     gathered: list[Any] = [None] * dist.get_world_size(tp_group)
     dist.all_gather_object(gathered, problems, group=tp_group)
-    out = []
+    ranks: dict[str, list[int]] = {}
     for rank, found in enumerate(gathered):
-        out += [f"TP rank {rank}: {p}" for p in found]
-    return out
+        for p in found:
+            ranks.setdefault(p, []).append(rank)
+    return [f"TP rank{'s' if len(r) > 1 else ''} {', '.join(map(str, r))}: {p}" for p, r in ranks.items()]
