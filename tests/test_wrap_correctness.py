@@ -16,7 +16,9 @@ logits, loss, every gradient gathered, AdamW steps) or refused with one clear me
   megatron-core's own TP);
 * ``wrap(verify=...)`` compares the wrapped model with the original and names the first
   differing output and parameter (a fused ``[q; k; v]`` split as a plain column; the
-  qwen3 bug with the fix switched off).
+  qwen3 bug with the fix switched off);
+* ``original_state_dict`` loads strictly into the unwrapped model (Conv1D layout, tied
+  duplicates, persistent buffers) and ``save_pretrained`` writes a loadable directory.
 """
 
 from __future__ import annotations
@@ -322,6 +324,48 @@ def verify_pass(rank: int, world: int) -> Any:
     return out
 
 
+# ---- export: the original state_dict and a Hugging Face directory ------------------------
+
+
+@hf_case
+def export_original_layout(rank: int, world: int) -> Any:
+    """``original_state_dict`` loads strictly into the unwrapped model (GPT-2 Conv1D in its
+    [in, out] layout, a tied lm_head under both names, a persistent buffer) after a
+    training step; ``save_pretrained`` writes a directory transformers loads back."""
+    import tempfile
+
+    from layers import original_state_dict, save_pretrained, wrap
+
+    group = _group()
+    out: dict[str, Any] = {}
+    for kind, over in (("gpt2", {}), ("llama", {"tie_word_embeddings": True})):
+        ref = _hf(kind, **over)
+        ref.register_buffer("calibration", torch.arange(3.0))  # persistent: in the state_dict
+        model = wrap(copy.deepcopy(ref), group, verbose=False)
+        opt, opt_ref = torch.optim.SGD(model.parameters(), lr=0.1), torch.optim.SGD(ref.parameters(), lr=0.1)
+        for m, o in ((model, opt), (ref, opt_ref)):
+            m(_tokens(0), labels=_tokens(0)).loss.backward()
+            o.step()
+        sd = original_state_dict(model, group)
+        fresh = _hf(kind, **over)
+        fresh.register_buffer("calibration", torch.zeros(3))
+        fresh.load_state_dict(sd, strict=True)
+        want = ref.state_dict()
+        out[kind] = {"keys": sorted(sd) == sorted(want),
+                     "rel": max(_rel(t, want[k]) for k, t in fresh.state_dict().items() if t.is_floating_point()),
+                     "buffer": sd["calibration"].tolist()}
+        if kind == "llama":
+            out["tied_shared"] = sd["lm_head.weight"] is sd["model.embed_tokens.weight"]
+        directory = tempfile.mkdtemp(prefix="tp_fuse_export_") if rank == 0 else None
+        holder = [directory]
+        dist.broadcast_object_list(holder, src=0, group=group)
+        save_pretrained(model, group, holder[0])
+        loaded = type(ref).from_pretrained(holder[0]).state_dict()
+        out[kind]["hf_rel"] = max(_rel(loaded[k], want[k]) for k in loaded if k in want)
+        out[kind]["hf_keys"] = sorted(k for k in want if k != "calibration") == sorted(loaded)
+    return out
+
+
 # ---- megatron-core MoE --------------------------------------------------------------------
 
 
@@ -444,6 +488,15 @@ def test_verify_names_the_first_difference(results) -> None:
         assert "first differing gradient: model.layers.0.self_attn.q_norm.weight" in v["qwen3_unsynced"], \
             v["qwen3_unsynced"]
         assert v["qwen3_verified"]
+
+
+def test_export_original_state_dict_and_hf_directory(results) -> None:
+    v = case_values(results, "export_original_layout")[0]
+    for kind in ("gpt2", "llama"):
+        r = v[kind]
+        assert r["keys"] and r["rel"] < TOL and r["buffer"] == [0.0, 1.0, 2.0], r
+        assert r["hf_keys"] and r["hf_rel"] < TOL, r
+    assert v["tied_shared"]
 
 
 def test_megatron_moe_refusal_names_the_exclude_that_works(results) -> None:
