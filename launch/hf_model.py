@@ -38,6 +38,9 @@ __all__ = ["read_hf_config", "gpt_fields", "load_tokenizer", "build_hf_model", "
 
 # Families with a SwiGLU MLP and RMSNorm (the others: GELU and LayerNorm).
 _SWIGLU_RMSNORM = ("llama", "mistral", "qwen2", "qwen3", "phi3")
+# The families +model=hf takes: gpt_fields reads their config.json spellings (wrap's other
+# built-in families, layers.hf_plans.FAMILIES, work through the API).
+LAUNCHER_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gpt_neox", "gpt2")
 
 
 def read_hf_config(path: Any) -> dict[str, Any]:
@@ -55,8 +58,10 @@ def read_hf_config(path: Any) -> dict[str, Any]:
     if not isinstance(data, dict):
         raise ValueError(f"model.path: {file} must hold a JSON object")
     model_type = data.get("model_type")
-    if model_type not in FAMILIES:
-        raise ValueError(f"{file}: model_type {model_type!r} has no built-in wrap plan; supported: {sorted(FAMILIES)}")
+    if model_type not in LAUNCHER_FAMILIES:
+        raise ValueError(f"{file}: model_type {model_type!r} has no built-in wrap plan in the launcher; supported: "
+                         f"{sorted(LAUNCHER_FAMILIES)}" + (" (wrap() itself has one: use the API)"
+                                                           if model_type in FAMILIES else ""))
     return data
 
 

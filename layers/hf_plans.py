@@ -49,6 +49,8 @@ class FamilyPlan:
     plan: Union[dict[str, Any], Callable[[Any], dict[str, Any]]]
     check: Callable[[Any, int], list[str]]
     fixup: Optional[Callable[[torch.nn.Module, int], None]] = None
+    #: ``{module glob: why it stays replicated}``, listed in the wrap report (MoE experts).
+    notes: dict[str, str] = dataclasses.field(default_factory=dict)
 
     def plan_for(self, config: Any) -> dict[str, Any]:
         """The ``{glob: style}`` plan for a model with this ``config``."""
@@ -80,6 +82,56 @@ _LLAMA_LIKE = {
     "model.layers.*.mlp.up_proj": "column",
     "model.layers.*.mlp.down_proj": "row",
 }
+
+_GATED_MLP = {
+    "model.layers.*.mlp.gate_proj": "column",
+    "model.layers.*.mlp.up_proj": "column",
+    "model.layers.*.mlp.down_proj": "row",
+}
+_ATTENTION = {k: v for k, v in _LLAMA_LIKE.items() if ".self_attn." in k}
+
+_STARCODER2 = {**_ATTENTION, "model.layers.*.mlp.c_fc": "column", "model.layers.*.mlp.c_proj": "row"}
+
+_PHI = {
+    "model.layers.*.self_attn.q_proj": "column",
+    "model.layers.*.self_attn.k_proj": "column",
+    "model.layers.*.self_attn.v_proj": "column",
+    "model.layers.*.self_attn.dense": "row",
+    "model.layers.*.mlp.fc1": "column",
+    "model.layers.*.mlp.fc2": "row",
+}
+
+_OPT = {
+    "model.decoder.layers.*.self_attn.q_proj": "column",
+    "model.decoder.layers.*.self_attn.k_proj": "column",
+    "model.decoder.layers.*.self_attn.v_proj": "column",
+    "model.decoder.layers.*.self_attn.out_proj": "row",
+    "model.decoder.layers.*.fc1": "column",
+    "model.decoder.layers.*.fc2": "row",
+}
+
+_GPTJ = {
+    "transformer.h.*.attn.q_proj": "column",
+    "transformer.h.*.attn.k_proj": "column",
+    "transformer.h.*.attn.v_proj": "column",
+    "transformer.h.*.attn.out_proj": "row",
+    "transformer.h.*.mlp.fc_in": "column",
+    "transformer.h.*.mlp.fc_out": "row",
+}
+
+# MoE families: attention (and Qwen2-MoE's shared expert) sharded; the routed experts are
+# fused [experts, ...] parameters that every rank keeps whole (replicated, not sharded).
+_ROUTED = {"model.layers.*.mlp.experts": "routed MoE experts: replicated on every TP rank (not sharded)"}
+_QWEN2_MOE = {**_ATTENTION, **{k.replace(".mlp.", ".mlp.shared_expert."): v for k, v in _GATED_MLP.items()}}
+
+
+def _cohere_check(config: Any, tp: int) -> list[str]:
+    problems = _heads_check(config, tp)
+    if getattr(config, "use_qk_norm", False):
+        problems.append("Cohere with use_qk_norm=True: its q/k LayerNorm weights are per head ([heads, head_dim]) "
+                        "and are not sharded with the heads; exclude the attention blocks (model.layers.*.self_attn)")
+    return problems
+
 
 _GPT_NEOX = {
     "gpt_neox.layers.*.attention.query_key_value": "column",  # per head [q, k, v]: whole heads per rank
@@ -209,6 +261,17 @@ FAMILIES: dict[str, FamilyPlan] = {
     "gpt2": FamilyPlan("gpt2", _GPT2, _gpt2_check),
     "phi3": FamilyPlan("phi3", _phi3_plan, _heads_check, _phi3_fixup),
     "bloom": FamilyPlan("bloom", _BLOOM, _bloom_check, _bloom_fixup),
+    **{t: FamilyPlan(t, _LLAMA_LIKE, _heads_check) for t in ("gemma", "gemma2", "gemma3_text", "granite")},
+    "cohere": FamilyPlan("cohere", _LLAMA_LIKE, _cohere_check),
+    "starcoder2": FamilyPlan("starcoder2", _STARCODER2, _heads_check),
+    # StableLM's per-head q/k LayerNorms (qk_layernorm=True) are refused by wrap's
+    # per-head module-list check (layers.wrap_heads).
+    "stablelm": FamilyPlan("stablelm", {**_ATTENTION, **_GATED_MLP}, _heads_check),
+    "phi": FamilyPlan("phi", _PHI, _heads_check),
+    "opt": FamilyPlan("opt", _OPT, _heads_check),
+    "gptj": FamilyPlan("gptj", _GPTJ, _heads_check),
+    **{t: FamilyPlan(t, _ATTENTION, _heads_check, notes=_ROUTED) for t in ("mixtral", "qwen3_moe")},
+    "qwen2_moe": FamilyPlan("qwen2_moe", _QWEN2_MOE, _heads_check, notes=_ROUTED),
 }
 
 

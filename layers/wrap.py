@@ -397,6 +397,10 @@ def wrap(
         if name == "" and (kind is not None or name in planned):
             problems.append("<root>: the root module itself cannot be replaced in place; wrap its parent")
     problems += expert_problems(experts)
+    if builtin:  # what the family plan leaves replicated on purpose (MoE experts)
+        report.left += [(n, why) for glob, why in family.notes.items() for n, _ in model.named_modules()
+                        if fnmatch.fnmatchcase(n, glob) and not any(n == p or n.startswith(p + ".")
+                                                                     for p in excluded_prefixes)]
     problems += _split_pair_problems(excluded_gemms, [n for n, s in planned.items() if s != "sequence_parallel"])
     unmatched = [g for g in plan if g not in matched_globs]
     if builtin and plan and len(unmatched) == len(plan):

@@ -97,12 +97,29 @@ def _hf(kind: str, **over: Any) -> nn.Module:
         "opt": (tf.OPTConfig, tf.OPTForCausalLM, dict(ffn_dim=64, word_embed_proj_dim=32, dropout=0.0)),
         "bloom": (tf.BloomConfig, tf.BloomForCausalLM, {}),
         "gpt2": (tf.GPT2Config, tf.GPT2LMHeadModel, dict(resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)),
+        "gemma": (tf.GemmaConfig, tf.GemmaForCausalLM, dict(num_key_value_heads=2, intermediate_size=64, head_dim=8)),
+        "gemma2": (tf.Gemma2Config, tf.Gemma2ForCausalLM, dict(num_key_value_heads=2, intermediate_size=64,
+                                                               head_dim=8)),
+        "granite": (tf.GraniteConfig, tf.GraniteForCausalLM, dict(num_key_value_heads=2, intermediate_size=64)),
+        "cohere": (tf.CohereConfig, tf.CohereForCausalLM, dict(num_key_value_heads=2, intermediate_size=64)),
+        "starcoder2": (tf.Starcoder2Config, tf.Starcoder2ForCausalLM, dict(num_key_value_heads=2,
+                                                                           intermediate_size=64)),
+        "gptj": (tf.GPTJConfig, tf.GPTJForCausalLM, dict(rotary_dim=4, resid_pdrop=0.0, embd_pdrop=0.0,
+                                                         attn_pdrop=0.0)),
+        "mixtral": (tf.MixtralConfig, tf.MixtralForCausalLM, dict(num_key_value_heads=2, intermediate_size=64,
+                                                                  num_local_experts=4)),
+        "qwen2_moe": (tf.Qwen2MoeConfig, tf.Qwen2MoeForCausalLM, dict(
+            num_key_value_heads=2, intermediate_size=64, moe_intermediate_size=32, shared_expert_intermediate_size=64,
+            num_experts=4)),
+        "qwen3_moe": (tf.Qwen3MoeConfig, tf.Qwen3MoeForCausalLM, dict(num_key_value_heads=2, intermediate_size=64,
+                                                                      moe_intermediate_size=32, num_experts=4,
+                                                                      num_experts_per_tok=2)),
     }
     config_cls, model_cls, extra = table[kind]
     kw = {**common, **extra, **over}
-    if kind in ("bloom", "gpt2"):  # their configs spell the sizes differently
-        kw = {"vocab_size": V, "n_embd" if kind == "gpt2" else "hidden_size": 32, "n_layer": 2, "n_head": 4,
-              **({"n_positions": S} if kind == "gpt2" else {}), **extra, **over}
+    if kind in ("bloom", "gpt2", "gptj"):  # their configs spell the sizes differently
+        kw = {"vocab_size": V, "hidden_size" if kind == "bloom" else "n_embd": 32, "n_layer": 2, "n_head": 4,
+              **({} if kind == "bloom" else {"n_positions": S}), **extra, **over}
     torch.manual_seed(3)
     model = model_cls(config_cls(**kw))
     with torch.no_grad():  # every parameter perturbed: one-initialized norms hide layout bugs
@@ -193,6 +210,31 @@ def _user_plan_case(kind: str, **over: Any) -> Callable[[int, int], Any]:
 
 for _kind in ("qwen3", "gemma3", "phi", "stablelm", "opt", "bloom"):
     _user_plan_case(_kind)
+
+
+BUILTIN = ("gemma", "gemma2", "gemma3", "granite", "cohere", "starcoder2", "stablelm", "phi", "opt", "gptj", "bloom",
+           "mixtral", "qwen2_moe", "qwen3_moe")
+
+
+def _builtin_case(kind: str) -> Callable[[int, int], Any]:
+    def run(rank: int, world: int) -> Any:
+        """The built-in plan (plan=None), 2 AdamW steps against the unwrapped model."""
+        from layers import wrap
+
+        group = _group()
+        ref = _hf(kind)
+        model = wrap(copy.deepcopy(ref), group, verbose=False)
+        out = _train_against_unwrapped(ref, model, group, steps=2)
+        out["family"] = model.tp_fuse_wrap_report.family
+        out["left"] = model.tp_fuse_wrap_report.left
+        return out
+
+    run.__name__ = f"builtin_{kind}"
+    return hf_case(run)
+
+
+for _kind in BUILTIN:
+    _builtin_case(_kind)
 
 
 @hf_case
@@ -453,6 +495,17 @@ def test_user_plan_qk_norms_synced(results, kind: str, synced: int) -> None:
 def test_head_attributes_localized(results, kind: str, want: str) -> None:
     v = _check_trained(case_values(results, f"train_{kind}"))
     assert v["localized"] and all(how == want for _, how in v["localized"]), v["localized"]
+
+
+@pytest.mark.parametrize("kind", BUILTIN)
+def test_builtin_family_plan_matches_unwrapped(results, kind: str) -> None:
+    v = _check_trained(case_values(results, f"builtin_{kind}"))
+    assert v["family"] == {"gemma3": "gemma3_text"}.get(kind, kind)
+    if kind.endswith("moe") or kind == "mixtral":
+        assert ("model.layers.0.mlp.experts", "routed MoE experts: replicated on every TP rank (not sharded)") \
+            in v["left"], v["left"]
+    if kind in ("gemma3", "qwen3_moe", "phi"):  # q/k norms shared by the heads
+        assert v["synced"], kind
 
 
 def test_refusals_are_one_clear_message(results) -> None:
