@@ -97,6 +97,8 @@ def _hf(kind: str, **over: Any) -> nn.Module:
         "opt": (tf.OPTConfig, tf.OPTForCausalLM, dict(ffn_dim=64, word_embed_proj_dim=32, dropout=0.0)),
         "bloom": (tf.BloomConfig, tf.BloomForCausalLM, {}),
         "gpt2": (tf.GPT2Config, tf.GPT2LMHeadModel, dict(resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)),
+        "phi3": (tf.Phi3Config, tf.Phi3ForCausalLM, dict(num_key_value_heads=2, intermediate_size=64, pad_token_id=0,
+                                                          bos_token_id=0, eos_token_id=0)),
         "gemma": (tf.GemmaConfig, tf.GemmaForCausalLM, dict(num_key_value_heads=2, intermediate_size=64, head_dim=8)),
         "gemma2": (tf.Gemma2Config, tf.Gemma2ForCausalLM, dict(num_key_value_heads=2, intermediate_size=64,
                                                                head_dim=8)),
@@ -237,16 +239,26 @@ for _kind in BUILTIN:
     _builtin_case(_kind)
 
 
-@hf_case
-def train_gpt2_explicit_plan(rank: int, world: int) -> Any:
-    """GPT-2's family plan passed explicitly: split_size is still localized."""
-    from layers import wrap
-    from layers.hf_plans import FAMILIES
+def _explicit_case(kind: str) -> Callable[[int, int], Any]:
+    def run(rank: int, world: int) -> Any:
+        """The family's plan passed explicitly: its fix-ups still run (GPT-2's split_size,
+        Phi-3's local head counts for its fused qkv_proj)."""
+        from layers import wrap
+        from layers.hf_plans import FAMILIES
 
-    group = _group()
-    ref = _hf("gpt2")
-    model = wrap(copy.deepcopy(ref), group, plan=FAMILIES["gpt2"].plan_for(ref.config), verbose=False)
-    return _train_against_unwrapped(ref, model, group, steps=2)
+        group = _group()
+        ref = _hf(kind)
+        model = wrap(copy.deepcopy(ref), group, plan=FAMILIES[kind].plan_for(ref.config), verbose=False)
+        out = _train_against_unwrapped(ref, model, group, steps=2)
+        out["local_config"] = repr(getattr(model.model.layers[0].self_attn, "config", None)) if kind == "phi3" else ""
+        return out
+
+    run.__name__ = f"train_{kind}_explicit_plan"
+    return hf_case(run)
+
+
+for _kind in ("gpt2", "phi3"):
+    _explicit_case(_kind)
 
 
 def _error(fn: Callable[[], Any]) -> str:
@@ -437,8 +449,10 @@ def megatron_moe(rank: int, world: int) -> Any:
     group = _group()
     out: dict[str, Any] = {"refused": _error(lambda: wrap(_megatron_moe(world), group, verbose=False))}
     model, ref = _megatron_moe(world), _megatron_moe(world)
-    wrap(model, group, exclude=["decoder.layers.*.mlp.experts"], verbose=False)
     pos = torch.arange(S)[None].expand(B, S)
+    # verify= with a tuple probe: megatron's parameters are kept, compared shard to shard.
+    wrap(model, group, exclude=["decoder.layers.*.mlp.experts"], verify=(_tokens(2), pos, None), verbose=False)
+    out["verified"] = model.tp_fuse_wrap_report.verified
     for m in (model, ref):
         m.eval()  # megatron-core refuses MoE + TP without SP in training mode (a performance check)
         m(_tokens(0), pos, None, labels=_tokens(1)).mean().backward()
@@ -508,6 +522,11 @@ def test_builtin_family_plan_matches_unwrapped(results, kind: str) -> None:
         assert v["synced"], kind
 
 
+def test_explicit_phi3_plan_keeps_local_head_counts(results) -> None:
+    v = _check_trained(case_values(results, "train_phi3_explicit_plan"))
+    assert "LocalHeadsConfig(num_attention_heads=2, num_key_value_heads=1" in v["local_config"], v["local_config"]
+
+
 def test_refusals_are_one_clear_message(results) -> None:
     v = case_values(results, "refusals")[0]
     qk = v["stablelm_qk"]
@@ -559,3 +578,4 @@ def test_megatron_moe_refusal_names_the_exclude_that_works(results) -> None:
     assert "exclude=['decoder.layers.*.mlp.experts']" in refused and "16 megatron-core MoE expert layers" in refused
     assert v["grad_rel"] == 0.0, v["grad_rel"]  # the excluded experts keep megatron-core's own TP
     assert v["converted"] == 2 * 2 + 1, v["converted"]  # linear_qkv, linear_proj per layer + output layer
+    assert v["verified"]
