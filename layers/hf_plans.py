@@ -9,8 +9,11 @@ rank holds whole heads. Head counts and widths stored on the attention modules (
 (``layers.wrap_heads``); Phi-3's fused ``qkv_proj`` (``[q; k; v]``, unequal under GQA) is
 split where ``config.num_attention_heads`` and ``num_key_value_heads`` say: its attention
 modules get a :class:`LocalHeadsConfig` view with this rank's head counts (the family's
-fix-up). Replicated parameters used on the sharded heads (Qwen3's ``q_norm`` /
-``k_norm``) are found by ``wrap``'s trace and get their gradient summed over TP.
+fix-up); Bloom's attention modules take this rank's heads of the ALiBi bias that
+``BloomModel`` builds for all heads (its fix-up). Replicated parameters used on the sharded
+heads (Qwen3's ``q_norm`` / ``k_norm``) are found by ``wrap``'s trace and get their
+gradient summed over TP. MoE families shard attention (and Qwen2-MoE's shared expert) and
+keep the routed experts replicated (``FamilyPlan.notes``, listed in the report).
 
 A family's checks and fix-ups apply to an explicit ``plan=`` for a model of that family
 too (when the plan shards attention projections).
