@@ -27,7 +27,7 @@ $(STAMP): pyproject.toml
 	mkdir -p $(STAMP_DIR) && rm -f $(STAMP_DIR)/installed-* && touch $(STAMP)
 
 train: install
-	WORLD_SIZE=$(NPROC) $(PYTHON) -m launch.config_errors +model=gpt $(ARGS)
+	WORLD_SIZE=$(NPROC) $(PYTHON) -m tp_fuse.launch.config_errors +model=gpt $(ARGS)
 	$(PYTHON) -m torch.distributed.run --nproc-per-node=$(NPROC) --rdzv-backend=c10d --rdzv-endpoint=localhost:0 \
 		launch/train.py +model=gpt $(ARGS)
 

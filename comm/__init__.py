@@ -12,7 +12,8 @@ from .backend import (
     device_type_for_backend,
     init_distributed,
 )
-from .nccl_rules import CudaConformanceError, check_collective, collective_violations, strict_cuda_enabled
+from .nccl_rules import check_collective, collective_violations
+from ..strict import CudaConformanceError, strict_cuda_enabled
 from .overlap import (
     PendingCollective,
     all_gather_dim0,

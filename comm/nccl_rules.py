@@ -20,7 +20,7 @@ Rules (from torch 2.x ``ProcessGroupNCCL.cpp``: ``ncclDataType``, ``ncclOp``,
 * flat all-gather: ``out.numel() == world_size * in.numel()``; flat reduce-scatter:
   ``in.numel() == world_size * out.numel()``; ``all_to_all_single`` without split sizes:
   dim 0 divisible by the world size; ranks agree on shapes and dtypes (checked across
-  ranks by :func:`comm.check_same_shape`, which ``comm`` turns on in strict mode).
+  ranks by :func:`tp_fuse.comm.check_same_shape`, which ``comm`` turns on in strict mode).
 * point-to-point: no rank sends to or receives from itself; every tensor of one batch on
   one device.
 
@@ -30,24 +30,21 @@ test can turn it on with ``monkeypatch.setenv``; spawned ranks inherit it.
 
 from __future__ import annotations
 
-import os
 from typing import Iterable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 
+from ..strict import STRICT_ENV, CudaConformanceError, strict_cuda_enabled
+
 __all__ = [
-    "CudaConformanceError",
     "NCCL_DTYPES",
-    "STRICT_ENV",
     "check_collective",
     "collective_violations",
     "shape_descriptor",
     "describe_shape",
-    "strict_cuda_enabled",
 ]
 
-STRICT_ENV = "TP_FUSE_STRICT_CUDA"
 
 _FLOAT8 = tuple(
     getattr(torch, n)
@@ -60,18 +57,6 @@ NCCL_DTYPES = (
     torch.float32, torch.float64, torch.bool,
 ) + _FLOAT8  # fmt: skip
 _NCCL_REDUCE_OPS = ("SUM", "PRODUCT", "MIN", "MAX", "AVG", "PREMUL_SUM")
-
-
-class CudaConformanceError(ValueError):
-    """A call that works on CPU would be rejected on CUDA (cuBLASLt ``_scaled_mm`` or NCCL)."""
-
-
-def strict_cuda_enabled() -> bool:
-    """Whether ``TP_FUSE_STRICT_CUDA=1`` is set (read on every call: no cached state)."""
-    value = os.environ.get(STRICT_ENV, "0")
-    if value not in ("0", "1", ""):
-        raise ValueError(f"{STRICT_ENV}: expected 0 or 1, got {value!r}")
-    return value == "1"
 
 
 def _op_name(op: object) -> str:

@@ -86,7 +86,7 @@ class ParallelTopology:
         if not dist.is_initialized():
             raise ValueError(
                 "ParallelTopology needs an initialized default process group "
-                "(call comm.init_distributed() or torch.distributed.init_process_group first)"
+                "(call tp_fuse.comm.init_distributed() or torch.distributed.init_process_group first)"
             )
         world_size = dist.get_world_size()
         self.tp_size, self.dp_size = resolve_parallel_sizes(tp, dp, world_size)

@@ -15,7 +15,7 @@ Memory kinds:
 * CUDA with ``torch.distributed._symmetric_memory`` (``empty`` + ``rendezvous``) present:
   buffers are allocated as symmetric memory and rendezvoused over the group, so peers can
   map each other's buffers (:meth:`UserBufferPool.symmetric_handle`). The overlap
-  algorithms in :mod:`comm.overlap` still move data with NCCL point-to-point on these
+  algorithms in :mod:`tp_fuse.comm.overlap` still move data with NCCL point-to-point on these
   buffers; a peer-write (copy-engine) path is not implemented.
 * CUDA without symmetric memory: plain device tensors (NCCL point-to-point).
 * CPU: plain tensors (gloo point-to-point).

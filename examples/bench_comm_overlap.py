@@ -9,7 +9,7 @@ For each algorithm it measures, as medians over ``--repeats`` runs after ``--war
 slowest rank's time between two barriers):
 
     t_gemm     the fused algorithm's GEMMs (same chunks, same copies) without communication
-    t_comm     the collective alone (comm.all_gather_dim0 / reduce_scatter_dim0 / all_reduce,
+    t_comm     the collective alone (tp_fuse.comm.all_gather_dim0 / reduce_scatter_dim0 / all_reduce,
                impl="auto": gloo -> point-to-point / all-to-all, NCCL -> native)
     t_unfused  collective then one GEMM (AG), or one GEMM then collective (RS, AR)
     t_fused    the overlap algorithm
@@ -33,7 +33,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-import comm
+from tp_fuse import comm
 
 
 def _parse_shape(s: str) -> tuple[int, int, int]:

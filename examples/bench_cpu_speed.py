@@ -177,7 +177,7 @@ def host_table(hidden: int, tokens: int, repeats: int) -> None:
 
 def gpt_steps(fp8: str, steps: int) -> tuple[float, float, float]:
     """(median step s, wall s, final loss) of the default GPT with ``fp8=<fp8>``, quietly."""
-    from launch.api import train  # the launcher (Hydra); imported only for this table
+    from tp_fuse.launch.api import train  # the launcher (Hydra); imported only for this table
 
     quiet = io.StringIO()
     with tempfile.TemporaryDirectory() as run_dir, contextlib.redirect_stdout(quiet), contextlib.redirect_stderr(quiet):

@@ -95,9 +95,9 @@ except (OSError, AttributeError):  # not glibc >= 2.33: fall back to the peak re
 def _build(args, fsdp: bool, device: torch.device):
     from torch.distributed.device_mesh import init_device_mesh
 
-    from layers import GPT, GPTConfig
-    from layers.fsdp import fully_shard_gpt
-    from layers.meta_init import deferred_inits, materialize
+    from tp_fuse.layers import GPT, GPTConfig
+    from tp_fuse.layers.fsdp import fully_shard_gpt
+    from tp_fuse.layers.meta_init import deferred_inits, materialize
 
     dp = args.world // args.tp
     mesh = init_device_mesh(device.type, (dp, args.tp), mesh_dim_names=("dp", "tp"))
@@ -114,7 +114,7 @@ def _build(args, fsdp: bool, device: torch.device):
 
 
 def _step(model, opt, mesh, fsdp: bool, tokens: torch.Tensor) -> None:
-    from launch.grads import allreduce_dp_grads
+    from tp_fuse.launch.grads import allreduce_dp_grads
 
     loss = model(tokens, tokens)
     loss.backward()

@@ -5,7 +5,7 @@ outputs vs the old view aliases (patched back in), alternating order, one proces
 """
 import statistics, time, torch
 import tp_fuse.ops.fuser as fz
-from layers import TransformerLayer
+from tp_fuse.layers import TransformerLayer
 torch.set_num_threads(1)
 layer = TransformerLayer(256, 1024, 4)
 x = torch.randn(512, 2, 256, requires_grad=True)

@@ -80,7 +80,7 @@ class TorchBlock(nn.Module):
 
 
 def build_ours(args: argparse.Namespace, group: dist.ProcessGroup, overlap) -> nn.Module:
-    from layers import TransformerLayer
+    from tp_fuse.layers import TransformerLayer
 
     return nn.Sequential(*[
         TransformerLayer(args.hidden, 4 * args.hidden, args.heads, tp_group=group, sequence_parallel=True,
@@ -99,7 +99,7 @@ def build_dtensor(args: argparse.Namespace, ours: nn.Module, group: dist.Process
         parallelize_module,
     )
 
-    from layers import full_state_dict
+    from tp_fuse.layers import full_state_dict
 
     mesh = init_device_mesh("cpu" if not torch.cuda.is_available() else "cuda", (dist.get_world_size(),))
     blocks = nn.Sequential(*[TorchBlock(args.hidden, args.heads) for _ in range(args.layers)])
@@ -152,7 +152,7 @@ def main() -> None:
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     rank, world = dist.get_rank(), dist.get_world_size()
     group = dist.new_group(list(range(world)))
-    from tp_fuse.overlap_config import OverlapConfig, TPOverlap
+    from tp_fuse.overlap.config import OverlapConfig, TPOverlap
 
     if args.seq % world:
         raise ValueError(f"--seq ({args.seq}) must be divisible by the number of ranks ({world})")

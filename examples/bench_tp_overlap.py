@@ -13,8 +13,8 @@ in high precision and under ``tp_fuse.autocast`` (delayed scaling, HYBRID), and 
 
     t_gemm     the fused op with its communication calls replaced by no-ops: the same
                chunked GEMMs, copies and FP8 casts, nothing on the wire
-    t_comm     the collective alone (comm.all_gather_dim0 of what the fused op sends:
-               fp32 rows, or FP8 bytes; comm.reduce_scatter_dim0 of the fp32 GEMM output)
+    t_comm     the collective alone (tp_fuse.comm.all_gather_dim0 of what the fused op sends:
+               fp32 rows, or FP8 bytes; tp_fuse.comm.reduce_scatter_dim0 of the fp32 GEMM output)
     t_unfused  the same Sequential with overlap switched off in its OverlapConfig
                (FP8: the unfused AllGather moves fp32 and BasicLinear quantizes after it)
     t_fused    the Sequential with the overlap fusion
@@ -48,10 +48,10 @@ from typing import Any, Callable
 
 import torch
 
-import comm
+from tp_fuse import comm
 import tp_fuse
 from tp_fuse.ops import AllGather, BasicLinear, ReduceScatter, Sequential
-from tp_fuse.overlap_config import OverlapConfig, TPOverlap
+from tp_fuse.overlap.config import OverlapConfig, TPOverlap
 from tp_fuse.recipe import DelayedScaling
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -67,10 +67,10 @@ def _shape(s: str) -> tuple[int, int, int]:
 def no_comm() -> Iterator[None]:
     """Replace the transfers of the ring all-gather and the pipelined/ring reduce-scatter
     by no-ops, so that the fused op runs only its compute (for t_gemm)."""
-    ag = importlib.import_module("comm.overlap.ag_gemm")
-    rs = importlib.import_module("comm.overlap.gemm_rs_pipelined")
-    ring = importlib.import_module("comm.overlap.gemm_rs_ring")
-    from comm.overlap.collectives import PendingCollective
+    ag = importlib.import_module("tp_fuse.comm.overlap.ag_gemm")
+    rs = importlib.import_module("tp_fuse.comm.overlap.gemm_rs_pipelined")
+    ring = importlib.import_module("tp_fuse.comm.overlap.gemm_rs_ring")
+    from tp_fuse.comm.overlap.collectives import PendingCollective
 
     saved = (ag.exchange, rs._start_reduce_scatter, ring.exchange)
     ag.exchange = ring.exchange = lambda *a, **k: []

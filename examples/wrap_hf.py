@@ -2,7 +2,7 @@
 
     torchrun --nproc-per-node=2 examples/wrap_hf.py
 
-A tiny random-init ``LlamaForCausalLM`` (no download); ``layers.wrap`` picks the built-in
+A tiny random-init ``LlamaForCausalLM`` (no download); ``tp_fuse.layers.wrap`` picks the built-in
 plan for ``config.model_type == "llama"`` and shards attention and MLP over the 2 ranks.
 """
 
@@ -11,7 +11,7 @@ import torch.distributed as dist
 import transformers
 
 import tp_fuse
-from layers import wrap
+from tp_fuse.layers import wrap
 from tp_fuse.recipe import DelayedScaling
 
 dist.init_process_group("gloo")  # "nccl" on GPUs

@@ -2,7 +2,7 @@
 
 For notebooks and tests; the command line is ``launch/train.py``::
 
-    from launch.api import compose, train
+    from tp_fuse.launch.api import compose, train
     cfg = compose(["+model=gpt", "fp8=delayed", "trainer.max_steps=50"])
     result = train(["+model=gpt", "trainer.max_steps=50"], run_dir="runs/a")
     print(result.final_loss)
@@ -20,7 +20,7 @@ from hydra import initialize_config_dir
 from omegaconf import OmegaConf
 
 from .config import CONFIG_DIR, TrainConfig, from_dict, validate
-from .model import ModelFactory
+from .models.build import ModelFactory
 from .runtime import env_world_size
 
 __all__ = ["CONFIG_DIR", "compose", "train"]

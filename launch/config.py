@@ -21,10 +21,10 @@ from typing import Any, Literal, Optional, Union
 
 import torch
 
-from layers.config import GPTConfig
-from tp_fuse.overlap_config import OverlapConfig as TPOverlapConfig
+from tp_fuse.layers.config import GPTConfig
+from tp_fuse.overlap.config import OverlapConfig as TPOverlapConfig
 
-from .hf_model import gpt_fields
+from .models.hf import gpt_fields
 from .tokenizer import check_tokenizer_choice
 
 __all__ = [
@@ -52,7 +52,7 @@ MEGATRON_NEEDS_CUDA = ("+model=megatron_gpt needs CUDA: megatron-core allocates 
 
 @dataclass
 class ModelConfig:
-    """``model`` group: a preset name plus every :class:`layers.config.GPTConfig` field."""
+    """``model`` group: a preset name plus every :class:`tp_fuse.layers.config.GPTConfig` field."""
 
     name: str = "gpt"
     gpt: GPTConfig = field(default_factory=GPTConfig)
@@ -61,7 +61,7 @@ class ModelConfig:
     path: Optional[str] = None
     #: ``+model=hf`` at ``parallel.tp`` > 1: ``wrap(verify=True)`` at start-up -- one
     #: forward and backward of the wrapped model against the original on a [2, 8] token
-    #: probe (``layers.wrap_verify``; costs one full-model gradient per rank, transiently).
+    #: probe (``tp_fuse.layers.wrap_verify``; costs one full-model gradient per rank, transiently).
     verify: bool = True
 
 
@@ -90,7 +90,7 @@ class OverlapConfig:
 
     ``method``: what GEMM stages the YAML does not name use. ``auto`` (default) measures
     the methods that apply and no overlap at the first step with each shape, the same
-    choice on every TP rank (``tp_fuse.overlap_auto``); choices are saved to
+    choice on every TP rank (``tp_fuse.overlap.auto``); choices are saved to
     ``<run dir>/overlap_choices.json`` and reused from there on restart/resume.
     ``megatron``: Megatron-LM's fixed defaults.
     """
@@ -144,7 +144,7 @@ class DataConfig:
     source: Literal["stdlib", "text", "bin"] = "stdlib"
     paths: list[str] = field(default_factory=list)
     bin_dtype: Literal["uint16", "uint32"] = "uint16"
-    # auto | byte | bpe | <path to tokenizer.json> (launch.tokenizer): auto = byte for
+    # auto | byte | bpe | <path to tokenizer.json> (tp_fuse.launch.tokenizer): auto = byte for
     # model.vocab_size 256, else a BPE of model.vocab_size trained on the corpus.
     tokenizer: str = "auto"
     val_fraction: float = 0.05
@@ -207,7 +207,7 @@ class TrainerConfig:
     fail_at_step: Optional[int] = None
     fail_rank: int = -1
     # Non-finite steps (NaN/inf loss, gradient norm or FP8 amax) in a row that are skipped;
-    # one more stops the run with an error (launch.health).
+    # one more stops the run with an error (tp_fuse.launch.health).
     max_nonfinite_steps: int = 3
     # Activation recompute: none | selective (core attention) | full (every TransformerLayer).
     activation_checkpointing: Literal["none", "selective", "full"] = "none"
@@ -222,7 +222,7 @@ class CheckpointConfig:
     one is still written when ``save_final``). ``resume``: ``true`` = must resume
     (error if none), ``auto`` = resume if one exists, ``false`` = start fresh (an
     elastic restart resumes its own run's newest checkpoint). A fresh start in a
-    directory holding checkpoints is refused unless ``overwrite`` (``launch.run_identity``).
+    directory holding checkpoints is refused unless ``overwrite`` (``tp_fuse.launch.checkpoint.run_identity``).
     """
 
     dir: Optional[str] = None

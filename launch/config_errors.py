@@ -32,7 +32,7 @@ from hydra import compose as hydra_compose
 from hydra import initialize_config_dir
 from omegaconf import OmegaConf
 
-from layers.config import GPTConfig
+from tp_fuse.layers.config import GPTConfig
 
 from .config import (
     CONFIG_DIR,
@@ -84,7 +84,7 @@ def override_key_error(override: str) -> Optional[str]:
 
     Overrides that add (``+``), force-add (``++``) or delete (``~``) keys, Hydra's own
     (``hydra.*``) and group selections (``fp8=delayed``) are left to Hydra and
-    :func:`launch.config.from_dict`.
+    :func:`tp_fuse.launch.config.from_dict`.
     """
     if "=" not in override or override.startswith(("+", "~", "-")):
         return None
@@ -180,7 +180,7 @@ def report_and_exit(message: str, rank: int) -> None:
 
 
 def main(argv: list[str]) -> int:
-    """``python -m launch.config_errors [overrides]``: check a config without training.
+    """``python -m tp_fuse.launch.config_errors [overrides]``: check a config without training.
 
     ``make train`` runs it before torchrun, so a config error is one line, not one per
     rank plus torchrun's failure report. ``WORLD_SIZE`` (default 1) is the world size

@@ -81,7 +81,7 @@ def make_tokenizer(cfg: DataConfig, vocab_size: int, is_rank0: bool = True,
     """The tokenizer of ``data.tokenizer`` (None for pre-tokenized ``bin`` data).
 
     A BPE is trained on the training part of the corpus (the first ``1 - val_fraction``
-    of its bytes) by rank 0 and cached (``launch.tokenizer``).
+    of its bytes) by rank 0 and cached (``tp_fuse.launch.tokenizer``).
     """
     if cfg.source == "bin":
         return None

@@ -1,8 +1,8 @@
 """Data-parallel layout for FSDP2 runs: the ``(dp_replicate, dp_shard, tp)`` device mesh.
 
 ``parallel.dp_shard > 1`` shards the model over ``dp_shard`` ranks with FSDP2
-(``layers.fsdp.fully_shard_gpt``); ``parallel.dp_replicate > 1`` as well gives HSDP
-(replicas of sharded groups). The mesh is row-major like ``comm.ParallelTopology``'s
+(``tp_fuse.layers.fsdp.fully_shard_gpt``); ``parallel.dp_replicate > 1`` as well gives HSDP
+(replicas of sharded groups). The mesh is row-major like ``tp_fuse.comm.ParallelTopology``'s
 ``(dp, tp)`` mesh, so data-parallel rank ``dp = replicate_index * dp_shard +
 shard_index`` and the TP groups are the same ranks in both.
 """

@@ -2,7 +2,7 @@
 
 Sequence-parallel parameters need no work here: ``layers`` all-reduces their
 gradient contributions over the TP group inside the backward pass
-(``layers.grad_sync``). What remains after ``loss.backward()``:
+(``tp_fuse.layers.grad_sync``). What remains after ``loss.backward()``:
 
 * data parallelism -- every DP replica holds the same shards; gradients are averaged
   with one coalesced all-reduce per dtype over the DP group;
@@ -23,8 +23,8 @@ import torch.distributed as dist
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from torch.distributed.tensor import DTensor
 
-from comm.nccl_rules import check_collective
-from layers import get_shard_spec
+from tp_fuse.comm.nccl_rules import check_collective
+from tp_fuse.layers import get_shard_spec
 
 __all__ = ["allreduce_dp_grads", "clip_grads", "global_grad_norm"]
 

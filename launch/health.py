@@ -8,7 +8,7 @@ plausible loss and finite gradients, and would otherwise train on silently.
 Policy (``trainer.max_nonfinite_steps``): a non-finite step skips the optimizer step;
 more than ``max_nonfinite_steps`` of them in a row stop the run with
 :class:`TrainingDivergedError`, naming the step, what was not finite and the last good
-checkpoint. ``launch.checkpoint`` separately refuses to save non-finite state.
+checkpoint. ``tp_fuse.launch.checkpoint.manager`` separately refuses to save non-finite state.
 """
 
 from __future__ import annotations

@@ -13,11 +13,24 @@ import argparse
 import os
 import sys
 
-_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if _ROOT not in sys.path:
-    sys.path.insert(0, _ROOT)
+# `python launch/plot_fp8_stats.py` puts launch/ (not the repository root) on sys.path: take it off
+# (launch/logging/ would stand in for the standard library's logging). From a checkout,
+# import tp_fuse from this checkout, whose comm/, layers/, launch/ are tp_fuse.comm, .layers,
+# .launch (pyproject's package-dir mapping), installed or not.
+_HERE = os.path.dirname(os.path.abspath(__file__))
+_ROOT = os.path.dirname(_HERE)
+sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != _HERE]
+if "tp_fuse" not in sys.modules and os.path.isfile(os.path.join(_ROOT, "tp_fuse", "__init__.py")):
+    import importlib.util
 
-from launch.metrics import read_jsonl  # noqa: E402
+    _spec = importlib.util.spec_from_file_location(
+        "tp_fuse", os.path.join(_ROOT, "tp_fuse", "__init__.py"),
+        submodule_search_locations=[os.path.join(_ROOT, "tp_fuse"), _ROOT],
+    )
+    sys.modules["tp_fuse"] = _tp_fuse = importlib.util.module_from_spec(_spec)
+    _spec.loader.exec_module(_tp_fuse)
+
+from tp_fuse.launch.logging.metrics import read_jsonl  # noqa: E402
 
 ROLES = ("input", "weight", "grad_output")
 

@@ -27,7 +27,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from comm import DistributedContext, ParallelTopology, backend_for_device, init_distributed
+from tp_fuse.comm import DistributedContext, ParallelTopology, backend_for_device, init_distributed
 
 from .config import ParallelLayout, TrainConfig
 

@@ -10,7 +10,7 @@
   stream or data position (resumed runs still repeat uninterrupted ones exactly).
 * :func:`announce` -- parameter counts, the resolved configuration, the validation set,
   the MFU formula and peak, and the W&B mode, printed by rank 0; returns the
-  :class:`launch.report.StepMeter` for the log lines.
+  :class:`tp_fuse.launch.logging.report.StepMeter` for the log lines.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import yaml
 
 from .config import TrainConfig
 from .data import BatchLoader
-from .report import PeakFlops, StepMeter, count_parameters, flops_per_token
+from .logging.report import PeakFlops, StepMeter, count_parameters, flops_per_token
 from .runtime import Runtime
 
 __all__ = ["announce", "presize_overlap_buffers", "say"]

@@ -2,7 +2,7 @@
 
 Also runs as one process: ``python launch/train.py +model=gpt``. The Hydra config is
 composed from ``configs/`` (``configs/train.yaml`` lists the groups), converted once into
-typed dataclasses (``launch.config``) and validated before any process group exists.
+typed dataclasses (``tp_fuse.launch.config``) and validated before any process group exists.
 See ``docs/launcher.md`` for the configuration reference.
 """
 
@@ -12,22 +12,34 @@ import os
 import sys
 from typing import Optional
 
-# `python launch/train.py` puts launch/ (not the repository root) on sys.path.
-_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if _ROOT not in sys.path:
-    sys.path.insert(0, _ROOT)
+# `python launch/train.py` puts launch/ (not the repository root) on sys.path: take it off
+# (launch/logging/ would stand in for the standard library's logging). From a checkout,
+# import tp_fuse from this checkout, whose comm/, layers/, launch/ are tp_fuse.comm, .layers,
+# .launch (pyproject's package-dir mapping), installed or not.
+_HERE = os.path.dirname(os.path.abspath(__file__))
+_ROOT = os.path.dirname(_HERE)
+sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != _HERE]
+if "tp_fuse" not in sys.modules and os.path.isfile(os.path.join(_ROOT, "tp_fuse", "__init__.py")):
+    import importlib.util
+
+    _spec = importlib.util.spec_from_file_location(
+        "tp_fuse", os.path.join(_ROOT, "tp_fuse", "__init__.py"),
+        submodule_search_locations=[os.path.join(_ROOT, "tp_fuse"), _ROOT],
+    )
+    sys.modules["tp_fuse"] = _tp_fuse = importlib.util.module_from_spec(_spec)
+    _spec.loader.exec_module(_tp_fuse)
 
 import hydra  # noqa: E402
 from hydra.core.hydra_config import HydraConfig  # noqa: E402
 from omegaconf import DictConfig, OmegaConf  # noqa: E402
 
-from launch.checkpoint import CheckpointError  # noqa: E402
-from launch.config import from_dict, validate  # noqa: E402
-from launch.config_errors import CONFIG_DIR, precheck, report_and_exit  # noqa: E402
-from launch.health import TrainingDivergedError  # noqa: E402
-from launch.runlog import tee_output  # noqa: E402
-from launch.runtime import env_rank, env_world_size, rank_overrides, start  # noqa: E402
-from launch.trainer import Trainer  # noqa: E402
+from tp_fuse.launch.checkpoint.manager import CheckpointError  # noqa: E402
+from tp_fuse.launch.config import from_dict, validate  # noqa: E402
+from tp_fuse.launch.config_errors import CONFIG_DIR, precheck, report_and_exit  # noqa: E402
+from tp_fuse.launch.health import TrainingDivergedError  # noqa: E402
+from tp_fuse.launch.logging.runlog import tee_output  # noqa: E402
+from tp_fuse.launch.runtime import env_rank, env_world_size, rank_overrides, start  # noqa: E402
+from tp_fuse.launch.trainer import Trainer  # noqa: E402
 
 
 def run(raw: DictConfig) -> Optional[float]:

@@ -13,7 +13,7 @@ One optimizer step::
     every val_interval: validation loss (high precision: never touches FP8 state)
     every checkpoint.interval: atomic distributed checkpoint
 
-Deterministic: batches depend only on the step (``launch.data``), initialization only
+Deterministic: batches depend only on the step (``tp_fuse.launch.data``), initialization only
 on the seed, and all reductions run in a fixed order, so a resumed run repeats the
 uninterrupted one exactly (same layout) -- see ``tests/test_checkpoint*.py``.
 """
@@ -30,22 +30,22 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from layers.fsdp import reduce_sequence_parallel_grads, sequence_parallel_params
+from tp_fuse.layers.fsdp import reduce_sequence_parallel_grads, sequence_parallel_params
 from tp_fuse.debug import DebugSession, Fp8StatsCollector
 
-from .checkpoint import CheckpointManager, TrainingState
+from .checkpoint.manager import CheckpointManager, TrainingState
 from .config import TrainConfig
 from .data import BatchLoader, TokenData, make_tokenizer
 from .fsdp import make_sharded_dp
 from .grads import allreduce_dp_grads, clip_grads, global_grad_norm
 from .health import NonfiniteGuard, TrainingDivergedError
-from .logging_wandb import WandbLogger
-from .metrics import MetricsSink
-from .hf_model import load_tokenizer
-from .model import ModelFactory, build_model, build_recipe, fp8_autocast, fp8_quantizers
+from .logging.wandb_logger import WandbLogger
+from .logging.metrics import MetricsSink
+from .models.hf import load_tokenizer
+from .models.build import ModelFactory, build_model, build_recipe, fp8_autocast, fp8_quantizers
 from .optim import build_optimizer, lr_at, set_lr
-from .progress import Progress
-from .report import format_eta
+from .logging.progress import Progress
+from .logging.report import format_eta
 from .runtime import Runtime, job_key, restart_count
 from .startup import announce, presize_overlap_buffers, say
 
@@ -81,7 +81,7 @@ class Trainer:
     Args:
         cfg: validated configuration.
         rt: the runtime (process groups, device, run directory).
-        model_factory: builds the model (default ``layers.GPT``); same signature.
+        model_factory: builds the model (default ``tp_fuse.layers.GPT``); same signature.
     """
 
     def __init__(self, cfg: TrainConfig, rt: Runtime, model_factory: Optional[ModelFactory] = None) -> None:

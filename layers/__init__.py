@@ -26,8 +26,8 @@ from .sharding import (
 )
 from .tp_regions import CopyToTensorParallelRegion, GatherFromTensorParallelRegion, ScatterToTensorParallelRegion
 from .transformer import TransformerLayer
-from .plan_styles import FusedColumn
-from .wrap import ParallelLinearAdapter, WrapReport, wrap
+from .wrap.plan_styles import FusedColumn
+from .wrap.convert import ParallelLinearAdapter, WrapReport, wrap
 from .wrap_export import original_state_dict, save_pretrained
 
 __all__ = [

@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from tp_fuse.ops import AllGather, AllReduce, BasicLinear, BasicOperation, Bias, LayerNorm, ReduceScatter, RMSNorm
-from tp_fuse.overlap_config import TPOverlap
+from tp_fuse.overlap.config import TPOverlap
 from tp_fuse.quantization import active_autocast
 
 from .grad_sync import sync_sequence_parallel_grad
@@ -56,7 +56,7 @@ class ParallelContext:
         sequence_parallel: activations outside the TP blocks are split along the
             sequence (first) dim over the TP ranks.
         dtype, device: parameter dtype/device.
-        overlap: the :class:`tp_fuse.overlap_config.TPOverlap` handed to every GEMM
+        overlap: the :class:`tp_fuse.overlap.config.TPOverlap` handed to every GEMM
             (``userbuffers_options["overlap"]``) and comm op (``overlap=``); None: each
             comm op's own default ``TPOverlap()`` (overlap ON, Megatron's methods). Pass
             ``TPOverlap(OverlapConfig(enabled=False))`` to switch overlap off.
@@ -79,7 +79,7 @@ class ParallelContext:
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
             raise ValueError(f"seed must be an int or None, got {self.seed!r}")
         if self.overlap is not None and not isinstance(self.overlap, TPOverlap):
-            raise ValueError(f"overlap must be a tp_fuse.overlap_config.TPOverlap or None, got {type(self.overlap).__name__}")
+            raise ValueError(f"overlap must be a tp_fuse.overlap.config.TPOverlap or None, got {type(self.overlap).__name__}")
         tp_rank_and_size(self.tp_group)  # validates the group
 
     @property
@@ -100,7 +100,7 @@ def full_init(ctx: ParallelContext, shape: tuple[int, ...], name: str, init_meth
     """The full (TP=1) fp32 tensor for parameter ``name``, identical at every TP size.
 
     On the ``meta`` device: a stand-in that draws nothing now (materialized later, shard
-    by shard, with the same values; ``layers.meta_init``).
+    by shard, with the same values; ``tp_fuse.layers.meta_init``).
     """
     if ctx.device is not None and ctx.device.type == "meta":
         if ctx.seed is None:
@@ -257,12 +257,12 @@ def row_parallel_ops(
 def dropout_rng(ctx: ParallelContext, rng: Optional["DropoutRNG"]) -> "DropoutRNG":
     """``rng`` if given, else a layer-private one seeded from the layer's seed.
 
-    Models share one :class:`~layers.random.DropoutRNG` between layers (GPT does); a
+    Models share one :class:`~tp_fuse.layers.random.DropoutRNG` between layers (GPT does); a
     standalone layer gets its own, so its masks never come from an unmanaged stream.
     """
     if rng is not None:
         if not isinstance(rng, DropoutRNG):
-            raise ValueError(f"rng must be a layers.random.DropoutRNG, got {type(rng).__name__}")
+            raise ValueError(f"rng must be a tp_fuse.layers.random.DropoutRNG, got {type(rng).__name__}")
         return rng
     seed = ctx.seed if ctx.seed is not None else torch.initial_seed() & 0x7FFFFFFF
     return DropoutRNG(seed, ctx.tp_rank, ctx.device)

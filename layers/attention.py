@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 from tp_fuse.distributed import checkpoint
 from tp_fuse.ops import AddExtraInput, BasicOperation, Dropout, Sequential
-from tp_fuse.overlap_config import TPOverlap
+from tp_fuse.overlap.config import TPOverlap
 
 from ._common import (
     InitMethod,
@@ -90,7 +90,7 @@ class MultiheadAttention(torch.nn.Module):
             leaves positions to the caller (e.g. learned embeddings at the input).
         residual_connection: return ``x + dropout(attention(x))``.
         input_layernorm: normalize the input first (pre-norm).
-        Others as :class:`~layers.layernorm_mlp.LayerNormMLP`.
+        Others as :class:`~tp_fuse.layers.layernorm_mlp.LayerNormMLP`.
     """
 
     def __init__(

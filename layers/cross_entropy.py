@@ -7,7 +7,7 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-from comm.nccl_rules import check_collective
+from tp_fuse.comm.nccl_rules import check_collective
 
 from .sharding import tp_rank_and_size
 

@@ -10,8 +10,8 @@ and keeps what tp-fuse needs across the swap FSDP2 makes of every Parameter:
 
 * the layout attributes (``tp_shard``, Megatron's ``tensor_model_parallel`` /
   ``partition_dim``...), copied onto the new DTensor parameters, so that the gradient
-  norm still counts TP shards once (``layers.sharding.grad_norm``, ``launch.grads``);
-* sequence-parallel gradient sync. The TP all-reduce that ``layers.grad_sync`` hooks on
+  norm still counts TP shards once (``tp_fuse.layers.sharding.grad_norm``, ``tp_fuse.launch.grads``);
+* sequence-parallel gradient sync. The TP all-reduce that ``tp_fuse.layers.grad_sync`` hooks on
   a replicated parameter's gradient cannot ride on FSDP2's unsharded parameter (a new
   tensor each unit owns), so those parameters are listed (``sequence_parallel_params``)
   and :func:`reduce_sequence_parallel_grads` all-reduces their *sharded* gradients over
@@ -58,7 +58,7 @@ def is_fsdp_sharded(model: torch.nn.Module) -> bool:
 def _units(model: torch.nn.Module) -> list[torch.nn.Module]:
     layers = getattr(model, "layers", None)
     if not isinstance(layers, torch.nn.ModuleList):
-        raise ValueError(f"fully_shard_gpt: expected a model with a `layers` ModuleList (layers.GPT), "
+        raise ValueError(f"fully_shard_gpt: expected a model with a `layers` ModuleList (tp_fuse.layers.GPT), "
                          f"got {type(model).__name__}")
     return list(layers)
 
@@ -74,7 +74,7 @@ def fully_shard_gpt(
 
     ``dp_mesh``: 1-D (FSDP) or 2-D ``(replicate, shard)`` (HSDP) sub-mesh of the
     data-parallel ranks; its ranks must hold identical TP shards (same TP rank). Works on
-    a model still on the ``meta`` device (materialize after, ``layers.meta_init``).
+    a model still on the ``meta`` device (materialize after, ``tp_fuse.layers.meta_init``).
     Returns ``model`` (sharded in place).
     """
     if not isinstance(dp_mesh, DeviceMesh) or dp_mesh.ndim not in (1, 2):
@@ -124,7 +124,7 @@ def reduce_sequence_parallel_grads(params: list[torch.nn.Parameter], tp_group: O
 
 
 # ---- checkpoint helpers: FSDP2 DTensors <-> this rank's whole TP shard --------------
-# DCP checkpoints store TP shards in their full (TP=1) layout (launch/checkpoint.py). An
+# DCP checkpoints store TP shards in their full (TP=1) layout (launch/checkpoint/manager.py). An
 # FSDP2 parameter is first gathered over the DP ranks into its TP shard (one parameter
 # at a time while the state dict is built), and on load its DP slice is cut back out,
 # so checkpoints move freely between TP x FSDP and TP x DDP layouts.

@@ -18,7 +18,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from tp_fuse.ops import BasicLinear, Sequential
-from tp_fuse.overlap_config import TPOverlap
+from tp_fuse.overlap.config import TPOverlap
 from tp_fuse.quantization import active_autocast, autocast
 
 from ._common import (
@@ -60,7 +60,7 @@ class GPT(torch.nn.Module):
 
     Initialization is independent of the TP size: every parameter's full (TP=1) tensor
     is drawn from a seed derived from ``seed`` and the parameter's name, then sliced, so
-    a TP=2 model is exactly the TP=1 model split in two (see ``layers.sharding``).
+    a TP=2 model is exactly the TP=1 model split in two (see ``tp_fuse.layers.sharding``).
 
     Args:
         config: architecture (global sizes); validated against the TP size (ValueError
@@ -91,7 +91,7 @@ class GPT(torch.nn.Module):
     ) -> None:
         super().__init__()
         if not isinstance(config, GPTConfig):
-            raise ValueError(f"GPT: config must be a layers.GPTConfig, got {type(config).__name__}")
+            raise ValueError(f"GPT: config must be a tp_fuse.layers.GPTConfig, got {type(config).__name__}")
         if isinstance(seed, bool) or not isinstance(seed, int):
             raise ValueError(f"GPT: seed must be an int, got {seed!r}")
         ctx = ParallelContext(tp_group, sequence_parallel, dtype,

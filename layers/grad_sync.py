@@ -32,7 +32,7 @@ __all__ = ["sync_sequence_parallel_grad", "sync_sharded_activation_grad", "is_se
 
 def _make_hook(group: dist.ProcessGroup):
     def hook(grad: torch.Tensor) -> torch.Tensor:
-        from comm import all_reduce
+        from tp_fuse.comm import all_reduce
 
         # Not in place (comm's default copies): the incoming grad may be shared with
         # other autograd branches.
@@ -62,13 +62,13 @@ def sync_sequence_parallel_grad(param: torch.nn.Parameter, tp_group: Optional[di
 
 def sync_sharded_activation_grad(param: torch.nn.Parameter, tp_group: Optional[dist.ProcessGroup]) -> None:
     """The same sum over ``tp_group`` for a replicated parameter used on TP-*sharded*
-    activations (``wrap()`` finds them: ``layers.wrap_trace``), e.g. Qwen3's ``q_norm``
+    activations (``wrap()`` finds them: ``tp_fuse.layers.wrap_trace``), e.g. Qwen3's ``q_norm``
     applied to this rank's heads only: each rank's gradient covers its heads, the sum
     covers all of them.
 
     The gradient is a partial sum over TP exactly as for a sequence-parallel norm, so the
     parameter is tagged the same way (``sequence_parallel_grad_synced``: FSDP2's
-    after-backward reduction, ``layers.fsdp.sequence_parallel_params``, picks it up too)
+    after-backward reduction, ``tp_fuse.layers.fsdp.sequence_parallel_params``, picks it up too)
     and additionally ``sharded_activation_grad_synced = True``.
     """
     sync_sequence_parallel_grad(param, tp_group)

@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 
 from tp_fuse.ops import BasicOperation, MakeExtraOutput, Sequential
-from tp_fuse.overlap_config import TPOverlap
+from tp_fuse.overlap.config import TPOverlap
 
 from ._common import (
     GemmName,

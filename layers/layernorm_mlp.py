@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 
 from tp_fuse.ops import GELU, AddExtraInput, BasicOperation, Dropout, MakeExtraOutput, Sequential, SwiGLU
-from tp_fuse.overlap_config import TPOverlap
+from tp_fuse.overlap.config import TPOverlap
 
 from ._common import (
     InitMethod,
@@ -63,8 +63,8 @@ class LayerNormMLP(torch.nn.Module):
         hidden_dropout: dropout probability on fc2's output.
         init_method / output_init_method: applied to the FULL fc1 / fc2 weights.
         rng: dropout RNG streams shared with the rest of the model (see
-            :class:`~layers.random.DropoutRNG`); default: a private one from ``seed``.
-        Other args as :class:`~layers.layernorm_linear.LayerNormLinear`.
+            :class:`~tp_fuse.layers.random.DropoutRNG`); default: a private one from ``seed``.
+        Other args as :class:`~tp_fuse.layers.layernorm_linear.LayerNormLinear`.
     """
 
     def __init__(

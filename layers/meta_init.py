@@ -1,7 +1,7 @@
 """Meta-device initialization: build a model on ``meta``, materialize only local shards.
 
 A model built with ``device="meta"`` allocates nothing and draws no random numbers; each
-seeded parameter carries ``tp_init`` (``layers.sharding.set_deferred_init``), a callable
+seeded parameter carries ``tp_init`` (``tp_fuse.layers.sharding.set_deferred_init``), a callable
 giving this TP rank's fp32 shard with exactly the values eager construction gives.
 :func:`materialize` then allocates the local storage on the real device and fills it:
 
@@ -15,13 +15,13 @@ giving this TP rank's fp32 shard with exactly the values eager construction give
   ``reset_parameters()``, derived buffers (RoPE frequencies) from ``reset_buffers()``,
   and dropout streams restart from their seeds on the real device;
 * tied parameters stay one Parameter, with their attributes (``tp_shard``...) and the
-  sequence-parallel gradient hook of ``layers.grad_sync``.
+  sequence-parallel gradient hook of ``tp_fuse.layers.grad_sync``.
 
 Typical use (``launch`` does this for every run)::
 
     model = GPT(config, tp_group=tp, device="meta", seed=1234)
     inits = deferred_inits(model)          # before fully_shard replaces the Parameters
-    fully_shard_gpt(model, dp_mesh)        # optional (layers.fsdp)
+    fully_shard_gpt(model, dp_mesh)        # optional (tp_fuse.layers.fsdp)
     materialize(model, "cuda", inits)
 """
 
@@ -110,7 +110,7 @@ def materialize(model: torch.nn.Module, device: torch.device | str,
         if sp_group is not None and not isinstance(first, DTensor):
             sync_sequence_parallel_grad(first, sp_group)  # the hook went with the old Parameter
         elif sp_group is not None:
-            # FSDP2 owns the gradient path: layers.fsdp.reduce_sequence_parallel_grads does the sync.
+            # FSDP2 owns the gradient path: tp_fuse.layers.fsdp.reduce_sequence_parallel_grads does the sync.
             first._sequence_parallel_grad_group = sp_group
     for m in model.modules():
         if hasattr(m, "reset_parameters"):

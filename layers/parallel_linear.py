@@ -2,7 +2,7 @@
 
 Both take GLOBAL sizes (``input_size``, ``output_size``) and return
 ``(output, bias_or_None)`` exactly like ``megatron.core.tensor_parallel``'s layers, so
-Megatron-style model code runs unchanged on them (and ``layers.wrap`` can swap them in
+Megatron-style model code runs unchanged on them (and ``tp_fuse.layers.wrap`` can swap them in
 for Megatron's). Inside, each is one ``tp_fuse.ops.Sequential``:
 
 =========================  =====================================================
@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from tp_fuse.ops import Bias, Sequential
-from tp_fuse.overlap_config import TPOverlap
+from tp_fuse.overlap.config import TPOverlap
 
 from ._common import (
     GemmName,

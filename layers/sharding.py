@@ -30,7 +30,7 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-from comm.nccl_rules import check_collective
+from tp_fuse.comm.nccl_rules import check_collective
 
 __all__ = [
     "ShardSpec",
@@ -209,7 +209,7 @@ def deferred_full_tensor(
 
     It carries ``tp_full_init``, a callable that draws the real full tensor later (the
     same values :func:`seeded_full_tensor` gives now), so that a model built on ``meta``
-    can be materialized shard by shard (``layers.meta_init.materialize``).
+    can be materialized shard by shard (``tp_fuse.layers.meta_init.materialize``).
     """
     full = torch.empty(shape, dtype=torch.float32, device="meta")
     full.tp_full_init = functools.partial(seeded_full_tensor, shape, seed, name, init_method)  # type: ignore[attr-defined]

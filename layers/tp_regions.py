@@ -36,14 +36,14 @@ __all__ = [
 
 
 def _all_reduce(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-    from comm import all_reduce
+    from tp_fuse.comm import all_reduce
 
     return all_reduce(x.contiguous(), group)
 
 
 def all_gather_last_dim(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     """Concatenate every rank's ``x [..., n]`` along the last dim -> ``[..., n * tp]``."""
-    from comm import all_gather_dim0
+    from tp_fuse.comm import all_gather_dim0
 
     # comm gathers along dim 0: move the last dim first, gather, move it back.
     moved = x.movedim(-1, 0).contiguous()  # [n, ...]

@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 
 from tp_fuse.distributed import checkpoint
-from tp_fuse.overlap_config import TPOverlap
+from tp_fuse.overlap.config import TPOverlap
 
 from ._common import Normalization, ParallelContext, check_fp8_amax_group, dropout_rng
 from .attention import MultiheadAttention
@@ -28,8 +28,8 @@ ActivationCheckpointing = Literal["none", "selective", "full"]
 class TransformerLayer(torch.nn.Module):
     """GPT block: ``h = x + attn(norm1(x))``; ``y = h + mlp(norm2(h))`` (dropout before each add).
 
-    Each half is one :class:`~layers.attention.MultiheadAttention` /
-    :class:`~layers.layernorm_mlp.LayerNormMLP` with ``residual_connection=True``: the
+    Each half is one :class:`~tp_fuse.layers.attention.MultiheadAttention` /
+    :class:`~tp_fuse.layers.layernorm_mlp.LayerNormMLP` with ``residual_connection=True``: the
     residual leaves the first ``Sequential`` of the block through ``MakeExtraOutput``
     and re-enters the last one through ``AddExtraInput``. With sequence parallelism the
     TP blocks are ``[norm, AllGather, Linear] ... [Linear, ReduceScatter, Bias, Dropout,

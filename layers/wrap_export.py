@@ -1,6 +1,6 @@
 """Getting a model back out of ``wrap()``: the original, unsharded ``state_dict``.
 
-``layers.full_state_dict`` gives every *parameter* gathered to its full size, by name, in
+``tp_fuse.layers.full_state_dict`` gives every *parameter* gathered to its full size, by name, in
 the layout the GEMMs use -- the inverse of ``load_full_state_dict`` (resharding,
 checkpoints). What the original model's ``load_state_dict(..., strict=True)`` needs is
 different in three ways, and :func:`original_state_dict` gives exactly that:
@@ -11,7 +11,7 @@ different in three ways, and :func:`original_state_dict` gives exactly that:
 * GPT-2 ``Conv1D`` weights in their ``[in, out]`` layout (the converted module computes
   with ``[out, in]``);
 * sharded tensors gathered over the TP group (fused ``[q; k; v]`` parts reassembled,
-  ``layers.sharding.gather_tensor``).
+  ``tp_fuse.layers.sharding.gather_tensor``).
 
 :func:`save_pretrained` writes a Hugging Face directory from a wrapped model (rank 0
 writes; every rank must call it): ``transformers`` loads it back as the original model.
@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 
 from .sharding import gather_tensor, tp_rank_and_size
-from .wrap_modules import ParallelLinearAdapter
+from .wrap.modules import ParallelLinearAdapter
 
 __all__ = ["original_state_dict", "save_pretrained"]
 
@@ -65,7 +65,7 @@ def save_pretrained(model: torch.nn.Module, tp_group: Optional[dist.ProcessGroup
     ``save_pretrained`` (not ``state_dict``)."""
     if not hasattr(model, "save_pretrained") or not hasattr(model, "config"):
         raise ValueError(f"save_pretrained: expected a Hugging Face model (with save_pretrained and config), "
-                         f"got {type(model).__name__}; use layers.wrap_export.original_state_dict")
+                         f"got {type(model).__name__}; use tp_fuse.layers.wrap_export.original_state_dict")
     if "state_dict" in kwargs:
         raise ValueError("save_pretrained: the state_dict is the model's own (gathered); do not pass one")
     state = original_state_dict(model, tp_group)

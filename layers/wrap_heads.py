@@ -34,7 +34,7 @@ attribute (instance ``int``)                                becomes
 in the wrap report. Head counts not divisible by the TP size, and ``ModuleList``\\ s inside
 an attention module with one entry per head (:func:`head_problems`), are refused before
 anything changes. Anything else a model needs (a head count read from a shared config, a
-bias built for all heads) is a family fix-up (``layers.hf_plans``) or ``wrap(fixup=...)``;
+bias built for all heads) is a family fix-up (``tp_fuse.layers.wrap.hf_plans``) or ``wrap(fixup=...)``;
 ``wrap(verify=...)`` catches what was missed.
 """
 

@@ -1,11 +1,11 @@
 """The passes ``wrap()`` runs around the conversion itself.
 
 * :func:`probe_original` -- before anything changes: one traced forward of the original
-  model on the probe (``layers.wrap_trace``: which replicated parameters meet
+  model on the probe (``tp_fuse.layers.wrap_trace``: which replicated parameters meet
   TP-sharded activations; what cannot be made right), and with ``verify=`` its backward,
-  kept for the comparison after conversion (``layers.wrap_verify``);
+  kept for the comparison after conversion (``tp_fuse.layers.wrap_verify``);
 * :func:`sync_traced` -- after conversion: the gradients of the replicated parameters
-  used on sharded activations only are summed over TP (``layers.grad_sync``);
+  used on sharded activations only are summed over TP (``tp_fuse.layers.grad_sync``);
 * :func:`trace_lazily` -- a model without a probe (not a Hugging Face model, no
   ``verify=``): the wrapped model's first forward is traced instead, and the same sync
   is installed right after it, before its backward (a hook on a leaf tensor registered
@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 from .grad_sync import sync_sharded_activation_grad
 from .wrap_checks import collapse
-from .wrap_report import WrapReport
+from .wrap.report import WrapReport
 from .wrap_trace import TraceResult, trace_first_forward, trace_sharded_uses
 from .wrap_verify import Reference, auto_probe, evaluation, reference_pass, stash_grads
 
@@ -58,7 +58,7 @@ def probe_original(model: torch.nn.Module, probe: Optional[Callable[[torch.nn.Mo
 def sync_traced(model: torch.nn.Module, trace: TraceResult, tp_group: dist.ProcessGroup,
                  report: WrapReport) -> list[tuple[str, str]]:
     """Sum over TP the gradients of the replicated parameters the trace saw on sharded
-    activations only (``layers.grad_sync``)."""
+    activations only (``tp_fuse.layers.grad_sync``)."""
     params = dict(model.named_parameters(remove_duplicate=False))
     added = []
     for name in trace.to_sync():

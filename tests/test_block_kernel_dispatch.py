@@ -12,8 +12,8 @@ import torch
 import tp_fuse as te
 from tp_fuse import kernels
 from tp_fuse.kernels import dispatch, record_kernel_paths
-from tp_fuse.quantization.block_cast import quantize_layouts
-from tp_fuse.quantization.block_scaling import BlockSpec, ScaleRule
+from tp_fuse.quantization.block.cast import quantize_layouts
+from tp_fuse.quantization.block.scaling import BlockSpec, ScaleRule
 from tp_fuse.recipe import Float8BlockScaling, Float8RowwiseScaling, MXFP8BlockScaling, NVFP4BlockScaling
 
 RECIPES = [Float8BlockScaling(), MXFP8BlockScaling(), Float8RowwiseScaling()]

@@ -9,7 +9,7 @@ triton is imported and must not leak into the rest of the suite):
 
 Every case compares data bytes and scale bytes (fp32 bit patterns, E8M0 codes) of both
 layouts, and the non-finite amax count, between ``backend="triton"`` and ``"torch"`` of
-:func:`tp_fuse.quantization.block_cast.quantize_layouts` and of ``BlockScalingQuantizer``.
+:func:`tp_fuse.quantization.block.cast.quantize_layouts` and of ``BlockScalingQuantizer``.
 Shapes are small (the interpreter runs programs one by one) but always span several
 programs, and include partial last blocks in both directions.
 """
@@ -35,8 +35,8 @@ else:
 
     import tp_fuse as te
     from tp_fuse.kernels import record_kernel_paths
-    from tp_fuse.quantization.block_cast import quantize_layouts
-    from tp_fuse.quantization.block_scaling import BlockSpec, ScaleRule
+    from tp_fuse.quantization.block.cast import quantize_layouts
+    from tp_fuse.quantization.block.scaling import BlockSpec, ScaleRule
     from tp_fuse.quantization.quantizer import make_quantizer
     from tp_fuse.recipe import Float8BlockScaling, Float8RowwiseScaling, MXFP8BlockScaling
 

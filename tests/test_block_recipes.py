@@ -14,9 +14,10 @@ import torch
 import tp_fuse
 from tolerances import FP8_UNIT_ROUNDOFF, assert_close, assert_fp8_matmul_close
 from tp_fuse import ops
-from tp_fuse.quantization import BlockScaledTensor, BlockScalingQuantizer, block_gemm, block_wire
-from tp_fuse.quantization.block_gemm import emulated_block_gemm, swizzle_mx_scales
-from tp_fuse.quantization.block_scaling import BlockSpec, ScaleRule, quantize_blocks
+from tp_fuse.quantization import BlockScaledTensor, BlockScalingQuantizer, block_gemm
+from tp_fuse.quantization.block import wire as block_wire
+from tp_fuse.quantization.block.gemm import emulated_block_gemm, swizzle_mx_scales
+from tp_fuse.quantization.block.scaling import BlockSpec, ScaleRule, quantize_blocks
 from tp_fuse.quantization.quantizer import make_quantizer
 from tp_fuse.recipe import (
     Float8BlockScaling,
@@ -423,7 +424,7 @@ def test_disable_fp8_gemm_with_block_recipes(recipe, gemms):
 
 
 def test_nonfinite_block_amax_is_counted():
-    # An inf saturates to 448 in the cast, so the count is the only trace (launch.health reads it).
+    # An inf saturates to 448 in the cast, so the count is the only trace (tp_fuse.launch.health reads it).
     q = make_quantizer(Float8BlockScaling(), "input")
     x = torch.ones(2, 256)
     q.quantize(x, transpose=True)

@@ -32,7 +32,7 @@ def _block_case(case: Case, r: int, group, cfg, recipe, label: str) -> None:
     """One step fused vs unfused (same quantization; fp32 summation order may differ)."""
     import tp_fuse
     from tolerances import NVFP4_REL_NORM
-    from tp_fuse.overlap_config import TPOverlap
+    from tp_fuse.overlap.config import TPOverlap
 
     models = [case.build(r, group, ov, _NAME[case.kind]) for ov in (TPOverlap(cfg), _unfused())]
     results = []
@@ -79,7 +79,7 @@ def _cases(run: Runner, r: int, tp: int, group) -> None:
 
 def _wire_and_explain(run: Runner, r: int, tp: int, group) -> None:
     import tp_fuse
-    from tp_fuse.overlap_config import OverlapConfig, TPOverlap
+    from tp_fuse.overlap.config import OverlapConfig, TPOverlap
 
     sent, texts = {}, {}
     for name, (recipe, m) in _recipes().items():

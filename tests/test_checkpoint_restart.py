@@ -15,8 +15,8 @@ import shutil
 
 import pytest
 
-from launch.api import train
-from launch.metrics import read_jsonl
+from tp_fuse.launch.api import train
+from tp_fuse.launch.logging.metrics import read_jsonl
 from test_launch_train import TINY, torchrun
 
 RUN = [*TINY, "trainer.max_steps=12", "trainer.log_interval=1", "trainer.val_interval=0", "logger=none",

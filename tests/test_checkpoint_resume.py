@@ -9,11 +9,11 @@ import pickle
 
 import pytest
 
-import launch.checkpoint as ckpt_mod
-from launch.api import train
-from launch.checkpoint import MANIFEST, CheckpointError
-from launch.checkpoint_files import read_manifest
-from launch.metrics import read_jsonl
+from tp_fuse.launch.checkpoint import manager as ckpt_mod
+from tp_fuse.launch.api import train
+from tp_fuse.launch.checkpoint.manager import MANIFEST, CheckpointError
+from tp_fuse.launch.checkpoint.files import read_manifest
+from tp_fuse.launch.logging.metrics import read_jsonl
 
 COMMON = [
     "+model=gpt", "model.num_layers=1", "model.hidden_size=64", "model.num_heads=2", "data.seq_len=32",

@@ -28,10 +28,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.distributed.checkpoint import metadata as dcp_md
 
-from launch import safe_dcp
-from launch.api import train
-from launch.checkpoint import MANIFEST, CheckpointError
-from launch.run_identity import IDENTITY_FILE, decide_start
+from tp_fuse.launch.checkpoint import safe_dcp
+from tp_fuse.launch.api import train
+from tp_fuse.launch.checkpoint.manager import MANIFEST, CheckpointError
+from tp_fuse.launch.checkpoint.run_identity import IDENTITY_FILE, decide_start
 from test_checkpoint_resume import COMMON
 
 SMALL = [*COMMON, "trainer.max_steps=4"]
@@ -131,7 +131,7 @@ def test_a_declared_huge_length_does_not_allocate_it(tmp_path):
     first (the fuzz test below got the run OOM-killed); the metadata reader must not."""
     (tmp_path / ".metadata").write_bytes(b"\x80\x04\x8e" + (16 << 30).to_bytes(8, "little") + b"abc")
     code = ("import resource, sys; resource.setrlimit(resource.RLIMIT_AS, (3 << 30, 3 << 30)); "
-            "from launch import safe_dcp\n"
+            "from tp_fuse.launch.checkpoint import safe_dcp\n"
             f"try:\n    safe_dcp.read_metadata({str(tmp_path)!r})\nexcept safe_dcp.CheckpointError as e:\n"
             "    print(e)")
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

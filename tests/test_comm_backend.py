@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from comm import backend_for_device, device_for_local_rank, device_type_for_backend
+from tp_fuse.comm import backend_for_device, device_for_local_rank, device_type_for_backend
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -20,7 +20,7 @@ _SCRIPT = textwrap.dedent(
     """
     import os, torch, torch.distributed as dist
     torch.set_num_threads(1)
-    import comm
+    from tp_fuse import comm
 
     ctx = comm.init_distributed()
     assert ctx.owns_group and dist.is_initialized(), ctx
@@ -81,7 +81,7 @@ def test_device_for_local_rank() -> None:
 def test_partial_launch_environment_is_rejected(monkeypatch: pytest.MonkeyPatch) -> None:
     import torch.distributed as dist
 
-    from comm import init_distributed
+    from tp_fuse.comm import init_distributed
 
     if dist.is_initialized():
         pytest.skip("a default process group is initialized in this pytest process")

@@ -29,7 +29,7 @@ def _raises(fn, *needles: str) -> None:
 
 
 def _collective_cases(rank: int, world: int) -> int:
-    import comm
+    from tp_fuse import comm
 
     g = dist.group.WORLD
     pool = comm.UserBufferPool()

@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from comm.nccl_rules import strict_cuda_enabled
+from tp_fuse.strict import strict_cuda_enabled
 
 from dist_utils import run_distributed
 
@@ -56,8 +56,8 @@ SHAPES = [(3, 7, 5, ()), (8, 16, 12, ()), (4, 6, 3, (2,))]
 
 
 def _overlap_cases(rank: int, world: int) -> int:
-    import comm
-    from comm.overlap.collectives import PendingCollective
+    from tp_fuse import comm
+    from tp_fuse.comm.overlap.collectives import PendingCollective
 
     group = dist.group.WORLD
     ncases = 0
@@ -180,7 +180,7 @@ def _overlap_cases(rank: int, world: int) -> int:
 
 
 def _bytes_and_reuse_cases(rank: int, world: int) -> None:
-    import comm
+    from tp_fuse import comm
 
     group = dist.group.WORLD
     pool = comm.UserBufferPool()
@@ -265,7 +265,7 @@ class _LoggedWork:
 def _issue_order_cases(rank: int, world: int) -> None:
     """The GEMM of step s is issued after step s's communication is posted and before it
     is waited on (the definition of overlap), checked by logging the calls."""
-    import comm
+    from tp_fuse import comm
 
     group = dist.group.WORLD
     pool = comm.UserBufferPool()
@@ -336,7 +336,7 @@ def test_uint8_payloads_userbuffer_reuse_and_issue_order() -> None:
 
 
 def _identity_cases(rank: int, world: int) -> None:
-    import comm
+    from tp_fuse import comm
 
     assert world == 1
     group = dist.group.WORLD

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch.distributed as dist
 
-from comm import resolve_parallel_sizes
+from tp_fuse.comm import resolve_parallel_sizes
 from dist_utils import run_distributed
 
 
@@ -47,7 +47,7 @@ def test_resolve_parallel_sizes_errors(tp, dp, world, needles) -> None:
 def _topology_cases(rank: int, world: int) -> list[str]:
     import torch
 
-    from comm import FP8_GROUP_KINDS, ParallelTopology
+    from tp_fuse.comm import FP8_GROUP_KINDS, ParallelTopology
 
     assert world == 4
     seen = []
@@ -98,7 +98,7 @@ def test_topology_layout_on_four_ranks() -> None:
 
 
 def _single_rank_topology(rank: int, world: int) -> str:
-    from comm import ParallelTopology
+    from tp_fuse.comm import ParallelTopology
 
     topo = ParallelTopology()
     assert (topo.tp_size, topo.dp_size, topo.tp_rank, topo.dp_rank) == (1, 1, 0, 0)
@@ -113,7 +113,7 @@ def test_topology_world_size_one() -> None:
 
 
 def test_topology_needs_process_group() -> None:
-    from comm import ParallelTopology
+    from tp_fuse.comm import ParallelTopology
 
     if dist.is_available() and dist.is_initialized():
         pytest.skip("a default process group is initialized in this pytest process")

@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from comm import UserBufferPool, symmetric_memory_available
+from tp_fuse.comm import UserBufferPool, symmetric_memory_available
 from dist_utils import run_distributed
 
 

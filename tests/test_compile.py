@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 import torch._dynamo
 
-from launch.api import train
+from tp_fuse.launch.api import train
 from tolerances import tols
 
 RUN = [

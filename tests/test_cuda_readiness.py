@@ -9,7 +9,8 @@ import torch
 import torch.distributed as dist
 
 import tp_fuse as te
-from comm.nccl_rules import STRICT_ENV, CudaConformanceError, check_collective, collective_violations
+from tp_fuse.comm.nccl_rules import check_collective, collective_violations
+from tp_fuse.strict import STRICT_ENV, CudaConformanceError
 from dist_utils import run_distributed
 from tp_fuse import kernels
 from tp_fuse.kernels import dispatch, gemm
@@ -243,8 +244,8 @@ def _strict_cases(rank: int, world: int) -> dict:
     """Each case on both ranks; returns what happened (the error text or "ok")."""
     import os
 
-    import comm
-    from comm.overlap._common import exchange, wait_all
+    from tp_fuse import comm
+    from tp_fuse.comm.overlap._common import exchange, wait_all
 
     out = {}
 
@@ -269,7 +270,7 @@ def _strict_cases(rank: int, world: int) -> dict:
     record("p2p sizes agree", lambda: wait_all(exchange(torch.ones(4), peer, torch.empty(4), peer, group)))
     record("fp8 all_gather as bytes", lambda: comm.all_gather_dim0(torch.ones(2, 4).to(E4M3).view(torch.uint8), group))
     # A non-contiguous shard (a transposed view) is gathered into contiguous buffers.
-    from layers.sharding import ShardSpec, gather_tensor
+    from tp_fuse.layers.sharding import ShardSpec, gather_tensor
 
     shard = torch.arange(12.0).reshape(3, 4).t() + rank  # [4, 3], not contiguous
     record("gather_tensor of a transposed shard", lambda: out.__setitem__(

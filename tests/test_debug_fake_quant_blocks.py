@@ -11,12 +11,12 @@ import pytest
 import torch
 
 import tp_fuse as te
-from launch.api import train
-from launch.metrics import read_jsonl
+from tp_fuse.launch.api import train
+from tp_fuse.launch.logging.metrics import read_jsonl
 from test_launch_train import TINY
 from tp_fuse.debug import DebugSession, StatsBuffer
 from tp_fuse.debug.features import FakeQuant
-from tp_fuse.quantization.block_scaling import BlockSpec, ScaleRule, dequantize_blocks, quantize_blocks
+from tp_fuse.quantization.block.scaling import BlockSpec, ScaleRule, dequantize_blocks, quantize_blocks
 from tp_fuse.quantization.quantizer import make_quantizer
 from tp_fuse.recipe import Float8BlockScaling, Float8RowwiseScaling, MXFP8BlockScaling
 

@@ -11,13 +11,13 @@ import pytest
 import torch
 
 import tp_fuse as te
-from launch.api import train
-from launch.metrics import read_jsonl
+from tp_fuse.launch.api import train
+from tp_fuse.launch.logging.metrics import read_jsonl
 from test_launch_train import TINY
 from tp_fuse.debug import DebugSession, StatsBuffer
 from tp_fuse.debug.features import FakeQuant
-from tp_fuse.quantization.nvfp4_quantizer import NVFP4Quantizer
-from tp_fuse.quantization.nvfp4_scaling import rht_matrix
+from tp_fuse.quantization.nvfp4.quantizer import NVFP4Quantizer
+from tp_fuse.quantization.nvfp4.scaling import rht_matrix
 from tp_fuse.recipe import NVFP4BlockScaling
 
 ROLE = {"activation": "input", "weight": "weight", "gradient": "grad_output"}

@@ -30,7 +30,7 @@ import sys
 import pytest
 import torch
 
-from launch.data import stdlib_corpus
+from tp_fuse.launch.data import stdlib_corpus
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DOCS = ["README.md", "docs/launcher.md", "docs/debug.md"]

@@ -14,7 +14,7 @@ import threading
 import pytest
 import torch
 
-from comm.nccl_rules import CudaConformanceError, strict_cuda_enabled
+from tp_fuse.strict import CudaConformanceError, strict_cuda_enabled
 from tp_fuse.quantization import (
     CurrentScalingQuantizer,
     DelayedScalingQuantizer,

@@ -49,7 +49,7 @@ def _full_params(model, tp_group) -> dict[str, torch.Tensor]:
     """Full (TP=1, unsharded) parameters, whatever the layout."""
     from torch.distributed.tensor import DTensor
 
-    from layers import gather_tensor
+    from tp_fuse.layers import gather_tensor
 
     out = {}
     for name, p in model.named_parameters():
@@ -61,8 +61,8 @@ def _full_params(model, tp_group) -> dict[str, torch.Tensor]:
 def _train(model, *, tp_group, dp_group, dp_rank: int, dp_size: int, fsdp: bool, recipe=None,
            fp8_group=None, steps: int = STEPS) -> dict[str, Any]:
     import tp_fuse
-    from launch.grads import allreduce_dp_grads
-    from layers.fsdp import reduce_sequence_parallel_grads, sequence_parallel_params
+    from tp_fuse.launch.grads import allreduce_dp_grads
+    from tp_fuse.layers.fsdp import reduce_sequence_parallel_grads, sequence_parallel_params
 
     # SGD, not Adam: Adam maps gradient components that are ~0 (unused vocab rows, SP
     # partial sums that cancel) to steps of +-lr, so rounding-level differences of the
@@ -97,9 +97,9 @@ def _compare(a: dict, b: dict) -> dict[str, Any]:
 
 def _tp_x_dp(cfg: dict, sp: bool, recipe_fn=None, meta: bool = False) -> dict[str, float]:
     """TP=2 x FSDP=2 against TP=2 x DP=2 on the same data."""
-    from layers import GPT, GPTConfig
-    from layers.fsdp import fully_shard_gpt
-    from layers.meta_init import deferred_inits, materialize
+    from tp_fuse.layers import GPT, GPTConfig
+    from tp_fuse.layers.fsdp import fully_shard_gpt
+    from tp_fuse.layers.meta_init import deferred_inits, materialize
 
     mesh = _mesh((2, 2), ("dp", "tp"))
     tp_group, dp_group = mesh.get_group("tp"), mesh.get_group("dp")
@@ -131,8 +131,8 @@ def tp2_fsdp2_matches_tp2_dp2(rank: int, world_size: int) -> dict[str, Any]:
 
 @case
 def hsdp_matches_dp4(rank: int, world_size: int) -> dict[str, Any]:
-    from layers import GPT, GPTConfig
-    from layers.fsdp import fully_shard_gpt
+    from tp_fuse.layers import GPT, GPTConfig
+    from tp_fuse.layers.fsdp import fully_shard_gpt
 
     mesh = _mesh((2, 2), ("dp_replicate", "dp_shard"))
     world = dist.group.WORLD
@@ -158,9 +158,9 @@ def fp8_compute_under_fsdp(rank: int, world_size: int) -> dict[str, Any]:
 def meta_init_fsdp_equals_eager(rank: int, world_size: int) -> dict[str, Any]:
     from torch.distributed.tensor import DTensor
 
-    from layers import GPT, GPTConfig
-    from layers.fsdp import fully_shard_gpt
-    from layers.meta_init import deferred_inits, materialize
+    from tp_fuse.layers import GPT, GPTConfig
+    from tp_fuse.layers.fsdp import fully_shard_gpt
+    from tp_fuse.layers.meta_init import deferred_inits, materialize
 
     mesh = _mesh((2, 2), ("dp", "tp"))
     tp_group = mesh.get_group("tp")
@@ -186,8 +186,8 @@ def meta_init_fsdp_equals_eager(rank: int, world_size: int) -> dict[str, Any]:
 @case
 def fp8_weights_with_fsdp_is_a_clear_error(rank: int, world_size: int) -> str:
     import tp_fuse
-    from layers import GPT, GPTConfig
-    from layers.fsdp import fully_shard_gpt
+    from tp_fuse.layers import GPT, GPTConfig
+    from tp_fuse.layers.fsdp import fully_shard_gpt
 
     mesh = _mesh((4,), ("dp",))
     with tp_fuse.quantized_model_init():

@@ -1,6 +1,6 @@
 """The launcher with FSDP2 (``parallel.dp_shard``): 4 gloo ranks, one process start, many runs.
 
-Each run is ``launch.api.train`` inside the same 4 processes (the process group is
+Each run is ``tp_fuse.launch.api.train`` inside the same 4 processes (the process group is
 reused, new meshes per run). Checked: TP=2 x FSDP=2 trains like TP=2 x DP=2 (fp32,
 10 steps, 1e-5); DCP checkpoints resume across layouts (FSDP -> DDP and DDP -> FSDP)
 and exactly within one; FP8 + sequence parallelism + full recompute under FSDP2 train
@@ -31,7 +31,7 @@ DDP = ["parallel.dp_shard=1"]
 def _runs(rank: int, world_size: int, root: str) -> dict[str, Any]:
     import torch.distributed as dist
 
-    from launch.api import train
+    from tp_fuse.launch.api import train
 
     os.environ.update({"WORLD_SIZE": str(world_size), "RANK": str(rank)})
 
@@ -129,8 +129,8 @@ def test_every_fp8_recipe_under_fsdp_trains_like_ddp(runs, recipe) -> None:
 
 
 def test_dp_shard_and_replicate_are_validated_before_start() -> None:
-    from launch.api import compose
-    from launch.config import validate
+    from tp_fuse.launch.api import compose
+    from tp_fuse.launch.config import validate
 
     base = [*TINY, "parallel.tp=1"]
     layout = validate(compose([*base, "parallel.dp_shard=2"]), 4)

@@ -10,9 +10,9 @@ import os
 
 import pytest
 
-from launch.api import compose
-from launch.config import validate
-from launch.metrics import read_jsonl
+from tp_fuse.launch.api import compose
+from tp_fuse.launch.config import validate
+from tp_fuse.launch.logging.metrics import read_jsonl
 from test_launch_train import TINY, torchrun
 
 
@@ -57,7 +57,7 @@ def test_config_refuses_rows_that_split_blocks_between_ranks():
 def test_checkpoint_resume_with_block_recipe_continues_bitwise(tmp_path, recipe):
     import shutil
 
-    from launch.api import train
+    from tp_fuse.launch.api import train
 
     run = [*TINY, "trainer.max_steps=6", "trainer.log_interval=1", "trainer.val_interval=0", "logger=none",
            f"fp8={recipe}", "fp8.stats=false", "checkpoint.interval=3", "checkpoint.keep=2"]

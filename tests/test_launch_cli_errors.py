@@ -10,8 +10,8 @@ import sys
 import pytest
 import torch
 
-from launch.config import MEGATRON_NEEDS_CUDA
-from launch.config_errors import CONFIG_DIR, closest, override_key_error, precheck
+from tp_fuse.launch.config import MEGATRON_NEEDS_CUDA
+from tp_fuse.launch.config_errors import CONFIG_DIR, closest, override_key_error, precheck
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -11,10 +11,10 @@ import sys
 
 import pytest
 
-from launch.api import compose
-from launch.config import from_dict, validate
-from launch.optim import lr_at
-from launch.runtime import rank_overrides
+from tp_fuse.launch.api import compose
+from tp_fuse.launch.config import from_dict, validate
+from tp_fuse.launch.optim import lr_at
+from tp_fuse.launch.runtime import rank_overrides
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

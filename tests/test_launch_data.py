@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from launch.config import DataConfig
-from launch.data import BatchLoader, ByteTokenizer, TokenData, load_tokens, stdlib_corpus
+from tp_fuse.launch.config import DataConfig
+from tp_fuse.launch.data import BatchLoader, ByteTokenizer, TokenData, load_tokens, stdlib_corpus
 
 
 def _loader(data: TokenData, dp_rank: int, dp_size: int, global_batch: int = 8, micro: int = 2) -> BatchLoader:

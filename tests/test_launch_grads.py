@@ -9,9 +9,9 @@ import torch
 
 from dist_utils import run_distributed
 
-from comm import ParallelTopology
-from launch.grads import allreduce_dp_grads, clip_grads, global_grad_norm
-from layers import GPT, GPTConfig
+from tp_fuse.comm import ParallelTopology
+from tp_fuse.launch.grads import allreduce_dp_grads, clip_grads, global_grad_norm
+from tp_fuse.layers import GPT, GPTConfig
 
 CFG = dict(vocab_size=256, max_seq_len=32, hidden_size=64, num_layers=2, num_heads=2)
 

@@ -18,11 +18,11 @@ import torch
 transformers = pytest.importorskip("transformers", reason="transformers is not installed (pip install -e .[hf])")
 tokenizers = pytest.importorskip("tokenizers", reason="tokenizers is not installed (pip install -e .[hf])")
 
-from launch.api import compose, train  # noqa: E402
-from launch.config import validate  # noqa: E402
-from launch.data import stdlib_corpus  # noqa: E402
-from launch.hf_model import build_hf_model, load_tokenizer  # noqa: E402
-from launch.metrics import read_jsonl  # noqa: E402
+from tp_fuse.launch.api import compose, train  # noqa: E402
+from tp_fuse.launch.config import validate  # noqa: E402
+from tp_fuse.launch.data import stdlib_corpus  # noqa: E402
+from tp_fuse.launch.models.hf import build_hf_model, load_tokenizer  # noqa: E402
+from tp_fuse.launch.logging.metrics import read_jsonl  # noqa: E402
 from test_launch_train import torchrun  # noqa: E402
 
 VOCAB = 320
@@ -75,7 +75,7 @@ def test_torchrun_hf_llama_tp2_fp8_overlap(tmp_path):
 @pytest.mark.multirank
 def test_torchrun_hf_phi3_tp2_checkpoint_resumes_at_tp1(tmp_path):
     """Phi-3's fused unequal [q; k; v] (GQA) through the launcher: trained at TP=2 with its
-    built-in plan, checkpointed (each part stored on its own, layers.ShardSpec.sizes),
+    built-in plan, checkpointed (each part stored on its own, tp_fuse.layers.ShardSpec.sizes),
     resumed at TP=1 where the loss trajectory continues."""
     # initializer_range 0.3: large enough weights that a mis-assembled qkv changes the loss visibly.
     model_dir = _model_dir(tmp_path / "model", weights=True, seed=3, family="phi3", initializer_range=0.3)

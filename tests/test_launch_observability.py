@@ -14,7 +14,7 @@ import os
 
 import pytest
 
-from launch.metrics import read_jsonl
+from tp_fuse.launch.logging.metrics import read_jsonl
 from test_launch_train import TINY, torchrun
 
 MEGATRON_YAML = """\

@@ -10,10 +10,10 @@ import sys
 import pytest
 import torch
 
-from launch.api import compose
-from launch.config import DataConfig, validate
-from launch.data import TokenData, load_tokens, make_tokenizer
-from launch.tokenizer import ByteTokenizer, FileTokenizer, check_tokenizer_choice, resolve_kind
+from tp_fuse.launch.api import compose
+from tp_fuse.launch.config import DataConfig, validate
+from tp_fuse.launch.data import TokenData, load_tokens, make_tokenizer
+from tp_fuse.launch.tokenizer import ByteTokenizer, FileTokenizer, check_tokenizer_choice, resolve_kind
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TEXT = "\n\n".join(
@@ -44,7 +44,7 @@ def test_bpe_trained_on_the_corpus_cached_beside_it(corpus, monkeypatch):
     assert tok.decode(tokens) == TEXT  # byte-level: lossless, also for non-ASCII text
     assert tokens.numel() < len(TEXT.encode()) / 2  # it merges
     # The second build loads the cache (no training).
-    monkeypatch.setattr("launch.tokenizer.train_bpe", lambda *a: pytest.fail("trained again"))
+    monkeypatch.setattr("tp_fuse.launch.tokenizer.train_bpe", lambda *a: pytest.fail("trained again"))
     again = make_tokenizer(_cfg(corpus), vocab_size=384)
     assert torch.equal(again.encode(TEXT), tokens)
     stream = load_tokens(_cfg(corpus), 384, again)
@@ -55,7 +55,7 @@ def test_bpe_is_deterministic_across_processes_and_threads(corpus, tmp_path):
     path = make_tokenizer(_cfg(corpus), vocab_size=320).path
     reference = open(path, "rb").read()
     os.remove(path)
-    code = ("import sys; from launch.config import DataConfig; from launch.data import make_tokenizer; "
+    code = ("import sys; from tp_fuse.launch.config import DataConfig; from tp_fuse.launch.data import make_tokenizer; "
             f"print(make_tokenizer(DataConfig(source='text', paths=[{str(corpus)!r}], tokenizer='bpe'), 320).path)")
     env = {**os.environ, "PYTHONPATH": ROOT, "RAYON_NUM_THREADS": "1", "XDG_CACHE_HOME": str(tmp_path / "cache")}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120, check=True)

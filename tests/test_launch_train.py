@@ -15,8 +15,8 @@ import sys
 
 import pytest
 
-from launch.metrics import read_jsonl
-from launch.wandb_reader import read_config, read_history
+from tp_fuse.launch.logging.metrics import read_jsonl
+from tp_fuse.launch.logging.wandb_reader import read_config, read_history
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = [

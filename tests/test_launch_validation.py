@@ -12,10 +12,10 @@ import os
 import pytest
 import torch
 
-from launch.api import train
-from launch.config import DataConfig
-from launch.data import BatchLoader, TokenData
-from launch.metrics import read_jsonl
+from tp_fuse.launch.api import train
+from tp_fuse.launch.config import DataConfig
+from tp_fuse.launch.data import BatchLoader, TokenData
+from tp_fuse.launch.logging.metrics import read_jsonl
 from test_launch_train import TINY, torchrun
 from tolerances import tols
 

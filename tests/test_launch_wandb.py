@@ -11,9 +11,9 @@ import socket
 
 import pytest
 
-from launch.config import LoggerConfig
-from launch.logging_wandb import WandbLogger
-from launch.wandb_safe import run_id_for
+from tp_fuse.launch.config import LoggerConfig
+from tp_fuse.launch.logging.wandb_logger import WandbLogger
+from tp_fuse.launch.logging.wandb_safe import run_id_for
 
 wandb = pytest.importorskip("wandb")
 

@@ -45,8 +45,8 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def _run_model(model, tp_group, tokens, labels) -> dict[str, Any]:
-    from layers import full_grads, grad_norm
-    from layers.tp_regions import all_gather_last_dim
+    from tp_fuse.layers import full_grads, grad_norm
+    from tp_fuse.layers.tp_regions import all_gather_last_dim
 
     model.zero_grad(set_to_none=True)
     loss = model(tokens, labels)
@@ -73,7 +73,7 @@ def _compare(tp: dict, ref: dict) -> dict[str, float]:
 def _perturbed(model, tp_group, seed: int = 9):
     """Add seeded noise to every parameter (same full tensors at any TP size), so that
     biases and norm weights are not at their trivial init (zeros/ones hide bugs)."""
-    from layers import full_state_dict, load_full_state_dict
+    from tp_fuse.layers import full_state_dict, load_full_state_dict
 
     gen = torch.Generator().manual_seed(seed)
     full = full_state_dict(model, tp_group)
@@ -83,7 +83,7 @@ def _perturbed(model, tp_group, seed: int = 9):
 
 
 def _tp_vs_tp1(world_size: int, names: tuple[str, ...]) -> dict[str, Any]:
-    from layers import GPT, GPTConfig
+    from tp_fuse.layers import GPT, GPTConfig
 
     group = dist.new_group(list(range(world_size)))
     tokens, labels = _data()
@@ -106,8 +106,8 @@ def tp_matches_tp1(rank: int, world_size: int) -> dict[str, Any]:
 
 @case
 def overlap_off_matches_overlap_on(rank: int, world_size: int) -> dict[str, float]:
-    from layers import GPT, GPTConfig
-    from tp_fuse.overlap_config import OverlapConfig, TPOverlap
+    from tp_fuse.layers import GPT, GPTConfig
+    from tp_fuse.overlap.config import OverlapConfig, TPOverlap
 
     group = dist.new_group(list(range(world_size)))
     tokens, labels = _data(1)
@@ -124,7 +124,7 @@ def overlap_off_matches_overlap_on(rank: int, world_size: int) -> dict[str, floa
 @case
 def overlap_fusions_happen(rank: int, world_size: int) -> dict[str, list[str]]:
     """The TP blocks are built so the overlap fusions take their comm ops (SP and not)."""
-    from layers import GPT, GPTConfig
+    from tp_fuse.layers import GPT, GPTConfig
 
     group = dist.new_group(list(range(world_size)))
     tokens, _ = _data()
@@ -146,7 +146,7 @@ def overlap_fusions_happen(rank: int, world_size: int) -> dict[str, list[str]]:
 @case
 def hidden_dropout_without_sp_matches_tp1(rank: int, world_size: int) -> dict[str, float]:
     """Replicated activations draw replicated masks: TP=2 reproduces TP=1's dropout exactly."""
-    from layers import GPT, GPTConfig
+    from tp_fuse.layers import GPT, GPTConfig
 
     group = dist.new_group(list(range(world_size)))
     tokens, labels = _data(2)
@@ -179,7 +179,7 @@ def _quantizer_state(model) -> torch.Tensor:
 @case
 def fp8_tp_matches_tp1_and_reduces_once(rank: int, world_size: int) -> dict[str, Any]:
     import tp_fuse
-    from layers import GPT, GPTConfig
+    from tp_fuse.layers import GPT, GPTConfig
     from tp_fuse.recipe import DelayedScaling
 
     group = dist.new_group(list(range(world_size)))
@@ -229,7 +229,7 @@ def fp8_tp_matches_tp1_and_reduces_once(rank: int, world_size: int) -> dict[str,
 
 @case
 def tp_size_errors_name_the_field(rank: int, world_size: int) -> dict[str, str]:
-    from layers import GPT, ColumnParallelLinear, GPTConfig, LayerNormMLP, MultiheadAttention
+    from tp_fuse.layers import GPT, ColumnParallelLinear, GPTConfig, LayerNormMLP, MultiheadAttention
 
     group = dist.new_group(list(range(world_size)))
     singles = [dist.new_group([r]) for r in range(world_size)]  # collective: all ranks create all

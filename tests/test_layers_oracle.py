@@ -120,7 +120,7 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 def mlp_matches_dtensor_tp(rank: int, world: int) -> dict[str, dict[str, float]]:
     from torch.distributed.device_mesh import init_device_mesh
 
-    from layers import LayerNormMLP, full_grads, full_state_dict
+    from tp_fuse.layers import LayerNormMLP, full_grads, full_state_dict
 
     mesh = init_device_mesh("cpu", (world,))
     group = mesh.get_group()
@@ -168,7 +168,7 @@ def mlp_matches_dtensor_tp(rank: int, world: int) -> dict[str, dict[str, float]]
 def attention_matches_dtensor_tp(rank: int, world: int) -> dict[str, dict[str, float]]:
     from torch.distributed.device_mesh import init_device_mesh
 
-    from layers import MultiheadAttention, full_grads, full_state_dict
+    from tp_fuse.layers import MultiheadAttention, full_grads, full_state_dict
 
     mesh = init_device_mesh("cpu", (world,))
     group = mesh.get_group()

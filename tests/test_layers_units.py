@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from layers import (
+from tp_fuse.layers import (
     GPT,
     DropoutRNG,
     GPTConfig,
@@ -22,8 +22,8 @@ from layers import (
     shard_tensor,
     vocab_parallel_cross_entropy,
 )
-from layers.rope import RotaryEmbedding, apply_rotary
-from layers.sharding import full_state_dict, load_full_state_dict
+from tp_fuse.layers.rope import RotaryEmbedding, apply_rotary
+from tp_fuse.layers.sharding import full_state_dict, load_full_state_dict
 
 TINY = dict(vocab_size=64, max_seq_len=16, hidden_size=32, num_layers=2, num_heads=4)
 
@@ -260,7 +260,7 @@ def test_bad_inputs_raise_value_error() -> None:
         model(torch.zeros(2, 4, dtype=torch.long), torch.zeros(2, 5, dtype=torch.long))
     with pytest.raises(ValueError, match="sequence_parallel=True needs input_is_parallel=True"):
         RowParallelLinear(8, 8, input_is_parallel=False, sequence_parallel=True)
-    with pytest.raises(ValueError, match="overlap must be a tp_fuse.overlap_config.TPOverlap"):
+    with pytest.raises(ValueError, match="overlap must be a tp_fuse.overlap.config.TPOverlap"):
         LayerNormLinear(8, 8, overlap={"method": "bulk"})
     with pytest.raises(ValueError, match="activation must be 'gelu' or 'swiglu'"):
         LayerNormMLP(8, 8, activation="relu")

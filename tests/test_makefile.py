@@ -70,6 +70,6 @@ def test_install_once_then_offline(project):
 def test_make_train_checks_the_config_first(project):
     _, make = project
     calls = make("train")
-    check = next(i for i, c in enumerate(calls) if c.startswith("-m launch.config_errors"))
+    check = next(i for i, c in enumerate(calls) if c.startswith("-m tp_fuse.launch.config_errors"))
     run = next(i for i, c in enumerate(calls) if c.startswith("-m torch.distributed.run"))
     assert check < run and calls[check].endswith("+model=gpt")

@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from layers import GPT, GPTConfig, TransformerLayer
-from layers.meta_init import deferred_inits, materialize
+from tp_fuse.layers import GPT, GPTConfig, TransformerLayer
+from tp_fuse.layers.meta_init import deferred_inits, materialize
 
 SMALL = dict(vocab_size=64, max_seq_len=16, hidden_size=32, num_layers=2, num_heads=4, hidden_dropout=0.1,
              attention_dropout=0.1)

@@ -15,9 +15,10 @@ import torch
 import tp_fuse
 from tolerances import NVFP4_REL_NORM, assert_close
 from tp_fuse import ops
-from tp_fuse.quantization import BlockScaledTensor, NVFP4Quantizer, block_wire, fp8_gemm
-from tp_fuse.quantization.block_gemm import emulated_block_gemm
-from tp_fuse.quantization.nvfp4_scaling import (
+from tp_fuse.quantization import BlockScaledTensor, NVFP4Quantizer, fp8_gemm
+from tp_fuse.quantization.block import wire as block_wire
+from tp_fuse.quantization.block.gemm import emulated_block_gemm
+from tp_fuse.quantization.nvfp4.scaling import (
     FP4_VALUES,
     apply_rht,
     decode_e2m1,

@@ -15,10 +15,11 @@ import tp_fuse
 from tolerances import NVFP4_REL_NORM, assert_close
 from tp_fuse import ops
 from tp_fuse.kernels import record_kernel_paths
-from tp_fuse.quantization import BlockScaledTensor, NVFP4Quantizer, block_wire, fp8_gemm
-from tp_fuse.quantization.block_gemm import emulated_block_gemm
-from tp_fuse.quantization.nvfp4_cast import quantize_nvfp4_layout
-from tp_fuse.quantization.nvfp4_scaling import FP4_VALUES, NVFP4_BLOCK, decode_e2m1, unpack_fp4
+from tp_fuse.quantization import BlockScaledTensor, NVFP4Quantizer, fp8_gemm
+from tp_fuse.quantization.block import wire as block_wire
+from tp_fuse.quantization.block.gemm import emulated_block_gemm
+from tp_fuse.quantization.nvfp4.cast import quantize_nvfp4_layout
+from tp_fuse.quantization.nvfp4.scaling import FP4_VALUES, NVFP4_BLOCK, decode_e2m1, unpack_fp4
 from tp_fuse.recipe import NVFP4BlockScaling
 
 F32_MAX = torch.finfo(torch.float32).max

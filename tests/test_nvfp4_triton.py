@@ -27,9 +27,9 @@ else:
     pytest.importorskip("triton")
     from tp_fuse.kernels import record_kernel_paths
     from tp_fuse.kernels.nvfp4_cast_triton import nvfp4_quantize, nvfp4_quantize_1x16
-    from tp_fuse.quantization.nvfp4_cast import quantize_nvfp4_layout
-    from tp_fuse.quantization.nvfp4_quantizer import NVFP4Quantizer
-    from tp_fuse.quantization.nvfp4_scaling import NVFP4_BLOCK, NVFP4_BLOCK_2D, global_scales, quantize_nvfp4
+    from tp_fuse.quantization.nvfp4.cast import quantize_nvfp4_layout
+    from tp_fuse.quantization.nvfp4.quantizer import NVFP4Quantizer
+    from tp_fuse.quantization.nvfp4.scaling import NVFP4_BLOCK, NVFP4_BLOCK_2D, global_scales, quantize_nvfp4
     from tp_fuse.recipe import NVFP4BlockScaling
 
     def _factors(amax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,4 +1,4 @@
-"""``method: auto`` overlap selection (tp_fuse.overlap_auto).
+"""``method: auto`` overlap selection (tp_fuse.overlap.auto).
 
 Single process: candidate labels, config defaults (explicit YAML entries win), the choice
 file as untrusted input. Two gloo ranks (one start): a fake clock that prefers each
@@ -24,8 +24,8 @@ import torch.distributed as dist
 from dist_utils import run_distributed
 from test_tp_overlap import _BWD, _FWD, _NAME, Case, Runner, _close, _expect_fused, _step
 from tolerances import assert_close, tols
-from tp_fuse.overlap_auto import AutoDecision, OverlapAutoTuner, candidate_labels, load_choice_file, save_choice_file
-from tp_fuse.overlap_config import OverlapConfig
+from tp_fuse.overlap.auto import AutoDecision, OverlapAutoTuner, candidate_labels, load_choice_file, save_choice_file
+from tp_fuse.overlap.config import OverlapConfig
 
 
 class PreferClock:
@@ -139,13 +139,13 @@ def test_choice_file_malformed(tmp_path, mutate, field) -> None:
 
 
 def _auto_overlap(clock, **kw) -> Any:
-    from tp_fuse.overlap_config import TPOverlap
+    from tp_fuse.overlap.config import TPOverlap
 
     return TPOverlap(OverlapConfig(auto=True), tuner=OverlapAutoTuner(clock, warmup=1, repeats=2, **kw))
 
 
 def _unfused_overlap() -> Any:
-    from tp_fuse.overlap_config import TPOverlap
+    from tp_fuse.overlap.config import TPOverlap
 
     return TPOverlap(OverlapConfig(enabled=False))
 
@@ -231,7 +231,7 @@ def _agree_across_ranks(run: Runner, r: int, tp: int, group) -> None:
     run.run("agree", "max over ranks", one)
 
     def explicit_wins() -> None:
-        from tp_fuse.overlap_config import TPOverlap
+        from tp_fuse.overlap.config import TPOverlap
 
         clock = PreferClock(prefer="unfused")
         cfg = OverlapConfig(auto=True).with_entry("fc2_fprop", method="pipeline", num_splits=2)
@@ -317,7 +317,7 @@ def _fp8_no_extra_amax(run: Runner, r: int, tp: int, group) -> None:
     """Measuring (2 warm-up + timed runs per candidate) leaves the FP8 state exactly as one
     run of a fixed method does: the same amax histories and scales after two steps."""
     def one() -> None:
-        from tp_fuse.overlap_config import TPOverlap
+        from tp_fuse.overlap.config import TPOverlap
 
         for kind in ("col", "row"):
             case = Case(kind, tp, 4, (2,), 8, 8, True, seed=21)
@@ -378,9 +378,9 @@ def test_auto_same_choices_on_both_ranks(results) -> None:
 
 
 def test_launcher_overlap_method(tmp_path) -> None:
-    from launch.config import OverlapConfig as LaunchOverlap
-    from launch.config import from_dict
-    from launch.model import OVERLAP_CHOICE_FILE, build_overlap
+    from tp_fuse.launch.config import OverlapConfig as LaunchOverlap
+    from tp_fuse.launch.config import from_dict
+    from tp_fuse.launch.models.build import OVERLAP_CHOICE_FILE, build_overlap
 
     model = {"name": "gpt"}
     assert from_dict({"model": model, "overlap": {"enabled": True}}).overlap.method == "auto"  # default when on

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import tp_fuse
-from layers import GPT, GPTConfig
+from tp_fuse.layers import GPT, GPTConfig
 from tp_fuse.distributed import fp8_quantizers
 from tp_fuse.quantization import DelayedScalingQuantizer
 from tp_fuse.recipe import DelayedScaling, Float8CurrentScaling

@@ -15,13 +15,13 @@ import sys
 import pytest
 import torch
 
-import launch.checkpoint as ckpt_mod
-from launch.api import compose, train
-from launch.checkpoint import CheckpointError
-from launch.config import validate
-from launch.health import TrainingDivergedError
-from launch.metrics import read_jsonl
-from layers import GPT
+from tp_fuse.launch.checkpoint import manager as ckpt_mod
+from tp_fuse.launch.api import compose, train
+from tp_fuse.launch.checkpoint.manager import CheckpointError
+from tp_fuse.launch.config import validate
+from tp_fuse.launch.health import TrainingDivergedError
+from tp_fuse.launch.logging.metrics import read_jsonl
+from tp_fuse.layers import GPT
 from test_checkpoint_resume import COMMON
 from tp_fuse.quantization import DelayedScalingQuantizer
 from tp_fuse.recipe import DelayedScaling
@@ -30,7 +30,7 @@ SMALL = [*COMMON, "trainer.max_steps=8"]
 
 
 def _inf_weight_factory(*args, **kwargs):
-    """``layers.GPT`` with one inf entry in the first MLP weight (a poisoned checkpoint, a bad init)."""
+    """``tp_fuse.layers.GPT`` with one inf entry in the first MLP weight (a poisoned checkpoint, a bad init)."""
     model = GPT(*args, **kwargs)
     name, p = next((n, p) for n, p in model.named_parameters() if "fc1" in n and p.dim() == 2)
     with torch.no_grad():

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import tp_fuse as te
-from tp_fuse.quantization.block_quantizer import BlockScalingQuantizer
+from tp_fuse.quantization.block.quantizer import BlockScalingQuantizer
 from tp_fuse.recipe import Float8BlockScaling, MXFP8BlockScaling
 
 

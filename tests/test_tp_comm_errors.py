@@ -29,7 +29,7 @@ def _error_cases(run: Runner, r: int, tp: int, group) -> None:
     """User mistakes raise ValueError on every rank before any communication: the next
     collective still pairs up (the case after the errors runs)."""
     from tp_fuse.ops import AllGather, BasicLinear, Sequential
-    from tp_fuse.overlap_config import OverlapConfig, TPOverlap
+    from tp_fuse.overlap.config import OverlapConfig, TPOverlap
 
     messages = {}
     row = Case("row", tp, 2, (), 4, 3, True, seed=7000)

@@ -189,7 +189,7 @@ class WireCounter:
 
 def _config(kind: str, **entries: dict) -> "Any":
     """Overlap config with entries (by stage) for the case's GEMM name."""
-    from tp_fuse.overlap_config import OverlapConfig
+    from tp_fuse.overlap.config import OverlapConfig
 
     cfg = OverlapConfig()
     for stage, fields in entries.items():
@@ -198,7 +198,7 @@ def _config(kind: str, **entries: dict) -> "Any":
 
 
 def _unfused() -> "Any":
-    from tp_fuse.overlap_config import OverlapConfig, TPOverlap
+    from tp_fuse.overlap.config import OverlapConfig, TPOverlap
 
     return TPOverlap(OverlapConfig(enabled=False))
 
@@ -207,7 +207,7 @@ def _hp_case(case: Case, r: int, group, cfg, label: str, *, save: bool = False, 
              expect=("fused", "fused"), steps: int = 2, dtype: torch.dtype = torch.float32) -> None:
     """Fused (by ``cfg``) vs unfused vs float64, over ``steps`` steps (workspaces reused)."""
     from tolerances import tols
-    from tp_fuse.overlap_config import TPOverlap
+    from tp_fuse.overlap.config import TPOverlap
 
     name = _NAME[case.kind]
     seq_f, lin_f, b_f = case.build(r, group, TPOverlap(cfg, save_gathered_input=save), name, dtype, via_linear)
@@ -289,7 +289,7 @@ def _mixed_cases(run: Runner, r: int, tp: int, group) -> None:
 def _mlp_case(r: int, tp: int, group) -> None:
     """[AllGather, fc1, Bias, GELU, fc2, ReduceScatter] fused vs unfused vs float64 autograd."""
     from tp_fuse.ops import GELU, AllGather, BasicLinear, Bias, ReduceScatter, Sequential
-    from tp_fuse.overlap_config import OverlapConfig, TPOverlap
+    from tp_fuse.overlap.config import OverlapConfig, TPOverlap
 
     h, f, m = 6, 5, 3
     x = [_gen(4000 + q, m, h) for q in range(tp)]
@@ -370,7 +370,7 @@ def _fp8_case(case: Case, r: int, group, cfg, recipe, label: str, amax_group=Non
     """Two FP8 steps, fused vs unfused (same math: equal to 1e-5, same quantizer state) and
     within the FP8 rounding bound of the float64 reference."""
     import tp_fuse
-    from tp_fuse.overlap_config import TPOverlap
+    from tp_fuse.overlap.config import TPOverlap
     from tp_fuse.recipe import DelayedScaling
 
     name = _NAME[case.kind]
@@ -443,7 +443,7 @@ def _wire_cases(run: Runner, r: int, tp: int, group) -> None:
     standalone AllGather of a Float8Tensor."""
     import tp_fuse
     from tp_fuse.ops import AllGather, Quantize, Sequential
-    from tp_fuse.overlap_config import OverlapConfig, TPOverlap
+    from tp_fuse.overlap.config import OverlapConfig, TPOverlap
 
     col = Case("col", tp, 4, (2,), 16, 16, False, seed=6000)
     sent = {}
@@ -490,7 +490,7 @@ def _explain_cases(run: Runner, r: int, tp: int, group) -> None:
     """The Megatron YAML drives method selection; rejections name their reason."""
     import tp_fuse
     from tp_fuse.ops import GELU, AllGather, AllReduce, BasicLinear, Bias, ReduceScatter, Sequential
-    from tp_fuse.overlap_config import OverlapConfig, TPOverlap
+    from tp_fuse.overlap.config import OverlapConfig, TPOverlap
     from tp_fuse.recipe import DelayedScaling
 
     def block(ov) -> Sequential:

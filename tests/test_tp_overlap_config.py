@@ -11,7 +11,7 @@ import torch
 
 from tolerances import assert_close
 from tp_fuse.ops import AllGather, AllReduce, BasicLinear, Bias, LayerNorm, ReduceScatter, Sequential
-from tp_fuse.overlap_config import GemmOverlapConfig, OverlapConfig, TPOverlap
+from tp_fuse.overlap.config import GemmOverlapConfig, OverlapConfig, TPOverlap
 
 FIXTURE = os.path.join(os.path.dirname(__file__), "fixtures", "megatron_overlap.yaml")
 
@@ -101,7 +101,7 @@ def test_extra_layers_disable_and_with_entry():
 
 
 def test_tp_overlap_validates_its_arguments():
-    import comm
+    from tp_fuse import comm
 
     pool = comm.UserBufferPool()
     ov = TPOverlap(OverlapConfig(enabled=False), pool)
@@ -165,7 +165,7 @@ def test_bad_userbuffers_options_raise_at_fusion():
     lin = BasicLinear(4, 4, userbuffers_options={"overlap": TPOverlap()})
     with pytest.raises(ValueError, match="different TPOverlap"):
         resolve_overlap(lin, AllGather(overlap=TPOverlap()))
-    with pytest.raises(ValueError, match="must be a tp_fuse.overlap_config.TPOverlap"):
+    with pytest.raises(ValueError, match="must be a tp_fuse.overlap.config.TPOverlap"):
         resolve_overlap(BasicLinear(4, 4, userbuffers_options={"overlap": "x"}), AllGather())
     with pytest.raises(ValueError, match="comm_name"):
         resolve_overlap(BasicLinear(4, 4, userbuffers_options={"comm_name": 3}), AllGather())

@@ -1,4 +1,4 @@
-"""``layers.wrap`` (gloo, CPU, 2 ranks): models keep their outputs and gradients.
+"""``tp_fuse.layers.wrap`` (gloo, CPU, 2 ranks): models keep their outputs and gradients.
 
 * a model written against Megatron's tensor-parallel layer interface, with this file's own
   implementation of that interface (plain torch autograd functions, independent of
@@ -229,7 +229,7 @@ def _input(rank: int, world: int, sp: bool) -> torch.Tensor:
 
 
 def _before_after(model: nn.Module, group, x: torch.Tensor, **wrap_kwargs: Any) -> dict[str, Any]:
-    from layers import wrap
+    from tp_fuse.layers import wrap
 
     params_before = dict(model.named_parameters())
     outs_ref, dx_ref = _step(model, x)
@@ -328,7 +328,7 @@ PLAN = {"norm": "sequence_parallel", "fc1": "column", "fc2": "row"}
 
 @case
 def plain_model_with_plan(rank: int, world: int) -> dict[str, float]:
-    from layers import wrap
+    from tp_fuse.layers import wrap
 
     group = dist.new_group(list(range(world)))
     out = {}
@@ -366,7 +366,7 @@ def plain_model_with_plan(rank: int, world: int) -> dict[str, float]:
 
 @case
 def fp8_through_wrap(rank: int, world: int) -> dict[str, Any]:
-    from layers import wrap
+    from tp_fuse.layers import wrap
     from tp_fuse.recipe import DelayedScaling
 
     group = dist.new_group(list(range(world)))
@@ -400,7 +400,7 @@ def fp8_through_wrap(rank: int, world: int) -> dict[str, Any]:
 
 @case
 def problems_are_listed_together(rank: int, world: int) -> dict[str, str]:
-    from layers import wrap
+    from tp_fuse.layers import wrap
 
     group = dist.new_group(list(range(world)))
     messages = {}

@@ -157,7 +157,7 @@ def _train_against_unwrapped(ref: nn.Module, model: nn.Module, group: dist.Proce
     """``steps`` AdamW steps of both; logits and every (gathered) gradient at step 0,
     losses every step, every (gathered) parameter after, and this rank's copies of the
     replicated parameters (the test checks both ranks hold the same)."""
-    from layers import full_grads, full_state_dict
+    from tp_fuse.layers import full_grads, full_state_dict
 
     conv1d = {f"{n}.weight" for n, m in ref.named_modules() if type(m).__name__ == "Conv1D"}
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
@@ -199,7 +199,7 @@ def _train_against_unwrapped(ref: nn.Module, model: nn.Module, group: dist.Proce
 
 def _user_plan_case(kind: str, **over: Any) -> Callable[[int, int], Any]:
     def run(rank: int, world: int) -> Any:
-        from layers import wrap
+        from tp_fuse.layers import wrap
 
         group = _group()
         ref = _hf(kind, **over)
@@ -221,7 +221,7 @@ BUILTIN = ("gemma", "gemma2", "gemma3", "granite", "cohere", "starcoder2", "stab
 def _builtin_case(kind: str) -> Callable[[int, int], Any]:
     def run(rank: int, world: int) -> Any:
         """The built-in plan (plan=None), 2 AdamW steps against the unwrapped model."""
-        from layers import wrap
+        from tp_fuse.layers import wrap
 
         group = _group()
         ref = _hf(kind)
@@ -243,8 +243,8 @@ def _explicit_case(kind: str) -> Callable[[int, int], Any]:
     def run(rank: int, world: int) -> Any:
         """The family's plan passed explicitly: its fix-ups still run (GPT-2's split_size,
         Phi-3's local head counts for its fused qkv_proj)."""
-        from layers import wrap
-        from layers.hf_plans import FAMILIES
+        from tp_fuse.layers import wrap
+        from tp_fuse.layers.wrap.hf_plans import FAMILIES
 
         group = _group()
         ref = _hf(kind)
@@ -271,7 +271,7 @@ def _error(fn: Callable[[], Any]) -> str:
 
 @hf_case
 def refusals(rank: int, world: int) -> Any:
-    from layers import wrap
+    from tp_fuse.layers import wrap
 
     group = _group()
     return {
@@ -308,7 +308,7 @@ class SharedHeadNormAttention(nn.Module):
 
 @case
 def traced_on_first_forward(rank: int, world: int) -> Any:
-    from layers import full_grads, wrap
+    from tp_fuse.layers import full_grads, wrap
 
     group = _group()
     torch.manual_seed(0)
@@ -349,7 +349,7 @@ class FusedQKVBlock(nn.Module):
 
 @case
 def verify_pass(rank: int, world: int) -> Any:
-    from layers import FusedColumn, wrap
+    from tp_fuse.layers import FusedColumn, wrap
 
     wrap_module = sys.modules[wrap.__module__]  # the module where wrap() looks sync_traced up
 
@@ -388,7 +388,7 @@ def export_original_layout(rank: int, world: int) -> Any:
     training step; ``save_pretrained`` writes a directory transformers loads back."""
     import tempfile
 
-    from layers import original_state_dict, save_pretrained, wrap
+    from tp_fuse.layers import original_state_dict, save_pretrained, wrap
 
     group = _group()
     out: dict[str, Any] = {}
@@ -443,7 +443,7 @@ def megatron_moe(rank: int, world: int) -> Any:
     if not HAVE_MEGATRON:
         return {"skipped": "megatron.core is not installed"}
     import megatron_cpu
-    from layers import wrap
+    from tp_fuse.layers import wrap
 
     megatron_cpu.init_model_parallel(world)
     group = _group()

@@ -27,7 +27,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from dist_utils import case_values, run_cases, run_distributed
-from layers import FusedColumn, ShardSpec, shard_tensor
+from tp_fuse.layers import FusedColumn, ShardSpec, shard_tensor
 from tolerances import tols
 
 HAVE_TRANSFORMERS = importlib.util.find_spec("transformers") is not None
@@ -81,7 +81,7 @@ def _phi3(**over: Any) -> nn.Module:
 
 @case
 def phi3_family_plan(rank: int, world: int) -> dict[str, Any]:
-    from layers import full_grads, full_state_dict, wrap
+    from tp_fuse.layers import full_grads, full_state_dict, wrap
 
     group = dist.new_group(list(range(world)))
     ref = _phi3()
@@ -139,7 +139,7 @@ def phi3_family_plan(rank: int, world: int) -> dict[str, Any]:
 
 @case
 def phi3_kv_heads_refused(rank: int, world: int) -> dict[str, str]:
-    from layers import wrap
+    from tp_fuse.layers import wrap
 
     group = dist.new_group(list(range(world)))
     try:
@@ -154,7 +154,7 @@ def fused_attention_excluded(rank: int, world: int) -> dict[str, Any]:
     """An excluded attention keeps its full fused projection, so the family fix-ups (GPT-2's
     ``split_size``, Phi-3's local heads) must leave it alone."""
     import transformers as tf
-    from layers import wrap
+    from tp_fuse.layers import wrap
 
     group = dist.new_group(list(range(world)))
     torch.manual_seed(4)
@@ -175,7 +175,7 @@ def fused_attention_excluded(rank: int, world: int) -> dict[str, Any]:
 def half_attention_excluded(rank: int, world: int) -> dict[str, str]:
     """Excluding one projection of a column/row pair (``qkv_proj`` but not ``o_proj``) would
     feed sharded heads into an unsharded projection: refused, naming the way out."""
-    from layers import wrap
+    from tp_fuse.layers import wrap
 
     group = dist.new_group(list(range(world)))
     try:
@@ -219,7 +219,7 @@ def _gqa_block() -> nn.Module:
 
 @case
 def unequal_fused_block(rank: int, world: int) -> dict[str, Any]:
-    from layers import full_grads, full_state_dict, wrap
+    from tp_fuse.layers import full_grads, full_state_dict, wrap
 
     group = dist.new_group(list(range(world)))
     ref = _gqa_block()
@@ -251,7 +251,7 @@ def unequal_fused_block(rank: int, world: int) -> dict[str, Any]:
 
 @case
 def unequal_fused_errors(rank: int, world: int) -> dict[str, str]:
-    from layers import wrap
+    from tp_fuse.layers import wrap
 
     group = dist.new_group(list(range(world)))
     plans = {

@@ -1,4 +1,4 @@
-"""``layers.wrap`` on real models (gloo, CPU, 2 ranks, one process start for all cases).
+"""``tp_fuse.layers.wrap`` on real models (gloo, CPU, 2 ranks, one process start for all cases).
 
 * megatron-core 0.16 ``GPTModel`` (local spec), GPT style (LayerNorm, biases, GELU,
   learned positions) and Llama style (RMSNorm, SwiGLU ``[gate; up]`` fc1 with stride 2,
@@ -80,7 +80,7 @@ def _megatron_loss(model: nn.Module, seed: int = 0) -> torch.Tensor:
 
 def _megatron_case(rank: int, world: int, llama: bool, sp: bool) -> dict[str, Any]:
     import megatron_cpu
-    from layers import full_grads, full_state_dict, grad_norm, wrap
+    from tp_fuse.layers import full_grads, full_state_dict, grad_norm, wrap
 
     megatron_cpu.init_model_parallel(world)
     group = dist.new_group(list(range(world)))
@@ -149,7 +149,7 @@ def megatron_fp8_and_main_grad(rank: int, world: int) -> Any:
     if not HAVE_MEGATRON:
         return {"skipped": "megatron.core is not installed"}
     import megatron_cpu
-    from layers import wrap
+    from tp_fuse.layers import wrap
     from tp_fuse.recipe import DelayedScaling
 
     megatron_cpu.init_model_parallel(world)
@@ -188,14 +188,14 @@ def megatron_fp8_and_main_grad(rank: int, world: int) -> Any:
 
 @case
 def launcher_megatron_gpt(rank: int, world: int) -> Any:
-    """launch.megatron_model.build_megatron_gpt (what +model=megatron_gpt runs, on CUDA) on CPU
+    """tp_fuse.launch.models.megatron.build_megatron_gpt (what +model=megatron_gpt runs, on CUDA) on CPU
     with the test shims: GPT and Llama fields, -100 labels ignored, SP grads synced by the
     launcher's hooks (no finalize_model_grads there) equal the non-SP model's."""
     if not HAVE_MEGATRON:
         return {"skipped": "megatron.core is not installed"}
     import megatron_cpu
-    from launch.megatron_model import build_megatron_gpt
-    from layers import GPTConfig
+    from tp_fuse.launch.models.megatron import build_megatron_gpt
+    from tp_fuse.layers import GPTConfig
 
     megatron_cpu.init_model_parallel(world)
     group = dist.new_group(list(range(world)))
@@ -260,7 +260,7 @@ def _hf_model(kind: str, **over: Any) -> nn.Module:
 
 
 def _hf_case(rank: int, world: int, kind: str) -> dict[str, Any]:
-    from layers import full_grads, wrap
+    from tp_fuse.layers import full_grads, wrap
 
     group = dist.new_group(list(range(world)))
     ref = _hf_model(kind)
@@ -316,7 +316,7 @@ for _kind in ("llama", "mistral", "qwen2", "gpt_neox", "gpt2"):
 def hf_mqa_refused_and_exclusion(rank: int, world: int) -> Any:
     if not HAVE_TRANSFORMERS:
         return {"skipped": "transformers is not installed"}
-    from layers import wrap
+    from tp_fuse.layers import wrap
 
     group = dist.new_group(list(range(world)))
     out = {}
@@ -358,7 +358,7 @@ class NanoBlock(nn.Module):
 
 @case
 def nanogpt_fused_qkv(rank: int, world: int) -> Any:
-    from layers import FusedColumn, wrap
+    from tp_fuse.layers import FusedColumn, wrap
 
     group = dist.new_group(list(range(world)))
     torch.manual_seed(0)
@@ -378,7 +378,7 @@ def nanogpt_fused_qkv(rank: int, world: int) -> Any:
 
 @case
 def in_place_after_overlap_fusions(rank: int, world: int) -> Any:
-    from layers import ColumnParallelLinear, RowParallelLinear
+    from tp_fuse.layers import ColumnParallelLinear, RowParallelLinear
     group = dist.new_group(list(range(world)))
     out = {}
     for sp in (True, False):

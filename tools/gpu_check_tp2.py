@@ -27,8 +27,8 @@ import torch.multiprocessing as mp
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import tp_fuse  # noqa: E402 - after the repo path
-from layers import GPT, GPTConfig, grad_norm  # noqa: E402
-from tp_fuse.overlap_config import TPOverlap  # noqa: E402
+from tp_fuse.layers import GPT, GPTConfig, grad_norm  # noqa: E402
+from tp_fuse.overlap.config import TPOverlap  # noqa: E402
 from tp_fuse.recipe import DelayedScaling  # noqa: E402
 
 CONFIG = dict(vocab_size=256, max_seq_len=64, hidden_size=128, num_layers=2, num_heads=4)

@@ -136,7 +136,7 @@ def checkpoint(
             are found by itself, otherwise pass the modules it runs in ``modules``.
         distribute_saved_activations: not implemented (ValueError if True).
         get_rng_state_tracker: returns an object with ``get_states()`` /
-            ``set_states(states)`` (e.g. ``layers.DropoutRNG``) whose streams the region
+            ``set_states(states)`` (e.g. ``tp_fuse.layers.DropoutRNG``) whose streams the region
             draws from; replayed for the recompute.
         tp_group: accepted for Transformer Engine compatibility (only used by
             ``distribute_saved_activations`` there).

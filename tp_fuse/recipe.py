@@ -446,7 +446,7 @@ class NVFP4BlockScaling(Recipe):
         nvfp4_4over6: which tensors use 4over6 block scaling ("none", "weights",
             "activations" -- every non-weight forward tensor -- or "all"); gradients never
             do. Each 4over6 block keeps the map-to-4 or map-to-6 scale, whichever errs
-            less (``tp_fuse.quantization.nvfp4_4over6``). Needs ``disable_rht=True`` when
+            less (``tp_fuse.quantization.nvfp4.scaling_4over6``). Needs ``disable_rht=True`` when
             it covers activations (no RHT variant, as in TE).
         nvfp4_4over6_e4m3_use_256: which 4over6 tensors use 256 instead of 448 as the
             global scale's E4M3 bound (same values; default "all").

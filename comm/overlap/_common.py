@@ -1,7 +1,7 @@
 """Shared plumbing of the overlap algorithms: group arithmetic, point-to-point exchange,
 chunk sizes, output allocation and the GEMM-callable contract.
 
-The GEMM contract used throughout :mod:`comm.overlap`::
+The GEMM contract used throughout :mod:`tp_fuse.comm.overlap`::
 
     gemm(chunk: Tensor, out: Tensor) -> Tensor
 
@@ -20,7 +20,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup, Work
 
-from ..nccl_rules import CudaConformanceError, check_collective, describe_shape, shape_descriptor, strict_cuda_enabled
+from ..nccl_rules import check_collective, describe_shape, shape_descriptor
+from ...strict import CudaConformanceError, strict_cuda_enabled
 
 GemmFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 

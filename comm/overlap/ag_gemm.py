@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 from torch.distributed import ProcessGroup
 
-from ..nccl_rules import strict_cuda_enabled
+from ...strict import strict_cuda_enabled
 from ..userbuffers import UserBufferPool
 from ._common import (
     GemmFn,
@@ -59,7 +59,7 @@ def ring_exchange_ag_gemm(
         x_local: ``[m, *in_tail]`` local rows; same shape on every rank (float8: pass a
             uint8 view).
         gemm: ``gemm(chunk [m, *in_tail], out [m, *out_tail]) -> out`` (see
-            :mod:`comm.overlap._common` for the contract).
+            :mod:`tp_fuse.comm.overlap._common` for the contract).
         group: TP group.
         pool: workspace pool; the gathered input lives in buffer ``f"{name}.gathered"``
             unless ``return_gathered``.

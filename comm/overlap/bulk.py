@@ -42,7 +42,7 @@ def bulk_overlap(
         ``(collective result, compute_fn result)``.
 
     If ``compute_fn`` raises, the collective is waited on before the exception propagates
-    (see :class:`comm.overlap._common.InFlight` for why unwaited work is not dropped).
+    (see :class:`tp_fuse.comm.overlap._common.InFlight` for why unwaited work is not dropped).
     """
     pending = collective_fn()
     if not isinstance(pending, PendingCollective):

@@ -1,5 +1,5 @@
 """Plain (non-overlapped) dim-0 collectives: the reference path used by unfused ops, and
-the building blocks handed to :func:`comm.overlap.bulk_overlap`.
+the building blocks handed to :func:`tp_fuse.comm.overlap.bulk_overlap`.
 
 Each collective has an ``*_async`` launcher returning a :class:`PendingCollective` and a
 blocking form (``launcher(...).wait()``). TP size 1 is the identity (no communication; the
@@ -30,7 +30,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup, Work
 
-from ..nccl_rules import check_collective, strict_cuda_enabled
+from ..nccl_rules import check_collective
+from ...strict import strict_cuda_enabled
 from ..userbuffers import UserBufferPool
 from ._common import (
     backend_name,

@@ -23,7 +23,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup, Work
 
-from ..nccl_rules import check_collective, strict_cuda_enabled
+from ..nccl_rules import check_collective
+from ...strict import strict_cuda_enabled
 from ._common import (
     GemmFn,
     InFlight,
@@ -58,7 +59,7 @@ def gemm_all_reduce_chunked(
         group: TP group.
         num_splits: number of row chunks, 1 <= num_splits <= rows (uneven allowed).
         out / out_features / out_dtype: the ``[rows, *out_tail]`` output (see
-            :func:`comm.overlap.ring_exchange_ag_gemm`).
+            :func:`tp_fuse.comm.overlap.ring_exchange_ag_gemm`).
         check_shapes: collective shape-agreement check before starting.
 
     Returns:

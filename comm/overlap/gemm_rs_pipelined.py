@@ -32,7 +32,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
-from ..nccl_rules import check_collective, strict_cuda_enabled
+from ..nccl_rules import check_collective
+from ...strict import strict_cuda_enabled
 from ..userbuffers import UserBufferPool
 from ._common import (
     GemmFn,
@@ -78,7 +79,7 @@ def gemm_reduce_scatter_pipelined(
         pool: workspace pool (buffers ``f"{name}.in"``, ``.partial{0,1}``, ``.recv{0,1}``).
         num_splits: number of chunks, 1 <= num_splits <= m (uneven allowed, see module doc).
         out / out_features / out_dtype: the ``[m, *out_tail]`` output (see
-            :func:`comm.overlap.ring_exchange_ag_gemm`).
+            :func:`tp_fuse.comm.overlap.ring_exchange_ag_gemm`).
         impl: "auto" | "collective" | "all_to_all".
         name: pool-buffer prefix.
         check_shapes: collective shape-agreement check before starting.

@@ -24,7 +24,7 @@ from __future__ import annotations
 import torch
 from torch.distributed import ProcessGroup
 
-from ..nccl_rules import strict_cuda_enabled
+from ...strict import strict_cuda_enabled
 from ..userbuffers import UserBufferPool
 from ._common import (
     GemmFn,
@@ -62,7 +62,7 @@ def gemm_reduce_scatter_ring(
         group: TP group.
         pool: workspace pool (buffers ``f"{name}.acc{0,1}"``, ``f"{name}.recv"``).
         out / out_features / out_dtype: the ``[m, *out_tail]`` output (see
-            :func:`comm.overlap.ring_exchange_ag_gemm`); must be a floating dtype in
+            :func:`tp_fuse.comm.overlap.ring_exchange_ag_gemm`); must be a floating dtype in
             practice (partial sums are added).
         name: pool-buffer prefix.
         check_shapes: collective shape-agreement check before starting.

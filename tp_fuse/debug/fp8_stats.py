@@ -27,7 +27,7 @@ grad_output``, named ``fp8/<layer>/<gemm>/<tensor>/<stat>``:
 ``overflow_pct``    % of elements with ``|x * scale| > fp8_max`` (saturated)
 ``mse``             mean squared error of the FP8 round trip
 ``nonfinite_amax_count`` NaN/inf amaxes this quantizer has met so far (cumulative;
-                    such steps are skipped by the launcher, ``launch.health``)
+                    such steps are skipped by the launcher, ``tp_fuse.launch.health``)
 =================== ============================================================
 
 Block-scaled recipes (``Float8BlockScaling``, ``MXFP8BlockScaling``, ``Float8RowwiseScaling``)

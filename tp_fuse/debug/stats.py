@@ -28,9 +28,9 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-from comm.nccl_rules import check_collective
+from tp_fuse.comm.nccl_rules import check_collective
 
-from ..quantization.block_scaling import expand_scales
+from ..quantization.block.scaling import expand_scales
 from ..recipe import low_precision_max
 
 __all__ = [

@@ -8,9 +8,9 @@ does not import triton.
 
 Block-scaled quantization (kernel name ``block_quantize``) has its Triton kernels in
 ``block_cast_triton``; its torch reference is the block quantizers' own math, so its entry
-point -- same dispatch rules -- is ``tp_fuse.quantization.block_cast.quantize_layouts``.
+point -- same dispatch rules -- is ``tp_fuse.quantization.block.cast.quantize_layouts``.
 NVFP4 quantization (``nvfp4_quantize``) likewise: Triton kernel in ``nvfp4_cast_triton``,
-entry point ``tp_fuse.quantization.nvfp4_cast.quantize_nvfp4_layout``.
+entry point ``tp_fuse.quantization.nvfp4.cast.quantize_nvfp4_layout``.
 """
 
 from .activations import dgelu_dbias, dswiglu, gelu_fwd, swiglu_fwd

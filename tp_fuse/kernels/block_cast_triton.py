@@ -1,10 +1,10 @@
 """Triton kernels of block-scaled FP8 quantization (both GEMM layouts in one read of ``x``).
 
-Semantics (bit for bit): ``tp_fuse.quantization.block_scaling`` -- per block,
+Semantics (bit for bit): ``tp_fuse.quantization.block.scaling`` -- per block,
 ``amax = max |x|`` (NaN-propagating), a scale from the amax (fp32 ``fp8_max / amax``,
 optionally floored to a power of two, or the OCP MX E8M0 rule), then the saturating
 round-to-nearest-even cast of ``x * scale``. The entry point that chooses between these
-kernels and the torch reference is ``tp_fuse.quantization.block_cast``.
+kernels and the torch reference is ``tp_fuse.quantization.block.cast``.
 
 Layouts. ``x [R, C]`` is quantized row-wise (blocks of ``1 x B`` or ``B x B`` along C:
 ``data [R, C]``, ``scale_inv [ceil(R/br), ceil(C/B)]``) and, with ``COLUMNWISE``,

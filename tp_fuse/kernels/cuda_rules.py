@@ -1,5 +1,5 @@
 """CUDA's ``torch._scaled_mm`` rules, checked on any device: the GEMM half of
-``TP_FUSE_STRICT_CUDA=1`` (the collective half is :mod:`comm.nccl_rules`).
+``TP_FUSE_STRICT_CUDA=1`` (the collective half is :mod:`tp_fuse.comm.nccl_rules`).
 
 On CPU, torch 2.13's ``_scaled_mm`` takes any shapes, layouts, bias dtype and output
 dtype. On CUDA (``aten/src/ATen/native/cuda/ScaledBlas.cpp``, ``_scaled_mm_out_cuda``
@@ -23,7 +23,7 @@ rejects, for ``out = mat1 [M, K] @ mat2 [K, N]``:
   fp16 for an fp16 output.
 
 ``scaled_mm`` is the one place tp_fuse calls ``torch._scaled_mm``: in strict mode it
-checks these rules first and raises :class:`~comm.nccl_rules.CudaConformanceError`
+checks these rules first and raises :class:`~tp_fuse.strict.CudaConformanceError`
 naming every broken rule. On CPU it runs the exact emulation of :mod:`.fp8_emulation`
 (strict mode included: the rules are checked, then the CPU computes) unless
 ``TP_FUSE_CPU_FP8_GEMM=scaled_mm`` asks for torch's CPU kernel. ``cuda_semantics(device)`` tells the callers to take their
@@ -37,7 +37,7 @@ from typing import Optional
 
 import torch
 
-from comm.nccl_rules import STRICT_ENV, CudaConformanceError, strict_cuda_enabled
+from tp_fuse.strict import STRICT_ENV, CudaConformanceError, strict_cuda_enabled
 
 from .fp8_emulation import cpu_fp8_gemm_path, emulated_scaled_mm
 

@@ -18,7 +18,7 @@ from typing import Optional
 
 import torch
 
-from comm.nccl_rules import strict_cuda_enabled
+from tp_fuse.strict import strict_cuda_enabled
 
 from . import dispatch
 from ._common import (

@@ -1,6 +1,6 @@
 """Triton kernel of NVFP4 quantization with 1x16 or 16x16 blocks (one layout per call).
 
-Semantics, bit for bit: ``tp_fuse.quantization.nvfp4_scaling.quantize_nvfp4`` with
+Semantics, bit for bit: ``tp_fuse.quantization.nvfp4.scaling.quantize_nvfp4`` with
 ``BlockSpec(1, 16)`` or ``BlockSpec(16, 16)`` -- per block (16 values of a row, or a
 16x16 tile), the E4M3 block scale
 ``e4m3(clamp(amax_blk * mult, <= 448))`` and the E2M1 codes of
@@ -37,7 +37,7 @@ _M32 = 0xFFFFFFFF
 
 @triton.jit
 def _mix32(x):
-    # Same 32-bit hash as nvfp4_scaling._mix32, in int64 (products stay below 2**63).
+    # Same 32-bit hash as nvfp4.scaling._mix32, in int64 (products stay below 2**63).
     x = x & 0xFFFFFFFF
     x = x ^ (x >> 16)
     x = (x * 0x45D9F3B) & 0xFFFFFFFF

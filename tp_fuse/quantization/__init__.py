@@ -11,16 +11,16 @@ from .autocast import (
     model_init_recipe,
     quantized_model_init,
 )
-from . import block_wire
-from .block_gemm import block_gemm
-from .block_quantizer import BlockScalingQuantizer, is_block_recipe
-from .block_tensor import BlockPayload, BlockScaledTensor, Float8BlockwiseQTensor, MXFP8Tensor, NVFP4Tensor
-from .nvfp4_quantizer import NVFP4Quantizer
-from .te_block_quantizers import Float8BlockQuantizer, MXFP8Quantizer
-from .float8_tensor import Float8Tensor
+from .block import wire as block_wire
+from .block.gemm import block_gemm
+from .block.quantizer import BlockScalingQuantizer, is_block_recipe
+from .block.tensor import BlockPayload, BlockScaledTensor, Float8BlockwiseQTensor, MXFP8Tensor, NVFP4Tensor
+from .nvfp4.quantizer import NVFP4Quantizer
+from .block.te_quantizers import Float8BlockQuantizer, MXFP8Quantizer
+from .float8.tensor import Float8Tensor
 from .quantized_tensor import QuantizedTensor
 from .role import QuantizerRole
-from .te_quantizers import DType, Float8CurrentScalingQuantizer, Float8Quantizer
+from .float8.te_quantizers import DType, Float8CurrentScalingQuantizer, Float8Quantizer
 from .gemm import fp8_gemm
 from .parameter import is_fp8_parameter, make_fp8_parameter
 from .quantizer import (

@@ -29,10 +29,10 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from comm.nccl_rules import check_collective
+from tp_fuse.comm.nccl_rules import check_collective
 
 from . import scaling
-from .block_quantizer import BlockScalingQuantizer
+from .block.quantizer import BlockScalingQuantizer
 from .quantizer import CurrentScalingQuantizer, DelayedScalingQuantizer, Quantizer, update_delayed_quantizers
 
 __all__ = ["AmaxReductionBuffer", "BackwardAmaxTracker"]

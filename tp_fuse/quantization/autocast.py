@@ -33,7 +33,7 @@ import torch.distributed as dist
 
 from ..recipe import DelayedScaling, Recipe
 from .amax_reduction import AmaxReductionBuffer, BackwardAmaxTracker
-from .block_quantizer import BlockScalingQuantizer
+from .block.quantizer import BlockScalingQuantizer
 from .quantizer import CurrentScalingQuantizer, DelayedScalingQuantizer, Quantizer
 
 __all__ = [

@@ -26,9 +26,9 @@ from typing import Optional
 import torch
 
 from .. import kernels
-from .block_gemm import block_gemm
-from .block_tensor import BlockScaledTensor
-from .float8_tensor import Float8Tensor
+from .block.gemm import block_gemm
+from .block.tensor import BlockScaledTensor
+from .float8.tensor import Float8Tensor
 
 __all__ = ["fp8_gemm"]
 
@@ -62,7 +62,7 @@ def fp8_gemm(
         Plain tensor ``[M, N]`` of ``out_dtype``.
     """
     if isinstance(a, BlockScaledTensor) or isinstance(b, BlockScaledTensor):
-        # Block-scaled and row-wise recipes (block_gemm.py): same NT contract.
+        # Block-scaled and row-wise recipes (block/gemm.py): same NT contract.
         return block_gemm(a, b, out_dtype, bias)
     if not isinstance(a, Float8Tensor) or not isinstance(b, Float8Tensor):
         raise ValueError(

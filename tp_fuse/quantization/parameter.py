@@ -32,9 +32,9 @@ from __future__ import annotations
 
 import torch
 
-from .block_quantizer import BlockScalingQuantizer
-from .block_tensor import BlockScaledTensor
-from .float8_tensor import Float8Tensor
+from .block.quantizer import BlockScalingQuantizer
+from .block.tensor import BlockScaledTensor
+from .float8.tensor import Float8Tensor
 from .quantizer import DelayedScalingQuantizer, Quantizer
 
 __all__ = ["make_fp8_parameter", "is_fp8_parameter"]

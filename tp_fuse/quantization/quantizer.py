@@ -31,13 +31,13 @@ from typing import Any, Callable, Optional, Union
 import torch
 import torch.distributed as dist
 
-from comm.nccl_rules import check_collective
+from tp_fuse.comm.nccl_rules import check_collective
 
 from .. import kernels
 from ..recipe import DelayedScaling, Float8CurrentScaling, Recipe, low_precision_max
 from . import scaling
-from .block_tensor import BlockScaledTensor
-from .float8_tensor import Float8Tensor
+from .block.tensor import BlockScaledTensor
+from .float8.tensor import Float8Tensor
 from .role import QuantizerRole, role_tensor_type
 
 __all__ = [
@@ -441,7 +441,7 @@ class CurrentScalingQuantizer(Quantizer):
 
 
 # Quantizer factories of recipes defined outside this module (block-scaled recipes:
-# block_quantizer.py registers itself on import). A static table, like the fusion registry.
+# block/quantizer.py registers itself on import). A static table, like the fusion registry.
 _RECIPE_QUANTIZERS: dict[type, Callable[[Recipe, str], Quantizer]] = {}
 
 

@@ -7,10 +7,10 @@ from typing import Any, Optional
 import torch
 
 from ...quantization import scaling
-from ...quantization.block_cast import quantize_layouts
-from ...quantization.block_scaling import BlockSpec, ScaleRule
-from ...quantization.nvfp4_quantizer import NVFP4Quantizer
-from ...quantization.nvfp4_scaling import rht_matrix
+from ...quantization.block.cast import quantize_layouts
+from ...quantization.block.scaling import BlockSpec, ScaleRule
+from ...quantization.nvfp4.quantizer import NVFP4Quantizer
+from ...quantization.nvfp4.scaling import rht_matrix
 from ...recipe import NVFP4BlockScaling
 from .api import DebugFeature
 

@@ -2,7 +2,8 @@
 
 from .basic_linear import BasicLinear
 from .quantize import Quantize
-from .activation import GELU, ReLU, SwiGLU
+from .activation import GELU, ReLU, QGELU, SiLU, SReLU
+from .gated_activation import SwiGLU, GEGLU, GLU, QGEGLU, ClampedSwiGLU, ReGLU, SiTUGLU, SReGLU
 from .add_extra_input import AddExtraInput
 from .all_gather import AllGather
 from .all_reduce import AllReduce
@@ -14,7 +15,6 @@ from .identity import Identity
 from .l2normalization import L2Normalization
 from .layer_norm import LayerNorm
 from .make_extra_output import MakeExtraOutput
-from .more_activations import GEGLU, GLU, QGEGLU, QGELU, ClampedSwiGLU, ReGLU, SiLU, SiTUGLU, SReGLU, SReLU
 from .reduce_scatter import ReduceScatter
 from .reshape import Reshape
 from .rmsnorm import RMSNorm

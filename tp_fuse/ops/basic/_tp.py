@@ -8,12 +8,12 @@ from typing import TYPE_CHECKING, Optional
 import torch
 import torch.distributed as dist
 
-from comm import ShapeAgreement
+from tp_fuse.comm import ShapeAgreement
 
 from ..op import BasicOperation, require
 
 if TYPE_CHECKING:
-    from ...overlap_config import TPOverlap
+    from ...overlap.config import TPOverlap
 
 
 def group_size(group: Optional[dist.ProcessGroup]) -> int:
@@ -41,7 +41,7 @@ class TPCommOperation(BasicOperation):
     Args:
         process_group: the tensor-parallel group (None: the default group; TP size 1 when
             torch.distributed is not initialized).
-        overlap: a :class:`tp_fuse.overlap_config.TPOverlap` for the overlap fusion this op
+        overlap: a :class:`tp_fuse.overlap.config.TPOverlap` for the overlap fusion this op
             takes part in. Without one (and without one in the neighbouring
             ``BasicLinear``'s ``userbuffers_options``), the op's own default
             ``TPOverlap()`` is used: Megatron's default methods and a workspace pool that
@@ -55,7 +55,7 @@ class TPCommOperation(BasicOperation):
         overlap: Optional["TPOverlap"] = None,
     ) -> None:
         super().__init__()
-        from ...overlap_config import TPOverlap
+        from ...overlap.config import TPOverlap
 
         if process_group is not None and not isinstance(process_group, dist.ProcessGroup):
             raise ValueError(
@@ -64,7 +64,7 @@ class TPCommOperation(BasicOperation):
             )
         if overlap is not None and not isinstance(overlap, TPOverlap):
             raise ValueError(
-                f"{type(self).__name__}: overlap must be a tp_fuse.overlap_config.TPOverlap, "
+                f"{type(self).__name__}: overlap must be a tp_fuse.overlap.config.TPOverlap, "
                 f"got {type(overlap).__name__}"
             )
         self.process_group = process_group
@@ -88,7 +88,7 @@ class TPCommOperation(BasicOperation):
     def default_overlap(self) -> "TPOverlap":
         """This op's own ``TPOverlap()`` (created on first use; owns its workspace pool)."""
         if self._default_overlap is None:
-            from ...overlap_config import TPOverlap
+            from ...overlap.config import TPOverlap
 
             self._default_overlap = TPOverlap()
         return self._default_overlap

@@ -1,4 +1,18 @@
-"""Activation functions: ``GELU`` (tanh approximation), ``ReLU``, ``SwiGLU``."""
+"""Plain (element-wise, not gated) activations: ``GELU`` (tanh approximation), ``ReLU``,
+and Transformer Engine's ``SiLU``, ``QGELU``, ``SReLU`` in torch math. The gated units
+(SwiGLU and the GLU family) are in ``gated_activation``; both build on
+``_ActivationOperation`` here.
+
+Equations of the torch-math ones (``s`` = sigmoid). Math runs in float32 (float64 for
+float64 inputs) and is rounded once to the input dtype; their backward differentiates
+the same function with autograd on the saved input (one recomputation of the forward).
+
+============== =====================================================================
+QGELU          y = x s(1.702 x)                               ("quick GELU")
+SReLU          y = relu(x)^2
+SiLU           y = x s(x)
+============== =====================================================================
+"""
 
 from __future__ import annotations
 
@@ -6,11 +20,12 @@ import abc
 from typing import Any, Optional
 
 import torch
+import torch.nn.functional as F
 
 from ... import kernels
 from ...quantization import Float8CurrentScalingQuantizer
 from ..op import BasicOperation, OperationContext, require
-from ._checks import check_tensor, maybe_dequantize
+from ._checks import check_tensor, compute_dtype, maybe_dequantize
 from ._glu import check_interleave, deinterleave, interleave
 
 
@@ -127,53 +142,66 @@ class ReLU(_ActivationOperation):
         return dy.masked_fill(~positive, 0)
 
 
-class SwiGLU(_ActivationOperation):
-    r"""SwiGLU gated activation: the FIRST half of the last dim is the gate.
+class _TorchActivation(_ActivationOperation):
+    """An activation given by :meth:`_math`; backward by autograd through it.
 
-    Shapes: ``x [..., 2n] -> y [..., n]`` with ``a = x[..., :n]``, ``b = x[..., n:]``.
-
-    Equations (math in float32, or float64 for float64 inputs), ``s = sigmoid(a)``:
-        forward:  y  = silu(a) * b = a s b
-        backward: da = dy * b * s (1 + a (1 - s)),   db = dy * a s,   dx = [da, db]
-
+    Shapes: ``x [..., m] -> y [..., m]`` (``[..., m/2]`` for gated units).
     Saved for backward: the input.
-
-    ``glu_interleave_size=k`` (Transformer Engine's option): the last dim holds
-    alternating blocks of k gate and k value columns ``[a1..ak, b1..bk, ...]``
-    instead of the two halves; the output is the same ``[..., n]``.
-
-    Kernels: ``tp_fuse.kernels.swiglu_fwd`` forward, ``dswiglu`` backward.
     """
+
+    gated: bool = False
 
     def __init__(self, *, cache_quantized_input: bool = False, glu_interleave_size: Optional[int] = None) -> None:
         super().__init__(cache_quantized_input=cache_quantized_input)
+        if glu_interleave_size is not None and not self.gated:
+            raise ValueError(f"{type(self).__name__}: glu_interleave_size applies to gated units only")
         self.glu_interleave_size = check_interleave(type(self).__name__, glu_interleave_size)
+
+    @abc.abstractmethod
+    def _math(self, x: torch.Tensor) -> torch.Tensor:
+        """y from x (gated: x = [a | b] along the last dim), in x's dtype."""
 
     def check_input(self, x: torch.Tensor) -> None:
         super().check_input(x)
-        k = self.glu_interleave_size
-        require(
-            x.dim() >= 1 and x.shape[-1] % (2 * (k or 1)) == 0,
-            f"{type(self).__name__}: expected a last dimension divisible by {2 * (k or 1)} "
-            f"(gate and value {'blocks of ' + str(k) if k else 'halves'}), got input of shape {tuple(x.shape)}",
-        )
-
-    def op_forward(self, ctx: OperationContext, input_: torch.Tensor, **unused: Any) -> torch.Tensor:
-        x = maybe_dequantize(input_)
-        self.check_input(x)
-        return super().op_forward(ctx, deinterleave(x, self.glu_interleave_size))
-
-    def activation_backward(self, ctx: OperationContext, grad_output: torch.Tensor) -> torch.Tensor:
-        return interleave(super().activation_backward(ctx, grad_output), self.glu_interleave_size)
-
-    def kernels_used(self, direction: str) -> tuple[str, ...]:
-        return ("swiglu_fwd",) if direction == "forward" else ("dswiglu",)
+        if self.gated:
+            k = 2 * (self.glu_interleave_size or 1)
+            require(
+                x.dim() >= 1 and x.shape[-1] % k == 0,
+                f"{type(self).__name__}: expected a last dimension divisible by {k} (gate and value "
+                f"parts), got input of shape {tuple(x.shape)}",
+            )
 
     def _activation_forward(self, x: torch.Tensor) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
-        y, _ = kernels.swiglu_fwd(x, with_amax=False)
-        return y, (x,)
+        xc = deinterleave(x, self.glu_interleave_size).to(compute_dtype(x.dtype))
+        with torch.no_grad():
+            y = self._math(xc)
+        return y.to(x.dtype), (x,)
 
     def _activation_backward(self, saved: tuple[torch.Tensor, ...], dy: torch.Tensor) -> torch.Tensor:
         (x,) = saved
-        dx, _ = kernels.dswiglu(dy, x, with_amax=False)
-        return dx
+        cdtype = compute_dtype(x.dtype)
+        with torch.enable_grad():
+            xc = deinterleave(x.detach(), self.glu_interleave_size).to(cdtype).requires_grad_()
+            (dx,) = torch.autograd.grad(self._math(xc), xc, dy.to(cdtype))
+        return interleave(dx, self.glu_interleave_size).to(x.dtype)
+
+
+class SiLU(_TorchActivation):
+    """SiLU (swish): ``y = x sigmoid(x)``."""
+
+    def _math(self, x: torch.Tensor) -> torch.Tensor:
+        return F.silu(x)
+
+
+class QGELU(_TorchActivation):
+    """Quick GELU: ``y = x sigmoid(1.702 x)``."""
+
+    def _math(self, x: torch.Tensor) -> torch.Tensor:
+        return x * torch.sigmoid(1.702 * x)
+
+
+class SReLU(_TorchActivation):
+    """Squared ReLU: ``y = relu(x)^2``."""
+
+    def _math(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.relu(x).square()

@@ -7,9 +7,10 @@ from typing import Any, Callable, Optional
 import torch
 import torch.distributed as dist
 
-from comm import all_gather_dim0, reduce_scatter_dim0
+from tp_fuse.comm import all_gather_dim0, reduce_scatter_dim0
 
-from ...quantization import BlockScaledTensor, Float8Tensor, block_wire
+from ...quantization import BlockScaledTensor, Float8Tensor
+from ...quantization.block import wire as block_wire
 from ..op import OperationContext, require
 from ._tp import TPCommOperation, check_first_dim_divisible
 
@@ -57,7 +58,7 @@ def gather_maybe_fp8(
 ) -> torch.Tensor:
     """All-gather a tensor along dim 0; a Float8Tensor travels as bytes and is re-wrapped.
 
-    ``gather(tensor, group)`` is the dim-0 all-gather to use (``comm.all_gather_dim0``).
+    ``gather(tensor, group)`` is the dim-0 all-gather to use (``tp_fuse.comm.all_gather_dim0``).
     """
     if isinstance(x, BlockScaledTensor):
         # Data bytes and block scales travel together, one collective per quantized copy.

@@ -25,7 +25,7 @@ class AllReduce(TPCommOperation):
     """
 
     def op_forward(self, ctx: OperationContext, input_: torch.Tensor, **unused: Any) -> torch.Tensor:
-        from comm import all_reduce
+        from tp_fuse.comm import all_reduce
 
         if self.tp_size == 1:
             return input_

@@ -8,7 +8,7 @@ from typing import Any, Optional
 
 import torch
 
-from comm import all_reduce
+from tp_fuse.comm import all_reduce
 
 from ...quantization import (
     Float8Tensor,

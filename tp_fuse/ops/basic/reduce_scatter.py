@@ -6,7 +6,7 @@ from typing import Any
 
 import torch
 
-from comm import all_gather_dim0, reduce_scatter_dim0
+from tp_fuse.comm import all_gather_dim0, reduce_scatter_dim0
 
 from ..op import OperationContext
 from ._checks import maybe_dequantize

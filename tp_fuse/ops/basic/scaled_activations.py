@@ -16,8 +16,8 @@ import torch
 
 from ..op import BasicOperation, OperationContext, require
 from ._checks import check_tensor, compute_dtype, maybe_dequantize
-from .activation import SwiGLU, _ActivationOperation
-from .more_activations import ClampedSwiGLU, SiTUGLU, SReLU
+from .activation import _ActivationOperation, SReLU
+from .gated_activation import SwiGLU, ClampedSwiGLU, SiTUGLU
 
 __all__ = ["ScaledSwiGLU", "ScaledSiTUGLU", "ScaledClampedQGeGLU", "ScaledSReLU"]
 

@@ -9,9 +9,9 @@ from typing import Any, Optional
 
 import torch
 
-import comm
+from tp_fuse import comm
 
-from ...overlap_auto import AUTO, UNFUSED, parse_label
+from ...overlap.auto import AUTO, UNFUSED, parse_label
 from ...quantization import BlockScaledTensor, BlockScalingQuantizer, fp8_gemm
 from ..basic._checks import compute_dtype
 from ..basic._tp import check_first_dim_divisible
@@ -23,7 +23,6 @@ from ..fusion import Fuse, FusionLog, MatchResult, Reject, describe_next, fuse_b
 from ..op import FusedOperation, FusibleOperation, OperationContext
 from .forward_linear_bias_activation import linear_bias_mismatch
 from .userbuffers_common import (
-    OverlapPlan,
     fp8_from_wire,
     fp8_gather_problem,
     fp8_gemm_from_bytes,
@@ -40,6 +39,7 @@ from .userbuffers_common import (
     reject_collective_without_gemm,
     run_planned,
 )
+from ...overlap.plan import OverlapPlan
 
 _RS_DGRAD_UNSUPPORTED = {
     "pipeline": "pipeline overlaps a reduce-scatter; this backward all-gathers dy, which "
@@ -68,10 +68,10 @@ class UserbuffersBackwardLinear(FusedOperation):
 
     * ``bulk`` (Megatron's default for qkv/fc1): the re-gather of ``x`` (when the forward
       kept only the shard) runs while the whole dgrad GEMM computes
-      (``comm.bulk_overlap``); then, if ``<name>_wgrad`` is ``bulk``, the reduce-scatter of
+      (``tp_fuse.comm.bulk_overlap``); then, if ``<name>_wgrad`` is ``bulk``, the reduce-scatter of
       ``dy W`` runs while the wgrad GEMM computes.
     * ``pipeline`` / ``ring_exchange``: dgrad GEMM and reduce-scatter of dx overlap chunk
-      by chunk (``comm.gemm_reduce_scatter_pipelined`` / ``_ring``), with the re-gather
+      by chunk (``tp_fuse.comm.gemm_reduce_scatter_pipelined`` / ``_ring``), with the re-gather
       of ``x`` in flight alongside; the wgrad GEMM follows.
     * ``auto``: the tuner of the TPOverlap measures bulk, pipeline (a few ``num_splits``),
       ring_exchange and ``unfused`` (re-gather, dgrad GEMM, reduce-scatter, wgrad GEMM one
@@ -88,7 +88,7 @@ class UserbuffersBackwardLinear(FusedOperation):
     db         ``[out]``               ``sum(dy_full)``
     ========== ======================= ================================================
 
-    Overlap (``<name>_dgrad`` = ``ring_exchange``): ``comm.ring_exchange_ag_gemm`` on dy,
+    Overlap (``<name>_dgrad`` = ``ring_exchange``): ``tp_fuse.comm.ring_exchange_ag_gemm`` on dy,
     each block's dgrad GEMM hides the transfer of the next; the gathered dy feeds the
     wgrad GEMM. ``auto``: ring_exchange or ``unfused`` (all-gather dy, then the dgrad
     GEMM), measured.

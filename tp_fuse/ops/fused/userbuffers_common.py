@@ -1,6 +1,6 @@
 """Shared pieces of the tensor-parallel overlap fusions (``Userbuffers*`` fused ops).
 
-* finding the :class:`~tp_fuse.overlap_config.TPOverlap` of a window and deciding, from
+* finding the :class:`~tp_fuse.overlap.config.TPOverlap` of a window and deciding, from
   its config, whether and how a window fuses (:func:`plan_overlap`);
 * the FP8 rule for all-gathering FP8 bytes: every TP rank must quantize with the same
   scale (:func:`fp8_gather_problem`, :func:`quantize_same_scale_over`);
@@ -14,7 +14,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 from collections.abc import Sequence
 from typing import Any, Callable, Mapping, Optional, Union
@@ -22,19 +21,20 @@ from typing import Any, Callable, Mapping, Optional, Union
 import torch
 import torch.distributed as dist
 
-from ...overlap_auto import AUTO, UNFUSED, candidate_labels
-from ...overlap_config import METHODS, GemmOverlapConfig, TPOverlap
+from ...overlap.auto import AUTO, candidate_labels
+from ...overlap.config import METHODS, TPOverlap
+from ...overlap.plan import OverlapPlan
 from ...quantization import (
     BlockScaledTensor,
     BlockScalingQuantizer,
     CurrentScalingQuantizer,
     Float8Tensor,
     active_autocast,
-    block_wire,
     fp8_gemm,
     is_block_recipe,
 )
-from ...quantization.block_quantizer import block_layout, recipe_short_name
+from ...quantization.block import wire as block_wire
+from ...quantization.block.quantizer import block_layout, recipe_short_name
 from ...recipe import DelayedScaling
 from ..basic._tp import TPCommOperation
 from ..basic.basic_linear import BasicLinear
@@ -63,7 +63,7 @@ def resolve_overlap(linear: BasicLinear, comm_op: TPCommOperation) -> TPOverlap:
     from_linear = opts.get("overlap")
     if from_linear is not None and not isinstance(from_linear, TPOverlap):
         raise ValueError(
-            "BasicLinear userbuffers_options['overlap'] must be a tp_fuse.overlap_config.TPOverlap, "
+            "BasicLinear userbuffers_options['overlap'] must be a tp_fuse.overlap.config.TPOverlap, "
             f"got {type(from_linear).__name__}"
         )
     from_comm = comm_op.overlap
@@ -77,35 +77,6 @@ def resolve_overlap(linear: BasicLinear, comm_op: TPCommOperation) -> TPOverlap:
 
 def gemm_label(linear: BasicLinear) -> str:
     return repr(linear.comm_name) if linear.comm_name is not None else "unnamed GEMM"
-
-
-@dataclasses.dataclass
-class OverlapPlan:
-    """What a matcher decided for one GEMM stage."""
-
-    overlap: TPOverlap
-    key: str  # "fc1_fprop", or "column_fprop" for an unnamed GEMM (Megatron's role defaults)
-    entry: GemmOverlapConfig
-    tp_size: int
-    # The overlap methods this window can use (what ``auto`` measures, with "unfused").
-    methods: tuple[str, ...] = METHODS
-
-    def describe(self) -> str:
-        """``"fc1_fprop: ring_exchange"`` plus the settings without effect here."""
-        ignored = self.entry.ignored()
-        tail = f" [ignored: {', '.join(i.split(' (')[0] for i in ignored)}]" if ignored else ""
-        if self.entry.method == AUTO:
-            return f"{self.key}: auto (measured per shape among {', '.join((*self.methods, UNFUSED))}){tail}"
-        return f"{self.key}: {self.entry.describe()}{tail}"
-
-    def auto_lines(self) -> list[str]:
-        """For ``explain``: the measured choices of this GEMM stage (``auto`` only)."""
-        if self.entry.method != AUTO:
-            return []
-        found = self.overlap.tuner.decisions_for(self.key)
-        if not found:
-            return [f"{self.key}: auto, not decided yet (measured at the first call with a new shape)"]
-        return [d.describe() for d in found]
 
 
 def plan_overlap(

@@ -12,7 +12,7 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-from comm import (
+from tp_fuse.comm import (
     all_gather_dim0,
     gemm_reduce_scatter_pipelined,
     gemm_reduce_scatter_ring,
@@ -20,9 +20,9 @@ from comm import (
     ring_exchange_ag_gemm,
 )
 
-from ...overlap_auto import UNFUSED, parse_label
+from ...overlap.auto import UNFUSED, parse_label
 from ...quantization import BlockScaledTensor, active_autocast, is_quantized_tensor
-from ...quantization.block_quantizer import is_block_recipe
+from ...quantization.block.quantizer import is_block_recipe
 from ..basic._checks import maybe_dequantize
 from ..basic._tp import check_first_dim_divisible
 from ..basic.all_gather import AllGather, gather_maybe_fp8
@@ -33,7 +33,6 @@ from ..fusion import Fuse, FusionLog, MatchResult, Reject, describe_next, fuse_b
 from ..op import FusedOperation, FusibleOperation, OperationContext, require
 from .forward_linear_bias_activation import linear_bias_mismatch
 from .userbuffers_common import (
-    OverlapPlan,
     fp8_from_wire,
     fp8_gather_problem,
     fp8_gemm_from_bytes,
@@ -51,6 +50,7 @@ from .userbuffers_common import (
     reject_collective_without_gemm,
     run_planned,
 )
+from ...overlap.plan import OverlapPlan
 
 # Why a method does not apply to a forward window (the matcher rejects with this reason).
 _AG_FPROP_UNSUPPORTED = {
@@ -84,7 +84,7 @@ class UserbuffersForwardLinear(FusedOperation):
     y        ``[s, ..., out/tp]``           ``y = all_gather(x) W^T + b``
     ======== ============================== ==============================================
 
-    Overlap (``ring_exchange``, ``comm.ring_exchange_ag_gemm``): ``tp`` steps; at each
+    Overlap (``ring_exchange``, ``tp_fuse.comm.ring_exchange_ag_gemm``): ``tp`` steps; at each
     the GEMM of the sequence block held runs while the next block travels to rank+1;
     only the last block's GEMM has no transfer behind it. Under ``tp_fuse.autocast``
     the shard is quantized with the BasicLinear's input quantizer *before* the gather,
@@ -111,13 +111,13 @@ class UserbuffersForwardLinear(FusedOperation):
     y        ``[s/tp, ..., out]``           ``y = reduce_scatter(x W^T + b)``
     ======== ============================== ==============================================
 
-    Overlap: ``pipeline`` (``comm.gemm_reduce_scatter_pipelined``: ``num_splits`` row
+    Overlap: ``pipeline`` (``tp_fuse.comm.gemm_reduce_scatter_pipelined``: ``num_splits`` row
     chunks; chunk i's reduce-scatter runs while chunk i+1's GEMM computes) or
-    ``ring_exchange`` (``comm.gemm_reduce_scatter_ring``: partial sums travel the ring
+    ``ring_exchange`` (``tp_fuse.comm.gemm_reduce_scatter_ring``: partial sums travel the ring
     while the next block's GEMM runs). ``auto`` (both forms): the tuner of the TPOverlap
     measures the methods that apply and ``unfused`` (the collective and the whole GEMM
     one after the other, same operands) at the first call with a new shape and runs the
-    fastest (``tp_fuse.overlap_auto``). FP8 GEMMs under autocast; the reduce-scatter
+    fastest (``tp_fuse.overlap.auto``). FP8 GEMMs under autocast; the reduce-scatter
     stays in the output's high precision: the summands are GEMM partial sums without an
     FP8 scale of their own (quantizing them would add a rounding per rank to the result)
     and collectives cannot add FP8 numbers.

@@ -8,9 +8,9 @@ from typing import Any, Optional
 
 import torch
 
-from comm import all_reduce, gemm_all_reduce_chunked
+from tp_fuse.comm import all_reduce, gemm_all_reduce_chunked
 
-from ...overlap_auto import UNFUSED, parse_label
+from ...overlap.auto import UNFUSED, parse_label
 from ...quantization import active_autocast
 from ..basic._checks import maybe_dequantize
 from ..basic.all_reduce import AllReduce
@@ -19,7 +19,6 @@ from ..basic.bias import Bias
 from ..fusion import Fuse, FusionLog, MatchResult, Reject, fuse_by_window
 from ..op import FusedOperation, FusibleOperation, OperationContext, require
 from .userbuffers_common import (
-    OverlapPlan,
     gemm_label,
     gemm_then_reduce_operands,
     match_gemm_then,
@@ -28,6 +27,7 @@ from .userbuffers_common import (
     reject_collective_without_gemm,
     run_planned,
 )
+from ...overlap.plan import OverlapPlan
 
 _AR_FPROP_UNSUPPORTED = {
     "ring_exchange": "a GEMM+all-reduce overlaps by chunks (method pipeline, num_splits chunks); "
@@ -50,11 +50,11 @@ class UserbuffersForwardLinearAllReduce(FusedOperation):
     y        ``[rows, ..., out]``         ``y = all_reduce(x W^T + b)``
     ======== ============================ ==============================================
 
-    Overlap (``<name>_fprop`` method ``pipeline``, ``comm.gemm_all_reduce_chunked``): the
+    Overlap (``<name>_fprop`` method ``pipeline``, ``tp_fuse.comm.gemm_all_reduce_chunked``): the
     rows are split into ``num_splits`` chunks; chunk i's all-reduce runs (in place on
     its output rows) while chunk i+1's GEMM computes; only the last chunk's all-reduce
     is exposed (``auto``: chunk counts and ``unfused``, GEMM then all-reduce, are measured
-    at the first call with a new shape; ``tp_fuse.overlap_auto``). Under ``tp_fuse.autocast`` the GEMM chunks run in FP8
+    at the first call with a new shape; ``tp_fuse.overlap.auto``). Under ``tp_fuse.autocast`` the GEMM chunks run in FP8
     (``torch._scaled_mm``); the all-reduce stays in high precision (partial sums without
     an FP8 scale; collectives cannot add FP8 numbers).
 

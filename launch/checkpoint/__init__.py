@@ -1,0 +1,4 @@
+"""Distributed checkpoints: save, find, verify and resume (``manager``), checkpoint files and
+manifests (``files``), which run a checkpoint belongs to (``run_identity``) and reading DCP
+metadata without running code from it (``safe_dcp``).
+"""

@@ -1,0 +1,161 @@
+"""Checkpoint files: the manifest (untrusted JSON), file hashes, atomic writes, and one-line
+causes for failed writes. Used by :mod:`tp_fuse.launch.checkpoint.manager`."""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import json
+import os
+from typing import Any, Optional
+
+import torch
+from torch.distributed.checkpoint.api import CheckpointException as DCPCheckpointException
+
+from .run_identity import MANIFEST
+from .safe_dcp import DATA_FILE, METADATA_FILE, CheckpointError, read_metadata
+
+__all__ = [
+    "FORMAT_VERSION",
+    "chain",
+    "describe_os_error",
+    "describe_write_failure",
+    "file_table",
+    "read_manifest",
+    "verify_files",
+    "write_atomic",
+]
+
+FORMAT_VERSION = 1
+
+
+def sha256(path: str) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def file_table(directory: str) -> dict[str, dict[str, Any]]:
+    out = {}
+    for name in sorted(os.listdir(directory)):
+        path = os.path.join(directory, name)
+        if os.path.isfile(path) and name != MANIFEST:
+            out[name] = {"size": os.path.getsize(path), "sha256": sha256(path)}
+    return out
+
+
+def write_atomic(path: str, text: str) -> None:
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def chain(exc: BaseException) -> list[BaseException]:
+    """``exc``, its causes/contexts and, for DCP's CheckpointException, every rank's failure."""
+    out, todo = [], [exc]
+    while todo:
+        e = todo.pop()
+        if e is None or any(e is seen for seen in out):
+            continue
+        out.append(e)
+        todo += [e.__cause__, e.__context__]
+        if isinstance(e, DCPCheckpointException):
+            todo += [pair[0] for pair in e.failures.values()]
+    return out
+
+
+def describe_os_error(exc: OSError, directory: str) -> str:
+    if exc.errno == errno.ENOSPC:
+        return f"no space left on the device of {directory}"
+    return f"{exc.strerror or exc} ({exc.filename or directory})"
+
+
+def describe_write_failure(exc: BaseException, directory: str, sd: dict[str, Any]) -> str:
+    """One line naming the cause of a failed DCP write (DCP's own report is a traceback per rank)."""
+    errors = chain(exc)
+    for e in errors:
+        if isinstance(e, OSError) and e.errno is not None:
+            return describe_os_error(e, directory)
+    # torch.save reports a full disk as e.g. "unexpected pos 704 vs 598": check the space.
+    need = sum(t.numel() * t.element_size() for t in sd.values() if isinstance(t, torch.Tensor))
+    try:
+        st = os.statvfs(directory if os.path.isdir(directory) else os.path.dirname(directory))
+        free = st.f_bavail * st.f_frsize
+    except OSError:
+        free = None
+    if free is not None and free < need:
+        return (f"no space left on the device of {directory} ({free} bytes free, this rank's part of the "
+                f"checkpoint needs about {need})")
+    inner = errors[-1] if len(errors) > 1 else exc
+    return f"{type(inner).__name__}: {str(inner).splitlines()[0] if str(inner) else ''}"
+
+
+_MANIFEST_FIELDS: dict[str, Any] = {
+    "step": int, "world_size": int, "tp": int, "dp": int, "consumed_samples": int, "model": dict, "files": dict,
+}
+
+
+def _check_manifest_fields(mpath: str, manifest: dict[str, Any]) -> None:
+    """A manifest is untrusted JSON: check the fields loading relies on (types, file names)."""
+    for key, tp in _MANIFEST_FIELDS.items():
+        value = manifest.get(key)
+        if not isinstance(value, tp) or isinstance(value, bool):
+            raise CheckpointError(f"{mpath}: field {key!r} is {value!r}, expected a {tp.__name__}")
+    for name, info in manifest["files"].items():
+        if not (name == METADATA_FILE or DATA_FILE.match(name)):
+            raise CheckpointError(f"{mpath}: files lists {name!r}, expected .metadata or __<rank>_<n>.distcp")
+        ok = isinstance(info, dict) and all(
+            isinstance(info.get(k), t) and not isinstance(info.get(k), bool) for k, t in (("size", int), ("sha256", str))
+        )
+        if not ok:
+            raise CheckpointError(f"{mpath}: files[{name!r}] is {info!r}, expected {{size: int, sha256: str}}")
+    if manifest.get("fp8_recipe") is not None and not isinstance(manifest["fp8_recipe"], str):
+        raise CheckpointError(f"{mpath}: field 'fp8_recipe' is {manifest['fp8_recipe']!r}, expected a string or null")
+
+
+def read_manifest(path: str) -> dict[str, Any]:
+    """The manifest of the checkpoint at ``path``, checked field by field (it is untrusted JSON)."""
+    mpath = os.path.join(path, MANIFEST)
+    if not os.path.isdir(path):
+        raise CheckpointError(f"checkpoint {path} does not exist")
+    if not os.path.isfile(mpath):
+        raise CheckpointError(
+            f"checkpoint {path} is incomplete or not a tp-fuse checkpoint (no {MANIFEST}); "
+            "it may be a save that crashed"
+        )
+    try:
+        with open(mpath) as f:
+            manifest = json.load(f)
+    except (OSError, ValueError) as exc:
+        raise CheckpointError(f"checkpoint {path}: unreadable {MANIFEST}: {exc}") from exc
+    if not isinstance(manifest, dict):
+        raise CheckpointError(f"{mpath}: expected a JSON object, got {type(manifest).__name__}")
+    if manifest.get("format") != FORMAT_VERSION:
+        raise CheckpointError(f"checkpoint {path}: format {manifest.get('format')!r}, expected {FORMAT_VERSION}")
+    _check_manifest_fields(mpath, manifest)
+    return manifest
+
+def verify_files(path: str, manifest: dict[str, Any], *, verify_hashes: bool) -> Optional[str]:
+    """What is wrong with the files of the checkpoint at ``path`` (None: nothing)."""
+    files = manifest["files"]
+    for name, info in files.items():
+        fpath = os.path.join(path, name)
+        if not os.path.isfile(fpath):
+            return f"file {name} is missing"
+        size = os.path.getsize(fpath)
+        if size != info["size"]:
+            return f"file {name} has {size} bytes, the manifest says {info['size']}"
+        if verify_hashes and sha256(fpath) != info["sha256"]:
+            return f"file {name} does not match its SHA-256 in the manifest (corrupt)"
+    # Every file DCP will open must be one the manifest vouches for.
+    metadata = read_metadata(path)
+    for info in metadata.storage_data.values():
+        if info.relative_path not in files:
+            return f"{METADATA_FILE} refers to {info.relative_path}, which the manifest does not list"
+    return None
+

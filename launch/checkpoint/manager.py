@@ -1,0 +1,483 @@
+"""Distributed checkpoints: save, find, verify and resume (``torch.distributed.checkpoint``).
+
+Contents of ``<checkpoint.dir>/step_XXXXXXXX/``:
+
+* DCP files (``.metadata``, ``__<rank>_*.distcp``) holding
+  ``model/<param>`` and ``optim/<param>/{exp_avg,exp_avg_sq,step}`` -- TP-sharded
+  tensors as DTensors in their *full* (TP=1) layout, so a checkpoint loads at any TP
+  size (DCP reads each rank's new slice); replicated tensors are written once; a tensor
+  of unequal fused parts (``tp_fuse.layers.ShardSpec.sizes``: Phi-3's GQA ``[q; k; v]``) is
+  written part by part, ``model/<param>/part<i>`` (and likewise under ``optim/``);
+  ``rank<r>/fp8/<module>/<role>/{scale,amax_history,last_amax,nonfinite_amax_count}``
+  (delayed-scaling state), ``rank<r>/rng/...`` (torch and dropout RNG states) and
+  ``train/{step,consumed_samples}`` (position in the data).
+* ``tp_fuse_checkpoint.json``: step, layout, model/FP8 config, and the size and
+  SHA-256 of every file (checked before loading when ``checkpoint.verify``).
+
+Atomicity: everything is written into ``.tmp-step_XXXXXXXX`` and renamed into place
+only after all ranks finished and the manifest is on disk; ``latest`` is then replaced
+atomically. A crash mid-save leaves a ``.tmp-*`` directory that is never read (and
+is removed by the next save), so the previous checkpoint is never damaged.
+
+Safety: a checkpoint directory is untrusted. Nothing in it is unpickled beyond tensors
+(``torch.load(weights_only=True)``) and DCP's ``.metadata``, which is read by an unpickler
+admitting exact (module, name) pairs of data classes and then checked to hold tensor
+entries only (``tp_fuse.launch.checkpoint.safe_dcp``). Non-tensor state is stored as tensors or JSON.
+Parameters or optimizer state that are not finite are never saved, and retention never
+deletes the newest checkpoint. Which run a directory belongs to, and which checkpoint a
+start resumes, is decided in ``tp_fuse.launch.checkpoint.run_identity``.
+
+Resharding: model and optimizer tensors reshard to any TP/DP layout. Per-rank state
+(RNG, FP8 amax histories) is restored per rank when the layout is unchanged; after a
+layout change the FP8 state of rank 0 is used everywhere (it is identical on all ranks
+with ``fp8.group=world``) and RNG streams are re-seeded from ``trainer.seed`` and the step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+import sys
+import time
+from typing import Any, Callable, Optional, Union
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.checkpoint.api import CheckpointException as DCPCheckpointException
+from torch.distributed.tensor import DTensor, Replicate, Shard
+
+from tp_fuse.layers import get_shard_spec
+from tp_fuse.layers.fsdp import copy_dp_shard_, dp_shard_like, dp_unsharded, dp_unsharded_empty
+from tp_fuse.quantization import DelayedScalingQuantizer
+from tp_fuse.recipe import Recipe
+
+from ..data import BatchLoader
+from ..models.build import dropout_seed, fp8_quantizers
+from ..runtime import Runtime
+from .files import FORMAT_VERSION, chain, describe_os_error, describe_write_failure, file_table
+from .files import read_manifest, verify_files, write_atomic
+from .run_identity import MANIFEST, decide_start, decision_from_box, decision_to_box, list_step_dirs
+from .run_identity import read_manifest_run_id
+from .safe_dcp import CheckpointError, SafeFileSystemReader, SafeLoadPlanner
+
+__all__ = ["CheckpointError", "CheckpointManager", "TrainingState", "MANIFEST"]
+
+LATEST = "latest"
+_QUANTIZER_FIELDS = ("scale", "amax_history", "last_amax", "nonfinite_amax_count")
+
+
+@dataclasses.dataclass
+class TrainingState:
+    """What a checkpoint captures (references to the live objects, plus the step)."""
+
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    loader: BatchLoader
+    recipe: Optional[Recipe]
+    fp8_group: Optional[dist.ProcessGroup]
+    seed: int
+    model_config: dict[str, Any]
+    step: int = 0
+    last_loss: Optional[float] = None  # training loss of ``step`` (recorded in the manifest)
+
+
+# ---- helpers ------------------------------------------------------------------------
+
+
+def _global_view(local: torch.Tensor, spec: Any, rt: Runtime) -> torch.Tensor:
+    """A TP shard as a DTensor of the full tensor (replicated tensors as they are).
+
+    The sharded dim of size ``extent`` is viewed as ``(blocks, extent / blocks)`` so that
+    every block is split evenly over the TP ranks (``tp_fuse.layers.ShardSpec``): the stored
+    global shape is the same at every TP size.
+    """
+    if spec is None:
+        return local
+    d, b = spec.dim, spec.blocks
+    shape = list(local.shape)
+    view = local.reshape(shape[:d] + [b, shape[d] // b] + shape[d + 1 :])
+    return DTensor.from_local(view, rt.topology.mesh, [Replicate(), Shard(d + 1)], run_check=False)
+
+
+def _global_views(key: str, local: torch.Tensor, spec: Any, rt: Runtime) -> dict[str, torch.Tensor]:
+    """``{checkpoint key: global view}`` of one TP shard.
+
+    A tensor of unequal parts (``ShardSpec.sizes``, e.g. a fused GQA ``[q; k; v]``
+    projection: the shard is ``[q_r; k_r; v_r]``) cannot be one DTensor whose global
+    shape is the same at every TP size; each part is stored as its own DTensor under
+    ``<key>/part<i>`` (global extent: the part's full size), so it reshards like any
+    other tensor. Everything else is one entry under ``key`` (:func:`_global_view`).
+    """
+    if spec is None or getattr(spec, "sizes", None) is None:
+        return {key: _global_view(local, spec, rt)}
+    tp = rt.topology.tp_size
+    pieces = local.split([s // tp for s in spec.sizes], dim=spec.dim)
+    return {f"{key}/part{i}": DTensor.from_local(piece.contiguous(), rt.topology.mesh, [Replicate(), Shard(spec.dim)],
+                                                 run_check=False)
+            for i, piece in enumerate(pieces)}
+
+
+def _local_shard(sd: dict[str, Any], key: str, spec: Any, shape: torch.Size) -> torch.Tensor:
+    """This rank's shard of ``key`` from a loaded state dict (inverse of :func:`_global_views`)."""
+    def local(t: Any) -> torch.Tensor:
+        return t.to_local() if isinstance(t, DTensor) else t
+
+    if spec is None or getattr(spec, "sizes", None) is None:
+        return local(sd[key]).reshape(shape)
+    return torch.cat([local(sd[f"{key}/part{i}"]) for i in range(len(spec.sizes))], dim=spec.dim).reshape(shape)
+
+
+def _fp8_quantizers(state: TrainingState) -> dict[str, dict[str, DelayedScalingQuantizer]]:
+    """Delayed-scaling quantizers of every BasicLinear, by module path and role (their
+    state is what a checkpoint carries; current scaling has none)."""
+    out: dict[str, dict[str, DelayedScalingQuantizer]] = {}
+    for qualname, qs in fp8_quantizers(state.model, state.recipe, state.fp8_group).items():
+        delayed = {role: q for role, q in qs.items() if isinstance(q, DelayedScalingQuantizer)}
+        if delayed:
+            out[qualname] = delayed
+    return out
+
+
+class CheckpointManager:
+    """Saves to and resumes from one checkpoint directory (all ranks call every method).
+
+    Args:
+        root: the checkpoint directory (shared by all ranks).
+        rt: the runtime (groups, mesh, rank).
+        keep: number of checkpoints of this run to keep.
+        verify: check SHA-256 hashes before loading (sizes are always checked).
+        writer_factory: builds DCP's storage writer for a directory (default: DCP's
+            ``FileSystemWriter``; tests inject faults).
+    """
+
+    def __init__(
+        self,
+        root: str,
+        rt: Runtime,
+        *,
+        keep: int = 2,
+        verify: bool = True,
+        writer_factory: Optional[Callable[[str], Any]] = None,
+    ) -> None:
+        self.root = os.path.abspath(root)
+        self.rt = rt
+        self.keep = keep
+        self.verify = verify
+        self.writer_factory = writer_factory
+        self.run_id: Optional[str] = None  # set by :meth:`start`
+
+    # ---- discovery ----------------------------------------------------------
+
+    def complete_checkpoints(self, run_id: Optional[str] = None) -> list[str]:
+        """Complete checkpoint directories (manifest present), oldest first; only ``run_id``'s if given."""
+        found = [p for _, p, complete in list_step_dirs(self.root) if complete]
+        if run_id is not None:
+            found = [p for p in found if read_manifest_run_id(p) == run_id]
+        return found
+
+    def latest(self) -> Optional[str]:
+        """The newest complete checkpoint, or None."""
+        found = self.complete_checkpoints()
+        return found[-1] if found else None
+
+    def latest_of_run(self) -> Optional[str]:
+        """The newest complete checkpoint of this run (the one it resumed counts), or None."""
+        found = self.complete_checkpoints(self.run_id) if self.run_id is not None else []
+        return found[-1] if found else None
+
+    def start(self, resume: Union[bool, str], *, restarted: bool, job: str, overwrite: bool) -> Optional[str]:
+        """Decide (rank 0) and agree (all ranks) on the run id and the checkpoint to resume.
+
+        Returns the checkpoint directory to :meth:`load`, or None to start at step 0.
+        Raises :class:`CheckpointError` on every rank when the directory belongs to
+        another run (see :mod:`tp_fuse.launch.checkpoint.run_identity`).
+        """
+        box: list[Any] = [None, None, [], None]
+        if self.rt.is_rank0:
+            try:
+                box = decision_to_box(decide_start(self.root, resume, restarted=restarted, job=job,
+                                                   overwrite=overwrite))
+            except OSError as exc:
+                box = ["", None, [], f"checkpoint.dir {self.root}: {exc.strerror or exc} ({exc.filename or ''})"]
+        if self.rt.layout.world_size > 1:
+            dist.broadcast_object_list(box, src=0, group=self.rt.topology.world_group)
+        decision = decision_from_box(box)
+        if decision.error is not None:
+            raise CheckpointError(decision.error)
+        if self.rt.is_rank0:
+            for line in decision.messages:
+                print(f"[tp-fuse] {line}", file=sys.stderr, flush=True)
+        self.run_id = decision.run_id
+        return decision.resume_from
+
+    # ---- state dict -----------------------------------------------------------
+
+    def _state_dict(self, state: TrainingState, *, fp8_rank: int, with_rng: bool, for_load: bool) -> dict[str, Any]:
+        rt = self.rt
+        sd: dict[str, Any] = {}
+        optimized = {id(p) for g in state.optimizer.param_groups for p in g["params"]}
+        for name, p in state.model.named_parameters():
+            spec = get_shard_spec(p)
+            # FSDP2 parameters (DTensors over DP) are stored as their whole TP shard.
+            local = dp_unsharded_empty(p) if for_load else dp_unsharded(p.detach())
+            sd.update(_global_views(f"model/{name}", local, spec, rt))
+            if id(p) not in optimized:
+                continue  # frozen parameter: no optimizer state
+            # A parameter that never had a gradient has no AdamW state yet: zeros and
+            # step 0 are exactly what AdamW would start from.
+            opt_state = state.optimizer.state.get(p, {})
+            for key in ("exp_avg", "exp_avg_sq"):
+                t = opt_state.get(key) if not for_load else None
+                t = dp_unsharded(t) if t is not None else torch.zeros_like(dp_unsharded_empty(p))
+                sd.update(_global_views(f"optim/{name}/{key}", t, spec, rt))
+            step = opt_state.get("step") if not for_load else None
+            sd[f"optim/{name}/step"] = step.detach().cpu() if step is not None else torch.zeros((), dtype=torch.float32)
+        sd["train/step"] = torch.tensor(state.step, dtype=torch.int64)
+        sd["train/consumed_samples"] = torch.tensor(state.loader.consumed_samples, dtype=torch.int64)
+        for qualname, qs in _fp8_quantizers(state).items():
+            for role, q in qs.items():
+                for field in _QUANTIZER_FIELDS:
+                    t = getattr(q, field)
+                    sd[f"rank{fp8_rank}/fp8/{qualname}/{role}/{field}"] = torch.empty_like(t) if for_load else t.detach()
+        if with_rng:
+            for key, t in self._rng_state(state).items():
+                sd[f"rank{rt.rank}/rng/{key}"] = torch.empty_like(t) if for_load else t
+        return sd
+
+    def _rng_state(self, state: TrainingState) -> dict[str, torch.Tensor]:
+        out = {"torch_cpu": torch.get_rng_state()}
+        if self.rt.device.type == "cuda":
+            out["torch_cuda"] = torch.cuda.get_rng_state(self.rt.device)
+        rng = getattr(state.model, "dropout_rng", None)
+        if rng is not None:
+            out.update({f"dropout/{k}": v for k, v in rng.state_dict().items()})
+        return out
+
+    # ---- save -------------------------------------------------------------------
+
+    def save(self, state: TrainingState, extra: Optional[dict[str, Any]] = None) -> str:
+        """Write a checkpoint of ``state`` atomically; returns its directory.
+
+        Raises :class:`CheckpointError` on every rank, with the previous checkpoint
+        intact, when parameters or optimizer state are not finite, or when writing fails
+        (the cause named: e.g. no space left on the device of the checkpoint directory).
+        """
+        rt = self.rt
+        name = f"step_{state.step:08d}"
+        final = os.path.join(self.root, name)
+        tmp = os.path.join(self.root, f".tmp-{name}")
+        self._refuse_nonfinite(state)
+        problem = None
+        if rt.is_rank0:
+            try:
+                os.makedirs(self.root, exist_ok=True)
+                shutil.rmtree(tmp, ignore_errors=True)  # leftovers of a crashed save
+                os.makedirs(tmp)
+            except OSError as exc:
+                problem = f"cannot create {tmp}: {exc.strerror or exc}"
+        self._raise_if_any(problem, state.step)
+        sd = self._state_dict(state, fp8_rank=rt.rank, with_rng=True, for_load=False)
+        try:
+            writer = (self.writer_factory or FileSystemWriter)(tmp)
+            dcp.save(sd, storage_writer=writer, process_group=rt.topology.world_group)
+        except (Exception, DCPCheckpointException) as exc:  # DCP raises the same failure on every rank
+            cause = describe_write_failure(exc, tmp, sd)
+            if rt.is_rank0:
+                shutil.rmtree(tmp, ignore_errors=True)  # give the space back; the last good one stays
+            raise CheckpointError(self._save_failed(state.step, cause)) from None
+        rt.barrier()
+        problem = None
+        if rt.is_rank0:
+            try:
+                self._finish_save(state, tmp, final, name, extra)
+            except OSError as exc:
+                shutil.rmtree(tmp, ignore_errors=True)
+                problem = describe_os_error(exc, tmp)
+        self._raise_if_any(problem, state.step)
+        return final
+
+    def _finish_save(self, state: TrainingState, tmp: str, final: str, name: str,
+                     extra: Optional[dict[str, Any]]) -> None:
+        """Rank 0: manifest, rename into place, ``latest``, retention (this run's only)."""
+        manifest = {
+            "format": FORMAT_VERSION,
+            "run_id": self.run_id,
+            "step": state.step,
+            "loss": state.last_loss,
+            "consumed_samples": state.loader.consumed_samples,
+            "world_size": self.rt.layout.world_size,
+            "tp": self.rt.layout.tp,
+            "dp": self.rt.layout.dp,
+            "model": state.model_config,
+            "fp8_recipe": None if state.recipe is None else repr(state.recipe),
+            "amax_history_len": getattr(state.recipe, "amax_history_len", None),
+            "time": time.time(),
+            "files": file_table(tmp),
+            **(extra or {}),
+        }
+        write_atomic(os.path.join(tmp, MANIFEST), json.dumps(manifest, indent=1))
+        if os.path.exists(final):
+            # Same step saved again (e.g. after a restart): swap, never leave no copy.
+            old = os.path.join(self.root, f".old-{name}")
+            shutil.rmtree(old, ignore_errors=True)
+            os.rename(final, old)
+            os.rename(tmp, final)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.rename(tmp, final)
+        write_atomic(os.path.join(self.root, LATEST), name + "\n")
+        # Only this run's checkpoints are pruned, never the one just written.
+        own = [p for p in self.complete_checkpoints(self.run_id) if p != final]
+        for path in own[: max(0, len(own) - (self.keep - 1))]:
+            shutil.rmtree(path, ignore_errors=True)
+
+    def _raise_if_any(self, problem: Optional[str], step: int) -> None:
+        """Rank 0's problem (or None) raised as the same CheckpointError on every rank."""
+        box = [problem]
+        if self.rt.layout.world_size > 1:
+            dist.broadcast_object_list(box, src=0, group=self.rt.topology.world_group)
+        if box[0] is not None:
+            raise CheckpointError(self._save_failed(step, box[0]))
+
+    def _save_failed(self, step: int, cause: str) -> str:
+        last = self.complete_checkpoints(self.run_id)
+        kept = f"the last good checkpoint {last[-1]} is intact" if last else "no earlier checkpoint of this run exists"
+        return f"saving checkpoint step {step} in {self.root} failed: {cause}; {kept}"
+
+    def _refuse_nonfinite(self, state: TrainingState) -> None:
+        """Raise on every rank if any rank's parameters or optimizer state hold NaN/inf."""
+        bad = None
+        for name, p in state.model.named_parameters():
+            tensors = {"parameter": p.detach(), **{
+                f"optimizer state {k} of": t for k, t in state.optimizer.state.get(p, {}).items()
+                if torch.is_tensor(t) and t.is_floating_point()
+            }}
+            for what, t in tensors.items():
+                t = t.to_local() if isinstance(t, DTensor) else t  # FSDP2: this rank's shard
+                if not bool(torch.isfinite(t).all()):
+                    bad = f"{what} {name}"
+                    break
+            if bad is not None:
+                break
+        flag = torch.tensor([0.0 if bad is None else 1.0], device=self.rt.device)
+        if self.rt.layout.world_size > 1:
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.rt.topology.world_group)
+        if float(flag) > 0:
+            where = f"{bad} is" if bad is not None else "another rank's parameters or optimizer state are"
+            raise CheckpointError(self._save_failed(
+                state.step, f"refusing to save: {where} not finite (NaN/inf); training has diverged"
+            ))
+
+    # ---- load -------------------------------------------------------------------
+
+    def load(self, path: str, state: TrainingState) -> int:
+        """Restore ``state`` from the checkpoint at ``path``; returns its step.
+
+        Raises :class:`CheckpointError` for a missing, incomplete, corrupt or
+        incompatible checkpoint (the same error on every rank).
+        """
+        rt = self.rt
+        problem: list[Optional[str]] = [None]
+        manifest: dict[str, Any] = {}
+        if rt.is_rank0:
+            try:
+                manifest = read_manifest(path)
+                problem[0] = verify_files(path, manifest, verify_hashes=self.verify)
+                if problem[0] is not None:
+                    problem[0] = f"checkpoint {path} is corrupt: {problem[0]}"
+                elif not self.verify:
+                    print(f"[tp-fuse] checkpoint.verify=false: loading {path} WITHOUT checking file hashes "
+                          "(sizes only); flipped bytes would go unnoticed", file=sys.stderr, flush=True)
+            except CheckpointError as exc:
+                problem[0] = str(exc)
+        box = [problem[0], manifest]
+        if rt.layout.world_size > 1:
+            dist.broadcast_object_list(box, src=0, group=rt.topology.world_group)
+        if box[0] is not None:
+            raise CheckpointError(box[0])
+        manifest = box[1]
+        self._check_compatible(path, manifest, state)
+
+        same_layout = manifest["world_size"] == rt.layout.world_size and manifest["tp"] == rt.layout.tp
+        saved_fp8 = manifest.get("fp8_recipe") is not None and state.recipe is not None
+        saved_fp8 = saved_fp8 and repr(state.recipe).split("(")[0] == manifest["fp8_recipe"].split("(")[0]
+        state_for_load = dataclasses.replace(state, recipe=state.recipe if saved_fp8 else None)
+        sd = self._state_dict(
+            state_for_load, fp8_rank=rt.rank if same_layout else 0, with_rng=same_layout, for_load=True
+        )
+        try:
+            dcp.load(sd, storage_reader=SafeFileSystemReader(path), planner=SafeLoadPlanner(),
+                     process_group=rt.topology.world_group)
+        except (Exception, DCPCheckpointException) as exc:  # DCP's is a BaseException; name the checkpoint
+            ours = next((e for e in chain(exc) if isinstance(e, CheckpointError)), None)
+            if ours is not None:
+                raise CheckpointError(f"checkpoint {path}: {ours}") from None
+            raise CheckpointError(f"checkpoint {path} could not be loaded: {type(exc).__name__}: {exc}") from exc
+        self._apply(sd, state_for_load, same_layout)
+        state.step = int(sd["train/step"])
+        loss = manifest.get("loss")
+        state.last_loss = float(loss) if isinstance(loss, (int, float)) and not isinstance(loss, bool) else None
+        state.loader.load_state_dict({"consumed_samples": int(sd["train/consumed_samples"])})
+        if not same_layout:
+            self._reseed_rng(state)
+        return state.step
+
+    def _check_compatible(self, path: str, manifest: dict[str, Any], state: TrainingState) -> None:
+        saved = manifest.get("model", {})
+        diffs = [f"model.{k}: checkpoint {saved.get(k)!r}, config {v!r}"
+                 for k, v in state.model_config.items() if k != "name" and saved.get(k) != v]
+        if diffs:
+            raise CheckpointError(f"checkpoint {path} was trained with a different model: " + "; ".join(diffs))
+        hist = manifest.get("amax_history_len")
+        cur = getattr(state.recipe, "amax_history_len", None)
+        if hist is not None and cur is not None and hist != cur:
+            raise CheckpointError(
+                f"checkpoint {path}: fp8.amax_history_len was {hist}, config has {cur}; "
+                "the amax histories cannot be restored"
+            )
+
+    @torch.no_grad()
+    def _apply(self, sd: dict[str, Any], state: TrainingState, same_layout: bool) -> None:
+        opt_state: dict[int, dict[str, torch.Tensor]] = {}
+        index = {id(p): i for i, p in enumerate(p for g in state.optimizer.param_groups for p in g["params"])}
+        for name, p in state.model.named_parameters():
+            spec, shape = get_shard_spec(p), p.shape
+            copy_dp_shard_(p, _local_shard(sd, f"model/{name}", spec, shape))
+            if id(p) in index:
+                opt_state[index[id(p)]] = {
+                    "step": sd[f"optim/{name}/step"].clone(),
+                    "exp_avg": dp_shard_like(_local_shard(sd, f"optim/{name}/exp_avg", spec, shape).clone(), p),
+                    "exp_avg_sq": dp_shard_like(_local_shard(sd, f"optim/{name}/exp_avg_sq", spec, shape).clone(), p),
+                }
+        opt_sd = state.optimizer.state_dict()
+        opt_sd["state"] = opt_state
+        state.optimizer.load_state_dict(opt_sd)
+
+        rank = self.rt.rank if same_layout else 0
+        for qualname, qs in _fp8_quantizers(state).items():
+            for role, q in qs.items():
+                for field in _QUANTIZER_FIELDS:
+                    getattr(q, field).copy_(sd[f"rank{rank}/fp8/{qualname}/{role}/{field}"])
+        if same_layout:
+            prefix = f"rank{self.rt.rank}/rng/"
+            rng = {k[len(prefix):]: v for k, v in sd.items() if k.startswith(prefix)}
+            torch.set_rng_state(rng["torch_cpu"])
+            if "torch_cuda" in rng:
+                torch.cuda.set_rng_state(rng["torch_cuda"], self.rt.device)
+            dropout = getattr(state.model, "dropout_rng", None)
+            if dropout is not None:
+                dropout.load_state_dict({k[len("dropout/"):]: v for k, v in rng.items() if k.startswith("dropout/")})
+
+    def _reseed_rng(self, state: TrainingState) -> None:
+        """After a layout change per-rank RNG streams cannot be mapped: start fresh ones."""
+        seed = state.seed + 1_000_003 * state.step
+        torch.manual_seed(seed + self.rt.rank)
+        dropout = getattr(state.model, "dropout_rng", None)
+        if dropout is not None:
+            fresh = type(dropout)(dropout_seed(seed, self.rt.topology.dp_rank), self.rt.topology.tp_rank,
+                                  dropout.device)
+            dropout.load_state_dict(fresh.state_dict())

@@ -1,0 +1,227 @@
+"""Model, FP8 recipe and overlap objects built from the typed config."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+from collections.abc import Callable
+from typing import Any, Optional
+
+import torch
+
+from tp_fuse.layers import GPT, GPTConfig
+from tp_fuse.layers.fsdp import fully_shard_gpt
+from tp_fuse.layers.meta_init import deferred_inits, materialize
+from tp_fuse import autocast
+from tp_fuse.debug import name_linears
+from tp_fuse.overlap.auto import OverlapAutoTuner
+from tp_fuse.overlap.config import OverlapConfig as TPOverlapConfig
+from tp_fuse.overlap.config import TPOverlap
+from tp_fuse.recipe import (
+    DelayedScaling,
+    Float8BlockScaling,
+    Float8CurrentScaling,
+    Float8RowwiseScaling,
+    Format,
+    MXFP8BlockScaling,
+    NVFP4BlockScaling,
+    Recipe,
+)
+
+from ..config import FP8Config, OverlapConfig, TrainConfig
+from .hf import build_hf_model
+from .megatron import build_megatron_gpt, require_cuda
+from ..fsdp import ShardedDataParallel
+from ..runtime import Runtime
+
+__all__ = [
+    "OVERLAP_CHOICE_FILE",
+    "ModelFactory",
+    "build_model",
+    "build_overlap",
+    "build_recipe",
+    "dropout_seed",
+    "fp8_autocast",
+    "fp8_quantizers",
+    "ignored_summary",
+]
+
+#: File in the run directory holding the measured ``overlap.method=auto`` choices.
+OVERLAP_CHOICE_FILE = "overlap_choices.json"
+
+#: ``factory(gpt_config, tp_group=..., sequence_parallel=..., dtype=..., device=..., seed=..., overlap=...,
+#: dropout_seed=...)`` -- the signature of ``tp_fuse.layers.GPT``.
+ModelFactory = Callable[..., torch.nn.Module]
+
+
+def build_recipe(cfg: FP8Config) -> Optional[Recipe]:
+    """The tp_fuse recipe for ``fp8=...`` (None for ``fp8=none``)."""
+    fmt = Format[cfg.format]
+    if cfg.recipe == "delayed":
+        return DelayedScaling(
+            margin=cfg.margin,
+            fp8_format=fmt,
+            amax_history_len=cfg.amax_history_len,
+            amax_compute_algo=cfg.amax_compute_algo,
+        )
+    if cfg.recipe == "current":
+        return Float8CurrentScaling(fp8_format=fmt, power_2_scale=cfg.power_2_scale)
+    if cfg.recipe == "blockwise":
+        return Float8BlockScaling(fp8_format=fmt)
+    if cfg.recipe == "mxfp8":
+        return MXFP8BlockScaling(fp8_format=fmt)
+    if cfg.recipe == "nvfp4":
+        return NVFP4BlockScaling(disable_rht=cfg.disable_rht, disable_stochastic_rounding=cfg.disable_stochastic_rounding,
+                                 disable_2d_quantization=cfg.disable_2d_quantization)
+    if cfg.recipe == "rowwise":
+        return Float8RowwiseScaling(fp8_format=fmt, power_2_scale=cfg.power_2_scale)
+    return None
+
+
+def build_overlap(cfg: OverlapConfig, run_dir: Optional[str] = None, is_rank0: bool = False,
+                  report: Optional[Callable[[str], None]] = None) -> TPOverlap:
+    """``overlap=on``: ``overlap.method`` (``auto`` or Megatron's defaults) for the GEMM
+    stages the ``tp_comm_overlap_cfg`` YAML (if given) does not name; ``overlap=off``: an
+    explicitly disabled config (the layers' default would be on).
+
+    With ``auto`` and a ``run_dir``, choices are read from ``<run_dir>/overlap_choices.json``
+    when it exists (all ranks; a malformed file is a ValueError naming it) and rank 0
+    rewrites it after each new measurement and prints each decision.
+
+    Settings of the YAML without effect on this build (GPU-only knobs such as ``num_sm``)
+    are summarized in one short line passed to ``report`` (rank 0's printer; None: silent)
+    instead of ``OverlapConfig``'s full per-field warning on every rank.
+    """
+    if not cfg.enabled:
+        return TPOverlap(TPOverlapConfig(enabled=False))
+    auto = cfg.method == "auto"
+    if cfg.config is not None:
+        config = TPOverlapConfig.from_yaml(cfg.config, auto=auto, warn_ignored=False)
+        line = ignored_summary(config, cfg.config)
+        if line and report is not None:
+            report(line)
+    else:
+        config = TPOverlapConfig(auto=auto)
+    if not auto or run_dir is None:
+        return TPOverlap(config)
+    tuner = OverlapAutoTuner(
+        choice_file=os.path.join(run_dir, OVERLAP_CHOICE_FILE),
+        write_choices=is_rank0,
+        log=(lambda line: print(f"[tp-fuse] {line}", file=sys.stderr, flush=True)) if is_rank0 else None,
+    )
+    return TPOverlap(config, tuner=tuner)
+
+
+def ignored_summary(config: TPOverlapConfig, path: str) -> Optional[str]:
+    """``overlap.config=<path>: N settings have no effect here (num_sm, cga_size, ...)``, or None."""
+    ignored = config.ignored_fields()  # "<gemm>.<field>=<value> (why)"
+    if not ignored:
+        return None
+    fields = sorted({item.split(".", 1)[1].split("=", 1)[0] for item in ignored})
+    return (f"overlap.config={path}: {len(ignored)} setting(s) have no effect on this build "
+            f"({', '.join(fields)}); OverlapConfig.ignored_fields() lists them")
+
+
+def dropout_seed(seed: int, dp_rank: int) -> int:
+    """Seed of the dropout streams of DP replica ``dp_rank``."""
+    return seed + 1_000_003 * dp_rank
+
+
+def build_model(cfg: TrainConfig, rt: Runtime, factory: Optional[ModelFactory] = None,
+                report: Optional[Callable[[str], None]] = None,
+                sharded_dp: Optional[ShardedDataParallel] = None) -> torch.nn.Module:
+    """``tp_fuse.layers.GPT`` (or ``factory``) for this rank's TP shard; ``+model=hf`` and
+    ``+model=megatron_gpt`` build and wrap a Hugging Face / megatron-core model instead.
+    ``report``: see :func:`build_overlap`.
+
+    ``tp_fuse.layers.GPT`` is built on the ``meta`` device and materialized shard by shard
+    (``tp_fuse.layers.meta_init``: same values as an eager build; only the local TP -- and with
+    ``sharded_dp``, FSDP2 -- shards are ever allocated). A custom ``factory`` builds
+    eagerly on the run's device. Then activation recompute and ``torch.compile``
+    (``trainer.activation_checkpointing``, ``trainer.compile``) are applied.
+    """
+    overlap = build_overlap(cfg.overlap, rt.run_dir, rt.is_rank0, report)
+    deferred = factory is None or factory is GPT
+    tp_group = rt.topology.tp_group if rt.layout.tp > 1 else None
+    if factory is None and cfg.model.name == "hf":
+        # Wrapped also at TP size 1 (a one-rank group) so that FP8 reaches the GEMMs.
+        model = build_hf_model(cfg.model.path, tp_group=rt.topology.tp_group, dtype=rt.dtype, device=rt.device,
+                               seed=cfg.trainer.seed, overlap=overlap, verify=cfg.model.verify)
+        model.train()
+        return model
+    if factory is None and cfg.model.name == "megatron_gpt":
+        require_cuda()
+        model = build_megatron_gpt(cfg.model.gpt, tp_group=tp_group, sequence_parallel=cfg.parallel.sequence_parallel,
+                                   dtype=rt.dtype, device=rt.device, seed=cfg.trainer.seed,
+                                   overlap=overlap)
+        model.train()
+        return model
+    factory = factory or GPT
+    model = factory(
+        GPTConfig(**vars(cfg.model.gpt)),
+        tp_group=tp_group,
+        sequence_parallel=cfg.parallel.sequence_parallel,
+        dtype=rt.dtype,
+        device=torch.device("meta") if deferred else rt.device,
+        seed=cfg.trainer.seed,
+        overlap=overlap,
+        # Data-parallel replicas draw different dropout masks (TP ranks of a replica share
+        # theirs where activations are replicated: tp_fuse.layers.DropoutRNG).
+        dropout_seed=dropout_seed(cfg.trainer.seed, rt.topology.dp_rank),
+    )
+    inits = deferred_inits(model) if deferred else None  # before fully_shard swaps the Parameters
+    if sharded_dp is not None:
+        fully_shard_gpt(model, sharded_dp.mesh)
+    if deferred:
+        materialize(model, rt.device, inits)
+    mode = cfg.trainer.activation_checkpointing
+    if mode != "none" or cfg.trainer.compile:
+        if not hasattr(model, "set_activation_checkpointing") or not hasattr(model, "layers"):
+            raise ValueError(f"trainer.activation_checkpointing / trainer.compile need a tp_fuse.layers.GPT-like model "
+                             f"(set_activation_checkpointing and layers), got {type(model).__name__}")
+        model.set_activation_checkpointing(mode)
+    if cfg.trainer.compile:
+        compile_layers(model, full_recompute=mode == "full")
+    model.train()
+    return model
+
+
+def compile_layers(model: torch.nn.Module, *, full_recompute: bool = False) -> None:
+    """``torch.compile`` every TransformerLayer in place.
+
+    tp-fuse's fusion groups (``OperationFuser``) run eagerly inside the compiled layers --
+    documented graph breaks (docs/fsdp.md); the glue between them (QKV split, RoPE,
+    attention core, residual plumbing) is compiled. ``tp_fuse.checkpoint`` is a graph
+    break too, so under full recompute the layer body inside it is what gets compiled
+    (the recompute then reruns the compiled code).
+    """
+    for layer in model.layers:
+        if full_recompute:
+            layer._forward = torch.compile(layer._forward)
+        else:
+            layer.compile()
+
+
+def fp8_autocast(recipe: Optional[Recipe], group: Any) -> contextlib.AbstractContextManager:
+    """``tp_fuse.autocast`` around a forward pass, or nothing when FP8 is off."""
+    if recipe is None:
+        return contextlib.nullcontext()
+    return autocast(recipe=recipe, amax_reduction_group=group)
+
+
+def fp8_quantizers(model: torch.nn.Module, recipe: Optional[Recipe], group: Any) -> dict[str, dict[str, Any]]:
+    """FP8 quantizers of every ``BasicLinear`` under ``recipe``: ``{module path: {role: quantizer}}``.
+
+    Asking the ops inside an autocast creates missing quantizers (e.g. before the first
+    step of a resumed run) with the recipe the training loop uses.
+    """
+    if recipe is None:
+        return {}
+    out: dict[str, dict[str, Any]] = {}
+    with autocast(recipe=recipe, amax_reduction_group=group):
+        for name in name_linears(model):
+            qs = name.op.fp8_quantizers() or {}
+            if qs:
+                out[name.qualname] = dict(qs)
+    return out

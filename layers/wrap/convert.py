@@ -1,0 +1,527 @@
+"""``wrap()``: convert an existing model, in place, to tp-fuse's sharded layers.
+
+Two kinds of modules are converted:
+
+1. Modules with Megatron-core's tensor-parallel linear interface, found by duck typing
+   (``megatron.core.tensor_parallel.ColumnParallelLinear`` / ``RowParallelLinear`` or
+   anything with the same attributes): already sharded, they keep their very
+   ``Parameter`` objects (optimizer state stays valid) and their flags
+   (``gather_output``, ``skip_bias_add``, ``input_is_parallel``, ``sequence_parallel``),
+   and still return ``(output, bias_or_None)``.
+
+   * column: ``input_size, output_size, output_size_per_partition, gather_output,
+     skip_bias_add, weight, bias``
+   * row: ``input_size, output_size, input_size_per_partition, input_is_parallel,
+     skip_bias_add, weight, bias``
+
+   Sequence-parallel row biases keep Megatron's contract: their gradient is left as the
+   per-rank partial sum, tagged ``sequence_parallel=True``, for Megatron's
+   ``finalize_model_grads`` to all-reduce -- so gradients are the same as before.
+   Also: a column layer with stride-2 weights (SwiGLU fc1, per rank ``[gate_r; up_r]``,
+   recorded as ``ShardSpec(blocks=2)``), a column layer whose weight arrives at call time
+   (tied output layer), ``gradient_accumulation_fusion`` (wgrads into ``main_grad``).
+
+2. Plain ``nn.Linear`` / norm modules named by a ``plan`` ``{module-name glob: style}``:
+
+   * ``"column"``: ``nn.Linear`` (or GPT-2 ``Conv1D``) -> column-parallel (output
+     features split; the output's last dim is ``out/tp``);
+   * ``FusedColumn(parts)``: a fused ``[q; k; v]``-style projection, each part split
+     over the ranks separately (rank r holds ``[q_r; k_r; v_r]``); ``parts`` is a number
+     of equal parts or the parts' sizes (Phi-3's GQA ``qkv_proj``), or head counts with
+     ``head_dim`` (``tp_fuse.layers.wrap.plan_styles``);
+   * ``"row"``: ``nn.Linear`` -> row-parallel (input's last dim is ``in/tp``; the
+     output is reduced over TP, then the bias is added once);
+   * ``"sequence_parallel"``: ``nn.LayerNorm`` / ``nn.RMSNorm`` kept as they are; with
+     ``sequence_parallel=True`` their gradients are all-reduced over TP (they see only
+     this rank's sequence shard).
+
+   The full weights of the plain modules must be identical on every TP rank (checked,
+   collectively); each rank keeps its slice. New ``Parameter``s are made: build the
+   optimizer after ``wrap``. Plain modules keep returning a single tensor.
+
+Everything is validated before anything is changed: problems (a plan entry that matches
+nothing or the wrong module type, sizes not divisible by the TP size, unsupported
+Megatron features, a different TP group, weights differing across ranks) are reported
+together in ONE ``ValueError``; nothing is skipped silently. Modules neither
+Megatron-style nor named in the plan, and those matched by ``exclude``, are left
+untouched (replicated); the :class:`WrapReport` lists them with the reason. With
+``plan=None`` a Hugging Face model gets its family's plan (``tp_fuse.layers.wrap.hf_plans``); an
+explicit plan for such a model keeps the family's checks and fix-ups.
+The replacements keep the model's ``state_dict`` keys (``tp_fuse.layers.wrap.modules``).
+
+Never silently wrong: replicated parameters used on TP-sharded activations are found by a
+traced forward and get their gradient summed over TP (``tp_fuse.layers.wrap_trace``,
+``tp_fuse.layers.wrap_passes``); head counts stored on converted attention modules are localized
+and per-head module lists refused (``tp_fuse.layers.wrap_heads``); ties, MoE experts and the
+error's shape (``tp_fuse.layers.wrap_checks``); ``verify=`` compares the wrapped model with the
+original (``tp_fuse.layers.wrap_verify``).
+
+``fp8=recipe`` makes the model's forward run inside ``tp_fuse.autocast(recipe,
+amax_reduction_group=fp8_group)`` (one autocast for the whole forward: one amax
+all-reduce per direction per step); ``overlap`` is the ``TPOverlap`` of every GEMM.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Literal, Optional
+
+import torch
+import torch.distributed as dist
+
+from tp_fuse.overlap.config import TPOverlap
+from tp_fuse.recipe import Recipe
+
+from ..grad_sync import sync_sequence_parallel_grad
+from ..parallel_linear import ColumnParallelLinear, RowParallelLinear
+from ..sharding import ShardSpec, set_shard_spec, shard_tensor, tp_rank_and_size
+from ..wrap_checks import attention_converted, collapse, expert_problems, tied_problems
+from ..wrap_heads import attention_modules, head_problems, localize_heads
+from .modules import MegatronLinearAdapter, ParallelLinearAdapter, megatron_adapter
+from ..wrap_passes import probe_original, sync_traced, trace_lazily
+from .report import WrapReport
+from ..wrap_verify import compare, make_probe
+from .hf_plans import FamilyPlan, family_plan
+from .plan_styles import FusedColumn
+
+__all__ = ["wrap", "ParallelLinearAdapter", "WrapReport"]
+
+Style = Literal["column", "row", "sequence_parallel"]
+_STYLES = ("column", "row", "sequence_parallel")
+_COLUMN_ATTRS = ("input_size", "output_size", "output_size_per_partition", "gather_output", "skip_bias_add",
+                 "weight", "bias")
+_ROW_ATTRS = ("input_size", "output_size", "input_size_per_partition", "input_is_parallel", "skip_bias_add",
+              "weight", "bias")
+_NORMS: tuple[type, ...] = tuple(t for t in (torch.nn.LayerNorm, getattr(torch.nn, "RMSNorm", None)) if t)
+
+
+def _is_megatron(module: torch.nn.Module, attrs: tuple[str, ...]) -> bool:
+    return all(hasattr(module, a) for a in attrs) and not isinstance(
+        module, (ColumnParallelLinear, RowParallelLinear, MegatronLinearAdapter, ParallelLinearAdapter))
+
+
+def _same_group(a: dist.ProcessGroup, b: dist.ProcessGroup) -> bool:
+    return a is b or dist.get_process_group_ranks(a) == dist.get_process_group_ranks(b)
+
+
+def _megatron_problems(name: str, m: torch.nn.Module, kind: str, tp_group: dist.ProcessGroup,
+                       sequence_parallel: Optional[bool]) -> list[str]:
+    problems = []
+    _, tp = tp_rank_and_size(tp_group)
+    if m.weight is None and kind != "column":
+        problems.append(f"{name}: a row-parallel layer without a weight is not supported")
+    for flag in ("disable_grad_reduce",):  # expert flags: wrap_checks.expert_problems (one line for all)
+        if getattr(m, flag, False):
+            problems.append(f"{name}: {flag}=True is not supported")
+    config = getattr(m, "config", None)
+    if config is not None and getattr(config, "defer_embedding_wgrad_compute", False):
+        problems.append(f"{name}: config.defer_embedding_wgrad_compute=True is not supported")
+    group = getattr(m, "tp_group", None)
+    if group is not None and not _same_group(group, tp_group):
+        problems.append(f"{name}: its tp_group (ranks {dist.get_process_group_ranks(group)}) is not the "
+                        f"tp_group given to wrap (ranks {dist.get_process_group_ranks(tp_group)})")
+    if m.weight is not None:
+        stride = getattr(m.weight, "partition_stride", 1)
+        if stride != 1 and (kind != "column" or m.output_size_per_partition % stride):
+            problems.append(f"{name}: strided weight partitioning (stride {stride}) is supported for column-parallel "
+                            f"layers whose per-rank rows divide by the stride (Megatron's [gate; up] SwiGLU fc1)")
+        want = ((m.output_size_per_partition, m.input_size) if kind == "column"
+                else (m.output_size, m.input_size_per_partition))
+        if tuple(m.weight.shape) != want:
+            problems.append(f"{name}: weight shape {tuple(m.weight.shape)} is not {want}")
+        per_rank = m.output_size_per_partition if kind == "column" else m.input_size_per_partition
+        full = m.output_size if kind == "column" else m.input_size
+        if per_rank * tp != full:
+            problems.append(f"{name}: {full} features split {per_rank} per rank does not match TP size {tp}")
+    module_sp = bool(getattr(m, "sequence_parallel", False))
+    if sequence_parallel is not None and module_sp != sequence_parallel:
+        problems.append(f"{name}: module has sequence_parallel={module_sp}, wrap was asked for {sequence_parallel}")
+    return problems
+
+
+def _convert_megatron(m: torch.nn.Module, kind: str, tp_group: dist.ProcessGroup,
+                      overlap: Optional[TPOverlap]) -> torch.nn.Module:
+    w = m.weight
+    dtype = w.dtype if w is not None else m.config.params_dtype
+    device = w.device if w is not None else None
+    common = dict(tp_group=tp_group, bias=m.bias is not None, skip_bias_add=bool(m.skip_bias_add),
+                  sequence_parallel=bool(getattr(m, "sequence_parallel", False)), init_method=_no_init,
+                  seed=None, overlap=overlap, dtype=dtype, device=device)
+    if kind == "column":
+        new: ColumnParallelLinear | RowParallelLinear = ColumnParallelLinear(
+            m.input_size, m.output_size, gather_output=bool(m.gather_output), **common)
+        # Megatron's stride-s column layout: rank r holds [part0_r; ...; part(s-1)_r]
+        # (SwiGLU fc1: [gate_r; up_r]) -- exactly ShardSpec(blocks=s); the local GEMM and
+        # Megatron's local chunk(2) pairing need nothing else.
+        stride = getattr(w, "partition_stride", 1) if w is not None else 1
+        spec: Optional[ShardSpec] = ShardSpec(dim=0, blocks=stride)
+    else:
+        new = RowParallelLinear(m.input_size, m.output_size, input_is_parallel=bool(m.input_is_parallel),
+                                sync_sequence_parallel_grads=False, **common)
+        spec = ShardSpec(dim=1)
+    linear = new.ops.linear
+    linear.accumulate_into_main_grad = bool(getattr(m, "gradient_accumulation_fusion", False))
+    # Reuse the very Parameters: optimizers and Megatron's grad buffers keep pointing at them.
+    if w is not None:
+        linear.weight = w
+        _tag(w, spec)
+    else:
+        linear._parameters["weight"] = None  # lent at call time (tied output layer)
+    if m.bias is not None:
+        owner = new.bias_op if new.bias_op is not None else new.ops.bias
+        sp_tag = getattr(m.bias, "sequence_parallel", None)
+        owner.bias = m.bias
+        _tag(m.bias, spec if kind == "column" else None)
+        if sp_tag is not None:
+            m.bias.sequence_parallel = sp_tag  # keep Megatron's tag as it was
+    return megatron_adapter(m, new, kind)
+
+
+def _tag(p: torch.Tensor, spec: Optional[ShardSpec]) -> None:
+    """tp-fuse's layout tag, keeping Megatron's own attributes (stride included) as they are."""
+    p.tp_shard = spec  # type: ignore[attr-defined]
+    if not hasattr(p, "tensor_model_parallel"):
+        set_shard_spec(p, spec)
+
+
+def _tag_untouched(model: torch.nn.Module) -> None:
+    """Give every parameter wrap did not convert a ``tp_shard`` (for ``grad_norm``,
+    ``full_state_dict``...): Megatron's ``tensor_model_parallel``/``partition_dim``/
+    ``partition_stride`` attributes where present (e.g. ``VocabParallelEmbedding``),
+    replicated otherwise."""
+    for p in model.parameters():
+        if hasattr(p, "tp_shard"):
+            continue
+        if getattr(p, "tensor_model_parallel", False):
+            p.tp_shard = ShardSpec(dim=int(p.partition_dim), blocks=int(getattr(p, "partition_stride", 1)))
+        else:
+            p.tp_shard = None
+
+
+def _no_init(t: torch.Tensor) -> None:
+    """The weight is replaced right after construction: skip drawing random numbers."""
+
+
+def _is_conv1d(m: torch.nn.Module) -> bool:
+    """GPT-2's ``Conv1D`` (transformers.pytorch_utils), by name and layout: ``y = x W + b``
+    with ``W [in, out]`` (the transpose of ``nn.Linear``'s)."""
+    return (type(m).__name__ == "Conv1D" and isinstance(getattr(m, "weight", None), torch.Tensor)
+            and m.weight.dim() == 2 and getattr(m, "nf", None) == m.weight.shape[1])
+
+
+def _linear_sizes(m: torch.nn.Module) -> tuple[int, int]:
+    """``(in_features, out_features)`` of an ``nn.Linear`` or a ``Conv1D``."""
+    if _is_conv1d(m):
+        return int(m.weight.shape[0]), int(m.weight.shape[1])
+    return m.in_features, m.out_features
+
+
+def _style_name(style: Any) -> str:
+    return style.describe() if isinstance(style, FusedColumn) else str(style)
+
+
+def _plain_problems(name: str, m: torch.nn.Module, style: Any, tp: int) -> list[str]:
+    if style in ("column", "row") or isinstance(style, FusedColumn):
+        if type(m) is not torch.nn.Linear and not _is_conv1d(m):
+            return [f"{name}: plan style {_style_name(style)!r} needs a torch.nn.Linear (or GPT-2 Conv1D), "
+                    f"got {type(m).__name__}"]
+        in_f, out_f = _linear_sizes(m)
+        if isinstance(style, FusedColumn):
+            return [f"{name}: {_style_name(style)}: {p}" for p in style.problems(out_f, tp)]
+        if style == "column" and out_f % tp:
+            return [f"{name}: out_features ({out_f}) is not divisible by the TP size ({tp})"]
+        if style == "row" and in_f % tp:
+            return [f"{name}: in_features ({in_f}) is not divisible by the TP size ({tp})"]
+        return []
+    if not isinstance(m, _NORMS):
+        return [f"{name}: plan style 'sequence_parallel' needs a LayerNorm/RMSNorm, got {type(m).__name__}"]
+    return []
+
+
+def _convert_plain(m: torch.nn.Module, style: Any, tp_group: dist.ProcessGroup, sequence_parallel: bool,
+                   overlap: Optional[TPOverlap]) -> torch.nn.Module:
+    rank, size = tp_rank_and_size(tp_group)
+    conv1d = _is_conv1d(m)
+    w = m.weight.t() if conv1d else m.weight  # [out, in]
+    in_f, out_f = _linear_sizes(m)
+    common = dict(tp_group=tp_group, bias=m.bias is not None, sequence_parallel=sequence_parallel,
+                  init_method=_no_init, seed=None, overlap=overlap, dtype=w.dtype, device=w.device)
+    if style == "row":
+        layer: torch.nn.Module = RowParallelLinear(in_f, out_f, **common)
+        wspec, bspec = ShardSpec(dim=1), None
+    else:
+        layer = ColumnParallelLinear(in_f, out_f, **common)
+        # A fused projection: every part split separately, rank r holds [q_r; k_r; v_r].
+        wspec = bspec = style.spec(out_f) if isinstance(style, FusedColumn) else ShardSpec(dim=0)
+    with torch.no_grad():
+        layer.weight.copy_(shard_tensor(w, wspec, rank, size))
+        if m.bias is not None:
+            layer.bias.copy_(shard_tensor(m.bias, bspec, rank, size))
+    set_shard_spec(layer.weight, wspec)
+    if m.bias is not None:
+        set_shard_spec(layer.bias, bspec)
+    return ParallelLinearAdapter(layer, in_f, out_f, transposed=conv1d)
+
+
+def _check_replicated(named: list[tuple[str, torch.nn.Module]], tp_group: dist.ProcessGroup) -> list[str]:
+    """Full weights must agree across TP ranks (else the shards would not form one model)."""
+    if not named:
+        return []
+    sums = torch.tensor([[float(p.detach().double().sum()), float(p.detach().double().abs().sum())]
+                         for _, m in named for p in m.parameters()], dtype=torch.float64)
+    gathered = [torch.empty_like(sums) for _ in range(dist.get_world_size(tp_group))]
+    dist.all_gather(gathered, sums, group=tp_group)
+    bad = torch.zeros(sums.shape[0], dtype=torch.bool)
+    for g in gathered:
+        bad |= (g != sums).any(dim=1)
+    out, k = [], 0
+    for name, m in named:
+        n = sum(1 for _ in m.parameters())
+        if bool(bad[k:k + n].any()):
+            out.append(f"{name}: parameters differ across TP ranks (seed every rank the same before building the model)")
+        k += n
+    return out
+
+
+_EXPERT_FLAGS = ("is_expert", "explicit_expert_comm")
+
+
+def wrap(
+    model: torch.nn.Module,
+    tp_group: dist.ProcessGroup,
+    *,
+    plan: Optional[Mapping[str, Any]] = None,
+    exclude: Sequence[str] = (),
+    sequence_parallel: Optional[bool] = None,
+    fp8: Optional[Recipe] = None,
+    fp8_group: Optional[dist.ProcessGroup] = None,
+    overlap: Optional[TPOverlap] = None,
+    verify: Any = None,
+    fixup: Optional[Callable[[torch.nn.Module, int], None]] = None,
+    verbose: bool = True,
+) -> torch.nn.Module:
+    """Convert ``model`` in place (see the module docstring) and return it.
+
+    Args:
+        model: the model; its Megatron-style parallel linears and the modules named in
+            ``plan`` are replaced (the root module itself cannot be).
+        tp_group: the TP process group (collective: call on every rank of it).
+        plan: ``{glob over module names: "column" | "row" | "sequence_parallel" |
+            FusedColumn(parts | sizes, names=..., head_dim=...)}``. None for a Hugging Face model (``model.config.model_type``
+            in ``tp_fuse.layers.wrap.hf_plans.FAMILIES``) uses the family's built-in plan; an explicit
+            plan for such a model keeps the family's head checks and fix-ups.
+        exclude: globs over module names left exactly as they are (not converted, not
+            checked); they are listed in the report.
+        sequence_parallel: for plan modules (default False); for Megatron modules it
+            must agree with theirs if given.
+        fp8: run the model's forward inside ``tp_fuse.autocast(fp8, fp8_group)``.
+        fp8_group: amax reduction group (None: torch's default group, i.e. the world).
+        overlap: ``TPOverlap`` for every converted GEMM and comm op.
+        verify: a probe batch (``True`` for a Hugging Face model's automatic one, a tensor,
+            a tuple of args, a dict of kwargs or a callable ``f(model)``): one forward and
+            backward of the wrapped model are compared with the original's (every output
+            and every gradient, gathered); a difference is a ``ValueError`` naming the
+            first differing output and parameter (``tp_fuse.layers.wrap_verify``, incl. its cost).
+        fixup: ``f(model, tp_size)`` called after conversion, for model attributes the
+            declared rules (``tp_fuse.layers.wrap_heads``) do not cover.
+        verbose: print the :class:`WrapReport` (on TP rank 0; False: only store it).
+
+    Replicated parameters used on TP-sharded activations (per-head q/k norms) are found by
+    tracing one forward (``tp_fuse.layers.wrap_trace``): on the probe (``verify``, or the automatic
+    one of a Hugging Face model) before anything changes, else on the wrapped model's first
+    forward; their gradients are summed over TP. The report of what was converted and what
+    was left, and why, is stored as ``model.tp_fuse_wrap_report``.
+    """
+    if not isinstance(model, torch.nn.Module):
+        raise ValueError(f"wrap: model must be a torch.nn.Module, got {type(model).__name__}")
+    if not isinstance(tp_group, dist.ProcessGroup):
+        raise ValueError(f"wrap: tp_group must be a torch.distributed.ProcessGroup, got {type(tp_group).__name__}")
+    if fp8 is not None and not isinstance(fp8, Recipe):
+        raise ValueError(f"wrap: fp8 must be a tp_fuse.recipe.Recipe or None, got {type(fp8).__name__}")
+    if isinstance(exclude, str):
+        raise ValueError(f"wrap: exclude must be a list of globs, got the string {exclude!r}")
+    if fixup is not None and not callable(fixup):
+        raise ValueError(f"wrap: fixup must be a callable f(model, tp_size), got {type(fixup).__name__}")
+    probe = make_probe(model, verify) if verify is not None and verify is not False else None
+    rank, tp = tp_rank_and_size(tp_group)
+    problems: list[str] = []
+    family: Optional[FamilyPlan] = family_plan(model, explicit=plan is not None)
+    builtin = plan is None and family is not None
+    plan = family.plan_for(model.config) if builtin else dict(plan or {})
+    bad_styles = {g: s for g, s in plan.items() if not (isinstance(s, FusedColumn) or s in _STYLES)}
+    for glob, style in bad_styles.items():
+        problems.append(f"plan[{glob!r}]: unknown style {style!r}; expected one of {_STYLES} or "
+                        f"FusedColumn(parts | sizes, names=..., head_dim=...)")
+    report = WrapReport(family=family.model_type if family is not None else None)
+
+    megatron: dict[str, str] = {}
+    experts: dict[str, list[str]] = {}
+    planned: dict[str, Any] = {}
+    matched_globs: set[str] = set()
+    excluded_prefixes: list[str] = []
+    # Excluded modules the plan would have sharded. (An excluded Megatron module keeps
+    # Megatron's own TP, so its neighbours still agree with it.)
+    excluded_gemms: list[str] = []
+    for name, m in model.named_modules():
+        label = name or "<root>"
+        if any(name == p or name.startswith(p + ".") for p in excluded_prefixes):
+            continue
+        if name and any(fnmatch.fnmatchcase(name, g) for g in exclude):
+            excluded_prefixes.append(name)
+            report.left.append((label, "excluded by the caller"))
+            matched_globs |= {g for g in plan if fnmatch.fnmatchcase(name, g)}
+            if any(fnmatch.fnmatchcase(name, g) and plan[g] != "sequence_parallel" for g in plan):
+                excluded_gemms.append(name)
+            continue
+        kind = ("column" if _is_megatron(m, _COLUMN_ATTRS) else "row" if _is_megatron(m, _ROW_ATTRS) else None)
+        matching = [g for g in plan if g not in bad_styles and fnmatch.fnmatchcase(name, g)]
+        styles = {_style_name(plan[g]): plan[g] for g in matching}
+        matched_globs |= {g for g in plan if fnmatch.fnmatchcase(name, g)}
+        if kind is not None:
+            if styles:
+                problems.append(f"{label}: Megatron-style {kind}-parallel module is converted automatically; "
+                                f"remove it from the plan")
+            megatron[name] = kind
+            problems += _megatron_problems(label, m, kind, tp_group, sequence_parallel)
+            flags = [f for f in _EXPERT_FLAGS if getattr(m, f, False)]
+            if flags:
+                experts[label] = flags
+        elif len(styles) > 1:
+            problems.append(f"{label}: matched by plan entries with different styles {sorted(styles)}")
+        elif styles:
+            planned[name] = next(iter(styles.values()))
+            problems += _plain_problems(label, m, planned[name], tp)
+        elif type(m) is torch.nn.Linear or _is_conv1d(m):
+            report.left.append((label, "not named by the plan: replicated, runs unsharded"))
+        if name == "" and (kind is not None or name in planned):
+            problems.append("<root>: the root module itself cannot be replaced in place; wrap its parent")
+    problems += expert_problems(experts)
+    if builtin:  # what the family plan leaves replicated on purpose (MoE experts)
+        report.left += [(n, why) for glob, why in family.notes.items() for n, _ in model.named_modules()
+                        if fnmatch.fnmatchcase(n, glob) and not any(n == p or n.startswith(p + ".")
+                                                                     for p in excluded_prefixes)]
+    problems += _split_pair_problems(excluded_gemms, [n for n, s in planned.items() if s != "sequence_parallel"])
+    unmatched = [g for g in plan if g not in matched_globs]
+    if builtin and plan and len(unmatched) == len(plan):
+        problems.append(f"{family.model_type}: no module matches the built-in plan, whose names are those of the "
+                        f"*ForCausalLM model (e.g. {next(iter(plan))!r}); this is {type(model).__name__} (a model "
+                        f"without its LM head?): wrap the *ForCausalLM model, or pass plan={{glob: style}} with this "
+                        f"model's names")
+    else:
+        problems += [f"plan[{glob!r}]: matches no module" for glob in unmatched]
+    for glob in exclude:
+        if not any(fnmatch.fnmatchcase(n, glob) for n, _ in model.named_modules() if n):
+            problems.append(f"exclude[{glob!r}]: matches no module")
+    columns = [n for n, s in planned.items() if s not in ("row", "sequence_parallel")]
+    rows = [n for n, s in planned.items() if s == "row"]
+    if family is not None and (builtin or attention_converted(model, columns)):
+        problems += [f"{family.model_type}: {p}" for p in family.check(model.config, tp)]
+        if sequence_parallel:
+            problems.append(f"{family.model_type}: sequence_parallel=True does not apply to Hugging Face "
+                            f"models (activations are [batch, seq, hidden]; SP splits dim 0)")
+    problems += tied_problems(model, planned)
+    attention = attention_modules(model, columns) if tp > 1 else {}
+    for name, m in attention.items():
+        problems += head_problems(name, m, tp, getattr(model, "config", None), planned)
+    modules = dict(model.named_modules())
+    problems += _check_replicated([(n, modules[n]) for n, s in planned.items() if s != "sequence_parallel"],
+                                  tp_group)
+    trace, reference = None, None
+    if not problems:
+        trace, reference = probe_original(model, probe, columns if tp > 1 else [], rows)
+        problems += trace.problems if trace is not None else []
+    if problems:
+        raise ValueError("wrap: cannot convert the model:\n  - " + "\n  - ".join(collapse(problems)))
+
+    sp = bool(sequence_parallel)
+    for name, kind in megatron.items():
+        m = modules[name]
+        new = _convert_megatron(m, kind, tp_group, overlap)
+        stride = getattr(m.weight, "partition_stride", 1) if m.weight is not None else 1
+        how = f"Megatron {kind}-parallel" + (f", stride-{stride} blocks ([gate; up])" if stride > 1 else "")
+        how += ", weight at call time" if m.weight is None else ""
+        how += ", accumulate_into_main_grad" if getattr(m, "gradient_accumulation_fusion", False) else ""
+        report.converted.append((name, how))
+        _replace(model, name, new)
+    for name, style in planned.items():
+        m = modules[name]
+        if style == "sequence_parallel":
+            if sp:
+                for p in m.parameters():
+                    sync_sequence_parallel_grad(p, tp_group)
+            report.converted.append((name, "norm, grads synced over TP" if sp else "norm (replicated; SP off)"))
+            continue
+        report.converted.append((name, f"{type(m).__name__} -> {_style_name(style)}-parallel"))
+        _replace(model, name, _convert_plain(m, style, tp_group, sp, overlap))
+    for name, m in attention.items():
+        changes = localize_heads(m, tp)
+        if changes:
+            report.localized.append((name, ", ".join(changes)))
+    if family is not None and family.fixup is not None:
+        family.fixup(model, tp)
+    if fixup is not None:
+        fixup(model, tp)
+    if trace is not None:
+        sync_traced(model, trace, tp_group, report)
+    elif columns and tp > 1:
+        trace_lazily(model, columns, rows, tp_group, report, verbose=verbose and rank == 0)
+    _tag_untouched(model)
+    if reference is not None:
+        transposed = {f"{n}.weight" for n, m in model.named_modules()
+                      if isinstance(m, ParallelLinearAdapter) and m.transposed}
+        found = compare(model, reference, probe, tp_group, transposed)
+        if found:
+            raise ValueError("wrap(verify=...): the wrapped model does not match the original on the probe "
+                             "(the model has been converted; rebuild it):\n  - " + "\n  - ".join(found))
+        report.verified = "outputs and every gradient match the original on the probe"
+    if fp8 is not None:
+        _run_forward_in_autocast(model, fp8, fp8_group)
+    model.tp_fuse_wrap_report = report
+    if verbose and rank == 0:
+        print(report)
+    return model
+
+
+def _split_pair_problems(excluded: list[str], converted: list[str]) -> list[str]:
+    """An excluded projection whose sibling is sharded: the pair no longer agrees on the
+    per-rank sizes between them (e.g. a sharded ``q_proj`` feeding an unsharded ``o_proj``)."""
+    problems = []
+    for name in excluded:
+        parent = name.rpartition(".")[0]
+        siblings = [c for c in converted if c.rpartition(".")[0] == parent]
+        if siblings:
+            problems.append(f"exclude: {name} is excluded but its sibling(s) {siblings} are sharded; the "
+                            f"tensor-parallel layers of one block are converted or left together: exclude "
+                            f"{parent or '<root>'!s} instead")
+    return problems
+
+
+def _replace(root: torch.nn.Module, name: str, new: torch.nn.Module) -> None:
+    parent_name, _, child = name.rpartition(".")
+    parent = root.get_submodule(parent_name) if parent_name else root
+    setattr(parent, child, new)
+
+
+class _AutocastForward:
+    """``module.forward`` run inside ``tp_fuse.autocast(recipe, group)``.
+
+    A callable object stored as the instance's ``forward`` (``nn.Module.__call__`` uses
+    it); it calls the class's forward, so it never captures a stale bound method.
+    """
+
+    def __init__(self, module: torch.nn.Module, recipe: Recipe, group: Optional[dist.ProcessGroup]) -> None:
+        self.module, self.recipe, self.group = module, recipe, group
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        from tp_fuse.quantization import autocast
+
+        with autocast(recipe=self.recipe, amax_reduction_group=self.group):
+            return type(self.module).forward(self.module, *args, **kwargs)
+
+
+def _run_forward_in_autocast(model: torch.nn.Module, recipe: Recipe, group: Optional[dist.ProcessGroup]) -> None:
+    if "forward" in vars(model):
+        raise ValueError("wrap(fp8=...): the model already has an instance-level forward "
+                         "(an earlier wrap(fp8=...)?); run the FP8 autocast yourself instead")
+    model.forward = _AutocastForward(model, recipe, group)  # nn.Module.__call__ picks it up

@@ -1,0 +1,365 @@
+"""``method: auto``: measured choice of the overlap method per GEMM stage and shape.
+
+Which overlap method is fastest depends on the shape, the precision, the transport and the
+machine; a fixed table cannot know. An :class:`OverlapAutoTuner` (held by the
+:class:`~tp_fuse.overlap.config.TPOverlap` of a model) decides at the first call of a GEMM
+stage with a new *signature* (GEMM key such as ``"fc1_fprop"``, local input shape, dtype,
+FP8 recipe kind, TP size):
+
+1. the fused op prepares its operands once (FP8 casts and amax recording happen there,
+   exactly once, so measuring records no extra amax values), then hands the tuner one
+   callable per candidate: the overlap methods that apply to the window
+   (``ring_exchange``, ``pipeline/<num_splits>``, ``bulk``) and ``unfused`` (the same
+   collective, then the whole GEMM: no overlap);
+2. every rank runs each candidate ``warmup`` times untimed, then ``repeats`` times timed,
+   candidates interleaved, in the same order on every rank (each candidate communicates);
+3. the median time of each candidate is all-reduced with MAX over the TP group (a method is
+   as slow as its slowest rank) and the fastest candidate wins (ties: the earlier one in
+   candidate order), so every rank makes the same choice;
+4. the decision is cached per (GEMM key, signature) and, with ``choice_file``, saved as
+   JSON; a tuner built with an existing file reuses its choices without measuring
+   (resume, and every rank of every run that shares the file).
+
+Time comes from a clock object (:class:`WallClock` by default), so tests can pass a fake
+one that prefers each candidate in turn. All candidates compute the same function (equal
+within the tolerance of their GEMM precision); the fused op runs the chosen candidate once
+more for the result it returns.
+
+The choice file is untrusted input: it is parsed with :func:`json.loads` (no code runs)
+and every field is checked; a malformed file is a ValueError naming the file and the
+field.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import re
+import statistics
+import tempfile
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any, Optional, Protocol
+
+import torch
+import torch.distributed as dist
+
+from tp_fuse import comm
+
+__all__ = [
+    "AUTO",
+    "UNFUSED",
+    "AutoDecision",
+    "Clock",
+    "OverlapAutoTuner",
+    "WallClock",
+    "candidate_labels",
+    "parse_label",
+]
+
+AUTO = "auto"
+#: Candidate label of "no overlap": the collective, then the whole GEMM (or the reverse).
+UNFUSED = "unfused"
+CHOICE_FILE_FORMAT = "tp_fuse.overlap_choices"
+CHOICE_FILE_VERSION = 1
+_LABEL_RE = re.compile(r"^(ring_exchange|bulk|unfused|pipeline/[1-9][0-9]{0,5})$")
+_MAX_CHOICE_FILE_BYTES = 16 * 1024 * 1024
+
+
+def parse_label(label: str) -> tuple[str, int]:
+    """``"pipeline/4"`` -> ``("pipeline", 4)``; other labels -> ``(label, 0)``."""
+    if label.startswith("pipeline/"):
+        return "pipeline", int(label.split("/", 1)[1])
+    return label, 0
+
+
+def candidate_labels(methods: Iterable[str], splits: Iterable[int], rows: int) -> list[str]:
+    """Candidates for a window that can use ``methods``: ``pipeline`` once per distinct
+    effective split count (at most one chunk per row), then ``unfused`` last."""
+    out: list[str] = []
+    for method in methods:
+        if method == "pipeline":
+            for n in sorted(set(splits)):
+                label = f"pipeline/{max(1, min(n, rows))}"
+                if label not in out:
+                    out.append(label)
+        else:
+            out.append(method)
+    out.append(UNFUSED)
+    return out
+
+
+class Clock(Protocol):
+    """What the tuner times with: run ``fn`` (candidate ``label``) once, return seconds."""
+
+    def measure(self, label: str, fn: Callable[[], Any]) -> float: ...
+
+
+class WallClock:
+    """Wall-clock time of one call; on CUDA the device is synchronized before and after, so
+    the time covers the kernels and transfers the call queued."""
+
+    def measure(self, label: str, fn: Callable[[], Any]) -> float:
+        cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
+        if cuda:
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        if cuda:
+            torch.cuda.synchronize()
+        return time.perf_counter() - t0
+
+
+@dataclasses.dataclass(frozen=True)
+class AutoDecision:
+    """One choice: for GEMM stage ``gemm`` at ``signature``, candidate ``choice``.
+
+    ``times`` are seconds per candidate (median over repeats, max over TP ranks), empty
+    when the choice came from a file without times. ``source``: ``"measured"`` or the path
+    of the choice file it was read from. ``cost_s``: wall time the measurement took.
+    """
+
+    gemm: str
+    signature: str
+    choice: str
+    candidates: tuple[str, ...]
+    times: Mapping[str, float]
+    source: str = "measured"
+    cost_s: float = 0.0
+
+    def describe(self) -> str:
+        """``"fc2_fprop [x 256x2x64 float32, fp32, tp=2]: pipeline/2 1.20 ms, ... -> ring_exchange (measured)"``."""
+        parts = [
+            f"{c} {self.times[c] * 1e3:.3f} ms" if c in self.times else f"{c} (not timed)"
+            for c in self.candidates
+        ]
+        src = "measured" if self.source == "measured" else f"from {self.source}"
+        cost = f", measuring took {self.cost_s * 1e3:.1f} ms" if self.source == "measured" else ""
+        return f"{self.gemm} [{self.signature}]: {', '.join(parts)} -> {self.choice} ({src}{cost})"
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "gemm": self.gemm,
+            "signature": self.signature,
+            "choice": self.choice,
+            "candidates": list(self.candidates),
+            "times_s": {k: float(v) for k, v in self.times.items()},
+        }
+
+
+class OverlapAutoTuner:
+    """Measures, agrees on and caches overlap-method choices (see the module docstring).
+
+    Args:
+        clock: a :class:`Clock` (default :class:`WallClock`).
+        warmup: untimed runs per candidate before timing (first calls allocate workspaces).
+        repeats: timed runs per candidate (the median counts).
+        splits: ``num_splits`` values tried for ``pipeline`` (besides a config's own).
+        choice_file: JSON file of earlier choices: read at construction if it exists (its
+            choices are used without measuring) and, with ``write_choices``, rewritten
+            after every new decision.
+        write_choices: whether this process writes ``choice_file`` (give it to one rank).
+        log: called with one line per new decision (e.g. ``print`` on rank 0).
+    """
+
+    def __init__(
+        self,
+        clock: Optional[Clock] = None,
+        *,
+        warmup: int = 1,
+        repeats: int = 5,
+        splits: Sequence[int] = (2, 4),
+        choice_file: Optional[str | os.PathLike] = None,
+        write_choices: bool = False,
+        log: Optional[Callable[[str], None]] = None,
+    ) -> None:
+        for name, value, low in (("warmup", warmup, 0), ("repeats", repeats, 1)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise ValueError(f"OverlapAutoTuner: {name} must be an int >= {low}, got {value!r}")
+        splits = tuple(splits)
+        if not splits or any(isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in splits):
+            raise ValueError(f"OverlapAutoTuner: splits must be positive ints, got {splits!r}")
+        if clock is not None and not callable(getattr(clock, "measure", None)):
+            raise ValueError(f"OverlapAutoTuner: clock needs a measure(label, fn) method, got {type(clock).__name__}")
+        if write_choices and choice_file is None:
+            raise ValueError("OverlapAutoTuner: write_choices=True needs a choice_file")
+        self.clock: Clock = clock if clock is not None else WallClock()
+        self.warmup, self.repeats, self.splits = warmup, repeats, splits
+        self.choice_file = None if choice_file is None else os.fspath(choice_file)
+        self.write_choices = write_choices
+        self.log = log
+        self._decisions: dict[tuple[str, str], AutoDecision] = {}
+        # File choices confirmed to be the same on every rank of the group.
+        self._agreed: set[tuple[str, str]] = set()
+        #: Wall seconds spent measuring (all decisions of this tuner).
+        self.measure_seconds = 0.0
+        if self.choice_file is not None and os.path.exists(self.choice_file):
+            for d in load_choice_file(self.choice_file):
+                self._decisions[(d.gemm, d.signature)] = d
+
+    # ---- queries -----------------------------------------------------------
+
+    @property
+    def decisions(self) -> list[AutoDecision]:
+        """Every decision so far (measured or from the file), in the order they were made."""
+        return list(self._decisions.values())
+
+    def decisions_for(self, gemm: str) -> list[AutoDecision]:
+        return [d for d in self._decisions.values() if d.gemm == gemm]
+
+    def measured_count(self) -> int:
+        return sum(d.source == "measured" for d in self._decisions.values())
+
+    # ---- deciding ----------------------------------------------------------
+
+    def decide(
+        self,
+        gemm: str,
+        signature: str,
+        candidates: Mapping[str, Callable[[], Any]],
+        group: Optional[dist.ProcessGroup],
+        device: torch.device,
+    ) -> str:
+        """The candidate label to run for ``(gemm, signature)``; measured on a cache miss.
+
+        Every rank of ``group`` must call this with the same ``candidates`` in the same
+        order at the same point (each candidate communicates over ``group``).
+        """
+        labels = tuple(candidates)
+        assert labels and all(_LABEL_RE.match(lb) for lb in labels), labels
+        key = (gemm, signature)
+        known = self._decisions.get(key)
+        if known is not None and known.choice not in candidates:
+            where = f"choice file {known.source}" if known.source != "measured" else "cache"
+            raise ValueError(
+                f"{where}: choice {known.choice!r} for {gemm} [{signature}] is not a candidate of "
+                f"this window (candidates: {list(labels)})"
+            )
+        if known is not None and (known.source == "measured" or key in self._agreed):
+            return known.choice
+        # First lookup of this key here: a choice read from a file is used only if every rank
+        # read the same one; otherwise all measure together (a rank whose run directory lacks
+        # the file must not measure alone: its collectives would meet nobody).
+        idx = labels.index(known.choice) if known is not None else 0
+        flags = torch.tensor([0.0 if known is not None else 1.0, idx, -idx], dtype=torch.float64)
+        need, hi, neg_lo = comm.all_reduce(flags.to(device), group, op=dist.ReduceOp.MAX).cpu().tolist()
+        if need == 0 and hi == -neg_lo:
+            assert known is not None
+            self._agreed.add(key)
+            return known.choice
+        start = time.perf_counter()
+        for _ in range(self.warmup):
+            for label in labels:
+                candidates[label]()
+        samples: dict[str, list[float]] = {label: [] for label in labels}
+        for _ in range(self.repeats):
+            for label in labels:  # interleaved: machine noise hits every candidate alike
+                seconds = float(self.clock.measure(label, candidates[label]))
+                if not math.isfinite(seconds) or seconds < 0:
+                    raise ValueError(f"OverlapAutoTuner: clock returned {seconds!r} for {label}")
+                samples[label].append(seconds)
+        local = torch.tensor([statistics.median(samples[lb]) for lb in labels], dtype=torch.float64)
+        # float64 on the group's device: gloo takes CPU tensors, NCCL CUDA ones.
+        times = comm.all_reduce(local.to(device), group, op=dist.ReduceOp.MAX).cpu().tolist()
+        best = min(range(len(labels)), key=lambda i: (times[i], i))
+        cost = time.perf_counter() - start
+        self.measure_seconds += cost
+        decision = AutoDecision(gemm, signature, labels[best], labels, dict(zip(labels, times)), "measured", cost)
+        self._decisions[(gemm, signature)] = decision
+        if self.log is not None:
+            self.log(f"overlap auto: {decision.describe()}")
+        if self.write_choices:
+            assert self.choice_file is not None
+            save_choice_file(self.choice_file, self.decisions)
+        return decision.choice
+
+
+# ---- the choice file ------------------------------------------------------------------
+
+
+def save_choice_file(path: str, decisions: Iterable[AutoDecision]) -> None:
+    """Write ``decisions`` to ``path`` atomically (temporary file, then rename)."""
+    doc = {
+        "format": CHOICE_FILE_FORMAT,
+        "version": CHOICE_FILE_VERSION,
+        "choices": [d.to_json() for d in decisions],
+    }
+    directory = os.path.dirname(os.path.abspath(path))
+    os.makedirs(directory, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=".overlap_choices.", dir=directory)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            json.dump(doc, f, indent=1, sort_keys=True)
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+def _reject_constant(name: str) -> float:
+    raise ValueError(f"non-standard JSON constant {name}")
+
+
+def load_choice_file(path: str) -> list[AutoDecision]:
+    """Parse and validate a choice file (untrusted: JSON only, every field checked)."""
+
+    def bad(field: str, msg: str) -> ValueError:
+        return ValueError(f"overlap choice file {path}: {field}: {msg}")
+
+    size = os.path.getsize(path)
+    if size > _MAX_CHOICE_FILE_BYTES:
+        raise bad("<file>", f"{size} bytes, more than the {_MAX_CHOICE_FILE_BYTES} a choice file can hold")
+    with open(path, "rb") as f:
+        raw = f.read()
+    try:
+        doc = json.loads(raw.decode("utf-8"), parse_constant=_reject_constant)
+    except (UnicodeDecodeError, ValueError) as e:
+        raise bad("<file>", f"not valid JSON ({e})") from None
+    if not isinstance(doc, dict):
+        raise bad("<top level>", f"expected an object, got {type(doc).__name__}")
+    unknown = sorted(set(doc) - {"format", "version", "choices"})
+    if unknown:
+        raise bad("<top level>", f"unknown field(s) {unknown}")
+    if doc.get("format") != CHOICE_FILE_FORMAT:
+        raise bad("format", f"expected {CHOICE_FILE_FORMAT!r}, got {doc.get('format')!r}")
+    if doc.get("version") != CHOICE_FILE_VERSION:
+        raise bad("version", f"expected {CHOICE_FILE_VERSION}, got {doc.get('version')!r}")
+    entries = doc.get("choices")
+    if not isinstance(entries, list):
+        raise bad("choices", f"expected a list, got {type(entries).__name__}")
+    out: list[AutoDecision] = []
+    seen: set[tuple[str, str]] = set()
+    for i, e in enumerate(entries):
+        where = f"choices[{i}]"
+        if not isinstance(e, dict):
+            raise bad(where, f"expected an object, got {type(e).__name__}")
+        unknown = sorted(set(e) - {"gemm", "signature", "choice", "candidates", "times_s"})
+        if unknown:
+            raise bad(where, f"unknown field(s) {unknown}")
+        for key in ("gemm", "signature", "choice"):
+            if not isinstance(e.get(key), str) or not e[key]:
+                raise bad(f"{where}.{key}", f"expected a non-empty string, got {e.get(key)!r}")
+        if not _LABEL_RE.match(e["choice"]):
+            raise bad(f"{where}.choice", f"{e['choice']!r} is not a method label "
+                      "(ring_exchange, bulk, unfused or pipeline/<num_splits>)")
+        cands = e.get("candidates", [e["choice"]])
+        if not isinstance(cands, list) or not all(isinstance(c, str) and _LABEL_RE.match(c) for c in cands):
+            raise bad(f"{where}.candidates", f"expected a list of method labels, got {cands!r}")
+        if e["choice"] not in cands:
+            raise bad(f"{where}.choice", f"{e['choice']!r} is not among candidates {cands}")
+        times = e.get("times_s", {})
+        if not isinstance(times, dict) or not all(
+            k in cands and isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v >= 0
+            for k, v in times.items()
+        ):
+            raise bad(f"{where}.times_s", f"expected {{candidate: seconds >= 0}}, got {times!r}")
+        key = (e["gemm"], e["signature"])
+        if key in seen:
+            raise bad(where, f"a second entry for {e['gemm']} [{e['signature']}]")
+        seen.add(key)
+        out.append(AutoDecision(e["gemm"], e["signature"], e["choice"], tuple(cands),
+                                {k: float(v) for k, v in times.items()}, source=path))
+    return out

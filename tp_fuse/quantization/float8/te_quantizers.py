@@ -1,0 +1,154 @@
+"""Transformer Engine's quantizer names: ``DType``, ``Float8Quantizer``,
+``Float8CurrentScalingQuantizer``.
+
+Users (and TE's tests) build quantizers directly and call them on tensors::
+
+    q = Float8Quantizer(scale=torch.ones(()), amax=torch.zeros(1), fp8_dtype=DType.kFloat8E4M3)
+    x8 = q(x)            # a Float8Tensor
+
+* :class:`Float8Quantizer` quantizes with the ``scale`` tensor it was given (held by
+  reference: writes to it change later casts) and folds ``max |x|`` into ``amax``.
+* :class:`Float8CurrentScalingQuantizer` computes the scale from the tensor itself
+  (``fp8_max / max(amax, amax_epsilon)``, all-reduced over a group when asked).
+
+Both are :class:`~tp_fuse.quantization.Quantizer` s, so ops and ``fp8_gemm`` accept
+what they produce.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Union
+
+import torch
+import torch.distributed as dist
+
+from ... import kernels
+from ...recipe import Float8CurrentScaling, Format, fp8_dtype_max
+from .tensor import Float8Tensor
+from ..te_dtype import DType, as_torch_dtype
+from ..quantizer import CurrentScalingQuantizer, Quantizer, _amax, _with_transpose
+
+__all__ = ["DType", "Float8Quantizer", "Float8CurrentScalingQuantizer", "as_torch_dtype"]
+
+
+def _fp8(dtype: Union[DType, torch.dtype], what: str) -> torch.dtype:
+    out = as_torch_dtype(dtype, what)
+    fp8_dtype_max(out)  # raises ValueError naming the FP8 dtypes for anything else
+    return out
+
+
+class _UsageMixin:
+    """TE's ``set_usage``: which layouts a quantized tensor carries. Here a
+    Float8Tensor always has its row-wise bytes and builds the column-wise (transposed)
+    bytes on demand; ``columnwise`` only decides whether they are written at cast time."""
+
+    rowwise_usage: bool = True
+    columnwise_usage: bool = True
+
+    def set_usage(self, *, rowwise: Optional[bool] = None, columnwise: Optional[bool] = None) -> None:
+        if rowwise is not None:
+            self.rowwise_usage = bool(rowwise)
+        if columnwise is not None:
+            self.columnwise_usage = bool(columnwise)
+
+    def __call__(self, tensor: torch.Tensor) -> Float8Tensor:
+        """Quantize ``tensor`` (differentiable, straight-through)."""
+        return self.quantize(tensor, transpose=self.columnwise_usage and tensor.dim() >= 2)  # type: ignore[attr-defined]
+
+    def update_quantized(self, src: torch.Tensor, dst: Float8Tensor) -> Float8Tensor:
+        """Quantize ``src`` into ``dst``'s buffers in place; returns ``dst``."""
+        if not isinstance(dst, Float8Tensor) or dst.shape != src.shape:
+            raise ValueError(
+                f"update_quantized: expected a Float8Tensor of shape {tuple(src.shape)}, got "
+                f"{type(dst).__name__} {tuple(getattr(dst, 'shape', ()))}"
+            )
+        with torch.no_grad():
+            q = self._quantize_impl(src.detach())  # type: ignore[attr-defined]
+            dst._alias.generation += 1
+            dst._data.copy_(q._data.to(dst._data.dtype))
+            dst._scale_inv.copy_(q._scale_inv)
+        return dst
+
+
+class Float8Quantizer(_UsageMixin, Quantizer):
+    """Per-tensor FP8 with a given scale (Transformer Engine's delayed-scaling quantizer).
+
+    Args:
+        scale: fp32 one-element tensor; FP8 = cast(x * scale). Held by reference.
+        amax: fp32 one-element tensor; each cast folds ``max |x|`` into it (max).
+        fp8_dtype: ``DType.kFloat8E4M3`` / ``kFloat8E5M2`` (or the torch dtypes).
+        rowwise, columnwise: layouts to produce (see ``set_usage``).
+    """
+
+    def __init__(
+        self,
+        scale: torch.Tensor,
+        amax: torch.Tensor,
+        fp8_dtype: Union[DType, torch.dtype],
+        *,
+        rowwise: bool = True,
+        columnwise: bool = True,
+    ) -> None:
+        dtype = _fp8(fp8_dtype, "Float8Quantizer fp8_dtype")
+        for name, t in (("scale", scale), ("amax", amax)):
+            if not isinstance(t, torch.Tensor) or t.numel() != 1 or t.dtype != torch.float32:
+                raise ValueError(f"Float8Quantizer {name}: expected a one-element fp32 tensor, got {t!r}")
+        super().__init__(dtype, "input")
+        self.scale = scale
+        self.amax = amax
+        self.set_usage(rowwise=rowwise, columnwise=columnwise)
+
+    def _quantize_impl(self, x: torch.Tensor, transpose: bool = False) -> Float8Tensor:
+        with torch.no_grad():
+            scale = self.scale.reshape(()).to(device=x.device)
+            data, data_t, amax = kernels.quantize(x.detach(), scale, self.fp8_dtype, transpose=transpose)
+            self.amax.copy_(torch.maximum(self.amax.reshape(()), amax.to(self.amax.device)).reshape(self.amax.shape))
+            scale_inv = torch.reciprocal(scale)
+        return _with_transpose(Float8Tensor(data, scale_inv, x.dtype), data_t)
+
+    def stats(self) -> dict[str, float]:
+        return {"amax": float(self.amax.reshape(())), "scale": float(self.scale.reshape(()))}
+
+
+class Float8CurrentScalingQuantizer(_UsageMixin, CurrentScalingQuantizer):
+    """Per-tensor FP8 whose scale comes from the tensor being cast (TE's name).
+
+    Args:
+        fp8_dtype: ``DType.kFloat8E4M3`` / ``kFloat8E5M2`` (or the torch dtypes).
+        device: accepted for TE compatibility (state follows the data).
+        with_amax_reduction, amax_reduction_group: all-reduce (MAX) the amax over the
+            group first, so every rank casts with one scale.
+        force_pow_2_scales: round the scale down to a power of two.
+        amax_epsilon: the amax used is ``max(amax, amax_epsilon)``.
+    """
+
+    def __init__(
+        self,
+        fp8_dtype: Union[DType, torch.dtype],
+        device: Optional[Union[torch.device, str]] = None,
+        *,
+        rowwise: bool = True,
+        columnwise: bool = True,
+        with_amax_reduction: bool = False,
+        amax_reduction_group: Optional[dist.ProcessGroup] = None,
+        force_pow_2_scales: bool = False,
+        amax_epsilon: float = 0.0,
+    ) -> None:
+        dtype = _fp8(fp8_dtype, "Float8CurrentScalingQuantizer fp8_dtype")
+        if with_amax_reduction and amax_reduction_group is None:
+            raise ValueError("Float8CurrentScalingQuantizer: with_amax_reduction=True needs amax_reduction_group")
+        if not isinstance(amax_epsilon, (int, float)) or amax_epsilon < 0:
+            raise ValueError(f"Float8CurrentScalingQuantizer amax_epsilon: expected a float >= 0, got {amax_epsilon!r}")
+        fmt = Format.E4M3 if dtype == torch.float8_e4m3fn else Format.E5M2
+        recipe = Float8CurrentScaling(fp8_format=fmt, power_2_scale=bool(force_pow_2_scales))
+        super().__init__(recipe, "input", amax_reduction_group if with_amax_reduction else None)
+        self.amax_epsilon = float(amax_epsilon)
+        self.set_usage(rowwise=rowwise, columnwise=columnwise)
+
+    def quantize_with_amax(self, x: torch.Tensor, amax: torch.Tensor, *, transpose: bool = False) -> Float8Tensor:
+        if self.amax_epsilon > 0:
+            amax = torch.clamp_min(amax, self.amax_epsilon)
+        return super().quantize_with_amax(x, amax, transpose=transpose)
+
+    def _quantize_impl(self, x: torch.Tensor, transpose: bool = False) -> Float8Tensor:
+        return self.quantize_with_amax(x, _amax(x), transpose=transpose)

@@ -1,0 +1,452 @@
+"""Float8Tensor: FP8 data plus a scale, posing as a high-precision tensor.
+
+A :class:`Float8Tensor` holds
+
+* ``_data``: a ``torch.float8_e4m3fn`` / ``torch.float8_e5m2`` tensor,
+* ``_scale_inv``: fp32 0-d tensor; the value represented is ``_data * _scale_inv``,
+* a nominal shape and a nominal high-precision ``dtype`` (e.g. float32), which is
+  what ``.dtype`` reports and what unsupported ops compute in.
+
+It is a ``torch.Tensor`` wrapper subclass, so it flows through autograd,
+``nn.Sequential`` and ``nn.Parameter``. ``__torch_dispatch__`` handles natively
+detach, clone, dtype/device conversion of FP8 parameters, and every view op
+(view, transpose, select, slice, ...: the result is a Float8Tensor over the
+same FP8 bytes and scale, so writes through it are not lost); every other op
+dequantizes its Float8Tensor arguments and runs in high precision, returning
+plain tensors (so printing, ``.sum()``, arithmetic and ``torch.zeros_like``
+work).
+
+In-place ops (``add_``, ``copy_``, ``torch._foreach_mul_``, ...) on a
+Float8Tensor run in high precision and re-quantize into the same FP8 buffers:
+
+* an FP8 *parameter* (made by :func:`~tp_fuse.quantization.make_fp8_parameter`)
+  has a high-precision ``_master`` and a ``_quantizer``: the op updates the
+  master, then the quantizer re-quantizes it (new scale). This is how
+  ``torch.optim`` optimizers train FP8 weights: their in-place updates land on
+  the master; the FP8 copy follows within FP8 error.
+* any other Float8Tensor is re-quantized with its own current scale
+  (saturating at the format's max), like TE's Float8Tensor.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+from torch.utils._pytree import tree_map
+
+from ...kernels.fp8_emulation import fp8_to_float
+from ..quantized_tensor import QuantizedTensor
+from ..te_dtype import DType, te_dtype_of
+
+__all__ = ["Float8Tensor"]
+
+aten = torch.ops.aten
+
+_FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+def _dequantize_impl(t: "Float8Tensor", dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+    """``_data * _scale_inv`` as a plain tensor, outside autograd."""
+    out = fp8_to_float(t._data) * t._scale_inv
+    return out.to(dtype or t.dtype)
+
+
+class _Dequantize(torch.autograd.Function):
+    """Float8Tensor -> plain high-precision tensor, differentiable.
+
+    ======== ===================== ======================
+             forward               backward
+    ======== ===================== ======================
+    in       x: Float8Tensor [*]   grad_out: [*] (dtype)
+    out      y = data * scale_inv  grad_x = grad_out
+    ======== ===================== ======================
+
+    The backward is the identity (straight-through): dequantization is the
+    representation of x, not a function of it.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, x: "Float8Tensor", dtype: Optional[torch.dtype]) -> torch.Tensor:
+        ctx.nominal_dtype = x.dtype
+        return _dequantize_impl(x, dtype)
+
+    @staticmethod
+    def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad_out.to(ctx.nominal_dtype), None
+
+
+class Float8Tensor(QuantizedTensor):
+    """FP8 data with a per-tensor scale, behaving like a high-precision tensor.
+
+    Args:
+        data: FP8 tensor (``float8_e4m3fn`` or ``float8_e5m2``).
+        scale_inv: fp32 one-element tensor; value = ``data * scale_inv``.
+        dtype: nominal high-precision dtype reported by ``.dtype``.
+        requires_grad: autograd flag of the wrapper.
+        master: high-precision master copy (FP8 parameters only).
+        quantizer: quantizer that re-quantizes ``master`` (FP8 parameters only).
+    """
+
+    _data: torch.Tensor
+    _scale_inv: torch.Tensor
+    _master: Optional[torch.Tensor]
+    _quantizer: Any
+    _alias: "_AliasState"
+    _transpose_cache: Optional[tuple[tuple[int, int], torch.Tensor]]
+
+    # Wrapper subclasses must not let the default __torch_function__ re-wrap
+    # plain results as Float8Tensor (they would have no FP8 data).
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    @staticmethod
+    def __new__(
+        cls,
+        data: torch.Tensor,
+        scale_inv: torch.Tensor,
+        dtype: torch.dtype,
+        *,
+        requires_grad: bool = False,
+        master: Optional[torch.Tensor] = None,
+        quantizer: Any = None,
+        _alias: Optional["_AliasState"] = None,
+    ) -> "Float8Tensor":
+        if data.dtype not in _FP8_DTYPES:
+            raise ValueError(f"Float8Tensor data: expected one of {_FP8_DTYPES}, got {data.dtype}")
+        if scale_inv.numel() != 1 or scale_inv.dtype != torch.float32:
+            raise ValueError(
+                "Float8Tensor scale_inv: expected a one-element fp32 tensor, got "
+                f"shape {tuple(scale_inv.shape)} dtype {scale_inv.dtype}"
+            )
+        if not dtype.is_floating_point or dtype in _FP8_DTYPES:
+            raise ValueError(
+                f"Float8Tensor dtype: expected a high-precision float dtype, got {dtype}"
+            )
+        if master is not None and (master.shape != data.shape or master.dtype != dtype):
+            raise ValueError(
+                f"Float8Tensor master: expected shape {tuple(data.shape)} dtype {dtype}, "
+                f"got shape {tuple(master.shape)} dtype {master.dtype}"
+            )
+        self = torch.Tensor._make_wrapper_subclass(
+            cls,
+            data.shape,
+            strides=data.stride(),
+            storage_offset=data.storage_offset(),
+            dtype=dtype,
+            device=data.device,
+            requires_grad=requires_grad,
+        )
+        self._data = data
+        self._scale_inv = scale_inv.reshape(())
+        self._master = master
+        self._quantizer = quantizer
+        self._alias = _alias if _alias is not None else _AliasState()
+        self._transpose_cache = None
+        return self
+
+    @classmethod
+    def from_parts(
+        cls, data: torch.Tensor, scale_inv: torch.Tensor, dtype: torch.dtype
+    ) -> "Float8Tensor":
+        """Re-wrap FP8 bytes and their scale, e.g. after moving ``_data`` through a
+        collective (no master, no quantizer)."""
+        return cls(data, scale_inv, dtype)
+
+    # ------------------------------------------------------------------ access
+    @property
+    def fp8_dtype(self) -> torch.dtype:
+        """The FP8 dtype of the stored data."""
+        return self._data.dtype
+
+    @property
+    def _fp8_dtype(self) -> DType:
+        """Transformer Engine's private name: :attr:`fp8_dtype` as a ``DType``."""
+        return te_dtype_of(self._data.dtype)
+
+    @property
+    def master(self) -> Optional[torch.Tensor]:
+        """High-precision master copy (FP8 parameters), else None."""
+        return self._master
+
+    @property
+    def quantizer(self) -> Any:
+        """Quantizer that re-quantizes the master (FP8 parameters), else None."""
+        return self._quantizer
+
+    def dequantize(self, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+        """Plain tensor ``data * scale_inv`` in ``dtype`` (default: nominal dtype).
+
+        Differentiable (identity backward) when this tensor requires grad.
+        """
+        if torch.is_grad_enabled() and self.requires_grad:
+            return _Dequantize.apply(self, dtype)
+        return _dequantize_impl(self, dtype)
+
+    def transpose_data(self) -> torch.Tensor:
+        """Contiguous FP8 transpose of the 2-D view ``[prod(shape[:-1]), shape[-1]]``.
+
+        Cached: wgrad GEMMs need the column-wise layout of inputs and grads, and
+        the same tensor is often transposed once per backward. In-place updates
+        through this tensor or any alias (detach/view) invalidate the cache; so
+        does writing ``_data`` directly.
+        """
+        if self.dim() < 2:
+            raise ValueError(f"transpose_data: expected a tensor with >= 2 dims, got {self.dim()}")
+        key = self.transpose_cache_key()
+        if key is None or self._transpose_cache is None or self._transpose_cache[0] != key:
+            flat = self._data.reshape(-1, self._data.shape[-1])
+            transposed = flat.t().contiguous()
+            if key is None:
+                return transposed
+            self._transpose_cache = (key, transposed)
+        return self._transpose_cache[1]
+
+    def transpose_cache_key(self) -> Optional[tuple[int, int]]:
+        """What a cached transpose is valid for, or None when it cannot be cached.
+
+        Writes made inside __torch_dispatch__ run below the ADInplaceOrView key and do
+        not bump _data's version counter, hence the alias generation as well. Inference
+        tensors (made under ``torch.inference_mode``) have no version counter: their
+        transpose is recomputed on every call rather than cached unchecked.
+        """
+        if self._data.is_inference():
+            return None
+        return (self._alias.generation, self._data._version)
+
+    def transpose_fp8(self) -> "Float8Tensor":
+        """:meth:`transpose_data` as a Float8Tensor (same scale), e.g. for
+        ``fp8_gemm`` in wgrad: ``dW = fp8_gemm(dy.transpose_fp8(), x.transpose_fp8())``."""
+        return Float8Tensor(self.transpose_data(), self._scale_inv, self.dtype)
+
+    # Makes this a "traceable" wrapper subclass: nn.Module._apply (module.to(),
+    # .double(), .cuda()) then swaps FP8 parameters as a whole instead of
+    # overwriting the wrapper's metadata through ``param.data = ...``.
+    def __tensor_flatten__(self) -> tuple[list[str], tuple[torch.dtype, Any]]:
+        names = ["_data", "_scale_inv"] + (["_master"] if self._master is not None else [])
+        return names, (self.dtype, self._quantizer)
+
+    @staticmethod
+    def __tensor_unflatten__(
+        inner: dict[str, torch.Tensor], ctx: tuple[torch.dtype, Any], outer_size: Any, outer_stride: Any
+    ) -> "Float8Tensor":
+        dtype, quantizer = ctx
+        return Float8Tensor(
+            inner["_data"], inner["_scale_inv"], dtype, master=inner.get("_master"), quantizer=quantizer
+        )
+
+    def __repr__(self, *, tensor_contents: Any = None) -> str:  # noqa: D105
+        return (
+            f"Float8Tensor(fp8_dtype={self.fp8_dtype}, scale_inv={self._scale_inv.item():.6g}, "
+            f"dtype={self.dtype}, data={_dequantize_impl(self)!r})"
+        )
+
+    # ---------------------------------------------------------------- dispatch
+    @classmethod
+    def __torch_dispatch__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        if torch.is_inference_mode_enabled() and any(
+            isinstance(a, Float8Tensor) and not a.is_inference() for a in args
+        ) and (func in _ALIASING or _is_view_of_first_arg(func, args)):
+            # A view/detach of a normal tensor must share its version counter, which
+            # autograd cannot set on an inference tensor: build the result as a normal
+            # tensor, as a view of a normal tensor in inference mode is.
+            with torch.inference_mode(False):
+                return cls.__torch_dispatch__(func, types, args, kwargs)
+        handler = _HANDLERS.get(func)
+        if handler is not None:
+            return handler(*args, **kwargs)
+        if any(a.alias_info is not None and a.alias_info.is_write for a in func._schema.arguments):
+            return _inplace(func, args, kwargs)
+        if _is_view_of_first_arg(func, args):
+            return _fp8_view(func, args, kwargs)
+        # Fallback: run in high precision.
+        args, kwargs = tree_map(_unwrap, (args, kwargs))
+        return func(*args, **kwargs)
+
+    # -------------------------------------------------------- re-quantization
+    def _requantize_from(self, value: torch.Tensor, overwrite: bool = False) -> None:
+        """Overwrite the FP8 buffers in place from high-precision ``value``.
+
+        In place (``copy_``) so that every alias made by detach/view -- e.g. the
+        tensor ``nn.Parameter`` returned and the one a module registered -- sees
+        the new bytes and scale.
+
+        ``overwrite``: the op replaced the whole value (``copy_``, ``fill_``,
+        ``zero_``: loading a checkpoint). A delayed-scaling quantizer's scale was
+        derived from the old values and may clip the new ones: the quantizer first
+        re-derives it if it would (``rescale_to_fit``).
+        """
+        self._alias.generation += 1
+        if self._quantizer is not None:
+            rescale = getattr(self._quantizer, "rescale_to_fit", None)
+            if overwrite and rescale is not None:
+                rescale(value.detach())
+            q = self._quantizer.quantize(value.detach())
+            self._data.copy_(q._data)
+            self._scale_inv.copy_(q._scale_inv)
+            return
+        fp8_max = float(torch.finfo(self.fp8_dtype).max)
+        scaled = value.detach().to(torch.float32) / self._scale_inv
+        self._data.copy_(scaled.clamp(-fp8_max, fp8_max).to(self.fp8_dtype))
+
+
+class _AliasState:
+    """Shared by Float8Tensors over the same FP8 bytes (detach/view/transpose):
+    a generation bumped on every in-place re-quantization, for caches."""
+
+    __slots__ = ("generation",)
+
+    def __init__(self) -> None:
+        self.generation = 0
+
+
+def _unwrap(x: Any) -> Any:
+    return _dequantize_impl(x) if isinstance(x, Float8Tensor) else x
+
+
+def _inplace(func: Any, args: tuple, kwargs: dict, overwrite: bool = False) -> Any:
+    """In-place/out= op with Float8Tensor operands being written.
+
+    Written Float8Tensors are replaced by a high-precision working tensor (the
+    master when there is one, else a dequantized copy), the op runs, then the
+    FP8 buffers are re-quantized from the working tensor.
+    """
+    schema_args = func._schema.arguments
+    written: dict[int, tuple[Float8Tensor, torch.Tensor]] = {}
+
+    def work_for(t: Float8Tensor) -> torch.Tensor:
+        if id(t) not in written:
+            hp = t._master if t._master is not None else _dequantize_impl(t)
+            written[id(t)] = (t, hp)
+        return written[id(t)][1]
+
+    def replace_written(x: Any) -> Any:
+        if isinstance(x, Float8Tensor):
+            return work_for(x)
+        if isinstance(x, (list, tuple)):
+            return type(x)(replace_written(e) for e in x)
+        return x
+
+    new_args = list(args)
+    new_kwargs = dict(kwargs)
+    for i, schema_arg in enumerate(schema_args):
+        if not (schema_arg.alias_info is not None and schema_arg.alias_info.is_write):
+            continue
+        if schema_arg.kwarg_only or i >= len(args):
+            if schema_arg.name in new_kwargs:
+                new_kwargs[schema_arg.name] = replace_written(new_kwargs[schema_arg.name])
+        else:
+            new_args[i] = replace_written(new_args[i])
+    # Remaining (read-only) Float8Tensor operands run in high precision.
+    new_args, new_kwargs = tree_map(_unwrap, (new_args, new_kwargs))
+    out = func(*new_args, **new_kwargs)
+    with torch.no_grad():
+        for t, hp in written.values():
+            t._requantize_from(hp, overwrite)
+    # Results alias the written operands: hand back the Float8Tensors themselves.
+    by_work = {id(hp): t for t, hp in written.values()}
+    return tree_map(lambda x: by_work.get(id(x), x), out)
+
+
+def _detach(self: Float8Tensor) -> Float8Tensor:
+    # Keeps master and quantizer: nn.Parameter(float8_tensor) is built by detach().
+    return Float8Tensor(
+        self._data.detach(),
+        self._scale_inv,
+        self.dtype,
+        master=self._master,
+        quantizer=self._quantizer,
+        _alias=self._alias,
+    )
+
+
+def _is_view_of_first_arg(func: Any, args: tuple) -> bool:
+    """Whether ``func`` returns views of its Float8Tensor first argument only."""
+    returns = func._schema.returns
+    return (
+        bool(args)
+        and isinstance(args[0], Float8Tensor)
+        and len(returns) > 0
+        and all(r.alias_info is not None and not r.alias_info.is_write for r in returns)
+        and not any(isinstance(a, Float8Tensor) for a in args[1:])
+    )
+
+
+def _fp8_view(func: Any, args: tuple, kwargs: dict) -> Any:
+    """Apply a view op to the FP8 bytes; the results share bytes, scale, alias state.
+
+    Views are metadata-only, so they are exact on FP8 data, and aliasing is
+    preserved: ``f[0].zero_()`` writes into ``f``'s bytes, as on a plain tensor.
+    """
+    self = args[0]
+    out = func(self._data, *args[1:], **kwargs)
+
+    def wrap(t: Any) -> Any:
+        if isinstance(t, torch.Tensor):
+            return Float8Tensor(t, self._scale_inv, self.dtype, _alias=self._alias)
+        return t
+
+    return tree_map(wrap, out)
+
+
+def _view(self: Float8Tensor, size: Any) -> Float8Tensor:
+    # _unsafe_view is not declared as aliasing but is a view of contiguous data.
+    return Float8Tensor(self._data.view(size), self._scale_inv, self.dtype, _alias=self._alias)
+
+
+def _clone(self: Float8Tensor, *, memory_format: Any = None) -> Float8Tensor:
+    data = self._data.clone() if memory_format is None else self._data.clone(memory_format=memory_format)
+    return Float8Tensor(data, self._scale_inv.clone(), self.dtype)
+
+
+def _copy_(self: Any, src: Any, non_blocking: bool = False) -> Any:
+    # load_state_dict copies FP8 parameter into FP8 parameter: take the source's
+    # master, not its FP8 rounding, so a save/load round trip is lossless.
+    if isinstance(src, Float8Tensor) and src._master is not None:
+        src = src._master
+    return _inplace(aten.copy_.default, (self, src), {"non_blocking": non_blocking}, overwrite=True)
+
+
+def _overwrite(func: Any) -> Any:
+    """Handler for ops that replace the whole value (``fill_``, ``zero_``): the
+    written FP8 parameter's scale is derived again from its new value."""
+
+    def handler(*args: Any, **kwargs: Any) -> Any:
+        return _inplace(func, args, kwargs, overwrite=True)
+
+    return handler
+
+
+def _to_copy(self: Float8Tensor, **kwargs: Any) -> torch.Tensor:
+    # An FP8 parameter stays FP8 through dtype/device conversion (module.to(),
+    # .double()): the nominal dtype and the master follow, the bytes only move.
+    # Any other Float8Tensor converts like an unsupported op: to a plain tensor.
+    if self._master is None or kwargs.get("layout") not in (None, torch.strided):
+        return aten._to_copy.default(_dequantize_impl(self), **kwargs)
+    dtype = kwargs.get("dtype") or self.dtype
+    device = kwargs.get("device") or self.device
+    if not dtype.is_floating_point or dtype in _FP8_DTYPES:
+        raise ValueError(
+            f"FP8 parameter conversion: expected a high-precision float dtype, got {dtype}"
+        )
+    return Float8Tensor(
+        self._data.to(device),
+        self._scale_inv.to(device),
+        dtype,
+        master=self._master.to(device=device, dtype=dtype),
+        quantizer=self._quantizer,
+    )
+
+
+_ALIASING = (aten.detach.default, aten._unsafe_view.default)
+
+_HANDLERS = {
+    aten._to_copy.default: _to_copy,
+    aten.copy_.default: _copy_,
+    aten.detach.default: _detach,
+    aten._unsafe_view.default: _view,
+    aten.clone.default: _clone,
+    aten.fill_.Scalar: _overwrite(aten.fill_.Scalar),
+    aten.fill_.Tensor: _overwrite(aten.fill_.Tensor),
+    aten.zero_.default: _overwrite(aten.zero_.default),
+}
