@@ -61,7 +61,7 @@ class ModelConfig:
     path: Optional[str] = None
     #: ``+model=hf`` at ``parallel.tp`` > 1: ``wrap(verify=True)`` at start-up -- one
     #: forward and backward of the wrapped model against the original on a [2, 8] token
-    #: probe (``tp_fuse.layers.wrap_verify``; costs one full-model gradient per rank, transiently).
+    #: probe (``tp_fuse.layers.wrap.verify``; costs one full-model gradient per rank, transiently).
     verify: bool = True
 
 

@@ -28,7 +28,7 @@ from .tp_regions import CopyToTensorParallelRegion, GatherFromTensorParallelRegi
 from .transformer import TransformerLayer
 from .wrap.plan_styles import FusedColumn
 from .wrap.convert import ParallelLinearAdapter, WrapReport, wrap
-from .wrap_export import original_state_dict, save_pretrained
+from .wrap.export import original_state_dict, save_pretrained
 
 __all__ = [
     "ColumnParallelLinear",

@@ -62,7 +62,7 @@ def sync_sequence_parallel_grad(param: torch.nn.Parameter, tp_group: Optional[di
 
 def sync_sharded_activation_grad(param: torch.nn.Parameter, tp_group: Optional[dist.ProcessGroup]) -> None:
     """The same sum over ``tp_group`` for a replicated parameter used on TP-*sharded*
-    activations (``wrap()`` finds them: ``tp_fuse.layers.wrap_trace``), e.g. Qwen3's ``q_norm``
+    activations (``wrap()`` finds them: ``tp_fuse.layers.wrap.trace``), e.g. Qwen3's ``q_norm``
     applied to this rank's heads only: each rank's gradient covers its heads, the sum
     covers all of them.
 

@@ -50,11 +50,11 @@ explicit plan for such a model keeps the family's checks and fix-ups.
 The replacements keep the model's ``state_dict`` keys (``tp_fuse.layers.wrap.modules``).
 
 Never silently wrong: replicated parameters used on TP-sharded activations are found by a
-traced forward and get their gradient summed over TP (``tp_fuse.layers.wrap_trace``,
-``tp_fuse.layers.wrap_passes``); head counts stored on converted attention modules are localized
-and per-head module lists refused (``tp_fuse.layers.wrap_heads``); ties, MoE experts and the
-error's shape (``tp_fuse.layers.wrap_checks``); ``verify=`` compares the wrapped model with the
-original (``tp_fuse.layers.wrap_verify``).
+traced forward and get their gradient summed over TP (``tp_fuse.layers.wrap.trace``,
+``tp_fuse.layers.wrap.passes``); head counts stored on converted attention modules are localized
+and per-head module lists refused (``tp_fuse.layers.wrap.heads``); ties, MoE experts and the
+error's shape (``tp_fuse.layers.wrap.checks``); ``verify=`` compares the wrapped model with the
+original (``tp_fuse.layers.wrap.verify``).
 
 ``fp8=recipe`` makes the model's forward run inside ``tp_fuse.autocast(recipe,
 amax_reduction_group=fp8_group)`` (one autocast for the whole forward: one amax
@@ -76,12 +76,12 @@ from tp_fuse.recipe import Recipe
 from ..grad_sync import sync_sequence_parallel_grad
 from ..parallel_linear import ColumnParallelLinear, RowParallelLinear
 from ..sharding import ShardSpec, set_shard_spec, shard_tensor, tp_rank_and_size
-from ..wrap_checks import attention_converted, collapse, expert_problems, tied_problems
-from ..wrap_heads import attention_modules, head_problems, localize_heads
+from .checks import attention_converted, collapse, expert_problems, tied_problems
+from .heads import attention_modules, head_problems, localize_heads
 from .modules import MegatronLinearAdapter, ParallelLinearAdapter, megatron_adapter
-from ..wrap_passes import probe_original, sync_traced, trace_lazily
+from .passes import probe_original, sync_traced, trace_lazily
 from .report import WrapReport
-from ..wrap_verify import compare, make_probe
+from .verify import compare, make_probe
 from .hf_plans import FamilyPlan, family_plan
 from .plan_styles import FusedColumn
 
@@ -111,7 +111,7 @@ def _megatron_problems(name: str, m: torch.nn.Module, kind: str, tp_group: dist.
     _, tp = tp_rank_and_size(tp_group)
     if m.weight is None and kind != "column":
         problems.append(f"{name}: a row-parallel layer without a weight is not supported")
-    for flag in ("disable_grad_reduce",):  # expert flags: wrap_checks.expert_problems (one line for all)
+    for flag in ("disable_grad_reduce",):  # expert flags: checks.expert_problems (one line for all)
         if getattr(m, flag, False):
             problems.append(f"{name}: {flag}=True is not supported")
     config = getattr(m, "config", None)
@@ -322,13 +322,13 @@ def wrap(
             a tuple of args, a dict of kwargs or a callable ``f(model)``): one forward and
             backward of the wrapped model are compared with the original's (every output
             and every gradient, gathered); a difference is a ``ValueError`` naming the
-            first differing output and parameter (``tp_fuse.layers.wrap_verify``, incl. its cost).
+            first differing output and parameter (``tp_fuse.layers.wrap.verify``, incl. its cost).
         fixup: ``f(model, tp_size)`` called after conversion, for model attributes the
-            declared rules (``tp_fuse.layers.wrap_heads``) do not cover.
+            declared rules (``tp_fuse.layers.wrap.heads``) do not cover.
         verbose: print the :class:`WrapReport` (on TP rank 0; False: only store it).
 
     Replicated parameters used on TP-sharded activations (per-head q/k norms) are found by
-    tracing one forward (``tp_fuse.layers.wrap_trace``): on the probe (``verify``, or the automatic
+    tracing one forward (``tp_fuse.layers.wrap.trace``): on the probe (``verify``, or the automatic
     one of a Hugging Face model) before anything changes, else on the wrapped model's first
     forward; their gradients are summed over TP. The report of what was converted and what
     was left, and why, is stored as ``model.tp_fuse_wrap_report``.

@@ -6,7 +6,7 @@ changed. The attention code of these families reshapes projections with ``-1`` h
 pairs query/key heads by a fixed group ratio, so local heads work unchanged once every
 rank holds whole heads. Head counts and widths stored on the attention modules (GPT-2's
 ``split_size``, ``num_heads``, ``embed_dim``) are localized by ``wrap`` for every plan
-(``tp_fuse.layers.wrap_heads``); Phi-3's fused ``qkv_proj`` (``[q; k; v]``, unequal under GQA) is
+(``tp_fuse.layers.wrap.heads``); Phi-3's fused ``qkv_proj`` (``[q; k; v]``, unequal under GQA) is
 split where ``config.num_attention_heads`` and ``num_key_value_heads`` say: its attention
 modules get a :class:`LocalHeadsConfig` view with this rank's head counts (the family's
 fix-up); Bloom's attention modules take this rank's heads of the ALiBi bias that
@@ -268,7 +268,7 @@ FAMILIES: dict[str, FamilyPlan] = {
     "cohere": FamilyPlan("cohere", _LLAMA_LIKE, _cohere_check),
     "starcoder2": FamilyPlan("starcoder2", _STARCODER2, _heads_check),
     # StableLM's per-head q/k LayerNorms (qk_layernorm=True) are refused by wrap's
-    # per-head module-list check (tp_fuse.layers.wrap_heads).
+    # per-head module-list check (tp_fuse.layers.wrap.heads).
     "stablelm": FamilyPlan("stablelm", {**_ATTENTION, **_GATED_MLP}, _heads_check),
     "phi": FamilyPlan("phi", _PHI, _heads_check),
     "opt": FamilyPlan("opt", _OPT, _heads_check),

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Optional
 
-from ..wrap_checks import name_pattern
+from .checks import name_pattern
 
 __all__ = ["WrapReport"]
 
@@ -29,9 +29,9 @@ class WrapReport:
         left: ``(module name, why)`` for the linear-like modules not converted: excluded by
             the caller, or not named by the plan (they stay replicated and run unsharded).
         localized: ``(attention module, changes)``: head counts / widths stored on the
-            module set to this rank's (``tp_fuse.layers.wrap_heads``), e.g. ``"num_heads 4 -> 2"``.
+            module set to this rank's (``tp_fuse.layers.wrap.heads``), e.g. ``"num_heads 4 -> 2"``.
         synced: ``(parameter name, why)``: replicated parameters used on TP-sharded
-            activations, whose gradient is summed over TP (``tp_fuse.layers.wrap_trace``).
+            activations, whose gradient is summed over TP (``tp_fuse.layers.wrap.trace``).
         traced: how those were found when not on a probe before conversion.
         verified: set when ``verify=`` compared the wrapped model with the original.
         family: the Hugging Face ``model_type`` whose built-in plan (or checks and fix-ups,

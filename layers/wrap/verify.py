@@ -1,7 +1,7 @@
 """``wrap(..., verify=...)``: one forward and backward of the wrapped model against the original.
 
 ``wrap`` runs the *original* model once on a probe batch before changing anything (that
-same forward is traced by ``tp_fuse.layers.wrap_trace`` to find the replicated parameters that
+same forward is traced by ``tp_fuse.layers.wrap.trace`` to find the replicated parameters that
 see sharded activations), keeps its outputs and every gradient, converts the model, runs
 the wrapped model on the same batch and compares: every output tensor, then every
 parameter's gradient (sharded ones gathered to their full, original layout -- GPT-2
@@ -36,8 +36,8 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-from .sharding import gather_tensor
-from .wrap_trace import output_leaves
+from ..sharding import gather_tensor
+from .trace import output_leaves
 
 __all__ = ["Reference", "make_probe", "auto_probe", "evaluation", "reference_pass", "compare"]
 

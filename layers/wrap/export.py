@@ -31,8 +31,8 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-from .sharding import gather_tensor, tp_rank_and_size
-from .wrap.modules import ParallelLinearAdapter
+from ..sharding import gather_tensor, tp_rank_and_size
+from .modules import ParallelLinearAdapter
 
 __all__ = ["original_state_dict", "save_pretrained"]
 
@@ -65,7 +65,7 @@ def save_pretrained(model: torch.nn.Module, tp_group: Optional[dist.ProcessGroup
     ``save_pretrained`` (not ``state_dict``)."""
     if not hasattr(model, "save_pretrained") or not hasattr(model, "config"):
         raise ValueError(f"save_pretrained: expected a Hugging Face model (with save_pretrained and config), "
-                         f"got {type(model).__name__}; use tp_fuse.layers.wrap_export.original_state_dict")
+                         f"got {type(model).__name__}; use tp_fuse.layers.wrap.export.original_state_dict")
     if "state_dict" in kwargs:
         raise ValueError("save_pretrained: the state_dict is the model's own (gathered); do not pass one")
     state = original_state_dict(model, tp_group)

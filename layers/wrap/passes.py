@@ -1,9 +1,9 @@
 """The passes ``wrap()`` runs around the conversion itself.
 
 * :func:`probe_original` -- before anything changes: one traced forward of the original
-  model on the probe (``tp_fuse.layers.wrap_trace``: which replicated parameters meet
+  model on the probe (``tp_fuse.layers.wrap.trace``: which replicated parameters meet
   TP-sharded activations; what cannot be made right), and with ``verify=`` its backward,
-  kept for the comparison after conversion (``tp_fuse.layers.wrap_verify``);
+  kept for the comparison after conversion (``tp_fuse.layers.wrap.verify``);
 * :func:`sync_traced` -- after conversion: the gradients of the replicated parameters
   used on sharded activations only are summed over TP (``tp_fuse.layers.grad_sync``);
 * :func:`trace_lazily` -- a model without a probe (not a Hugging Face model, no
@@ -22,11 +22,11 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-from .grad_sync import sync_sharded_activation_grad
-from .wrap_checks import collapse
-from .wrap.report import WrapReport
-from .wrap_trace import TraceResult, trace_first_forward, trace_sharded_uses
-from .wrap_verify import Reference, auto_probe, evaluation, reference_pass, stash_grads
+from ..grad_sync import sync_sharded_activation_grad
+from .checks import collapse
+from .report import WrapReport
+from .trace import TraceResult, trace_first_forward, trace_sharded_uses
+from .verify import Reference, auto_probe, evaluation, reference_pass, stash_grads
 
 __all__ = ["probe_original", "sync_traced", "trace_lazily"]
 
