@@ -59,6 +59,10 @@ class ModelConfig:
     #: ``+model=hf``: the local Hugging Face model directory (config.json, tokenizer.json,
     #: optional *.safetensors); ``gpt`` then holds the sizes read from its config.json.
     path: Optional[str] = None
+    #: ``+model=hf`` at ``parallel.tp`` > 1: ``wrap(verify=True)`` at start-up -- one
+    #: forward and backward of the wrapped model against the original on a [2, 8] token
+    #: probe (``tp_fuse.layers.wrap.verify``; costs one full-model gradient per rank, transiently).
+    verify: bool = True
 
 
 @dataclass
@@ -263,6 +267,8 @@ class TrainConfig:
         out["model"].update(gpt)
         if out["model"].get("path") is None:
             out["model"].pop("path", None)
+        if out["model"]["name"] != "hf":
+            out["model"].pop("verify", None)
         return out
 
 
@@ -394,11 +400,15 @@ def from_dict(data: dict[str, Any]) -> TrainConfig:
     if not isinstance(name, str):
         raise ValueError(f"model.name: expected a string, got {name!r}")
     path = model.pop("path", None)
+    verify = True
     if name == "hf":
+        verify = model.pop("verify", True)
+        if not isinstance(verify, bool):
+            raise ValueError(f"model.verify: expected true or false, got {verify!r}")
         extra = sorted(model)
         if extra:
             raise ValueError(f"unknown key(s) {', '.join(f'model.{k}' for k in extra)}: +model=hf takes model.path "
-                             f"(the sizes come from the directory's config.json)")
+                             f"and model.verify (the sizes come from the directory's config.json)")
         gpt = GPTConfig(**gpt_fields(path))
     else:
         if path is not None:
@@ -411,7 +421,7 @@ def from_dict(data: dict[str, Any]) -> TrainConfig:
             f"unknown top-level key(s) {', '.join(unknown)}; known: model, {', '.join(sections)}"
         )
     built = {k: _build(cls, data[k] if data.get(k) is not None else {}, k) for k, cls in sections.items()}
-    return TrainConfig(model=ModelConfig(name=name, gpt=gpt, path=path), **built)
+    return TrainConfig(model=ModelConfig(name=name, gpt=gpt, path=path, verify=verify), **built)
 
 
 # ---- cross-field validation -----------------------------------------------------

@@ -28,6 +28,7 @@ from .tp_regions import CopyToTensorParallelRegion, GatherFromTensorParallelRegi
 from .transformer import TransformerLayer
 from .wrap.plan_styles import FusedColumn
 from .wrap.convert import ParallelLinearAdapter, WrapReport, wrap
+from .wrap.export import original_state_dict, save_pretrained
 
 __all__ = [
     "ColumnParallelLinear",
@@ -56,6 +57,8 @@ __all__ = [
     "grad_norm",
     "is_sequence_parallel_grad_synced",
     "load_full_state_dict",
+    "original_state_dict",
+    "save_pretrained",
     "shard_tensor",
     "sync_sequence_parallel_grad",
     "vocab_parallel_cross_entropy",

@@ -27,7 +27,7 @@ import torch.distributed as dist
 
 from .sharding import tp_rank_and_size
 
-__all__ = ["sync_sequence_parallel_grad", "is_sequence_parallel_grad_synced"]
+__all__ = ["sync_sequence_parallel_grad", "sync_sharded_activation_grad", "is_sequence_parallel_grad_synced"]
 
 
 def _make_hook(group: dist.ProcessGroup):
@@ -58,6 +58,22 @@ def sync_sequence_parallel_grad(param: torch.nn.Parameter, tp_group: Optional[di
     param.register_hook(_make_hook(tp_group))
     param._sequence_parallel_grad_group = tp_group  # type: ignore[attr-defined]
     param.sequence_parallel_grad_synced = True  # type: ignore[attr-defined]
+
+
+def sync_sharded_activation_grad(param: torch.nn.Parameter, tp_group: Optional[dist.ProcessGroup]) -> None:
+    """The same sum over ``tp_group`` for a replicated parameter used on TP-*sharded*
+    activations (``wrap()`` finds them: ``tp_fuse.layers.wrap.trace``), e.g. Qwen3's ``q_norm``
+    applied to this rank's heads only: each rank's gradient covers its heads, the sum
+    covers all of them.
+
+    The gradient is a partial sum over TP exactly as for a sequence-parallel norm, so the
+    parameter is tagged the same way (``sequence_parallel_grad_synced``: FSDP2's
+    after-backward reduction, ``tp_fuse.layers.fsdp.sequence_parallel_params``, picks it up too)
+    and additionally ``sharded_activation_grad_synced = True``.
+    """
+    sync_sequence_parallel_grad(param, tp_group)
+    if tp_rank_and_size(tp_group)[1] > 1:
+        param.sharded_activation_grad_synced = True  # type: ignore[attr-defined]
 
 
 def is_sequence_parallel_grad_synced(param: torch.Tensor) -> bool:

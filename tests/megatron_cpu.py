@@ -10,7 +10,9 @@ megatron-core assumes a GPU in three places that a CPU forward/backward reaches:
 * ``torch.cuda.current_device()`` as the device of new tensors (RoPE frequencies,
   sequence-parallel gather/scatter outputs): here it returns the CPU device (only in
   the spawned test ranks, which never touch CUDA);
-* the default causal mask is built with ``device="cuda"``: here on the CPU.
+* the default causal mask is built with ``device="cuda"``: here on the CPU;
+* the MoE router's GEMM reads ``moe_utils.te_general_gemm``, which 0.16.1 only defines
+  when Transformer Engine imports: here it is None (the plain torch GEMM).
 
 ``parallel_state.initialize_model_parallel`` itself is fine on gloo.
 
@@ -74,6 +76,10 @@ def install() -> None:
     mrandom._set_cuda_rng_state = set_state
     mrandom.CudaRNGStatesTracker.add = add
     mutils.GlobalMemoryBuffer.get_tensor = get_tensor
+    from megatron.core.transformer.moe import moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
     _INSTALLED = True
 
 

@@ -12,6 +12,10 @@ The directory is untrusted input. Nothing in it runs code:
 
 The model is wrapped with its family plan over the TP group (also at TP size 1, so that
 FP8 reaches its GEMMs) and called by the trainer as ``model(tokens, labels) -> loss``.
+At TP size > 1 the wrapped model is first checked against the original
+(``wrap(verify=True)``: one forward and backward on a ``[2, 8]`` token probe, every output
+and gradient compared; ``model.verify=false`` skips it): a model that would train wrong
+stops at start-up with the first differing parameter named.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ import os
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
 from tp_fuse.layers import wrap
@@ -33,6 +38,9 @@ __all__ = ["read_hf_config", "gpt_fields", "load_tokenizer", "build_hf_model", "
 
 # Families with a SwiGLU MLP and RMSNorm (the others: GELU and LayerNorm).
 _SWIGLU_RMSNORM = ("llama", "mistral", "qwen2", "qwen3", "phi3")
+# The families +model=hf takes: gpt_fields reads their config.json spellings (wrap's other
+# built-in families, tp_fuse.layers.wrap.hf_plans.FAMILIES, work through the API).
+LAUNCHER_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gpt_neox", "gpt2")
 
 
 def read_hf_config(path: Any) -> dict[str, Any]:
@@ -50,8 +58,10 @@ def read_hf_config(path: Any) -> dict[str, Any]:
     if not isinstance(data, dict):
         raise ValueError(f"model.path: {file} must hold a JSON object")
     model_type = data.get("model_type")
-    if model_type not in FAMILIES:
-        raise ValueError(f"{file}: model_type {model_type!r} has no built-in wrap plan; supported: {sorted(FAMILIES)}")
+    if model_type not in LAUNCHER_FAMILIES:
+        raise ValueError(f"{file}: model_type {model_type!r} has no built-in wrap plan in the launcher; supported: "
+                         f"{sorted(LAUNCHER_FAMILIES)}" + (" (wrap() itself has one: use the API)"
+                                                           if model_type in FAMILIES else ""))
     return data
 
 
@@ -114,8 +124,9 @@ class CausalLMLoss(torch.nn.Module):
 
 
 def build_hf_model(path: str, *, tp_group: Any, dtype: torch.dtype, device: torch.device, seed: int,
-                   overlap: Any) -> CausalLMLoss:
-    """Build (weights from safetensors if present, else seeded random init), wrap, return."""
+                   overlap: Any, verify: bool = True) -> CausalLMLoss:
+    """Build (weights from safetensors if present, else seeded random init), wrap (with
+    ``verify=True`` at TP size > 1 when ``verify``), return."""
     import transformers
 
     read_hf_config(path)
@@ -135,5 +146,6 @@ def build_hf_model(path: str, *, tp_group: Any, dtype: torch.dtype, device: torc
             model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype, **common)
     model.to(device)
     if tp_group is not None:
-        wrap(model, tp_group, overlap=overlap)
+        check = verify and dist.get_world_size(tp_group) > 1
+        wrap(model, tp_group, overlap=overlap, verify=True if check else None)
     return CausalLMLoss(model)

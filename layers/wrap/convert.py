@@ -45,8 +45,16 @@ Megatron features, a different TP group, weights differing across ranks) are rep
 together in ONE ``ValueError``; nothing is skipped silently. Modules neither
 Megatron-style nor named in the plan, and those matched by ``exclude``, are left
 untouched (replicated); the :class:`WrapReport` lists them with the reason. With
-``plan=None`` a Hugging Face model gets its family's plan (``tp_fuse.layers.wrap.hf_plans``).
+``plan=None`` a Hugging Face model gets its family's plan (``tp_fuse.layers.wrap.hf_plans``); an
+explicit plan for such a model keeps the family's checks and fix-ups.
 The replacements keep the model's ``state_dict`` keys (``tp_fuse.layers.wrap.modules``).
+
+Never silently wrong: replicated parameters used on TP-sharded activations are found by a
+traced forward and get their gradient summed over TP (``tp_fuse.layers.wrap.trace``,
+``tp_fuse.layers.wrap.passes``); head counts stored on converted attention modules are localized
+and per-head module lists refused (``tp_fuse.layers.wrap.heads``); ties, MoE experts and the
+error's shape (``tp_fuse.layers.wrap.checks``); ``verify=`` compares the wrapped model with the
+original (``tp_fuse.layers.wrap.verify``).
 
 ``fp8=recipe`` makes the model's forward run inside ``tp_fuse.autocast(recipe,
 amax_reduction_group=fp8_group)`` (one autocast for the whole forward: one amax
@@ -56,7 +64,7 @@ all-reduce per direction per step); ``overlap`` is the ``TPOverlap`` of every GE
 from __future__ import annotations
 
 import fnmatch
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal, Optional
 
 import torch
@@ -68,8 +76,12 @@ from tp_fuse.recipe import Recipe
 from ..grad_sync import sync_sequence_parallel_grad
 from ..parallel_linear import ColumnParallelLinear, RowParallelLinear
 from ..sharding import ShardSpec, set_shard_spec, shard_tensor, tp_rank_and_size
+from .checks import attention_converted, collapse, expert_problems, tied_problems
+from .heads import attention_modules, head_problems, localize_heads
 from .modules import MegatronLinearAdapter, ParallelLinearAdapter, megatron_adapter
+from .passes import probe_original, sync_traced, trace_lazily
 from .report import WrapReport
+from .verify import compare, make_probe
 from .hf_plans import FamilyPlan, family_plan
 from .plan_styles import FusedColumn
 
@@ -99,7 +111,7 @@ def _megatron_problems(name: str, m: torch.nn.Module, kind: str, tp_group: dist.
     _, tp = tp_rank_and_size(tp_group)
     if m.weight is None and kind != "column":
         problems.append(f"{name}: a row-parallel layer without a weight is not supported")
-    for flag in ("is_expert", "explicit_expert_comm", "disable_grad_reduce"):
+    for flag in ("disable_grad_reduce",):  # expert flags: checks.expert_problems (one line for all)
         if getattr(m, flag, False):
             problems.append(f"{name}: {flag}=True is not supported")
     config = getattr(m, "config", None)
@@ -272,6 +284,9 @@ def _check_replicated(named: list[tuple[str, torch.nn.Module]], tp_group: dist.P
     return out
 
 
+_EXPERT_FLAGS = ("is_expert", "explicit_expert_comm")
+
+
 def wrap(
     model: torch.nn.Module,
     tp_group: dist.ProcessGroup,
@@ -282,6 +297,8 @@ def wrap(
     fp8: Optional[Recipe] = None,
     fp8_group: Optional[dist.ProcessGroup] = None,
     overlap: Optional[TPOverlap] = None,
+    verify: Any = None,
+    fixup: Optional[Callable[[torch.nn.Module, int], None]] = None,
     verbose: bool = True,
 ) -> torch.nn.Module:
     """Convert ``model`` in place (see the module docstring) and return it.
@@ -292,7 +309,8 @@ def wrap(
         tp_group: the TP process group (collective: call on every rank of it).
         plan: ``{glob over module names: "column" | "row" | "sequence_parallel" |
             FusedColumn(parts | sizes, names=..., head_dim=...)}``. None for a Hugging Face model (``model.config.model_type``
-            in ``tp_fuse.layers.wrap.hf_plans.FAMILIES``) uses the family's built-in plan.
+            in ``tp_fuse.layers.wrap.hf_plans.FAMILIES``) uses the family's built-in plan; an explicit
+            plan for such a model keeps the family's head checks and fix-ups.
         exclude: globs over module names left exactly as they are (not converted, not
             checked); they are listed in the report.
         sequence_parallel: for plan modules (default False); for Megatron modules it
@@ -300,10 +318,20 @@ def wrap(
         fp8: run the model's forward inside ``tp_fuse.autocast(fp8, fp8_group)``.
         fp8_group: amax reduction group (None: torch's default group, i.e. the world).
         overlap: ``TPOverlap`` for every converted GEMM and comm op.
+        verify: a probe batch (``True`` for a Hugging Face model's automatic one, a tensor,
+            a tuple of args, a dict of kwargs or a callable ``f(model)``): one forward and
+            backward of the wrapped model are compared with the original's (every output
+            and every gradient, gathered); a difference is a ``ValueError`` naming the
+            first differing output and parameter (``tp_fuse.layers.wrap.verify``, incl. its cost).
+        fixup: ``f(model, tp_size)`` called after conversion, for model attributes the
+            declared rules (``tp_fuse.layers.wrap.heads``) do not cover.
         verbose: print the :class:`WrapReport` (on TP rank 0; False: only store it).
 
-    The report of what was converted and what was left, and why, is stored as
-    ``model.tp_fuse_wrap_report``.
+    Replicated parameters used on TP-sharded activations (per-head q/k norms) are found by
+    tracing one forward (``tp_fuse.layers.wrap.trace``): on the probe (``verify``, or the automatic
+    one of a Hugging Face model) before anything changes, else on the wrapped model's first
+    forward; their gradients are summed over TP. The report of what was converted and what
+    was left, and why, is stored as ``model.tp_fuse_wrap_report``.
     """
     if not isinstance(model, torch.nn.Module):
         raise ValueError(f"wrap: model must be a torch.nn.Module, got {type(model).__name__}")
@@ -313,17 +341,14 @@ def wrap(
         raise ValueError(f"wrap: fp8 must be a tp_fuse.recipe.Recipe or None, got {type(fp8).__name__}")
     if isinstance(exclude, str):
         raise ValueError(f"wrap: exclude must be a list of globs, got the string {exclude!r}")
+    if fixup is not None and not callable(fixup):
+        raise ValueError(f"wrap: fixup must be a callable f(model, tp_size), got {type(fixup).__name__}")
+    probe = make_probe(model, verify) if verify is not None and verify is not False else None
     rank, tp = tp_rank_and_size(tp_group)
     problems: list[str] = []
-    family: Optional[FamilyPlan] = None
-    if plan is None:
-        family = family_plan(model)
-        if family is not None:
-            problems += [f"{family.model_type}: {p}" for p in family.check(model.config, tp)]
-            if sequence_parallel:
-                problems.append(f"{family.model_type}: sequence_parallel=True does not apply to Hugging Face "
-                                f"models (activations are [batch, seq, hidden]; SP splits dim 0)")
-    plan = family.plan_for(model.config) if family is not None else dict(plan or {})
+    family: Optional[FamilyPlan] = family_plan(model, explicit=plan is not None)
+    builtin = plan is None and family is not None
+    plan = family.plan_for(model.config) if builtin else dict(plan or {})
     bad_styles = {g: s for g, s in plan.items() if not (isinstance(s, FusedColumn) or s in _STYLES)}
     for glob, style in bad_styles.items():
         problems.append(f"plan[{glob!r}]: unknown style {style!r}; expected one of {_STYLES} or "
@@ -331,6 +356,7 @@ def wrap(
     report = WrapReport(family=family.model_type if family is not None else None)
 
     megatron: dict[str, str] = {}
+    experts: dict[str, list[str]] = {}
     planned: dict[str, Any] = {}
     matched_globs: set[str] = set()
     excluded_prefixes: list[str] = []
@@ -358,6 +384,9 @@ def wrap(
                                 f"remove it from the plan")
             megatron[name] = kind
             problems += _megatron_problems(label, m, kind, tp_group, sequence_parallel)
+            flags = [f for f in _EXPERT_FLAGS if getattr(m, f, False)]
+            if flags:
+                experts[label] = flags
         elif len(styles) > 1:
             problems.append(f"{label}: matched by plan entries with different styles {sorted(styles)}")
         elif styles:
@@ -367,18 +396,43 @@ def wrap(
             report.left.append((label, "not named by the plan: replicated, runs unsharded"))
         if name == "" and (kind is not None or name in planned):
             problems.append("<root>: the root module itself cannot be replaced in place; wrap its parent")
+    problems += expert_problems(experts)
+    if builtin:  # what the family plan leaves replicated on purpose (MoE experts)
+        report.left += [(n, why) for glob, why in family.notes.items() for n, _ in model.named_modules()
+                        if fnmatch.fnmatchcase(n, glob) and not any(n == p or n.startswith(p + ".")
+                                                                     for p in excluded_prefixes)]
     problems += _split_pair_problems(excluded_gemms, [n for n, s in planned.items() if s != "sequence_parallel"])
-    for glob in plan:
-        if glob not in matched_globs:
-            problems.append(f"plan[{glob!r}]: matches no module")
+    unmatched = [g for g in plan if g not in matched_globs]
+    if builtin and plan and len(unmatched) == len(plan):
+        problems.append(f"{family.model_type}: no module matches the built-in plan, whose names are those of the "
+                        f"*ForCausalLM model (e.g. {next(iter(plan))!r}); this is {type(model).__name__} (a model "
+                        f"without its LM head?): wrap the *ForCausalLM model, or pass plan={{glob: style}} with this "
+                        f"model's names")
+    else:
+        problems += [f"plan[{glob!r}]: matches no module" for glob in unmatched]
     for glob in exclude:
         if not any(fnmatch.fnmatchcase(n, glob) for n, _ in model.named_modules() if n):
             problems.append(f"exclude[{glob!r}]: matches no module")
+    columns = [n for n, s in planned.items() if s not in ("row", "sequence_parallel")]
+    rows = [n for n, s in planned.items() if s == "row"]
+    if family is not None and (builtin or attention_converted(model, columns)):
+        problems += [f"{family.model_type}: {p}" for p in family.check(model.config, tp)]
+        if sequence_parallel:
+            problems.append(f"{family.model_type}: sequence_parallel=True does not apply to Hugging Face "
+                            f"models (activations are [batch, seq, hidden]; SP splits dim 0)")
+    problems += tied_problems(model, planned)
+    attention = attention_modules(model, columns) if tp > 1 else {}
+    for name, m in attention.items():
+        problems += head_problems(name, m, tp, getattr(model, "config", None), planned)
     modules = dict(model.named_modules())
     problems += _check_replicated([(n, modules[n]) for n, s in planned.items() if s != "sequence_parallel"],
                                   tp_group)
+    trace, reference = None, None
+    if not problems:
+        trace, reference = probe_original(model, probe, columns if tp > 1 else [], rows)
+        problems += trace.problems if trace is not None else []
     if problems:
-        raise ValueError("wrap: cannot convert the model:\n  - " + "\n  - ".join(problems))
+        raise ValueError("wrap: cannot convert the model:\n  - " + "\n  - ".join(collapse(problems)))
 
     sp = bool(sequence_parallel)
     for name, kind in megatron.items():
@@ -400,9 +454,27 @@ def wrap(
             continue
         report.converted.append((name, f"{type(m).__name__} -> {_style_name(style)}-parallel"))
         _replace(model, name, _convert_plain(m, style, tp_group, sp, overlap))
+    for name, m in attention.items():
+        changes = localize_heads(m, tp)
+        if changes:
+            report.localized.append((name, ", ".join(changes)))
     if family is not None and family.fixup is not None:
         family.fixup(model, tp)
+    if fixup is not None:
+        fixup(model, tp)
+    if trace is not None:
+        sync_traced(model, trace, tp_group, report)
+    elif columns and tp > 1:
+        trace_lazily(model, columns, rows, tp_group, report, verbose=verbose and rank == 0)
     _tag_untouched(model)
+    if reference is not None:
+        transposed = {f"{n}.weight" for n, m in model.named_modules()
+                      if isinstance(m, ParallelLinearAdapter) and m.transposed}
+        found = compare(model, reference, probe, tp_group, transposed)
+        if found:
+            raise ValueError("wrap(verify=...): the wrapped model does not match the original on the probe "
+                             "(the model has been converted; rebuild it):\n  - " + "\n  - ".join(found))
+        report.verified = "outputs and every gradient match the original on the probe"
     if fp8 is not None:
         _run_forward_in_autocast(model, fp8, fp8_group)
     model.tp_fuse_wrap_report = report

@@ -4,10 +4,19 @@ Each plan shards the attention and MLP projections Megatron-style (column-parall
 row-parallel out) and checks the attention heads against the TP size before anything is
 changed. The attention code of these families reshapes projections with ``-1`` heads and
 pairs query/key heads by a fixed group ratio, so local heads work unchanged once every
-rank holds whole heads -- except GPT-2, whose ``split_size`` is set to the local width,
-and Phi-3, whose fused ``qkv_proj`` (``[q; k; v]``, unequal under GQA) is split where
-``config.num_attention_heads`` and ``num_key_value_heads`` say: its attention modules get
-a :class:`LocalHeadsConfig` view with this rank's head counts.
+rank holds whole heads. Head counts and widths stored on the attention modules (GPT-2's
+``split_size``, ``num_heads``, ``embed_dim``) are localized by ``wrap`` for every plan
+(``tp_fuse.layers.wrap.heads``); Phi-3's fused ``qkv_proj`` (``[q; k; v]``, unequal under GQA) is
+split where ``config.num_attention_heads`` and ``num_key_value_heads`` say: its attention
+modules get a :class:`LocalHeadsConfig` view with this rank's head counts (the family's
+fix-up); Bloom's attention modules take this rank's heads of the ALiBi bias that
+``BloomModel`` builds for all heads (its fix-up). Replicated parameters used on the sharded
+heads (Qwen3's ``q_norm`` / ``k_norm``) are found by ``wrap``'s trace and get their
+gradient summed over TP. MoE families shard attention (and Qwen2-MoE's shared expert) and
+keep the routed experts replicated (``FamilyPlan.notes``, listed in the report).
+
+A family's checks and fix-ups apply to an explicit ``plan=`` for a model of that family
+too (when the plan shards attention projections).
 
 Hugging Face activations are ``[batch, seq, hidden]``: sequence parallelism (which
 splits dim 0) does not apply to these models; ``wrap`` refuses it for a family plan.
@@ -19,10 +28,12 @@ This module reads only the model's ``config`` attributes: it never imports
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable
 from typing import Any, Optional, Union
 
 import torch
+import torch.distributed as dist
 
 from .plan_styles import FusedColumn
 from .modules import ParallelLinearAdapter
@@ -41,6 +52,8 @@ class FamilyPlan:
     plan: Union[dict[str, Any], Callable[[Any], dict[str, Any]]]
     check: Callable[[Any, int], list[str]]
     fixup: Optional[Callable[[torch.nn.Module, int], None]] = None
+    #: ``{module glob: why it stays replicated}``, listed in the wrap report (MoE experts).
+    notes: dict[str, str] = dataclasses.field(default_factory=dict)
 
     def plan_for(self, config: Any) -> dict[str, Any]:
         """The ``{glob: style}`` plan for a model with this ``config``."""
@@ -73,6 +86,56 @@ _LLAMA_LIKE = {
     "model.layers.*.mlp.down_proj": "row",
 }
 
+_GATED_MLP = {
+    "model.layers.*.mlp.gate_proj": "column",
+    "model.layers.*.mlp.up_proj": "column",
+    "model.layers.*.mlp.down_proj": "row",
+}
+_ATTENTION = {k: v for k, v in _LLAMA_LIKE.items() if ".self_attn." in k}
+
+_STARCODER2 = {**_ATTENTION, "model.layers.*.mlp.c_fc": "column", "model.layers.*.mlp.c_proj": "row"}
+
+_PHI = {
+    "model.layers.*.self_attn.q_proj": "column",
+    "model.layers.*.self_attn.k_proj": "column",
+    "model.layers.*.self_attn.v_proj": "column",
+    "model.layers.*.self_attn.dense": "row",
+    "model.layers.*.mlp.fc1": "column",
+    "model.layers.*.mlp.fc2": "row",
+}
+
+_OPT = {
+    "model.decoder.layers.*.self_attn.q_proj": "column",
+    "model.decoder.layers.*.self_attn.k_proj": "column",
+    "model.decoder.layers.*.self_attn.v_proj": "column",
+    "model.decoder.layers.*.self_attn.out_proj": "row",
+    "model.decoder.layers.*.fc1": "column",
+    "model.decoder.layers.*.fc2": "row",
+}
+
+_GPTJ = {
+    "transformer.h.*.attn.q_proj": "column",
+    "transformer.h.*.attn.k_proj": "column",
+    "transformer.h.*.attn.v_proj": "column",
+    "transformer.h.*.attn.out_proj": "row",
+    "transformer.h.*.mlp.fc_in": "column",
+    "transformer.h.*.mlp.fc_out": "row",
+}
+
+# MoE families: attention (and Qwen2-MoE's shared expert) sharded; the routed experts are
+# fused [experts, ...] parameters that every rank keeps whole (replicated, not sharded).
+_ROUTED = {"model.layers.*.mlp.experts": "routed MoE experts: replicated on every TP rank (not sharded)"}
+_QWEN2_MOE = {**_ATTENTION, **{k.replace(".mlp.", ".mlp.shared_expert."): v for k, v in _GATED_MLP.items()}}
+
+
+def _cohere_check(config: Any, tp: int) -> list[str]:
+    problems = _heads_check(config, tp)
+    if getattr(config, "use_qk_norm", False):
+        problems.append("Cohere with use_qk_norm=True: its q/k LayerNorm weights are per head ([heads, head_dim]) "
+                        "and are not sharded with the heads; exclude the attention blocks (model.layers.*.self_attn)")
+    return problems
+
+
 _GPT_NEOX = {
     "gpt_neox.layers.*.attention.query_key_value": "column",  # per head [q, k, v]: whole heads per rank
     "gpt_neox.layers.*.attention.dense": "row",
@@ -86,15 +149,6 @@ _GPT2 = {
     "transformer.h.*.mlp.c_fc": "column",
     "transformer.h.*.mlp.c_proj": "row",
 }
-
-
-def _gpt2_fixup(model: torch.nn.Module, tp: int) -> None:
-    # GPT2Attention splits c_attn's output with split(self.split_size) = hidden: make it
-    # the local width so that [q_r; k_r; v_r] separates again -- only where c_attn was
-    # converted (an excluded attention keeps its full projection and width).
-    for m in model.modules():
-        if type(m).__name__ == "GPT2Attention" and isinstance(getattr(m, "c_attn", None), ParallelLinearAdapter):
-            m.split_size = m.embed_dim // tp
 
 
 def _gpt2_check(config: Any, tp: int) -> list[str]:
@@ -166,22 +220,75 @@ def _phi3_fixup(model: torch.nn.Module, tp: int) -> None:
             m.config = LocalHeadsConfig(config, config.num_attention_heads // tp, kv // tp)
 
 
-FAMILIES: dict[str, FamilyPlan] = {
-    **{t: FamilyPlan(t, _LLAMA_LIKE, _heads_check) for t in ("llama", "mistral", "qwen2", "qwen3")},
-    "gpt_neox": FamilyPlan("gpt_neox", _GPT_NEOX, _heads_check),
-    "gpt2": FamilyPlan("gpt2", _GPT2, _gpt2_check, _gpt2_fixup),
-    "phi3": FamilyPlan("phi3", _phi3_plan, _heads_check, _phi3_fixup),
+_BLOOM = {
+    "transformer.h.*.self_attention.query_key_value": "column",  # per head [q, k, v]: whole heads per rank
+    "transformer.h.*.self_attention.dense": "row",
+    "transformer.h.*.mlp.dense_h_to_4h": "column",
+    "transformer.h.*.mlp.dense_4h_to_h": "row",
 }
 
 
-def family_plan(model: torch.nn.Module) -> Optional[FamilyPlan]:
+def _bloom_check(config: Any, tp: int) -> list[str]:
+    problems = _heads_check(config, tp)
+    if getattr(config, "pretraining_tp", 1) > 1 and getattr(config, "slow_but_exact", False):
+        problems.append("Bloom with slow_but_exact=True and pretraining_tp > 1 (a sliced output projection) is not "
+                        "supported: set slow_but_exact=False (the same numbers up to rounding)")
+    return problems
+
+
+def _local_alibi(module: torch.nn.Module, args: tuple, kwargs: dict, rank: int, tp: int) -> tuple[tuple, dict]:
+    """BloomModel builds the ALiBi bias for all heads, ``[batch * heads, 1, seq]``
+    (batch-major), and passes it to every attention module; after wrap this module holds
+    heads ``[rank * h, (rank + 1) * h)`` with ``h = module.num_heads`` (already local)."""
+    alibi = kwargs.get("alibi")
+    if isinstance(alibi, torch.Tensor):
+        local = module.num_heads
+        batch = alibi.shape[0] // (local * tp)
+        full = alibi.view(batch, local * tp, *alibi.shape[1:])
+        kwargs["alibi"] = full[:, rank * local:(rank + 1) * local].reshape(batch * local, *alibi.shape[1:])
+    return args, kwargs
+
+
+def _bloom_fixup(model: torch.nn.Module, tp: int) -> None:
+    # Only attention modules whose query_key_value was converted (not excluded) hold local heads.
+    for m in model.modules():
+        qkv = getattr(m, "query_key_value", None)
+        if type(m).__name__ == "BloomAttention" and isinstance(qkv, ParallelLinearAdapter):
+            rank = dist.get_rank(qkv._tp.tp_group)
+            m.register_forward_pre_hook(functools.partial(_local_alibi, rank=rank, tp=tp), with_kwargs=True)
+
+
+FAMILIES: dict[str, FamilyPlan] = {
+    **{t: FamilyPlan(t, _LLAMA_LIKE, _heads_check) for t in ("llama", "mistral", "qwen2", "qwen3")},
+    "gpt_neox": FamilyPlan("gpt_neox", _GPT_NEOX, _heads_check),
+    "gpt2": FamilyPlan("gpt2", _GPT2, _gpt2_check),
+    "phi3": FamilyPlan("phi3", _phi3_plan, _heads_check, _phi3_fixup),
+    "bloom": FamilyPlan("bloom", _BLOOM, _bloom_check, _bloom_fixup),
+    **{t: FamilyPlan(t, _LLAMA_LIKE, _heads_check) for t in ("gemma", "gemma2", "gemma3_text", "granite")},
+    "cohere": FamilyPlan("cohere", _LLAMA_LIKE, _cohere_check),
+    "starcoder2": FamilyPlan("starcoder2", _STARCODER2, _heads_check),
+    # StableLM's per-head q/k LayerNorms (qk_layernorm=True) are refused by wrap's
+    # per-head module-list check (tp_fuse.layers.wrap.heads).
+    "stablelm": FamilyPlan("stablelm", {**_ATTENTION, **_GATED_MLP}, _heads_check),
+    "phi": FamilyPlan("phi", _PHI, _heads_check),
+    "opt": FamilyPlan("opt", _OPT, _heads_check),
+    "gptj": FamilyPlan("gptj", _GPTJ, _heads_check),
+    **{t: FamilyPlan(t, _ATTENTION, _heads_check, notes=_ROUTED) for t in ("mixtral", "qwen3_moe")},
+    "qwen2_moe": FamilyPlan("qwen2_moe", _QWEN2_MOE, _heads_check, notes=_ROUTED),
+}
+
+
+def family_plan(model: torch.nn.Module, explicit: bool = False) -> Optional[FamilyPlan]:
     """The built-in plan for ``model.config.model_type``; None when the model has no such
-    config. A Hugging Face model of a family without a plan is a ``ValueError``."""
+    config. A Hugging Face model of a family without a plan is a ``ValueError``, unless
+    the caller has its own plan (``explicit``: None then)."""
     config = getattr(model, "config", None)
     model_type = getattr(config, "model_type", None)
     if not isinstance(model_type, str):
         return None
     if model_type not in FAMILIES:
+        if explicit:
+            return None
         raise ValueError(f"wrap: no built-in plan for model_type {model_type!r} (built in: {sorted(FAMILIES)}); "
                          f"pass plan={{glob: style}}")
     return FAMILIES[model_type]

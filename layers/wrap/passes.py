@@ -1,0 +1,85 @@
+"""The passes ``wrap()`` runs around the conversion itself.
+
+* :func:`probe_original` -- before anything changes: one traced forward of the original
+  model on the probe (``tp_fuse.layers.wrap.trace``: which replicated parameters meet
+  TP-sharded activations; what cannot be made right), and with ``verify=`` its backward,
+  kept for the comparison after conversion (``tp_fuse.layers.wrap.verify``);
+* :func:`sync_traced` -- after conversion: the gradients of the replicated parameters
+  used on sharded activations only are summed over TP (``tp_fuse.layers.grad_sync``);
+* :func:`trace_lazily` -- a model without a probe (not a Hugging Face model, no
+  ``verify=``): the wrapped model's first forward is traced instead, and the same sync
+  is installed right after it, before its backward (a hook on a leaf tensor registered
+  then still applies to that backward). Problems found then raise from that forward.
+  Until that forward ends the tensors it follows are kept alive (ids must stay unique):
+  the first forward's peak memory is higher.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+
+from ..grad_sync import sync_sharded_activation_grad
+from .checks import collapse
+from .report import WrapReport
+from .trace import TraceResult, trace_first_forward, trace_sharded_uses
+from .verify import Reference, auto_probe, evaluation, reference_pass, stash_grads
+
+__all__ = ["probe_original", "sync_traced", "trace_lazily"]
+
+
+def probe_original(model: torch.nn.Module, probe: Optional[Callable[[torch.nn.Module], Any]], columns: list[str],
+                    rows: list[str]) -> tuple[Optional[TraceResult], Optional[Reference]]:
+    """Trace one forward of the original model (and, with a ``verify`` probe, its
+    backward for the comparison after wrapping). The automatic probe of a Hugging Face
+    model is best effort: if it fails, the wrapped model's first forward is traced."""
+    run = probe if probe is not None else (auto_probe(model) if columns else None)
+    if run is None:
+        return None, None
+    stashed = stash_grads(model) if probe is not None else []
+    try:
+        with evaluation(model):
+            trace = trace_sharded_uses(model, lambda: run(model), columns, rows)
+            reference = reference_pass(model, trace.output, stashed) if probe is not None else None
+    except Exception as e:  # noqa: BLE001 - a failing user probe is reported, the automatic one falls back
+        for p, g in stashed:
+            p.grad = g
+        if probe is not None:
+            raise ValueError(f"wrap(verify=...): the probe failed on the original model: {type(e).__name__}: {e}") \
+                from e
+        return None, None
+    trace.output = None
+    return trace, reference
+
+
+def sync_traced(model: torch.nn.Module, trace: TraceResult, tp_group: dist.ProcessGroup,
+                 report: WrapReport) -> list[tuple[str, str]]:
+    """Sum over TP the gradients of the replicated parameters the trace saw on sharded
+    activations only (``tp_fuse.layers.grad_sync``)."""
+    params = dict(model.named_parameters(remove_duplicate=False))
+    added = []
+    for name in trace.to_sync():
+        sync_sharded_activation_grad(params[name], tp_group)
+        added.append((name, f"replicated, used on TP-sharded activations in {sorted(trace.sharded_uses[name])[0]}: "
+                            f"gradient summed over TP"))
+    report.synced += added
+    return added
+
+
+def trace_lazily(model: torch.nn.Module, columns: list[str], rows: list[str], tp_group: dist.ProcessGroup,
+                 report: WrapReport, verbose: bool) -> None:
+    """Trace the wrapped model's first forward and install the gradient sums after it."""
+
+    def finish(result: TraceResult) -> None:
+        if result.problems:
+            raise ValueError("wrap: the first forward of the wrapped model shows it cannot be correct:\n  - "
+                             + "\n  - ".join(collapse(result.problems)))
+        added = sync_traced(model, result, tp_group, report)
+        if verbose and added:
+            print("wrap (traced first forward):\n" + "\n".join(f"  ~ {n}: {how}" for n, how in added))
+
+    trace_first_forward(model, columns, rows, finish)
+    report.traced = "on the first forward (no probe: pass verify=... to trace before converting)"

@@ -1,0 +1,264 @@
+"""Which replicated parameters of a wrapped model see TP-sharded activations.
+
+After ``wrap()`` a column-parallel projection returns only this rank's slice of its
+output features (its heads). Everything computed from that slice until the row-parallel
+projection that sums it over the TP group is per-rank: a parameter that stays replicated
+but is used there -- Qwen3's ``q_norm``/``k_norm`` (one small norm shared by all heads,
+applied per head), a per-head bias, a learned attention temperature -- gets, on each
+rank, only the gradient of this rank's heads. The true gradient is the sum over the TP
+group; without that sum the ranks' copies drift apart and training is wrong, silently.
+
+Which parameters those are depends on the model's code (``forward`` bodies, not module
+types), so it is found by running one forward pass under a ``TorchFunctionMode`` that
+follows the sharded tensors:
+
+* the outputs of the column-parallel modules are *sharded*; the inside of every column
+  and row module is not traced (it is tensor-parallel by construction), and a row
+  module's output is replicated again;
+* any torch op with a sharded input has sharded outputs;
+* parameters (and tensors computed only from parameters: ``1 + weight``,
+  ``weight.float()``) are followed by identity; an op that combines them with a sharded
+  tensor is a *sharded use* of those parameters, one that combines them with other
+  activations is a *replicated use*.
+
+:func:`trace_sharded_uses` returns the uses and what cannot be made right by summing a
+gradient: a parameter used both ways (the sum would also multiply the replicated part),
+a replicated activation that requires grad entering the sharded region other than
+through a column module (its gradient would be partial too), and a sharded tensor that
+reaches the model's output without a row module (each rank returns only its slice).
+The trace runs on the original model before ``wrap`` changes anything (the module names
+to be converted are given), or on the wrapped model's first forward.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any, Optional
+
+import torch
+from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_leaves
+
+__all__ = ["TraceResult", "trace_sharded_uses", "trace_first_forward", "output_leaves"]
+
+
+@dataclasses.dataclass
+class TraceResult:
+    """What one traced forward showed.
+
+    Attributes:
+        sharded_uses: ``{parameter name: module names}`` where the (replicated) parameter
+            met a TP-sharded activation.
+        replicated_uses: ``{parameter name: module names}`` where it met replicated ones.
+        problems: what summing gradients over TP cannot fix (one line each).
+        output: what the traced forward returned.
+    """
+
+    sharded_uses: dict[str, set[str]] = dataclasses.field(default_factory=dict)
+    replicated_uses: dict[str, set[str]] = dataclasses.field(default_factory=dict)
+    problems: list[str] = dataclasses.field(default_factory=list)
+    output: Any = None
+
+    def to_sync(self) -> list[str]:
+        """Parameters whose gradient must be summed over TP: used on sharded activations
+        only (in the order they were first seen)."""
+        return [n for n in self.sharded_uses if n not in self.replicated_uses]
+
+
+def _tensors(x: Any) -> list[torch.Tensor]:
+    return [t for t in tree_leaves(x) if isinstance(t, torch.Tensor)]
+
+
+def output_leaves(out: Any, prefix: str = "output") -> list[tuple[str, torch.Tensor]]:
+    """``(path, tensor)`` for every tensor in a model output (Mappings such as Hugging
+    Face's ``ModelOutput`` by key, sequences by index)."""
+    if isinstance(out, torch.Tensor):
+        return [(prefix, out)]
+    if isinstance(out, Mapping):
+        return [leaf for k, v in out.items() for leaf in output_leaves(v, f"{prefix}[{k!r}]")]
+    if isinstance(out, (tuple, list)):
+        return [leaf for i, v in enumerate(out) for leaf in output_leaves(v, f"{prefix}[{i}]")]
+    return []
+
+
+class _ShardTracer(TorchFunctionMode):
+    """Follows sharded tensors and parameter lineage through every torch op (by ``id``;
+    the tensors are kept alive until the trace ends so that ids stay unique)."""
+
+    def __init__(self, params: dict[int, str]) -> None:
+        super().__init__()
+        self.params = params
+        self.sharded: set[int] = set()
+        self.lineage: dict[int, frozenset[str]] = {}
+        self.keep: list[torch.Tensor] = []
+        self.suspended = 0
+        self.stack: list[str] = []
+        self.result = TraceResult()
+        self._seen_problems: set[str] = set()
+
+    # -- bookkeeping called from module hooks --------------------------------------------
+    def mark_sharded(self, out: Any) -> None:
+        for t in _tensors(out):
+            self.sharded.add(id(t))
+            self.keep.append(t)
+
+    def _record(self, uses: dict[str, set[str]], names: Iterable[str]) -> None:
+        where = self.stack[-1] if self.stack else "<root>"
+        for n in names:
+            uses.setdefault(n, set()).add(where)
+
+    def _problem(self, text: str) -> None:
+        if text not in self._seen_problems:
+            self._seen_problems.add(text)
+            self.result.problems.append(text)
+
+    def _lineage_of(self, t: torch.Tensor) -> Optional[frozenset[str]]:
+        name = self.params.get(id(t))
+        if name is not None:
+            return frozenset((name,))
+        return self.lineage.get(id(t))
+
+    # -- the mode ----------------------------------------------------------------------------
+    def __torch_function__(self, func: Callable, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if not self.suspended:
+            self._observe(func, args, kwargs, out)
+        return out
+
+    def _observe(self, func: Callable, args: tuple, kwargs: dict, out: Any) -> None:
+        ins = _tensors((args, kwargs))
+        if not ins:
+            return
+        outs = _tensors(out)
+        lineages = [self._lineage_of(t) for t in ins]
+        params = frozenset().union(*(ln for ln in lineages if ln))
+        activations = [t for t, ln in zip(ins, lineages) if ln is None]
+        float_out = any(t.is_floating_point() for t in outs)
+        if any(id(t) in self.sharded for t in ins):
+            self.mark_sharded(outs)
+            if params and float_out:
+                self._record(self.result.sharded_uses, sorted(params))
+            for t in activations:
+                if id(t) not in self.sharded and t.requires_grad and t.is_floating_point():
+                    where = self.stack[-1] if self.stack else "<root>"
+                    self._problem(
+                        f"{where}: a replicated activation that requires grad meets a TP-sharded one in "
+                        f"{getattr(func, '__name__', func)!s} without passing a column-parallel module: its "
+                        f"gradient would be this rank's part only. Convert the projection that produces the "
+                        f"sharded tensor together with this path, or exclude {where}")
+        elif params:
+            if not activations:  # computed from parameters only: follow it
+                for t in outs:
+                    self.lineage[id(t)] = params
+                    self.keep.append(t)
+            elif float_out:
+                self._record(self.result.replicated_uses, sorted(params))
+
+
+def _install_hooks(model: torch.nn.Module, tracer: _ShardTracer, columns: set[str], rows: set[str],
+                   skip_root: bool = False) -> list[Any]:
+    handles = []
+    for name, m in model.named_modules():
+        if skip_root and not name:
+            continue
+        boundary = name in columns or name in rows
+
+        def pre(mod: torch.nn.Module, args: Any, name: str = name, boundary: bool = boundary) -> None:
+            tracer.stack.append(name or "<root>")
+            if boundary:
+                tracer.suspended += 1
+
+        def post(mod: torch.nn.Module, args: Any, out: Any, name: str = name, boundary: bool = boundary) -> None:
+            tracer.stack.pop()
+            if boundary:
+                tracer.suspended -= 1
+                if name in columns and not tracer.suspended:
+                    tracer.mark_sharded(out)
+
+        handles.append(m.register_forward_pre_hook(pre))
+        handles.append(m.register_forward_hook(post, always_call=True))
+    return handles
+
+
+def _start(model: torch.nn.Module, columns: set[str], rows: set[str], skip_root: bool) -> tuple[_ShardTracer, list]:
+    inside = tuple(n + "." for n in columns | rows)
+    params: dict[int, str] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        if not name.startswith(inside) and id(p) not in params:
+            params[id(p)] = name
+    tracer = _ShardTracer(params)
+    return tracer, _install_hooks(model, tracer, columns, rows, skip_root)
+
+
+def _finish(tracer: _ShardTracer, handles: list, out: Any,
+            check_outputs: Optional[Callable[[Any], list[tuple[str, torch.Tensor]]]]) -> TraceResult:
+    for h in handles:
+        h.remove()
+    result = tracer.result
+    result.output = out
+    if check_outputs is not None and out is not None:
+        for path, t in check_outputs(out):
+            if id(t) in tracer.sharded:
+                result.problems.append(
+                    f"{path}: the model's output is still TP-sharded (a column-parallel module's output reaches it "
+                    f"without a row-parallel module): each rank would return only its slice")
+    for name in result.sharded_uses:
+        if name in result.replicated_uses:
+            result.problems.append(
+                f"{name}: this replicated parameter is used on TP-sharded activations (in "
+                f"{sorted(result.sharded_uses[name])}) and on replicated ones (in "
+                f"{sorted(result.replicated_uses[name])}): summing its gradient over TP would also multiply the "
+                f"replicated part. Exclude the block that uses it on sharded activations")
+    tracer.keep.clear()
+    tracer.sharded.clear()
+    tracer.lineage.clear()
+    return result
+
+
+def trace_sharded_uses(model: torch.nn.Module, run: Callable[[], Any], columns: Iterable[str],
+                       rows: Iterable[str], check_outputs: Optional[Callable[[Any], list[tuple[str, torch.Tensor]]]]
+                       = output_leaves) -> TraceResult:
+    """Run ``run()`` (one forward of ``model``) and follow the outputs of the modules named
+    in ``columns`` (TP-sharded) until the modules named in ``rows``.
+
+    Parameters inside those modules are not followed (they are sharded or, for a row's
+    bias, added after the reduction). ``check_outputs(output)`` gives the output tensors
+    that must not be sharded (None: do not check). The model is left as it was.
+    """
+    tracer, handles = _start(model, set(columns), set(rows), skip_root=False)
+    out = None
+    try:
+        with tracer:
+            out = run()
+    finally:
+        result = _finish(tracer, handles, out, check_outputs)
+    return result
+
+
+def trace_first_forward(model: torch.nn.Module, columns: Iterable[str], rows: Iterable[str],
+                        finish: Callable[[TraceResult], None]) -> None:
+    """Trace the next forward of ``model`` (already wrapped: the column/row modules are its
+    converted ones) and call ``finish(result)`` right after it, before any backward --
+    for models ``wrap`` has no probe for. Then the hooks are removed: later forwards run
+    untraced. ``finish`` may raise (the forward then raises)."""
+    columns, rows = set(columns), set(rows)
+    state: dict[str, Any] = {}
+
+    def pre(mod: torch.nn.Module, args: Any) -> None:
+        tracer, handles = _start(model, columns, rows, skip_root=True)
+        tracer.stack.append("<root>")
+        tracer.__enter__()
+        state.update(tracer=tracer, handles=handles)
+
+    def post(mod: torch.nn.Module, args: Any, out: Any) -> None:
+        tracer = state.pop("tracer", None)
+        if tracer is None:
+            return
+        tracer.__exit__(None, None, None)
+        for h in root_handles:
+            h.remove()
+        finish(_finish(tracer, state.pop("handles"), out, output_leaves))
+
+    root_handles = [model.register_forward_pre_hook(pre), model.register_forward_hook(post, always_call=True)]
