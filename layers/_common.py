@@ -9,6 +9,10 @@ that every layer shares one definition of "column-parallel" and "row-parallel":
 * row-parallel, ``in/tp -> out``: ``[BasicLinear, ReduceScatter (SP) | AllReduce, Bias]``
   -- the bias comes AFTER the reduction (Megatron's math: added once, not ``tp`` times),
   and ``[BasicLinear, ReduceScatter|AllReduce]`` is the window the overlap fusions take.
+  This is a deliberate choice: layers and ``wrap()`` must equal Megatron's own TP bit for
+  bit, so they build this order here rather than use ``tp_fuse.ops.Linear``, whose row mode
+  follows Transformer Engine (a per-rank bias BEFORE the reduction) unless given
+  ``row_parallel_bias="after_reduction"``.
 
 Without TP (``tp_group=None``) no comm op is inserted at all.
 """

@@ -1,6 +1,8 @@
 """BasicLinear/Linear(tensor_parallel_mode=..., sequence_parallel=...) on 2 gloo ranks:
 the op expands to our comm ops, matches the unsharded float64 linear, and the
-userbuffers overlap fusions apply to the expansion."""
+userbuffers overlap fusions apply to the expansion. Row parallel: each rank's own bias is
+added before the reduction (Transformer Engine; tests/test_te_row_parallel_bias.py has the
+FP8 and unfused cases)."""
 
 import torch
 import torch.distributed as dist
@@ -20,6 +22,7 @@ def _cases(rank: int, world: int) -> dict:
             torch.manual_seed(0)  # same full tensors on every rank
             w = torch.randn(OUT, IN, dtype=torch.float64)
             b = torch.randn(OUT, dtype=torch.float64)
+            b_parts = torch.randn(world, OUT, dtype=torch.float64)  # row parallel: per rank
             x = torch.randn(SEQ, IN, dtype=torch.float64)
             dy = torch.randn(SEQ, OUT, dtype=torch.float64)
             lin = ops.Linear(IN, OUT, dtype=torch.float64, tensor_parallel_mode=mode,
@@ -35,7 +38,7 @@ def _cases(rank: int, world: int) -> dict:
                 else:
                     ks = slice(rank * IN // world, (rank + 1) * IN // world)
                     lin.weight.copy_(w[:, ks])
-                    lin.bias.copy_(b)
+                    lin.bias.copy_(b_parts[rank])
                     x_in = x[:, ks]
                     dy_in = dy[rows] if sp else dy
             seq = ops.Sequential(lin)
@@ -44,8 +47,8 @@ def _cases(rank: int, world: int) -> dict:
             y.backward(dy_in)
             xr = x.clone().requires_grad_()
             wr = w.clone().requires_grad_()
-            br = b.clone().requires_grad_()
-            yr = xr @ wr.t() + br
+            br = (b if mode == "column" else b_parts).clone().requires_grad_()
+            yr = xr @ wr.t() + (br if mode == "column" else br.sum(0))
             yr.backward(dy)
             if mode == "column":
                 torch.testing.assert_close(y, yr.detach()[:, cols])
@@ -56,12 +59,9 @@ def _cases(rank: int, world: int) -> dict:
                 torch.testing.assert_close(y, yr.detach()[rows] if sp else yr.detach())
                 torch.testing.assert_close(xt.grad, xr.grad[:, ks])
                 torch.testing.assert_close(lin.weight.grad, wr.grad[:, ks])
-                db = lin.bias.grad
-                if sp:  # a sequence-parallel parameter: its gradient is partial per rank
-                    assert lin.bias.sequence_parallel is True
-                    db = db.clone()
-                    dist.all_reduce(db)
-                torch.testing.assert_close(db, br.grad)
+                # Every rank's bias gradient covers the whole sequence (also under SP).
+                assert not getattr(lin.bias, "sequence_parallel", False)
+                torch.testing.assert_close(lin.bias.grad, br.grad[rank])
             exp = str(seq.explain())
             out[(mode, sp)] = (
                 [type(o).__name__ for o in lin.basic_op_list],
@@ -76,8 +76,8 @@ def test_tensor_parallel_linear_matches_unsharded():
     r = results[0]
     assert r[("column", True)][0] == ["AllGather", "BasicLinear", "Bias"]
     assert r[("column", False)][0] == ["BasicLinear", "Bias"]
-    assert r[("row", True)][0] == ["BasicLinear", "ReduceScatter", "Bias"]
-    assert r[("row", False)][0] == ["BasicLinear", "AllReduce", "Bias"]
+    assert r[("row", True)][0] == ["BasicLinear", "Bias", "ReduceScatter"]
+    assert r[("row", False)][0] == ["BasicLinear", "Bias", "AllReduce"]
     # The overlap fusions apply to the expansion (the issue's requirement).
     assert r[("column", True)][1][0] == "UserbuffersForwardLinear"
     assert r[("row", True)][1][0] == "UserbuffersForwardLinear"

@@ -8,6 +8,7 @@ import torch
 
 from ..op import BasicOperation, OperationContext, require
 from ._checks import check_tensor, compute_dtype, maybe_dequantize, param_dtype
+from ._tp import group_size
 
 
 class Bias(BasicOperation):
@@ -22,6 +23,12 @@ class Bias(BasicOperation):
     Nothing is saved for the backward pass. ``db`` is accumulated in float32
     (float64 for float64 inputs) and returned in the parameter's dtype.
     Parameter: ``bias`` (initialized to zeros).
+
+    Tensor parallelism (Transformer Engine's arguments): with ``tensor_parallel=True``
+    ``size`` is the GLOBAL size, split evenly over ``tensor_parallel_group`` (the default
+    group when None); this rank holds ``size / tp`` values. As for ``BasicLinear``, the
+    attribute ``size`` (and TE's ``local_size``) is this rank's size after construction;
+    ``global_size`` keeps the argument. Without torch.distributed the TP size is 1.
     """
 
     def __init__(
@@ -30,14 +37,33 @@ class Bias(BasicOperation):
         *,
         device: Optional[torch.device | str] = None,
         dtype: Optional[torch.dtype] = None,
+        tensor_parallel: bool = False,
+        tensor_parallel_group: Optional[Any] = None,
     ) -> None:
         super().__init__()
         if isinstance(size, bool) or not isinstance(size, int) or size <= 0:
             raise ValueError(f"Bias: size must be a positive int, got {size!r}")
-        self.size = size
+        if not isinstance(tensor_parallel, bool):
+            raise ValueError(f"Bias: tensor_parallel must be a bool, got {tensor_parallel!r}")
+        tp = group_size(tensor_parallel_group) if tensor_parallel else 1
+        if size % tp:
+            raise ValueError(
+                f"Bias: size={size} is not divisible by the tensor-parallel size {tp} "
+                "(tensor_parallel=True splits the bias evenly over the group)"
+            )
+        self.tensor_parallel = tensor_parallel and tp > 1
+        self.tensor_parallel_group = tensor_parallel_group if tensor_parallel else None
+        self.tensor_parallel_size = tp
+        self.global_size = size
+        self.size = size // tp
         self.bias = torch.nn.Parameter(
-            torch.zeros(size, device=device, dtype=param_dtype("Bias", dtype))
+            torch.zeros(self.size, device=device, dtype=param_dtype("Bias", dtype))
         )
+
+    @property
+    def local_size(self) -> int:
+        """This rank's number of bias values (Transformer Engine's name; = ``size``)."""
+        return self.size
 
     def reset_parameters(self) -> None:
         """Zero the bias (the usual initialization for biases, as in Transformer Engine)."""
