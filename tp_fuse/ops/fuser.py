@@ -25,6 +25,7 @@ from .op import (
     check_sequence_length,
     count_params,
 )
+from .output_aliasing import aliasing_outputs, input_versions, outputs_safe_for_inplace
 
 # Fused ops as stored by the fuser: the op and the indices of its basic ops.
 OpRun = tuple[FusibleOperation, list[int]]
@@ -77,40 +78,6 @@ def _current_recipe() -> Any:
     return None if state is None else state.recipe
 
 
-def _outputs_safe_for_inplace(outputs: list[torch.Tensor], inputs: Sequence[Any]) -> list[torch.Tensor]:
-    """The fuser's outputs, made safe to hand to callers who modify them in place.
-
-    Autograd forbids in-place ops on an output of a custom Function that is a view
-    (``relu_``, Megatron's in-place cross-entropy on logits would raise). Two cases:
-
-    * a view of a tensor made inside the forward (``BasicLinear`` reshapes its 2-D GEMM
-      result, ``Reshape``): returned as ``detach()``, a non-view alias that shares the
-      storage AND the version counter, so a saved tensor sharing that storage is still
-      caught by autograd's version check if the caller modifies the output. No copy.
-    * an input returned as-is (or a view of one), or one tensor returned twice
-      (``MakeExtraOutput``, ``Identity``, TP size 1 comm ops): copied. An alias would let
-      an in-place op change the caller's input, or the other output, behind autograd's
-      back (values of the other consumers would change, their gradients would not).
-    """
-    taken = set()
-    for t in inputs:
-        if isinstance(t, torch.Tensor):
-            taken.add(id(t))
-            if t._is_view():
-                taken.add(id(t._base))
-    safe = []
-    for t in outputs:
-        root = t._base if t._is_view() else t
-        if id(t) in taken or id(root) in taken:
-            t = t.clone()
-        elif t._is_view():
-            t = t.detach()
-        taken.add(id(t))
-        taken.add(id(root))
-        safe.append(t)
-    return safe
-
-
 class _OperationFuserAutogradFunction(torch.autograd.Function):
     """Forward and backward of a fused op group, as one autograd node.
 
@@ -148,6 +115,8 @@ class _OperationFuserAutogradFunction(torch.autograd.Function):
             ctx.requires_grad = requires_grad
             ctx.dtype = autocast_dtype
 
+        # TE's in-place ops may write into the caller's tensors: note their versions.
+        versions = input_versions((input_, *extra_inputs)) if fuser.returns_aliases else None
         x = input_
         extra_outputs: list[Optional[tuple[torch.Tensor, ...]]] = [None] * len(basic_ops)
         # Per basic op, the dtype its input had before the fuser cast it (None: not
@@ -202,7 +171,9 @@ class _OperationFuserAutogradFunction(torch.autograd.Function):
         func_ctx.cast_from = cast_from
 
         outputs = [x] + routing.public_outputs(extra_outputs)
-        return tuple(_outputs_safe_for_inplace(outputs, (input_, *params_and_extra_inputs)))
+        if versions is not None:
+            return tuple(aliasing_outputs(func_ctx, outputs, (input_, *extra_inputs), versions))
+        return tuple(outputs_safe_for_inplace(outputs, (input_, *params_and_extra_inputs)))
 
     @staticmethod
     def backward(func_ctx: Any, grad_output: torch.Tensor, *grad_extra_outputs: torch.Tensor):
@@ -291,6 +262,9 @@ class OperationFuser:
         # Whether any basic op has extra inputs or outputs (channels, caller-passed
         # tensors): without them the per-call routing steps have nothing to do.
         self.has_extra_tensors = any(op.num_extra_inputs or op.num_extra_outputs for op in basic_ops)
+        # An op with TE's in_place=True: the caller asked for aliases, so outputs are the
+        # caller's tensors, not copies (tp_fuse/ops/output_aliasing.py).
+        self.returns_aliases = any(op.aliases_caller_tensors for op in basic_ops)
         self.forward_ops: list[OpRun] = []
         self.backward_ops: list[OpRun] = []
         self.fusion_log = FusionLog()

@@ -189,6 +189,13 @@ class BasicOperation(ExtraTensorChannels, FusibleOperation):
     num_extra_outputs: int = 0
 
     @property
+    def aliases_caller_tensors(self) -> bool:
+        """Whether the caller asked this op for Transformer Engine's in-place aliasing
+        (``AddExtraInput``/``MakeExtraOutput`` with ``in_place=True``): a fuser holding such
+        an op returns the caller's tensors themselves, not copies (see ``fuser.py``)."""
+        return False
+
+    @property
     def is_fused_op(self) -> bool:
         return False
 

@@ -21,10 +21,13 @@ class AddExtraInput(BasicOperation):
         forward:  y = x + extra
         backward: dx = dy,  dextra = dy summed over the broadcast dimensions
 
-    With ``in_place=True`` the sum is written into ``extra``'s storage and the
-    output aliases it (saves one activation-sized buffer). ``extra`` must then
-    already have the output shape. This is an expert option: it mutates a
-    tensor autograd may have saved elsewhere (as in Transformer Engine).
+    With ``in_place=True`` the sum is written into ``extra``'s storage (saves one
+    activation-sized buffer) and the fuser returns ``extra`` itself, as Transformer
+    Engine does, marked dirty so that autograd records the write (a leaf that requires
+    grad, or a view, comes back as an alias of it instead; see
+    ``tp_fuse/ops/output_aliasing.py``). ``extra`` must then already have the output
+    shape. This is an expert option: writing into a tensor autograd saved elsewhere
+    makes that backward raise.
     Nothing is saved for backward. See ``MakeExtraOutput`` for the
     mirror image (an add in the backward pass).
     """
@@ -37,6 +40,10 @@ class AddExtraInput(BasicOperation):
 
     def extra_repr(self) -> str:
         return f"in_place={self.in_place}"
+
+    @property
+    def aliases_caller_tensors(self) -> bool:
+        return self.in_place
 
     # ---- validation and math shared with fused ops ----------------------
 

@@ -22,7 +22,8 @@ class MakeExtraOutput(BasicOperation):
     With ``in_place=True`` the backward sum is accumulated into ``dextra``'s
     buffer (as in Transformer Engine) when that buffer is dense; autograd may
     hand the same gradient tensor to other branches, so this is an expert
-    option. Nothing is saved for backward. ``BackwardLinearAdd`` fuses this
+    option; in the forward the fuser then returns the tensor itself for both outputs
+    (Transformer Engine's aliasing) instead of a copy. Nothing is saved for backward. ``BackwardLinearAdd`` fuses this
     op's backward add into the preceding ``BasicLinear``'s dgrad GEMM.
     """
 
@@ -34,6 +35,10 @@ class MakeExtraOutput(BasicOperation):
 
     def extra_repr(self) -> str:
         return f"in_place={self.in_place}"
+
+    @property
+    def aliases_caller_tensors(self) -> bool:
+        return self.in_place
 
     def fuser_forward(
         self,
