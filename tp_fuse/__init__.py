@@ -5,7 +5,7 @@ FP8 entry points ``te.autocast``, ``te.quantized_model_init`` and
 ``te.recipe``, with Transformer Engine's names.
 """
 
-from . import ops, recipe
+from . import module, ops, recipe
 from .availability import (
     is_bf16_available,
     is_fp8_available,
@@ -55,6 +55,7 @@ __all__ = [
     "is_fp8_block_scaling_available",
     "is_mxfp8_available",
     "is_nvfp4_available",
+    "module",
     "ops",
     "quantized_model_init",
     "recipe",

@@ -25,6 +25,7 @@ from .op import (
     check_sequence_length,
     count_params,
 )
+from ..overlap.userbuffers_setup import ub_generation
 from .output_aliasing import aliasing_outputs, input_versions, outputs_safe_for_inplace
 
 # Fused ops as stored by the fuser: the op and the indices of its basic ops.
@@ -32,13 +33,14 @@ OpRun = tuple[FusibleOperation, list[int]]
 
 
 def _fusion_key() -> Any:
-    """What the fusion decisions depend on: the FP8 recipe in force (or none)."""
+    """What the fusion decisions depend on: the FP8 recipe in force (or none), and the
+    overlap objects ``initialize_ub`` registered (once it has been called)."""
     from ..quantization import active_autocast
 
     state = active_autocast()
-    if state is None:
-        return None
-    return state.fusion_key
+    key = None if state is None else state.fusion_key
+    generation = ub_generation()
+    return key if generation == 0 else (key, generation)
 
 
 def _autocast_dtype(device_type: str) -> Optional[torch.dtype]:
@@ -437,7 +439,7 @@ class OperationFuser:
         (e.g. FP8 when the forward ran in ``autocast`` and ``explain`` is called after
         it). Never run and no autocast: high precision.
         """
-        if _fusion_key() is None and self._last_run is not None:
+        if _current_recipe() is None and self._last_run is not None:
             key, recipe = self._last_run
             self.maybe_fuse(recipe=recipe, key=key)
             return FuserExplanation.from_fuser(self, basis="last forward")

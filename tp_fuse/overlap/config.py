@@ -1,6 +1,6 @@
 """Communication/GEMM overlap configuration, keyed by GEMM name (Megatron-LM style).
 
-How the overlap fusions find their settings (no hidden globals):
+How the overlap fusions find their settings (explicit objects first):
 
 * :class:`OverlapConfig` says, per GEMM stage (``"fc1_fprop"``, ``"fc1_dgrad"``, ...),
   which overlap method to use. It loads Megatron-LM ``--tp-comm-overlap-cfg`` YAML files
@@ -14,8 +14,10 @@ How the overlap fusions find their settings (no hidden globals):
     ``AllReduce(..., overlap=...)``.
 
   Giving both is fine if it is the same object; two different objects are a ValueError.
-  With neither, the communication op's own default ``TPOverlap()`` is used (Megatron
-  defaults, a pool owned by that op object).
+  With neither, the object Transformer Engine's ``initialize_ub(...)`` registered for the
+  window's quantization mode is used, if that was called (the one process-wide state, as
+  TE's call implies; :mod:`tp_fuse.overlap.userbuffers_setup`), else the communication
+  op's own default ``TPOverlap()`` (Megatron defaults, a pool owned by that op object).
 
 The config is read when the fuser decides its fusions (first forward pass, and again when
 the FP8 recipe changes); build a new ``Sequential`` after editing it.

@@ -366,14 +366,14 @@ def fuse_userbuffers_backward_linear(
         bias, length = match_linear_bias(window, 2)
         if bias is not None and linear_bias_mismatch(linear, bias) is not None:
             bias, length = None, 2
-        plan = plan_overlap(ag, linear, "dgrad", "column", {})
+        plan = plan_overlap(ag, linear, "dgrad", "column", {}, quantized=recipe is not None)
         if isinstance(plan, str):
             return Reject(plan, length)
         wgrad_plan, note = None, ""
         if plan.entry.method in ("bulk", AUTO):
             wplan = plan_overlap(ag, linear, "wgrad", "column", {
                 m: "only bulk overlaps the dx reduce-scatter with the wgrad GEMM" for m in ("pipeline", "ring_exchange")
-            })
+            }, quantized=recipe is not None)
             if isinstance(wplan, str):
                 note = wplan
             else:
@@ -389,7 +389,7 @@ def fuse_userbuffers_backward_linear(
         if not isinstance(found, tuple):
             return found
         linear, bias, rs, length = found
-        plan = plan_overlap(rs, linear, "dgrad", "row", _RS_DGRAD_UNSUPPORTED)
+        plan = plan_overlap(rs, linear, "dgrad", "row", _RS_DGRAD_UNSUPPORTED, quantized=recipe is not None)
         if isinstance(plan, str):
             return Reject(plan, length)
         if fp8:

@@ -24,6 +24,7 @@ import torch.distributed as dist
 from ...overlap.auto import AUTO, candidate_labels
 from ...overlap.config import METHODS, TPOverlap
 from ...overlap.plan import OverlapPlan
+from ...overlap.userbuffers_setup import registered_overlap
 from ...quantization import (
     BlockScaledTensor,
     BlockScalingQuantizer,
@@ -48,9 +49,11 @@ GemmFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 _USERBUFFERS_OPTION_KEYS = ("comm_name", "overlap")
 
 
-def resolve_overlap(linear: BasicLinear, comm_op: TPCommOperation) -> TPOverlap:
+def resolve_overlap(linear: BasicLinear, comm_op: TPCommOperation, *, quantized: bool = False) -> TPOverlap:
     """The TPOverlap of a window: from the linear's ``userbuffers_options``, from the comm
-    op, or the comm op's own default. Two different explicit objects are a ValueError."""
+    op, the one ``initialize_ub`` registered for the window's quantization mode
+    (``quantized``: it runs under an FP8 recipe), or the comm op's own default. Two
+    different explicit objects are a ValueError."""
     opts = linear.userbuffers_options
     unknown = sorted(set(opts) - set(_USERBUFFERS_OPTION_KEYS))
     if unknown:
@@ -72,7 +75,11 @@ def resolve_overlap(linear: BasicLinear, comm_op: TPCommOperation) -> TPOverlap:
             f"BasicLinear {name!r} and its {type(comm_op).__name__} were given different TPOverlap "
             "objects; pass the same one (or only one of them)"
         )
-    return from_linear or from_comm or comm_op.default_overlap()
+    explicit = from_linear or from_comm
+    if explicit is not None:
+        return explicit
+    registered = registered_overlap(quantized, comm_op.tp_size, f"{type(comm_op).__name__} window of {gemm_label(linear)}")
+    return registered or comm_op.default_overlap()
 
 
 def gemm_label(linear: BasicLinear) -> str:
@@ -85,10 +92,13 @@ def plan_overlap(
     stage: str,
     role: str,
     unsupported: Mapping[str, str],
+    *,
+    quantized: bool = False,
 ) -> Union[OverlapPlan, str]:
     """An :class:`OverlapPlan`, or the reason (a str) the window does not fuse.
 
-    ``unsupported`` maps a method to why this window cannot use it.
+    ``unsupported`` maps a method to why this window cannot use it; ``quantized``: the
+    window runs under an FP8 recipe (picks ``initialize_ub``'s FP8 registration).
     """
     tp = comm_op.tp_size
     if tp == 1:
@@ -98,7 +108,7 @@ def plan_overlap(
             "BasicLinear(tensor_parallel_mode='column', sequence_parallel=False) all-reduces its "
             "dgrad itself: no overlap plan for an extra collective around it"
         )
-    overlap = resolve_overlap(linear, comm_op)
+    overlap = resolve_overlap(linear, comm_op, quantized=quantized)
     if not overlap.config.enabled:
         return "overlap disabled by config (OverlapConfig.enabled=False)"
     key, entry = overlap.config.resolve(linear.comm_name, stage, role)

@@ -347,7 +347,7 @@ def fuse_userbuffers_forward_linear(
             if fusion_log is not None:
                 fusion_log.rejected(window[:3], f"{linear_bias_mismatch(linear, bias)}; fusing AllGather+BasicLinear alone")
             bias, length = None, 2
-        plan = plan_overlap(ag, linear, "fprop", "column", _AG_FPROP_UNSUPPORTED)
+        plan = plan_overlap(ag, linear, "fprop", "column", _AG_FPROP_UNSUPPORTED, quantized=recipe is not None)
         if isinstance(plan, str):
             return Reject(plan, length)
         if fp8:
@@ -362,7 +362,7 @@ def fuse_userbuffers_forward_linear(
         if not isinstance(found, tuple):
             return found
         linear, bias, rs, length = found
-        plan = plan_overlap(rs, linear, "fprop", "row", _RS_FPROP_UNSUPPORTED)
+        plan = plan_overlap(rs, linear, "fprop", "row", _RS_FPROP_UNSUPPORTED, quantized=recipe is not None)
         if isinstance(plan, str):
             return Reject(plan, length)
         op = UserbuffersForwardLinear(linear=linear, bias=bias, reduce_scatter=rs, plan=plan, fp8=fp8, recipe=recipe)

@@ -151,7 +151,7 @@ def fuse_userbuffers_forward_linear_all_reduce(
         if not isinstance(found, tuple):
             return found
         linear, bias, ar, length = found
-        plan = plan_overlap(ar, linear, "fprop", "row", _AR_FPROP_UNSUPPORTED)
+        plan = plan_overlap(ar, linear, "fprop", "row", _AR_FPROP_UNSUPPORTED, quantized=recipe is not None)
         if isinstance(plan, str):
             return Reject(plan, length)
         op = UserbuffersForwardLinearAllReduce(linear=linear, bias=bias, all_reduce=ar, plan=plan, fp8=recipe is not None)
