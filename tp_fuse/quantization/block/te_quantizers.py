@@ -79,6 +79,11 @@ class MXFP8Quantizer(_BlockUsage, BlockScalingQuantizer):
         self.fp8_dtype = dtype
         self.rowwise_usage, self.columnwise_usage = bool(rowwise), bool(columnwise)
 
+    def copy(self) -> "MXFP8Quantizer":
+        """TE's shallow copy: the same settings (no state to share)."""
+        return MXFP8Quantizer(self.fp8_dtype, rowwise=self.rowwise_usage, columnwise=self.columnwise_usage,
+                              role=self.role)
+
 
 class Float8BlockQuantizer(_BlockUsage, BlockScalingQuantizer):
     """DeepSeek-V3-style FP8 block scaling: 1x128 (``block_scaling_dim=1``) or 128x128
@@ -112,4 +117,13 @@ class Float8BlockQuantizer(_BlockUsage, BlockScalingQuantizer):
         self.spec = BlockSpec(128, 128) if block_scaling_dim == 2 else BlockSpec(1, 128)
         self.rule = ScaleRule("fp32", power_2=bool(force_pow_2_scales), amax_epsilon=float(amax_epsilon))
         self.block_scaling_dim = block_scaling_dim
+        self.amax_epsilon, self.force_pow_2_scales = float(amax_epsilon), bool(force_pow_2_scales)
         self.rowwise_usage, self.columnwise_usage = bool(rowwise), bool(columnwise)
+
+    def copy(self) -> "Float8BlockQuantizer":
+        """TE's shallow copy: the same settings (no state to share)."""
+        return Float8BlockQuantizer(
+            self.fp8_dtype, rowwise=self.rowwise_usage, columnwise=self.columnwise_usage,
+            amax_epsilon=self.amax_epsilon, force_pow_2_scales=self.force_pow_2_scales,
+            block_scaling_dim=self.block_scaling_dim, role=self.role,
+        )

@@ -12,11 +12,14 @@ Users (and TE's tests) build quantizers directly and call them on tensors::
   (``fp8_max / max(amax, amax_epsilon)``, all-reduced over a group when asked).
 
 Both are :class:`~tp_fuse.quantization.Quantizer` s, so ops and ``fp8_gemm`` accept
-what they produce.
+what they produce. As in TE, ``quantizer(x)`` and ``quantizer.make_empty(shape)`` return
+tensors that remember their quantizer, so ``t.quantize_(y)`` (and ``t.copy_(y)``)
+re-quantize ``y`` with it; ``quantizer.copy()`` is TE's shallow copy.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Optional, Union
 
 import torch
@@ -52,8 +55,44 @@ class _UsageMixin:
             self.columnwise_usage = bool(columnwise)
 
     def __call__(self, tensor: torch.Tensor) -> Float8Tensor:
-        """Quantize ``tensor`` (differentiable, straight-through)."""
-        return self.quantize(tensor, transpose=self.columnwise_usage and tensor.dim() >= 2)  # type: ignore[attr-defined]
+        """Quantize ``tensor`` (differentiable, straight-through); the result keeps this
+        quantizer (TE: ``quantize_`` and ``copy_`` into it re-quantize with it)."""
+        out = self.quantize(tensor, transpose=self.columnwise_usage and tensor.dim() >= 2)  # type: ignore[attr-defined]
+        out._quantizer = self
+        return out
+
+    def _empty_scale_inv(self, device: torch.device) -> torch.Tensor:
+        return torch.ones((), dtype=torch.float32, device=device)
+
+    def make_empty(
+        self,
+        shape: Iterable[int],
+        *,
+        dtype: torch.dtype = torch.float32,
+        device: Optional[Union[torch.device, str]] = None,
+        requires_grad: bool = False,
+        pin_memory: bool = False,
+    ) -> Float8Tensor:
+        """A Float8Tensor of ``shape`` with uninitialized FP8 bytes (TE's ``make_empty``).
+
+        ``dtype``: its nominal high-precision dtype; ``device`` None: CUDA when available
+        (TE's default), else the CPU. Its scale is this quantizer's current one (1 for
+        current scaling, whose scale comes with the first ``quantize_``); it keeps this
+        quantizer, so ``t.quantize_(x)`` fills it.
+        """
+        try:
+            dims = tuple(int(n) for n in shape)
+        except TypeError:
+            raise ValueError(f"make_empty: shape must be an iterable of ints, got {shape!r}") from None
+        if any(n < 0 for n in dims):
+            raise ValueError(f"make_empty: shape must not have negative sizes, got {dims}")
+        if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point or dtype.itemsize < 2:
+            raise ValueError(f"make_empty: dtype must be a high-precision float dtype, got {dtype!r}")
+        if device is None:
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        device = torch.device(device)
+        data = torch.empty(dims, dtype=self.fp8_dtype, device=device, pin_memory=pin_memory)  # type: ignore[attr-defined]
+        return Float8Tensor(data, self._empty_scale_inv(device), dtype, requires_grad=requires_grad, quantizer=self)
 
     def update_quantized(self, src: torch.Tensor, dst: Float8Tensor) -> Float8Tensor:
         """Quantize ``src`` into ``dst``'s buffers in place; returns ``dst``."""
@@ -97,6 +136,14 @@ class Float8Quantizer(_UsageMixin, Quantizer):
         self.scale = scale
         self.amax = amax
         self.set_usage(rowwise=rowwise, columnwise=columnwise)
+
+    def copy(self) -> "Float8Quantizer":
+        """TE's shallow copy: the same ``scale`` and ``amax`` tensors and usage."""
+        return Float8Quantizer(self.scale, self.amax, self.fp8_dtype, rowwise=self.rowwise_usage,
+                               columnwise=self.columnwise_usage)
+
+    def _empty_scale_inv(self, device: torch.device) -> torch.Tensor:
+        return torch.reciprocal(self.scale.detach().reshape(()).to(device=device, dtype=torch.float32))
 
     def _quantize_impl(self, x: torch.Tensor, transpose: bool = False) -> Float8Tensor:
         with torch.no_grad():
@@ -143,7 +190,18 @@ class Float8CurrentScalingQuantizer(_UsageMixin, CurrentScalingQuantizer):
         recipe = Float8CurrentScaling(fp8_format=fmt, power_2_scale=bool(force_pow_2_scales))
         super().__init__(recipe, "input", amax_reduction_group if with_amax_reduction else None)
         self.amax_epsilon = float(amax_epsilon)
+        self.with_amax_reduction = bool(with_amax_reduction)
+        self.force_pow_2_scales = bool(force_pow_2_scales)
+        self.device = device
         self.set_usage(rowwise=rowwise, columnwise=columnwise)
+
+    def copy(self) -> "Float8CurrentScalingQuantizer":
+        """TE's shallow copy: the same settings and group, no shared state."""
+        return Float8CurrentScalingQuantizer(
+            self.fp8_dtype, self.device, rowwise=self.rowwise_usage, columnwise=self.columnwise_usage,
+            with_amax_reduction=self.with_amax_reduction, amax_reduction_group=self.amax_reduction_group,
+            force_pow_2_scales=self.force_pow_2_scales, amax_epsilon=self.amax_epsilon,
+        )
 
     def quantize_with_amax(self, x: torch.Tensor, amax: torch.Tensor, *, transpose: bool = False) -> Float8Tensor:
         if self.amax_epsilon > 0:

@@ -173,6 +173,32 @@ class Float8Tensor(QuantizedTensor):
         """Quantizer that re-quantizes the master (FP8 parameters), else None."""
         return self._quantizer
 
+    def quantize_(self, tensor: torch.Tensor, *, noop_flag: Optional[torch.Tensor] = None) -> "Float8Tensor":
+        """Quantize ``tensor`` into this tensor's buffers with its quantizer (TE's
+        ``QuantizedTensor.quantize_``); returns ``self``.
+
+        A quantized ``tensor`` is dequantized first. ``noop_flag`` (one-element tensor):
+        nonzero skips the update, as in TE. Raises ValueError when this tensor has no
+        quantizer (TE: it was neither made by a quantizer nor given one). FP8 parameters
+        update their master copy too (the ``copy_`` path).
+        """
+        if self._quantizer is None:
+            raise ValueError(
+                "Float8Tensor.quantize_: this tensor has no quantizer (make it with a quantizer, "
+                "e.g. Float8Quantizer(...)(x) or .make_empty(shape))"
+            )
+        if noop_flag is not None and bool(noop_flag.reshape(-1)[0] != 0):
+            return self
+        if isinstance(tensor, QuantizedTensor):
+            tensor = tensor.dequantize()
+        if tuple(tensor.shape) != tuple(self.shape):
+            raise ValueError(
+                f"Float8Tensor.quantize_: expected a tensor of shape {tuple(self.shape)}, got {tuple(tensor.shape)}"
+            )
+        with torch.no_grad():
+            self.copy_(tensor)
+        return self
+
     def dequantize(self, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
         """Plain tensor ``data * scale_inv`` in ``dtype`` (default: nominal dtype).
 
