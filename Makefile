@@ -1,6 +1,7 @@
 # Two commands on a fresh machine:
 #   make train   runs the main job on its default config
 #   make test    installs what is missing and runs the full test suite
+#   make test-quick  the single-process tests only (about 2 minutes): the loop while changing one room
 PYTHON ?= python3
 # make train NPROC=2 ARGS="fp8=delayed parallel.tp=2"  (any launch/train.py override)
 NPROC ?= 1
@@ -11,7 +12,7 @@ STAMP_DIR ?= .make
 PYPROJECT_SUM := $(shell cksum pyproject.toml | cut -d' ' -f1)
 STAMP := $(STAMP_DIR)/installed-$(PYPROJECT_SUM)
 
-.PHONY: install train test bench gpu-check
+.PHONY: install train test test-quick bench gpu-check
 
 install: $(STAMP)
 
@@ -33,6 +34,10 @@ train: install
 
 test: install
 	$(PYTHON) -m pytest -q tests
+
+# Leaves out the modules that start processes (tests/conftest.py: PROCESS_STARTING_MODULES).
+test-quick: install
+	$(PYTHON) -m pytest -q -m "not slow" tests
 
 bench: install
 	$(PYTHON) examples/bench_fuser_overhead.py
