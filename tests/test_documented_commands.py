@@ -1,4 +1,4 @@
-"""Every launcher command in README.md and docs/*.md runs as written (with small step counts).
+"""Every launcher command in README.md and the docs in DOCS runs as written (with small step counts).
 
 Commands are read from the ```bash blocks; the commands of one block run in order in one
 directory (a checkpoint sequence is one block). What the test changes, and only that:
@@ -33,7 +33,7 @@ import torch
 from tp_fuse.launch.data import stdlib_corpus
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-DOCS = ["README.md", "docs/launcher.md", "docs/debug.md"]
+DOCS = ["README.md", "docs/launcher-tour.md", "docs/launcher.md", "docs/debug.md", "docs/scale-out.md"]
 SCALE = 50
 STEP_KEYS = ("trainer.max_steps", "trainer.exit_at_step", "trainer.fail_at_step", "checkpoint.interval",
              "trainer.log_interval", "trainer.val_interval")
