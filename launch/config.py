@@ -37,7 +37,7 @@ __all__ = [
     "LoggerConfig",
     "ModelConfig",
     "OptimConfig",
-    "OverlapConfig",
+    "OverlapSettings",
     "ParallelConfig",
     "ParallelLayout",
     "TrainConfig",
@@ -82,7 +82,7 @@ class ParallelConfig:
 
 
 @dataclass
-class OverlapConfig:
+class OverlapSettings:
     """``overlap`` group: comm/GEMM overlap on TP layers.
 
     ``config`` is an optional Megatron ``tp_comm_overlap_cfg`` YAML file (per-GEMM
@@ -247,7 +247,7 @@ class TrainConfig:
 
     model: ModelConfig
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
-    overlap: OverlapConfig = field(default_factory=OverlapConfig)
+    overlap: OverlapSettings = field(default_factory=OverlapSettings)
     fp8: FP8Config = field(default_factory=FP8Config)
     data: DataConfig = field(default_factory=DataConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
@@ -294,7 +294,7 @@ CONFIG_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file
 #: Config groups besides ``model``, by name, with their dataclass.
 SECTIONS: dict[str, type] = {
     "parallel": ParallelConfig,
-    "overlap": OverlapConfig,
+    "overlap": OverlapSettings,
     "fp8": FP8Config,
     "data": DataConfig,
     "optim": OptimConfig,

@@ -29,7 +29,7 @@ from tp_fuse.recipe import (
     Recipe,
 )
 
-from ..config import FP8Config, OverlapConfig, TrainConfig
+from ..config import FP8Config, OverlapSettings, TrainConfig
 from .hf import build_hf_model
 from .megatron import build_megatron_gpt, require_cuda
 from ..fsdp import ShardedDataParallel
@@ -79,7 +79,7 @@ def build_recipe(cfg: FP8Config) -> Optional[Recipe]:
     return None
 
 
-def build_overlap(cfg: OverlapConfig, run_dir: Optional[str] = None, is_rank0: bool = False,
+def build_overlap(cfg: OverlapSettings, run_dir: Optional[str] = None, is_rank0: bool = False,
                   report: Optional[Callable[[str], None]] = None) -> TPOverlap:
     """``overlap=on``: ``overlap.method`` (``auto`` or Megatron's defaults) for the GEMM
     stages the ``tp_comm_overlap_cfg`` YAML (if given) does not name; ``overlap=off``: an
@@ -91,7 +91,7 @@ def build_overlap(cfg: OverlapConfig, run_dir: Optional[str] = None, is_rank0: b
 
     Settings of the YAML without effect on this build (GPU-only knobs such as ``num_sm``)
     are summarized in one short line passed to ``report`` (rank 0's printer; None: silent)
-    instead of ``OverlapConfig``'s full per-field warning on every rank.
+    instead of ``tp_fuse.overlap.OverlapConfig``'s full per-field warning on every rank.
     """
     if not cfg.enabled:
         return TPOverlap(TPOverlapConfig(enabled=False))
