@@ -35,7 +35,7 @@ from torch.utils._pytree import tree_map
 from ...recipe import FP4_DTYPE
 from .scaling import BlockSpec, dequantize_blocks
 from ..nvfp4.scaling import dequantize_nvfp4
-from ..quantized_tensor import QuantizedTensor
+from ..quantized_tensor import QuantizedTensor, write_back_in_place
 from ..te_dtype import DType, te_dtype_of
 
 __all__ = ["BlockPayload", "BlockScaledTensor", "Float8BlockwiseQTensor", "MXFP8Tensor", "NVFP4Tensor"]
@@ -355,37 +355,19 @@ def _unwrap(x: Any) -> Any:
 
 def _inplace(func: Any, args: tuple, kwargs: dict) -> Any:
     """In-place op writing a BlockScaledTensor parameter: run on the master, re-quantize."""
-    written: dict[int, tuple[BlockScaledTensor, torch.Tensor]] = {}
 
-    def work_for(x: Any) -> Any:
-        if isinstance(x, BlockScaledTensor):
-            if x._master is None:
-                raise ValueError(
-                    f"BlockScaledTensor: in-place {func} on a tensor without a master copy "
-                    "(only FP8 parameters from quantized_model_init support in-place updates)"
-                )
-            written.setdefault(id(x), (x, x._master))
-            return x._master
-        if isinstance(x, (list, tuple)):
-            return type(x)(work_for(e) for e in x)
-        return x
+    def master(x: BlockScaledTensor) -> torch.Tensor:
+        if x._master is None:
+            raise ValueError(
+                f"BlockScaledTensor: in-place {func} on a tensor without a master copy "
+                "(only FP8 parameters from quantized_model_init support in-place updates)"
+            )
+        return x._master
 
-    new_args, new_kwargs = list(args), dict(kwargs)
-    for i, sa in enumerate(func._schema.arguments):
-        if not (sa.alias_info is not None and sa.alias_info.is_write):
-            continue
-        if sa.kwarg_only or i >= len(args):
-            if sa.name in new_kwargs:
-                new_kwargs[sa.name] = work_for(new_kwargs[sa.name])
-        else:
-            new_args[i] = work_for(new_args[i])
-    new_args, new_kwargs = tree_map(_unwrap, (new_args, new_kwargs))
-    out = func(*new_args, **new_kwargs)
-    with torch.no_grad():
-        for t, hp in written.values():
-            t._requantize_from(hp)
-    by_work = {id(hp): t for t, hp in written.values()}
-    return tree_map(lambda x: by_work.get(id(x), x), out)
+    return write_back_in_place(
+        func, args, kwargs, BlockScaledTensor,
+        work_copy=master, requantize=lambda t, hp: t._requantize_from(hp), unwrap=_unwrap,
+    )
 
 
 def _same(t: BlockScaledTensor, shape: Any = None, **kw: Any) -> BlockScaledTensor:

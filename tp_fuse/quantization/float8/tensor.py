@@ -36,7 +36,7 @@ import torch
 from torch.utils._pytree import tree_map
 
 from ...kernels.fp8_emulation import fp8_to_float
-from ..quantized_tensor import QuantizedTensor
+from ..quantized_tensor import QuantizedTensor, write_back_in_place
 from ..te_dtype import DType, te_dtype_of
 
 __all__ = ["Float8Tensor"]
@@ -337,41 +337,12 @@ def _inplace(func: Any, args: tuple, kwargs: dict, overwrite: bool = False) -> A
     master when there is one, else a dequantized copy), the op runs, then the
     FP8 buffers are re-quantized from the working tensor.
     """
-    schema_args = func._schema.arguments
-    written: dict[int, tuple[Float8Tensor, torch.Tensor]] = {}
-
-    def work_for(t: Float8Tensor) -> torch.Tensor:
-        if id(t) not in written:
-            hp = t._master if t._master is not None else _dequantize_impl(t)
-            written[id(t)] = (t, hp)
-        return written[id(t)][1]
-
-    def replace_written(x: Any) -> Any:
-        if isinstance(x, Float8Tensor):
-            return work_for(x)
-        if isinstance(x, (list, tuple)):
-            return type(x)(replace_written(e) for e in x)
-        return x
-
-    new_args = list(args)
-    new_kwargs = dict(kwargs)
-    for i, schema_arg in enumerate(schema_args):
-        if not (schema_arg.alias_info is not None and schema_arg.alias_info.is_write):
-            continue
-        if schema_arg.kwarg_only or i >= len(args):
-            if schema_arg.name in new_kwargs:
-                new_kwargs[schema_arg.name] = replace_written(new_kwargs[schema_arg.name])
-        else:
-            new_args[i] = replace_written(new_args[i])
-    # Remaining (read-only) Float8Tensor operands run in high precision.
-    new_args, new_kwargs = tree_map(_unwrap, (new_args, new_kwargs))
-    out = func(*new_args, **new_kwargs)
-    with torch.no_grad():
-        for t, hp in written.values():
-            t._requantize_from(hp, overwrite)
-    # Results alias the written operands: hand back the Float8Tensors themselves.
-    by_work = {id(hp): t for t, hp in written.values()}
-    return tree_map(lambda x: by_work.get(id(x), x), out)
+    return write_back_in_place(
+        func, args, kwargs, Float8Tensor,
+        work_copy=lambda t: t._master if t._master is not None else _dequantize_impl(t),
+        requantize=lambda t, hp: t._requantize_from(hp, overwrite),
+        unwrap=_unwrap,
+    )
 
 
 def _detach(self: Float8Tensor) -> Float8Tensor:
