@@ -17,12 +17,12 @@ from ..basic._checks import compute_dtype
 from ..basic._tp import check_first_dim_divisible
 from ..basic.all_gather import AllGather
 from ..basic.basic_linear import BasicLinear
-from ..basic.bias import Bias
 from ..basic.reduce_scatter import ReduceScatter
 from ..fusion import Fuse, FusionLog, MatchResult, Reject, describe_next, fuse_by_window
-from ..op import FusedOperation, FusibleOperation, OperationContext
+from ..op import FusibleOperation, OperationContext
 from .forward_linear_bias_activation import linear_bias_mismatch
 from .userbuffers_common import (
+    UserbuffersLinearBase,
     fp8_from_wire,
     fp8_gather_problem,
     fp8_gemm_from_bytes,
@@ -49,7 +49,7 @@ _RS_DGRAD_UNSUPPORTED = {
 }
 
 
-class UserbuffersBackwardLinear(FusedOperation):
+class UserbuffersBackwardLinear(UserbuffersLinearBase):
     """Backward pass of a tensor-parallel linear with its communication overlapped.
 
     Column-parallel ``[AllGather, BasicLinear(, Bias)]`` (forward ``y = AG(x) W^T + b``):
@@ -105,35 +105,17 @@ class UserbuffersBackwardLinear(FusedOperation):
     def __init__(
         self,
         *,
-        linear: BasicLinear,
-        plan: OverlapPlan,
-        bias: Optional[Bias] = None,
-        all_gather: Optional[AllGather] = None,
-        reduce_scatter: Optional[ReduceScatter] = None,
         wgrad_plan: Optional[OverlapPlan] = None,
         wgrad_note: str = "",
-        fp8: bool = False,
-        recipe: Any = None,
+        **window: Any,
     ) -> None:
-        if (all_gather is None) == (reduce_scatter is None):
-            raise ValueError("UserbuffersBackwardLinear needs exactly one of all_gather / reduce_scatter")
-        ops: list[FusibleOperation]
-        if all_gather is not None:
-            ops = [all_gather, linear] + ([bias] if bias is not None else [])
-        else:
-            ops = [linear] + ([bias] if bias is not None else []) + [reduce_scatter]
-        super().__init__(ops)
-        self.mode = "all_gather" if all_gather is not None else "reduce_scatter"
-        self.plan = plan
+        super().__init__(**window)
         # Column-parallel bulk dgrad only: overlap RS(dx) with the wgrad GEMM.
         self.wgrad_plan = wgrad_plan
         self.wgrad_note = wgrad_note
-        self.fp8 = fp8
-        self.recipe = recipe  # the recipe the fusion was decided under (describes the wire)
 
     def fusion_summary(self) -> str:
-        linear = next(op for op in self.basic_ops if isinstance(op, BasicLinear))
-        tp = f"TP={self.plan.tp_size}"
+        linear, tp = self.linear, self.tp_label
         fp8 = "; FP8 GEMMs" if self.fp8 else ""
         if self.mode == "reduce_scatter":
             wire = f", {fp8_wire_note(self.recipe, 'dy')}" if self.fp8 else ""

@@ -41,12 +41,57 @@ from ..basic._tp import TPCommOperation
 from ..basic.basic_linear import BasicLinear
 from ..basic.bias import Bias
 from ..fusion import Reject
-from ..op import FusibleOperation, OperationContext
+from ..basic.all_gather import AllGather
+from ..basic.reduce_scatter import ReduceScatter
+from ..op import FusedOperation, FusibleOperation, OperationContext
 from .forward_linear_bias_activation import linear_bias_mismatch
 
 GemmFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 _USERBUFFERS_OPTION_KEYS = ("comm_name", "overlap")
+
+
+class UserbuffersLinearBase(FusedOperation):
+    """What the two Userbuffers fused linears share: the op window and how it is described.
+
+    The window is column-parallel ``[AllGather, BasicLinear(, Bias)]`` (``mode``
+    ``"all_gather"``) or row-parallel ``[BasicLinear(, Bias), ReduceScatter]``
+    (``"reduce_scatter"``); ``plan`` is the overlap plan of its GEMM stage; ``fp8`` and
+    ``recipe`` record what the fusion was decided under, for ``explain`` (``BasicLinear``
+    decides the GEMM path at run time). Subclasses run one direction each.
+    """
+
+    def __init__(
+        self,
+        *,
+        linear: BasicLinear,
+        plan: OverlapPlan,
+        bias: Optional[Bias] = None,
+        all_gather: Optional[AllGather] = None,
+        reduce_scatter: Optional[ReduceScatter] = None,
+        fp8: bool = False,
+        recipe: Any = None,
+    ) -> None:
+        if (all_gather is None) == (reduce_scatter is None):
+            raise ValueError(f"{type(self).__name__} needs exactly one of all_gather / reduce_scatter")
+        ops: list[FusibleOperation]
+        if all_gather is not None:
+            ops = [all_gather, linear] + ([bias] if bias is not None else [])
+        else:
+            ops = [linear] + ([bias] if bias is not None else []) + [reduce_scatter]
+        super().__init__(ops)
+        self.mode = "all_gather" if all_gather is not None else "reduce_scatter"
+        self.plan = plan
+        self.fp8 = fp8
+        self.recipe = recipe  # the recipe the fusion was decided under (describes the wire)
+
+    @property
+    def linear(self) -> BasicLinear:
+        return next(op for op in self.basic_ops if isinstance(op, BasicLinear))
+
+    @property
+    def tp_label(self) -> str:
+        return f"TP={self.plan.tp_size}"
 
 
 def resolve_overlap(linear: BasicLinear, comm_op: TPCommOperation, *, quantized: bool = False) -> TPOverlap:

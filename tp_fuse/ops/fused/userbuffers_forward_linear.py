@@ -30,9 +30,10 @@ from ..basic.basic_linear import BasicLinear
 from ..basic.bias import Bias
 from ..basic.reduce_scatter import ReduceScatter
 from ..fusion import Fuse, FusionLog, MatchResult, Reject, describe_next, fuse_by_window
-from ..op import FusedOperation, FusibleOperation, OperationContext, require
+from ..op import FusibleOperation, OperationContext, require
 from .forward_linear_bias_activation import linear_bias_mismatch
 from .userbuffers_common import (
+    UserbuffersLinearBase,
     fp8_from_wire,
     fp8_gather_problem,
     fp8_gemm_from_bytes,
@@ -50,7 +51,6 @@ from .userbuffers_common import (
     reject_collective_without_gemm,
     run_planned,
 )
-from ...overlap.plan import OverlapPlan
 
 # Why a method does not apply to a forward window (the matcher rejects with this reason).
 _AG_FPROP_UNSUPPORTED = {
@@ -70,7 +70,7 @@ def _regather(group: Optional[dist.ProcessGroup], x2d: torch.Tensor) -> torch.Te
     return gather_maybe_fp8(x2d, group, all_gather_dim0)
 
 
-class UserbuffersForwardLinear(FusedOperation):
+class UserbuffersForwardLinear(UserbuffersLinearBase):
     """Forward pass of a tensor-parallel linear with its communication overlapped.
 
     Column-parallel ``[AllGather, BasicLinear(, Bias)]`` (e.g. ``qkv``, ``fc1``):
@@ -126,34 +126,8 @@ class UserbuffersForwardLinear(FusedOperation):
     the basic ops' (or ``UserbuffersBackwardLinear``). Forward only.
     """
 
-    def __init__(
-        self,
-        *,
-        linear: BasicLinear,
-        plan: OverlapPlan,
-        bias: Optional[Bias] = None,
-        all_gather: Optional[AllGather] = None,
-        reduce_scatter: Optional[ReduceScatter] = None,
-        fp8: bool = False,
-        recipe: Any = None,
-    ) -> None:
-        if (all_gather is None) == (reduce_scatter is None):
-            raise ValueError("UserbuffersForwardLinear needs exactly one of all_gather / reduce_scatter")
-        ops: list[FusibleOperation]
-        if all_gather is not None:
-            ops = [all_gather, linear] + ([bias] if bias is not None else [])
-        else:
-            ops = [linear] + ([bias] if bias is not None else []) + [reduce_scatter]
-        super().__init__(ops)
-        self.mode = "all_gather" if all_gather is not None else "reduce_scatter"
-        self.plan = plan
-        # For describing the fusion only: BasicLinear decides the GEMM path at run time.
-        self.fp8 = fp8
-        self.recipe = recipe  # the recipe the fusion was decided under (describes the wire)
-
     def fusion_summary(self) -> str:
-        linear = next(op for op in self.basic_ops if isinstance(op, BasicLinear))
-        tp = f"TP={self.plan.tp_size}"
+        linear, tp = self.linear, self.tp_label
         if self.mode == "all_gather":
             keep = (
                 "gathered input kept for wgrad"
