@@ -49,6 +49,7 @@ __all__ = [
     "make_quantizer",
     "register_recipe_quantizer",
     "update_delayed_quantizers",
+    "UsageMixin",
 ]
 
 _FP32_MAX = float(torch.finfo(torch.float32).max)
@@ -102,6 +103,22 @@ class _Quantize(torch.autograd.Function):
         if isinstance(grad_out, Float8Tensor):
             grad_out = grad_out.dequantize()
         return grad_out, None, None
+
+
+class UsageMixin:
+    """Transformer Engine's ``set_usage``: which copies of a tensor (row-wise, column-wise)
+    the TE-named quantizers' ``__call__`` makes. One implementation for the per-tensor,
+    block-scaled and NVFP4 TE quantizers; each ``__call__`` says what a usage means for
+    its tensor type."""
+
+    rowwise_usage: bool = True
+    columnwise_usage: bool = True
+
+    def set_usage(self, *, rowwise: Optional[bool] = None, columnwise: Optional[bool] = None) -> None:
+        if rowwise is not None:
+            self.rowwise_usage = bool(rowwise)
+        if columnwise is not None:
+            self.columnwise_usage = bool(columnwise)
 
 
 class Quantizer(abc.ABC):

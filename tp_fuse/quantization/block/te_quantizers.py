@@ -19,6 +19,7 @@ from typing import Optional, Union
 import torch
 
 from ...recipe import Float8BlockScaling, MXFP8BlockScaling
+from ..quantizer import UsageMixin
 from .quantizer import BlockScalingQuantizer
 from .scaling import BlockSpec, ScaleRule
 from .tensor import BlockScaledTensor
@@ -34,18 +35,9 @@ def _fp8(dtype: Union[DType, torch.dtype], what: str) -> torch.dtype:
     return out
 
 
-class _BlockUsage:
-    """TE's ``set_usage`` and ``quantizer(x)``: which copies (row-wise, column-wise) a
-    call makes; both are quantized from high precision."""
-
-    rowwise_usage: bool = True
-    columnwise_usage: bool = True
-
-    def set_usage(self, *, rowwise: Optional[bool] = None, columnwise: Optional[bool] = None) -> None:
-        if rowwise is not None:
-            self.rowwise_usage = bool(rowwise)
-        if columnwise is not None:
-            self.columnwise_usage = bool(columnwise)
+class _BlockUsage(UsageMixin):
+    """TE's ``quantizer(x)`` for block-scaled tensors: the copies (row-wise, column-wise)
+    ``set_usage`` asked for, both quantized from high precision."""
 
     def __call__(self, tensor: torch.Tensor) -> BlockScaledTensor:
         """Quantize ``tensor`` into the copies set by ``set_usage`` (straight-through autograd)."""

@@ -29,7 +29,7 @@ from ... import kernels
 from ...recipe import Float8CurrentScaling, Format, fp8_dtype_max
 from .tensor import Float8Tensor
 from ..te_dtype import DType, as_torch_dtype
-from ..quantizer import CurrentScalingQuantizer, Quantizer, _amax, _with_transpose
+from ..quantizer import CurrentScalingQuantizer, Quantizer, UsageMixin, _amax, _with_transpose
 
 __all__ = ["DType", "Float8Quantizer", "Float8CurrentScalingQuantizer", "as_torch_dtype"]
 
@@ -40,19 +40,10 @@ def _fp8(dtype: Union[DType, torch.dtype], what: str) -> torch.dtype:
     return out
 
 
-class _UsageMixin:
-    """TE's ``set_usage``: which layouts a quantized tensor carries. Here a
-    Float8Tensor always has its row-wise bytes and builds the column-wise (transposed)
-    bytes on demand; ``columnwise`` only decides whether they are written at cast time."""
-
-    rowwise_usage: bool = True
-    columnwise_usage: bool = True
-
-    def set_usage(self, *, rowwise: Optional[bool] = None, columnwise: Optional[bool] = None) -> None:
-        if rowwise is not None:
-            self.rowwise_usage = bool(rowwise)
-        if columnwise is not None:
-            self.columnwise_usage = bool(columnwise)
+class _UsageMixin(UsageMixin):
+    """TE's ``set_usage`` and ``quantizer(x)`` for Float8Tensors. A Float8Tensor always
+    has its row-wise bytes and builds the column-wise (transposed) bytes on demand;
+    ``columnwise`` only decides whether they are written at cast time."""
 
     def __call__(self, tensor: torch.Tensor) -> Float8Tensor:
         """Quantize ``tensor`` (differentiable, straight-through); the result keeps this

@@ -33,7 +33,7 @@ from ..block.tensor import BlockPayload, BlockScaledTensor
 from .scaling_4over6 import E4M3_MAXES, ERR_MODES, transpose_nvfp4_2d
 from .cast import quantize_nvfp4_layout
 from .scaling import NVFP4_BLOCK, NVFP4_BLOCK_2D, _check_cols, apply_rht
-from ..quantizer import Quantizer, is_backward_role, register_recipe_quantizer
+from ..quantizer import Quantizer, UsageMixin, is_backward_role, register_recipe_quantizer
 from ..te_dtype import DType, as_torch_dtype
 
 __all__ = ["NVFP4Quantizer"]
@@ -48,7 +48,7 @@ def _amax(x: torch.Tensor) -> torch.Tensor:
     return x.detach().abs().amax().to(torch.float32)
 
 
-class NVFP4Quantizer(BlockScalingQuantizer):
+class NVFP4Quantizer(UsageMixin, BlockScalingQuantizer):
     """Quantizes to NVFP4 :class:`BlockScaledTensor` s (``recipe_name == "nvfp4"``).
 
     Args (Transformer Engine's):
@@ -160,12 +160,6 @@ class NVFP4Quantizer(BlockScalingQuantizer):
         return q
 
     # ------------------------------------------------------------------ TE API
-    def set_usage(self, *, rowwise: Optional[bool] = None, columnwise: Optional[bool] = None) -> None:
-        if rowwise is not None:
-            self.rowwise_usage = bool(rowwise)
-        if columnwise is not None:
-            self.columnwise_usage = bool(columnwise)
-
     def __call__(self, tensor: torch.Tensor) -> BlockScaledTensor:
         """Quantize ``tensor`` into the copies set by ``set_usage`` (straight-through autograd)."""
         if not (self.rowwise_usage or self.columnwise_usage):
