@@ -14,7 +14,7 @@ such a tensor as is when it holds the copies its GEMMs read).
 
 from __future__ import annotations
 
-from typing import Optional, Union
+from typing import Union
 
 import torch
 
