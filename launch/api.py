@@ -21,7 +21,8 @@ from omegaconf import OmegaConf
 
 from .config import CONFIG_DIR, TrainConfig, from_dict, validate
 from .models.build import ModelFactory
-from .runtime import env_world_size
+from .runtime import env_world_size, start
+from .trainer import Trainer
 
 __all__ = ["CONFIG_DIR", "compose", "train"]
 
@@ -38,8 +39,6 @@ def compose(overrides: list[str]) -> TrainConfig:
 
 def train(overrides: list[str], run_dir: str, model_factory: Optional[ModelFactory] = None):
     """Validate, start, train and shut down, in this process; returns the ``TrainResult``."""
-    from .runtime import start
-    from .trainer import Trainer
 
     cfg = compose(overrides)
     layout = validate(cfg, env_world_size())

@@ -26,6 +26,7 @@ from tp_fuse.overlap.config import OverlapConfig as TPOverlapConfig
 
 from .models.hf import gpt_fields
 from .tokenizer import check_tokenizer_choice
+from tp_fuse.debug import DebugSession
 
 __all__ = [
     "CONFIG_DIR",
@@ -604,7 +605,6 @@ def _check_overlap_yaml(path: str) -> None:
 def _check_debug_config(cfg: TrainConfig) -> None:
     """Parse the debug feature YAML now (every key, feature and option is checked);
     only matching layer names has to wait for the model."""
-    from tp_fuse.debug import DebugSession
 
     try:
         session = DebugSession(cfg.debug.config)

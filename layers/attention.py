@@ -26,6 +26,7 @@ from .layernorm_linear import LayerNormLinear
 from .random import DropoutRNG, maybe_fork
 from .rope import RotaryEmbedding, apply_rotary
 from .sharding import divide, normal_init
+from tp_fuse.ops import MakeExtraOutput
 
 __all__ = ["DotProductAttention", "MultiheadAttention"]
 
@@ -156,7 +157,6 @@ class MultiheadAttention(torch.nn.Module):
         else:
             ops: "OrderedDict[str, BasicOperation]" = OrderedDict()
             if residual_connection:
-                from tp_fuse.ops import MakeExtraOutput
 
                 ops["residual"] = MakeExtraOutput()
             ops.update(column_parallel_ops(ctx.child("qkv"), hidden_size, qkv_size, bias=bias, comm_name="qkv",

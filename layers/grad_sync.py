@@ -26,13 +26,13 @@ import torch
 import torch.distributed as dist
 
 from .sharding import tp_rank_and_size
+from tp_fuse.comm import all_reduce
 
 __all__ = ["sync_sequence_parallel_grad", "sync_sharded_activation_grad", "is_sequence_parallel_grad_synced"]
 
 
 def _make_hook(group: dist.ProcessGroup):
     def hook(grad: torch.Tensor) -> torch.Tensor:
-        from tp_fuse.comm import all_reduce
 
         # Not in place (comm's default copies): the incoming grad may be shared with
         # other autograd branches.

@@ -26,6 +26,8 @@ import torch.distributed as dist
 from tp_fuse.ops import BasicOperation, OperationContext
 
 from .sharding import tp_rank_and_size
+from tp_fuse.comm import all_reduce
+from tp_fuse.comm import all_gather_dim0
 
 __all__ = [
     "CopyToTensorParallelRegion",
@@ -36,14 +38,12 @@ __all__ = [
 
 
 def _all_reduce(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-    from tp_fuse.comm import all_reduce
 
     return all_reduce(x.contiguous(), group)
 
 
 def all_gather_last_dim(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     """Concatenate every rank's ``x [..., n]`` along the last dim -> ``[..., n * tp]``."""
-    from tp_fuse.comm import all_gather_dim0
 
     # comm gathers along dim 0: move the last dim first, gather, move it back.
     moved = x.movedim(-1, 0).contiguous()  # [n, ...]

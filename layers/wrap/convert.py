@@ -84,6 +84,7 @@ from .report import WrapReport
 from .verify import compare, make_probe
 from .hf_plans import FamilyPlan, family_plan
 from .plan_styles import FusedColumn
+from tp_fuse.quantization import autocast
 
 __all__ = ["wrap", "ParallelLinearAdapter", "WrapReport"]
 
@@ -514,7 +515,6 @@ class _AutocastForward:
         self.module, self.recipe, self.group = module, recipe, group
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        from tp_fuse.quantization import autocast
 
         with autocast(recipe=self.recipe, amax_reduction_group=self.group):
             return type(self.module).forward(self.module, *args, **kwargs)

@@ -52,6 +52,7 @@ from .hooks import LinearDebugHooks
 from .naming import hooks_for, name_linears
 from ..ops.basic._checks import maybe_dequantize
 from .stats import StatsBuffer, block_fp8_components, fp8_components
+from ..quantization import BlockScaledTensor, Float8Tensor
 
 __all__ = ["Fp8StatsCollector", "FP8_STAT_NAMES"]
 
@@ -96,7 +97,6 @@ class Fp8StatsCollector:
 
     def record(self, hooks: LinearDebugHooks, role: str, hp: torch.Tensor, q: Any, quantizer: Any) -> None:
         """One cast ``hp -> q`` (a Float8Tensor or BlockScaledTensor) of ``role`` by ``hooks``' layer."""
-        from ..quantization import BlockScaledTensor, Float8Tensor
 
         key = f"fp8/{hooks.layer}/{hooks.gemm_name}/{role}"
         if isinstance(q, BlockScaledTensor) and q._rowwise is not None:

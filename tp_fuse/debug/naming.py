@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from .hooks import LinearDebugHooks
+from ..ops.basic.basic_linear import BasicLinear
 
 __all__ = ["LinearName", "hooks_for", "name_linears"]
 
@@ -53,7 +54,6 @@ def name_linears(model: torch.nn.Module) -> list[LinearName]:
     Names are unique: if two ops would share one (e.g. two GEMMs with the same
     ``comm_name`` in one layer), their full module paths are used instead.
     """
-    from ..ops.basic.basic_linear import BasicLinear
 
     found = []
     seen: set[int] = set()

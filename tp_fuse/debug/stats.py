@@ -32,6 +32,8 @@ from tp_fuse.comm.nccl_rules import check_collective
 
 from ..quantization.block.scaling import expand_scales
 from ..recipe import low_precision_max
+from ..quantization import scaling
+from ..quantization.quantizer import CurrentScalingQuantizer
 
 __all__ = [
     "FP8_STATS",
@@ -156,8 +158,6 @@ def simulate_fp8_cast(x: torch.Tensor, quantizer: Any) -> tuple[torch.Tensor, to
     quantizer's current ``scale``; current scaling computes ``fp8_max / amax(x)``
     locally (without the group all-reduce a real cast would do).
     """
-    from ..quantization import scaling
-    from ..quantization.quantizer import CurrentScalingQuantizer
 
     xf = x.detach().to(torch.float32)
     if isinstance(quantizer, CurrentScalingQuantizer):

@@ -38,6 +38,7 @@ from typing import Iterator, Optional
 import torch
 
 from .fp8_emulation import CPU_FP8_GEMM_ENV, cpu_fp8_gemm_path
+from ._common import triton_dtype_issue
 
 __all__ = [
     "BACKENDS",
@@ -304,7 +305,6 @@ def planned_backend(kernel: str, device: torch.device, dtype: Optional[torch.dty
     Applies the device and dtype rules (float64 runs on torch); per-call shape limits,
     such as the Triton norm kernels' row width, are not known here.
     """
-    from ._common import triton_dtype_issue
 
     if kernel == "fp8_gemm":
         return select_fp8_gemm_backend(device, None, triton_unsupported=triton_dtype_issue(dtype))

@@ -27,6 +27,8 @@ from .op import (
 )
 from ..overlap.userbuffers_setup import ub_generation
 from .output_aliasing import aliasing_outputs, input_versions, outputs_safe_for_inplace
+from ..quantization import active_autocast
+from ..quantization import Float8Tensor
 
 # Fused ops as stored by the fuser: the op and the indices of its basic ops.
 OpRun = tuple[FusibleOperation, list[int]]
@@ -35,7 +37,6 @@ OpRun = tuple[FusibleOperation, list[int]]
 def _fusion_key() -> Any:
     """What the fusion decisions depend on: the FP8 recipe in force (or none), and the
     overlap objects ``initialize_ub`` registered (once it has been called)."""
-    from ..quantization import active_autocast
 
     state = active_autocast()
     key = None if state is None else state.fusion_key
@@ -66,7 +67,6 @@ def _no_torch_autocast(device_type: str, autocast_dtype: Optional[torch.dtype]) 
 def _cast(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """``x`` in ``dtype``; a Float8Tensor keeps its bytes and only changes its nominal
     dtype (the dtype it dequantizes to and GEMMs write)."""
-    from ..quantization import Float8Tensor
 
     if isinstance(x, Float8Tensor):
         return Float8Tensor.from_parts(x._data, x._scale_inv, dtype)
@@ -74,7 +74,6 @@ def _cast(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 def _current_recipe() -> Any:
-    from ..quantization import active_autocast
 
     state = active_autocast()
     return None if state is None else state.recipe

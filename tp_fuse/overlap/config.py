@@ -64,6 +64,7 @@ from typing import Any, Optional, Union
 import yaml
 
 from .auto import OverlapAutoTuner
+from tp_fuse.comm import UserBufferPool
 
 __all__ = [
     "AUTO",
@@ -411,7 +412,6 @@ class TPOverlap:
         check_shapes: bool = False,
         tuner: Optional[OverlapAutoTuner] = None,
     ) -> None:
-        from tp_fuse.comm import UserBufferPool
 
         if config is None:
             config = OverlapConfig()

@@ -9,6 +9,7 @@ import torch.distributed as dist
 
 from ..stats import FP8_STATS, components_for, fp8_components, simulate_fp8_cast
 from .api import StatsLoggingFeature
+from ...quantization import Float8Tensor
 
 __all__ = ["LogFp8TensorStats"]
 
@@ -40,7 +41,6 @@ class LogFp8TensorStats(StatsLoggingFeature):
         iteration: int,
         tp_group: Optional[dist.ProcessGroup],
     ) -> None:
-        from ...quantization import Float8Tensor
 
         q = rowwise_quantized_tensor
         if isinstance(q, Float8Tensor):

@@ -12,6 +12,7 @@ from typing import Any, Optional
 import torch
 
 from ..op import require
+from ...quantization import is_quantized_tensor
 
 
 def maybe_dequantize(x: torch.Tensor) -> torch.Tensor:
@@ -21,8 +22,6 @@ def maybe_dequantize(x: torch.Tensor) -> torch.Tensor:
     """
     if type(x) is torch.Tensor:
         return x
-    # Imported lazily: tp_fuse.quantization imports the ops package.
-    from ...quantization import is_quantized_tensor
 
     if is_quantized_tensor(x):
         return x.dequantize()

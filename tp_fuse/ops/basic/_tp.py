@@ -3,17 +3,15 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Optional
+from typing import Optional
 
 import torch
 import torch.distributed as dist
 
 from tp_fuse.comm import ShapeAgreement
 
+from ...overlap.config import TPOverlap
 from ..op import BasicOperation, require
-
-if TYPE_CHECKING:
-    from ...overlap.config import TPOverlap
 
 
 def group_size(group: Optional[dist.ProcessGroup]) -> int:
@@ -55,8 +53,6 @@ class TPCommOperation(BasicOperation):
         overlap: Optional["TPOverlap"] = None,
     ) -> None:
         super().__init__()
-        from ...overlap.config import TPOverlap
-
         if process_group is not None and not isinstance(process_group, dist.ProcessGroup):
             raise ValueError(
                 f"{type(self).__name__}: process_group must be a torch.distributed.ProcessGroup "
@@ -88,8 +84,6 @@ class TPCommOperation(BasicOperation):
     def default_overlap(self) -> "TPOverlap":
         """This op's own ``TPOverlap()`` (created on first use; owns its workspace pool)."""
         if self._default_overlap is None:
-            from ...overlap.config import TPOverlap
-
             self._default_overlap = TPOverlap()
         return self._default_overlap
 

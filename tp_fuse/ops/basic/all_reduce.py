@@ -9,6 +9,7 @@ import torch
 from ..op import OperationContext
 from ._checks import maybe_dequantize
 from ._tp import TPCommOperation
+from tp_fuse.comm import all_reduce
 
 
 class AllReduce(TPCommOperation):
@@ -25,7 +26,6 @@ class AllReduce(TPCommOperation):
     """
 
     def op_forward(self, ctx: OperationContext, input_: torch.Tensor, **unused: Any) -> torch.Tensor:
-        from tp_fuse.comm import all_reduce
 
         if self.tp_size == 1:
             return input_

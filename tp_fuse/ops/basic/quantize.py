@@ -8,6 +8,8 @@ import torch
 
 from ..extra_state import QuantizerStateMixin
 from ..op import BasicOperation, OperationContext
+from ...quantization import OpQuantizers
+from ...quantization import BlockScalingQuantizer, active_autocast, is_quantized_tensor
 
 
 class Quantize(QuantizerStateMixin, BasicOperation):
@@ -25,7 +27,6 @@ class Quantize(QuantizerStateMixin, BasicOperation):
 
     def __init__(self, forward: bool = True, backward: bool = False) -> None:
         super().__init__()
-        from ...quantization import OpQuantizers
 
         self._quantize_forward = bool(forward)
         self._quantize_backward = bool(backward)
@@ -38,7 +39,6 @@ class Quantize(QuantizerStateMixin, BasicOperation):
         return names if enabled else []
 
     def op_forward(self, ctx: OperationContext, input_: torch.Tensor, **unused: Any) -> torch.Tensor:
-        from ...quantization import BlockScalingQuantizer, active_autocast, is_quantized_tensor
 
         state = active_autocast()
         ctx.quantize_grad = False

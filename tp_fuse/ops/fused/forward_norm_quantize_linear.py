@@ -25,6 +25,7 @@ from ..op import FusedOperation, FusibleOperation, OperationContext
 from .forward_linear_bias_activation import ForwardLinearBiasActivation
 from .forward_linear_bias_add import ForwardLinearBiasAdd
 from .forward_linear_scale_add import ForwardLinearScaleAdd
+from ...quantization import active_autocast
 
 Norm = Union[LayerNorm, RMSNorm]
 
@@ -106,7 +107,6 @@ class ForwardNormQuantizeLinear(FusedOperation):
         basic_op_kwargs: list[dict[str, Any]],
         **unused: Any,
     ) -> tuple[torch.Tensor, list[tuple[torch.Tensor, ...]]]:
-        from ...quantization import active_autocast
 
         norm = self.basic_ops[0]
         assert isinstance(norm, (LayerNorm, RMSNorm))
