@@ -35,6 +35,7 @@ class StepHealth:
     reasons: list[str]  # empty when finite
     in_a_row: int  # consecutive non-finite steps, this one included
     nonfinite_amax_total: int  # cumulative non-finite amaxes met by this rank's quantizers
+    stop_signal: int = 0  # a stop signal's number if any rank got one (tp_fuse.launch.preemption), else 0
 
 
 class NonfiniteGuard:
@@ -76,16 +77,23 @@ class NonfiniteGuard:
             self._seen[name] = count
         return grew, total
 
-    def check(self, step: int, loss: torch.Tensor, grad_norm: torch.Tensor) -> StepHealth:
-        """The verdict on ``step`` (a collective over ``group``: call it on every rank)."""
+    def check(self, step: int, loss: torch.Tensor, grad_norm: torch.Tensor, stop_signal: int = 0) -> StepHealth:
+        """The verdict on ``step`` (a collective over ``group``: call it on every rank).
+
+        ``stop_signal``: the number of a stop signal this rank received (0: none). It rides
+        in the same all-reduce (MAX), so that all ranks agree to stop after this step
+        without a collective of their own; :attr:`StepHealth.stop_signal` is the result.
+        """
         grew, total = self._amax_news()
         local = torch.tensor(
-            [float(not math.isfinite(float(loss))), float(bool(grew)), float(not math.isfinite(float(grad_norm)))],
+            [float(not math.isfinite(float(loss))), float(bool(grew)), float(not math.isfinite(float(grad_norm))),
+             float(stop_signal)],
             dtype=torch.float32, device=self.device,
         )
         if self.group is not None and dist.get_world_size(self.group) > 1:
             dist.all_reduce(local, op=dist.ReduceOp.MAX, group=self.group)
-        loss_bad, amax_bad, norm_bad = (bool(v) for v in local.tolist())
+        flags = local.tolist()
+        loss_bad, amax_bad, norm_bad = (bool(v) for v in flags[:3])
         reasons = []
         if loss_bad:
             reasons.append("loss is NaN/inf")
@@ -95,7 +103,7 @@ class NonfiniteGuard:
             where = f" ({', '.join(grew[:3])}{', ...' if len(grew) > 3 else ''})" if grew else " (on another rank)"
             reasons.append(f"an FP8 amax was NaN/inf{where}")
         self.in_a_row = self.in_a_row + 1 if reasons else 0
-        return StepHealth(not reasons, reasons, self.in_a_row, total)
+        return StepHealth(not reasons, reasons, self.in_a_row, total, int(flags[3]))
 
     def stop_if_diverged(self, step: int, health: StepHealth, last_checkpoint: Optional[str]) -> None:
         """Raise :class:`TrainingDivergedError` once the policy's limit is passed."""

@@ -16,13 +16,15 @@ torchrun the ranks would disagree by a second and each write its own files. So:
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
+import gc
 import os
 import socket
 import sys
 import time
 from datetime import timedelta
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -117,6 +119,9 @@ class Runtime:
     device: torch.device
     dtype: torch.dtype
     run_dir: str
+    #: Called (last added first) by :meth:`shutdown` and :meth:`abort`: what the job holds
+    #: until it ends, e.g. the checkpoint directory's lock.
+    cleanups: list[Callable[[], None]] = dataclasses.field(default_factory=list, repr=False)
 
     @property
     def rank(self) -> int:
@@ -129,14 +134,26 @@ class Runtime:
     def barrier(self) -> None:
         dist.barrier(group=self.topology.world_group)
 
+    def add_cleanup(self, fn: Callable[[], None]) -> None:
+        """Run ``fn`` when the job ends (:meth:`shutdown` or :meth:`abort`), once."""
+        self.cleanups.append(fn)
+
+    def _run_cleanups(self) -> None:
+        while self.cleanups:
+            self.cleanups.pop()()
+
     def shutdown(self) -> None:
+        self._run_cleanups()
         self.dist.shutdown()
 
     def abort(self) -> None:
         """Tear the process group down after an error on this rank, so that peers blocked
         in a collective with it fail at once ("connection closed by peer") instead of
         waiting for ``parallel.timeout_s``."""
-        self.dist.abort()
+        try:
+            self._run_cleanups()
+        finally:
+            self.dist.abort()
 
 
 def _device_type(requested: str) -> str:
@@ -180,6 +197,31 @@ def _init_torchrun_group(device_type: str, timeout: timedelta) -> bool:
     return True
 
 
+def _free_process_groups_before_finalization() -> None:
+    """atexit: destroy the ProcessGroup objects still alive while the interpreter is intact.
+
+    Why (issue 24, the intermittent ``terminate called without an active exception`` of
+    rank 1 at exit, SIGABRT): ``destroy_process_group`` unregisters the groups, but the
+    TP/DP subgroups stay referenced by the model and topology, often in reference cycles
+    that only the interpreter's final garbage collection frees. A gloo worker thread drops
+    its reference to a finished collective (e.g. the last ``broadcast_object_list``) a
+    moment after the caller's ``wait()`` returned; its tensors have Python objects, so it
+    needs the GIL. When the main thread reaches ``Py_FinalizeEx`` before the worker got
+    the GIL (rank 1 has little left to do after the last save; the abort was never seen
+    on rank 0), CPython ends the worker with a forced unwind through a ``noexcept`` C++
+    destructor: ``std::terminate``. A core dump shows exactly that (worker in
+    ``AsyncBroadcastWork::~AsyncBroadcastWork`` -> ``take_gil`` -> ``pthread_exit``, main
+    thread in the finalization GC). atexit handlers run before finalization starts: the
+    collection here frees those cycles (and a traceback kept in ``sys.last_*``), and
+    torch destroys a ProcessGroupGloo with the GIL released, joining its worker threads,
+    which can then take the GIL and finish.
+    """
+    for name in ("last_type", "last_value", "last_traceback", "last_exc"):
+        if getattr(sys, name, None) is not None:
+            setattr(sys, name, None)
+    gc.collect()
+
+
 def start(cfg: TrainConfig, layout: ParallelLayout, proposed_run_dir: str) -> Runtime:
     """Initialize process groups and the topology; agree on rank 0's run directory.
 
@@ -188,6 +230,8 @@ def start(cfg: TrainConfig, layout: ParallelLayout, proposed_run_dir: str) -> Ru
     """
     device_type = _device_type(cfg.trainer.device)
     timeout = timedelta(seconds=cfg.parallel.timeout_s)
+    atexit.unregister(_free_process_groups_before_finalization)  # once, however often start() runs
+    atexit.register(_free_process_groups_before_finalization)
     created = _init_torchrun_group(device_type, timeout)
     ctx = init_distributed(device_type=device_type, timeout=timeout)
     # comm describes a group it did not create; the runtime then owns it.

@@ -32,6 +32,8 @@ import tokenizers
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
+from tp_fuse.safe_files import write_atomic
+
 __all__ = [
     "BPE_RECIPE",
     "ByteTokenizer",
@@ -170,9 +172,9 @@ def train_bpe(text: str, vocab_size: int, path: str) -> None:
     )
     tok.train_from_iterator(text.split("\n\n"), trainer)
     os.makedirs(os.path.dirname(path), exist_ok=True)
-    tmp = f"{path}.tmp-{os.getpid()}"
-    tok.save(tmp)
-    os.replace(tmp, path)
+    # An exclusively created temporary file, not "<path>.tmp-<pid>" (a guessable name a
+    # planted link could redirect), renamed into place.
+    write_atomic(path, tok.to_str(pretty=True), fsync=False)
 
 
 def build_tokenizer(

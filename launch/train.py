@@ -29,8 +29,6 @@ if "tp_fuse" not in sys.modules and os.path.isfile(os.path.join(_ROOT, "tp_fuse"
     sys.modules["tp_fuse"] = _tp_fuse = importlib.util.module_from_spec(_spec)
     _spec.loader.exec_module(_tp_fuse)
 
-import logging  # noqa: E402  (the standard library's, now that launch/ is off sys.path)
-
 import hydra  # noqa: E402
 from hydra.core.hydra_config import HydraConfig  # noqa: E402
 from omegaconf import DictConfig, OmegaConf  # noqa: E402
@@ -62,6 +60,9 @@ def run(raw: DictConfig) -> Optional[float]:
             if env_rank() == 0:
                 print(f"[tp-fuse] error: {exc}", file=sys.stderr, flush=True)
             raise SystemExit(1) from None
+        except KeyboardInterrupt:  # Ctrl-C outside the training loop (which stops with a save)
+            rt.abort()
+            _interrupted()
         except BaseException:
             rt.abort()  # peers blocked in a collective with this rank fail now, not at the timeout
             raise
@@ -69,22 +70,12 @@ def run(raw: DictConfig) -> Optional[float]:
     return result.final_loss
 
 
-def exit_without_teardown(code: int) -> None:
-    """End a finished job without the interpreter's teardown (logs flushed first).
-
-    By now training is over, the process group destroyed, checkpoints and W&B closed.
-    What is left is a race in that teardown: gloo's worker threads release a completed
-    collective's tensors on their own, and when that last release (a Python-made tensor,
-    e.g. from ``broadcast_object_list``) comes while Python finalizes, the thread is ended
-    with ``pthread_exit`` inside a C++ destructor and the process aborts ("terminate called
-    without an active exception", SIGABRT). Seen in about 1 of 7 runs after an elastic
-    restart on this machine; core dump: ``ProcessGroupGloo::runLoop -> ~AsyncBroadcastWork
-    -> decref -> take_gil -> PyThread_exit_thread``. Skipping finalization avoids it.
-    """
-    logging.shutdown()  # Hydra's file handlers (the job log)
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
+def _interrupted() -> None:
+    """SIGINT before or after the training loop: one line, no traceback, status 130."""
+    if env_rank() == 0:
+        print("[tp-fuse] interrupted (SIGINT) outside the training loop; nothing was saved", file=sys.stderr,
+              flush=True)
+    raise SystemExit(130) from None
 
 
 @hydra.main(version_base="1.3", config_path="../configs", config_name="train")
@@ -98,5 +89,7 @@ if __name__ == "__main__":
     if error is not None:
         report_and_exit(error, env_rank())
     sys.argv += rank_overrides(sys.argv[1:])
-    main()
-    exit_without_teardown(0)
+    try:
+        main()
+    except KeyboardInterrupt:  # during start-up: Hydra, imports, process-group rendezvous
+        _interrupted()

@@ -12,6 +12,7 @@ One optimizer step::
     every log_interval: metrics (+ FP8 statistics) -> metrics.jsonl / W&B
     every val_interval: validation loss (high precision: never touches FP8 state)
     every checkpoint.interval: atomic distributed checkpoint
+    SIGTERM/SIGUSR1/SIGINT (agreed in the health all-reduce): checkpoint, stop (tp_fuse.launch.preemption)
 
 Deterministic: batches depend only on the step (``tp_fuse.launch.data``), initialization only
 on the seed, and all reductions run in a fixed order, so a resumed run repeats the
@@ -46,6 +47,7 @@ from .models.build import ModelFactory, build_model, build_recipe, fp8_autocast,
 from .optim import build_optimizer, lr_at, set_lr
 from .logging.progress import Progress
 from .logging.report import format_eta
+from .preemption import StopSignals, signal_name
 from .runtime import Runtime, job_key, restart_count
 from .startup import announce, presize_overlap_buffers, say
 
@@ -63,6 +65,7 @@ class TrainResult:
     run_dir: str
     checkpoint: Optional[str]  # last checkpoint written, if any
     resumed_loss: Optional[float] = None  # loss of the resumed checkpoint's step (from its manifest)
+    stopped_by: Optional[str] = None  # "SIGTERM", ...: stopped early by a signal, after saving (tp_fuse.launch.preemption)
 
     @property
     def already_complete(self) -> bool:
@@ -140,6 +143,7 @@ class Trainer:
             ck.dir if ck.dir is not None else os.path.join(rt.run_dir, "checkpoints"),
             rt, keep=ck.keep, verify=ck.verify,
         )
+        rt.add_cleanup(self.ckpt.release)  # the directory's lock is held until the job ends
         self.start_step = self._maybe_resume()
         self._quantizer_map: dict[str, object] = {}
         self.guard = NonfiniteGuard(tr.max_nonfinite_steps, topo.world_group, rt.device, self._watched_quantizers)
@@ -238,6 +242,7 @@ class Trainer:
         losses: dict[int, float] = {}
         val_losses: dict[int, float] = {}
         last_ckpt: Optional[str] = None
+        stopped_by: Optional[str] = None
         exit_code = 1
         if self.start_step >= tr.max_steps:
             if rt.is_rank0:
@@ -247,6 +252,7 @@ class Trainer:
             progress.close()
             self.sink.close(0)
             return TrainResult(self.start_step, self.start_step, {}, {}, rt.run_dir, None, self.state.last_loss)
+        signals = StopSignals().install()  # SIGTERM/SIGUSR1/SIGINT: finish the step, save, stop
         try:
             last_step = tr.max_steps if tr.exit_at_step is None else min(tr.exit_at_step, tr.max_steps)
             for step in range(self.start_step + 1, last_step + 1):
@@ -267,7 +273,7 @@ class Trainer:
                 t_comm = time.perf_counter() - t_comm
                 norm = global_grad_norm(self.model, topo.tp_group, rt.layout.tp,
                                         self.sharded_dp.shard_group if self.sharded_dp is not None else None)
-                health = self.guard.check(step, loss, norm)
+                health = self.guard.check(step, loss, norm, signals.signum)
                 finite = health.finite
                 if finite:
                     clip_grads(self.params, norm, cfg.optim.grad_clip)
@@ -323,12 +329,22 @@ class Trainer:
                 # After logging (the failing step is in the logs), before any save.
                 self.guard.stop_if_diverged(step, health, last_ckpt or self.ckpt.latest_of_run())
                 ck = cfg.checkpoint
-                exiting = tr.exit_at_step == step and step < tr.max_steps
+                # All ranks agreed on the signal in the health all-reduce: stop at the same step.
+                stopping = bool(health.stop_signal) and step < last_step
+                exiting = (tr.exit_at_step == step and step < tr.max_steps) or stopping
                 if (ck.interval and step % ck.interval == 0) or (ck.save_final and step == tr.max_steps) or exiting:
                     last_ckpt = self.ckpt.save(self.state)
+                if stopping:
+                    stopped_by = signal_name(health.stop_signal)
+                    if rt.is_rank0:
+                        print(f"[tp-fuse] {stopped_by}: stopped after step {step} of {tr.max_steps}; checkpoint "
+                              f"saved: {last_ckpt}. Continue with checkpoint.resume=auto and the same checkpoint.dir",
+                              file=sys.stderr, flush=True)
+                    break
             exit_code = 0
         finally:
+            signals.uninstall()
             progress.close()
             self.sink.close(exit_code)
         last = max(losses) if losses else self.start_step
-        return TrainResult(self.start_step, last, losses, val_losses, rt.run_dir, last_ckpt)
+        return TrainResult(self.start_step, last, losses, val_losses, rt.run_dir, last_ckpt, stopped_by=stopped_by)

@@ -31,6 +31,7 @@ Rules of the game:
 
 from __future__ import annotations
 
+import gc
 import os
 import pickle
 import queue
@@ -89,6 +90,12 @@ def _worker(
         results.put((rank, "ok", pickle.dumps(value)))
     except BaseException:  # noqa: BLE001 - everything must reach the parent
         results.put((rank, "error", traceback.format_exc()))
+    finally:
+        # Subgroups held in reference cycles would otherwise be freed by the interpreter's
+        # final collection, where a gloo worker thread that still needs the GIL aborts the
+        # process ("terminate called without an active exception"); see
+        # launch/runtime.py:_free_process_groups_before_finalization.
+        gc.collect()
 
 
 def run_distributed(

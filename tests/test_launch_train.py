@@ -26,13 +26,20 @@ TINY = [
 ]
 
 
-def torchrun(args: list[str], cwd: str, *, nproc: int = 2, extra: tuple[str, ...] = (), timeout: int = 240,
-             env: dict | None = None) -> subprocess.CompletedProcess:
-    """Run launch/train.py under torchrun on a free port chosen by the OS (never a fixed one)."""
+def torchrun_command(args: list[str], *, nproc: int = 2, extra: tuple[str, ...] = (),
+                     env: dict | None = None) -> tuple[list[str], dict[str, str]]:
+    """``(argv, environment)`` of launch/train.py under torchrun on a free port chosen by the OS."""
     base = {k: v for k, v in os.environ.items() if not k.startswith("WANDB_")}
     base.update({"OMP_NUM_THREADS": "1", "HYDRA_FULL_ERROR": "1", "PYTHONPATH": ROOT, **(env or {})})
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", "--rdzv-backend=c10d",
            "--rdzv-endpoint=localhost:0", *extra, os.path.join(ROOT, "launch", "train.py"), *args]
+    return cmd, base
+
+
+def torchrun(args: list[str], cwd: str, *, nproc: int = 2, extra: tuple[str, ...] = (), timeout: int = 240,
+             env: dict | None = None) -> subprocess.CompletedProcess:
+    """Run launch/train.py under torchrun on a free port chosen by the OS (never a fixed one)."""
+    cmd, base = torchrun_command(args, nproc=nproc, extra=extra, env=env)
     proc = subprocess.run(cmd, cwd=cwd, env=base, capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, f"torchrun failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-6000:]}"
     return proc

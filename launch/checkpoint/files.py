@@ -7,12 +7,16 @@ import errno
 import hashlib
 import json
 import os
+import stat
 from typing import Any, Optional
 
 import torch
 from torch.distributed.checkpoint.api import CheckpointException as DCPCheckpointException
 
-from .run_identity import MANIFEST
+from tp_fuse.safe_files import describe_kind, open_regular_file, read_regular_file
+from tp_fuse.safe_files import write_atomic as _write_atomic
+
+from .run_identity import MANIFEST, MANIFEST_LIMIT
 from .safe_dcp import DATA_FILE, METADATA_FILE, CheckpointError, read_metadata
 
 __all__ = [
@@ -30,8 +34,9 @@ FORMAT_VERSION = 1
 
 
 def sha256(path: str) -> str:
+    """SHA-256 of the regular file ``path`` (a link or special file: CheckpointError)."""
     h = hashlib.sha256()
-    with open(path, "rb") as f:
+    with open_regular_file(path, "checkpoint file", error=CheckpointError) as f:
         for block in iter(lambda: f.read(1 << 20), b""):
             h.update(block)
     return h.hexdigest()
@@ -47,12 +52,9 @@ def file_table(directory: str) -> dict[str, dict[str, Any]]:
 
 
 def write_atomic(path: str, text: str) -> None:
-    tmp = f"{path}.tmp"
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    """Replace ``path`` with ``text`` through an exclusively created temporary file
+    (never a fixed ``<path>.tmp``, which a planted symbolic link could redirect)."""
+    _write_atomic(path, text)
 
 
 def chain(exc: BaseException) -> list[BaseException]:
@@ -116,6 +118,12 @@ def _check_manifest_fields(mpath: str, manifest: dict[str, Any]) -> None:
             raise CheckpointError(f"{mpath}: files[{name!r}] is {info!r}, expected {{size: int, sha256: str}}")
     if manifest.get("fp8_recipe") is not None and not isinstance(manifest["fp8_recipe"], str):
         raise CheckpointError(f"{mpath}: field 'fp8_recipe' is {manifest['fp8_recipe']!r}, expected a string or null")
+    hist = manifest.get("amax_history_len")
+    if hist is not None and (not isinstance(hist, int) or isinstance(hist, bool) or hist < 1):
+        raise CheckpointError(f"{mpath}: field 'amax_history_len' is {hist!r}, expected an int >= 1 or null")
+    for key in ("step", "consumed_samples", "world_size", "tp", "dp"):
+        if manifest[key] < (0 if key in ("step", "consumed_samples") else 1):
+            raise CheckpointError(f"{mpath}: field {key!r} is {manifest[key]!r}, out of range")
 
 
 def read_manifest(path: str) -> dict[str, Any]:
@@ -123,16 +131,17 @@ def read_manifest(path: str) -> dict[str, Any]:
     mpath = os.path.join(path, MANIFEST)
     if not os.path.isdir(path):
         raise CheckpointError(f"checkpoint {path} does not exist")
-    if not os.path.isfile(mpath):
+    if not os.path.lexists(mpath):
         raise CheckpointError(
             f"checkpoint {path} is incomplete or not a tp-fuse checkpoint (no {MANIFEST}); "
             "it may be a save that crashed"
         )
     try:
-        with open(mpath) as f:
-            manifest = json.load(f)
-    except (OSError, ValueError) as exc:
-        raise CheckpointError(f"checkpoint {path}: unreadable {MANIFEST}: {exc}") from exc
+        manifest = json.loads(read_regular_file(mpath, MANIFEST_LIMIT, "checkpoint manifest", error=CheckpointError))
+    except CheckpointError:
+        raise
+    except (OSError, ValueError, RecursionError) as exc:  # RecursionError: JSON nested thousands deep
+        raise CheckpointError(f"checkpoint {path}: unreadable {MANIFEST}: {type(exc).__name__}: {exc}") from None
     if not isinstance(manifest, dict):
         raise CheckpointError(f"{mpath}: expected a JSON object, got {type(manifest).__name__}")
     if manifest.get("format") != FORMAT_VERSION:
@@ -145,9 +154,15 @@ def verify_files(path: str, manifest: dict[str, Any], *, verify_hashes: bool) ->
     files = manifest["files"]
     for name, info in files.items():
         fpath = os.path.join(path, name)
-        if not os.path.isfile(fpath):
+        try:
+            st = os.lstat(fpath)
+        except FileNotFoundError:
             return f"file {name} is missing"
-        size = os.path.getsize(fpath)
+        # lstat: a data file that is a symbolic link (to a file outside the checkpoint, or to
+        # /dev/zero) or a FIFO is refused here, before DCP or the hash opens it.
+        if not stat.S_ISREG(st.st_mode):
+            return f"file {name} is {describe_kind(st.st_mode)}, not a regular file (tp-fuse writes none)"
+        size = st.st_size
         if size != info["size"]:
             return f"file {name} has {size} bytes, the manifest says {info['size']}"
         if verify_hashes and sha256(fpath) != info["sha256"]:

@@ -25,7 +25,9 @@ admitting exact (module, name) pairs of data classes and then checked to hold te
 entries only (``tp_fuse.launch.checkpoint.safe_dcp``). Non-tensor state is stored as tensors or JSON.
 Parameters or optimizer state that are not finite are never saved, and retention never
 deletes the newest checkpoint. Which run a directory belongs to, and which checkpoint a
-start resumes, is decided in ``tp_fuse.launch.checkpoint.run_identity``.
+start resumes, is decided in ``tp_fuse.launch.checkpoint.run_identity``; one job at a time holds the
+directory (``tp_fuse.launch.checkpoint.dir_lock``); loaded tensors are range-checked before use
+(``tp_fuse.launch.checkpoint.loaded_state``: e.g. an inf FP8 scale is refused, naming its key).
 
 Resharding: model and optimizer tensors reshard to any TP/DP layout. Per-rank state
 (RNG, FP8 amax histories) is restored per rank when the layout is unchanged; after a
@@ -58,16 +60,23 @@ from tp_fuse.recipe import Recipe
 from ..data import BatchLoader
 from ..models.build import dropout_seed, fp8_quantizers
 from ..runtime import Runtime
+from .dir_lock import DirLock
+from .dir_lock import acquire as acquire_dir_lock
 from .files import FORMAT_VERSION, chain, describe_os_error, describe_write_failure, file_table
 from .files import read_manifest, verify_files, write_atomic
 from .run_identity import MANIFEST, decide_start, decision_from_box, decision_to_box, list_step_dirs
 from .run_identity import read_manifest_run_id
+from .loaded_state import loaded_state_problem
 from .safe_dcp import CheckpointError, SafeFileSystemReader, SafeLoadPlanner
 
 __all__ = ["CheckpointError", "CheckpointManager", "TrainingState", "MANIFEST"]
 
 LATEST = "latest"
 _QUANTIZER_FIELDS = ("scale", "amax_history", "last_amax", "nonfinite_amax_count")
+
+
+def _say(line: str) -> None:
+    print(f"[tp-fuse] {line}", file=sys.stderr, flush=True)
 
 
 @dataclasses.dataclass
@@ -169,6 +178,13 @@ class CheckpointManager:
         self.verify = verify
         self.writer_factory = writer_factory
         self.run_id: Optional[str] = None  # set by :meth:`start`
+        self.lock: Optional[DirLock] = None  # rank 0, from :meth:`start` until :meth:`release`
+
+    def release(self) -> None:
+        """Give up the directory's lock (rank 0; a no-op elsewhere and when not held)."""
+        if self.lock is not None:
+            self.lock.release()
+            self.lock = None
 
     # ---- discovery ----------------------------------------------------------
 
@@ -192,21 +208,30 @@ class CheckpointManager:
     def start(self, resume: Union[bool, str], *, restarted: bool, job: str, overwrite: bool) -> Optional[str]:
         """Decide (rank 0) and agree (all ranks) on the run id and the checkpoint to resume.
 
-        Returns the checkpoint directory to :meth:`load`, or None to start at step 0.
-        Raises :class:`CheckpointError` on every rank when the directory belongs to
-        another run (see :mod:`tp_fuse.launch.checkpoint.run_identity`).
+        Rank 0 first takes the directory's lock for the job's life (:mod:`tp_fuse.launch.checkpoint.dir_lock`;
+        given up by :meth:`release`). Returns the checkpoint directory to :meth:`load`, or
+        None to start at step 0. Raises :class:`CheckpointError` on every rank when another
+        job holds the directory, or it belongs to another run (see :mod:`tp_fuse.launch.checkpoint.run_identity`).
         """
         box: list[Any] = [None, None, [], None]
         if self.rt.is_rank0:
             try:
-                box = decision_to_box(decide_start(self.root, resume, restarted=restarted, job=job,
-                                                   overwrite=overwrite))
+                # The lock first: a second job on this directory must change nothing in it.
+                if self.lock is None:
+                    self.lock = acquire_dir_lock(self.root, job=job, say=_say)
+                decision = decide_start(self.root, resume, restarted=restarted, job=job, overwrite=overwrite)
+                if self.lock is not None:
+                    self.lock.set_run_id(decision.run_id)
+                box = decision_to_box(decision)
+            except CheckpointError as exc:  # the directory is in use, or holds a link or special file
+                box = ["", None, [], str(exc)]
             except OSError as exc:
                 box = ["", None, [], f"checkpoint.dir {self.root}: {exc.strerror or exc} ({exc.filename or ''})"]
         if self.rt.layout.world_size > 1:
             dist.broadcast_object_list(box, src=0, group=self.rt.topology.world_group)
         decision = decision_from_box(box)
         if decision.error is not None:
+            self.release()
             raise CheckpointError(decision.error)
         if self.rt.is_rank0:
             for line in decision.messages:
@@ -417,6 +442,7 @@ class CheckpointManager:
             if ours is not None:
                 raise CheckpointError(f"checkpoint {path}: {ours}") from None
             raise CheckpointError(f"checkpoint {path} could not be loaded: {type(exc).__name__}: {exc}") from exc
+        self._refuse_out_of_range(path, sd)
         self._apply(sd, state_for_load, same_layout)
         state.step = int(sd["train/step"])
         loss = manifest.get("loss")
@@ -425,6 +451,21 @@ class CheckpointManager:
         if not same_layout:
             self._reseed_rng(state)
         return state.step
+
+    def _refuse_out_of_range(self, path: str, sd: dict[str, Any]) -> None:
+        """Raise the same CheckpointError on every rank if any rank loaded state out of range.
+
+        Per-rank FP8 state differs between ranks, so every rank checks what it loaded and
+        the first rank's problem is raised everywhere (one small all-gather, once per load).
+        """
+        problem = loaded_state_problem(sd)
+        problems = [problem]
+        if self.rt.layout.world_size > 1:
+            problems = [None] * self.rt.layout.world_size
+            dist.all_gather_object(problems, problem, group=self.rt.topology.world_group)
+        first = next((p for p in problems if p is not None), None)
+        if first is not None:
+            raise CheckpointError(f"checkpoint {path}: {first}; refusing to resume from it (damaged or crafted?)")
 
     def _check_compatible(self, path: str, manifest: dict[str, Any], state: TrainingState) -> None:
         saved = manifest.get("model", {})

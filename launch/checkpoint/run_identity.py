@@ -31,12 +31,21 @@ import shutil
 import uuid
 from typing import Any, Optional, Union
 
+from tp_fuse.safe_files import read_regular_file, write_atomic
+
+from .safe_dcp import CheckpointError
 
 __all__ = ["IDENTITY_FILE", "StartDecision", "decide_start", "list_step_dirs", "read_manifest_run_id"]
 
 IDENTITY_FILE = "run.json"
 MANIFEST = "tp_fuse_checkpoint.json"
 STEP_DIR = re.compile(r"^step_(\d{8})$")
+LATEST = "latest"
+#: Byte limits of the small files read here (they hold a few hundred bytes; a manifest
+#: lists every data file of the checkpoint, a few hundred bytes per rank).
+IDENTITY_LIMIT = 64 << 10
+LATEST_LIMIT = 4 << 10
+MANIFEST_LIMIT = 64 << 20
 
 
 @dataclasses.dataclass
@@ -58,25 +67,38 @@ def list_step_dirs(root: str) -> list[tuple[int, str, bool]]:
         m = STEP_DIR.match(name)
         path = os.path.join(root, name)
         if m and os.path.isdir(path):
-            out.append((int(m.group(1)), path, os.path.isfile(os.path.join(path, MANIFEST))))
+            # lexists, not isfile: a manifest that is a FIFO or a link to a device counts as
+            # present, so that reading it names the problem instead of skipping it silently.
+            out.append((int(m.group(1)), path, os.path.lexists(os.path.join(path, MANIFEST))))
     return sorted(out)
 
 
 def read_manifest_run_id(checkpoint_dir: str) -> Optional[str]:
-    """The run id a manifest records (None: unreadable, or written before run ids existed)."""
+    """The run id a manifest records (None: missing, not JSON, or written before run ids existed).
+
+    A manifest that is a symbolic link, a FIFO, a device or too large is a
+    :class:`CheckpointError` (it would hang or exhaust memory), not "no run id".
+    """
     try:
-        with open(os.path.join(checkpoint_dir, MANIFEST)) as f:
-            value = json.load(f).get("run_id")
-    except (OSError, ValueError, AttributeError):
+        raw = read_regular_file(os.path.join(checkpoint_dir, MANIFEST), MANIFEST_LIMIT, "checkpoint manifest",
+                                error=CheckpointError)
+        value = json.loads(raw).get("run_id")
+    except (OSError, ValueError, AttributeError) as exc:
+        if isinstance(exc, CheckpointError):
+            raise
         return None
     return value if isinstance(value, str) else None
 
 
 def _read_identity(root: str) -> Optional[dict[str, str]]:
+    """``run.json`` (None: missing or malformed; a special file or link: CheckpointError)."""
     try:
-        with open(os.path.join(root, IDENTITY_FILE)) as f:
-            data = json.load(f)
-    except (OSError, ValueError):
+        raw = read_regular_file(os.path.join(root, IDENTITY_FILE), IDENTITY_LIMIT, "run identity file",
+                                error=CheckpointError)
+        data = json.loads(raw)
+    except (OSError, ValueError) as exc:
+        if isinstance(exc, CheckpointError):
+            raise
         return None
     if not isinstance(data, dict) or not all(isinstance(data.get(k), str) for k in ("run_id", "job")):
         return None
@@ -85,12 +107,7 @@ def _read_identity(root: str) -> Optional[dict[str, str]]:
 
 def _write_identity(root: str, run_id: str, job: str) -> None:
     os.makedirs(root, exist_ok=True)
-    tmp = os.path.join(root, IDENTITY_FILE + ".tmp")
-    with open(tmp, "w") as f:
-        json.dump({"run_id": run_id, "job": job}, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, os.path.join(root, IDENTITY_FILE))
+    write_atomic(os.path.join(root, IDENTITY_FILE), json.dumps({"run_id": run_id, "job": job}))
 
 
 def _skipped_newer(dirs: list[tuple[int, str, bool]], chosen_step: int) -> list[str]:
@@ -105,7 +122,7 @@ def _delete_checkpoints(root: str, dirs: list[tuple[int, str, bool]]) -> None:
     for _, path, _ in dirs:
         shutil.rmtree(path)
     for name in os.listdir(root):
-        if name.startswith((".tmp-step_", ".old-step_")) or name == "latest":
+        if name.startswith((".tmp-step_", ".old-step_")) or name == LATEST:
             path = os.path.join(root, name)
             shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
 
@@ -181,15 +198,16 @@ def decide_start(
     messages += _skipped_newer(dirs, step)
     latest = _read_latest(root)
     if latest is not None and latest != os.path.basename(path):
-        messages.append(f"note: {root}/latest names {latest}, which is not a complete checkpoint")
+        messages.append(f"note: {root}/latest names {latest[:80]!r}, which is not a complete checkpoint")
     return StartDecision(run_id, path, messages)
 
 
 def _read_latest(root: str) -> Optional[str]:
+    """The step directory ``latest`` names (None: missing or not text; a special file: CheckpointError)."""
     try:
-        with open(os.path.join(root, "latest")) as f:
-            return f.read().strip()
-    except OSError:
+        raw = read_regular_file(os.path.join(root, LATEST), LATEST_LIMIT, "checkpoint pointer", error=CheckpointError)
+        return raw.decode("utf-8").strip()
+    except (OSError, UnicodeDecodeError):
         return None
 
 

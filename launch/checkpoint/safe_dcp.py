@@ -35,6 +35,8 @@ from torch.distributed.checkpoint import metadata as dcp_metadata
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.planner import ReadItem
 
+from tp_fuse.safe_files import read_regular_file
+
 __all__ = [
     "ALLOWED_GLOBALS",
     "CheckpointError",
@@ -174,12 +176,8 @@ def read_metadata(checkpoint_dir: str) -> dcp_metadata.Metadata:
     """Unpickle (restricted) and validate ``<checkpoint_dir>/.metadata``."""
     path = os.path.join(str(checkpoint_dir), METADATA_FILE)
     try:
-        size = os.path.getsize(path)
-        if size > MAX_METADATA_BYTES:
-            raise CheckpointError(f"{path}: {size} bytes, more than the {MAX_METADATA_BYTES} a DCP metadata file "
-                                  "of tp-fuse can have; refusing to read it")
-        with open(path, "rb") as f:
-            raw = f.read()
+        # Not getsize + read: getsize is 0 for /dev/zero, and open() waits forever on a FIFO.
+        raw = read_regular_file(path, MAX_METADATA_BYTES, "DCP metadata file", error=CheckpointError)
     except OSError as exc:
         raise CheckpointError(f"{path}: cannot be read: {exc.strerror or exc}") from exc
     try:

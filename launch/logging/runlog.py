@@ -14,6 +14,8 @@ import sys
 from collections.abc import Iterator
 from typing import Any, TextIO
 
+from tp_fuse.safe_files import open_append
+
 __all__ = ["tee_output"]
 
 
@@ -50,8 +52,15 @@ def tee_output(path: str, enabled: bool) -> Iterator[None]:
     if not enabled:
         yield
         return
+    try:
+        # Not open(path, "a"): a train.log planted as a link would be written through.
+        log_file = open_append(path, "run log")
+    except ValueError as exc:  # a link or a special file: the run goes on without its copy
+        print(f"[tp-fuse] WARNING: {exc}; rank 0's output is not copied into it", file=sys.stderr, flush=True)
+        yield
+        return
     old_out, old_err = sys.stdout, sys.stderr
-    with open(path, "a", encoding="utf-8", buffering=1) as log:
+    with log_file as log:
         sys.stdout, sys.stderr = _Tee(old_out, log), _Tee(old_err, log)
         try:
             yield

@@ -18,9 +18,12 @@ import secrets
 import sys
 from typing import Any, Callable
 
+from tp_fuse.safe_files import read_regular_file, write_atomic
+
 __all__ = ["init_with_fallback", "run_id_for", "sync_hint"]
 
-_ID_RE = re.compile(r"^[a-z0-9]{1,64}$")
+_ID_RE = re.compile(r"[a-z0-9]{1,64}")
+_ID_FILE_LIMIT = 4096
 
 
 def run_id_for(run_dir: str) -> str:
@@ -30,18 +33,14 @@ def run_id_for(run_dir: str) -> str:
     it names the file instead of passing its content to W&B.
     """
     path = os.path.join(run_dir, "wandb", "run_id")
-    if os.path.exists(path):
-        with open(path, encoding="utf-8") as f:
-            run_id = f.read().strip()
-        if not _ID_RE.match(run_id):
+    if os.path.lexists(path):
+        run_id = read_regular_file(path, _ID_FILE_LIMIT, "W&B run id file").decode("utf-8", "replace").strip()
+        if not _ID_RE.fullmatch(run_id):
             raise ValueError(f"{path}: expected a W&B run id of lower-case letters and digits, got {run_id[:80]!r}")
         return run_id
     run_id = secrets.token_hex(4)
     os.makedirs(os.path.dirname(path), exist_ok=True)
-    tmp = f"{path}.tmp"
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.write(run_id + "\n")
-    os.replace(tmp, path)
+    write_atomic(path, run_id + "\n", fsync=False)
     return run_id
 
 

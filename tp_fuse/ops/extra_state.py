@@ -32,6 +32,7 @@ import torch
 
 from .. import kernels
 from ..quantization import DelayedScalingQuantizer, Float8Tensor, is_fp8_parameter
+from ..quantization.state_check import check_delayed_state, check_recipe_fields, delayed_state_problem
 from ..recipe import DelayedScaling, Format
 
 __all__ = ["QuantizerStateMixin", "FORMAT_NAME"]
@@ -87,6 +88,9 @@ def _load_quantizer(q: DelayedScalingQuantizer, state: Any, where: str) -> None:
                 "(a different amax_history_len?)"
             )
         values[name] = t
+    # Out-of-range values (inf/0 scales, NaN or 3e38 amaxes, negative counters) would
+    # poison a whole history length of steps without an error: refuse them, by key.
+    check_delayed_state(values, f"{where}.")
     with torch.no_grad():
         for name, t in values.items():
             getattr(q, name).copy_(t)
@@ -108,6 +112,7 @@ def _recipe_fields(recipe: DelayedScaling) -> dict[str, Any]:
 def _recipe_from_fields(fields: Any, where: str) -> DelayedScaling:
     if not isinstance(fields, dict):
         raise ValueError(f"{where}: expected an object, got {type(fields).__name__}")
+    check_recipe_fields(fields, where)
     if fields.get("amax_compute_algo") is None or fields.get("custom_scaling_factor"):
         raise ValueError(
             f"{where}: the checkpoint's DelayedScaling used a callable, which a checkpoint "
@@ -121,7 +126,7 @@ def _recipe_from_fields(fields: Any, where: str) -> DelayedScaling:
             amax_compute_algo=fields["amax_compute_algo"],
             reduce_amax=fields["reduce_amax"],
         )
-    except (KeyError, TypeError) as e:
+    except (KeyError, TypeError, ValueError) as e:  # ValueError: DelayedScaling's own checks
         raise ValueError(f"{where}: malformed recipe fields {fields!r} ({e})") from None
 
 
@@ -207,6 +212,9 @@ class QuantizerStateMixin:
             raise ValueError(f"{where}: expected an object, got {type(pstate).__name__}")
         _load_quantizer(p.quantizer, pstate.get("quantizer"), f"{where}.quantizer")
         scale_inv = _decode(pstate.get("scale_inv"), torch.float32, f"{where}.scale_inv").reshape(())
+        problem = delayed_state_problem("scale", scale_inv)  # 1/scale: the same range as a scale
+        if problem is not None:
+            raise ValueError(f"{where}.scale_inv {problem}")
         with torch.no_grad():
             # The bytes as saved: the master (loaded before the extra state) cast with
             # the scale they were written with. The quantizer's history is untouched.

@@ -38,7 +38,6 @@ import math
 import os
 import re
 import statistics
-import tempfile
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, Optional, Protocol
@@ -47,6 +46,8 @@ import torch
 import torch.distributed as dist
 
 from tp_fuse import comm
+
+from ..safe_files import read_regular_file, write_atomic
 
 __all__ = [
     "AUTO",
@@ -195,7 +196,8 @@ class OverlapAutoTuner:
         self._agreed: set[tuple[str, str]] = set()
         #: Wall seconds spent measuring (all decisions of this tuner).
         self.measure_seconds = 0.0
-        if self.choice_file is not None and os.path.exists(self.choice_file):
+        # lexists: a planted link (even a dangling one) is reported by the reader, not skipped.
+        if self.choice_file is not None and os.path.lexists(self.choice_file):
             for d in load_choice_file(self.choice_file):
                 self._decisions[(d.gemm, d.signature)] = d
 
@@ -286,17 +288,8 @@ def save_choice_file(path: str, decisions: Iterable[AutoDecision]) -> None:
         "version": CHOICE_FILE_VERSION,
         "choices": [d.to_json() for d in decisions],
     }
-    directory = os.path.dirname(os.path.abspath(path))
-    os.makedirs(directory, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=".overlap_choices.", dir=directory)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            json.dump(doc, f, indent=1, sort_keys=True)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    write_atomic(path, json.dumps(doc, indent=1, sort_keys=True))
 
 
 def _reject_constant(name: str) -> float:
@@ -309,15 +302,13 @@ def load_choice_file(path: str) -> list[AutoDecision]:
     def bad(field: str, msg: str) -> ValueError:
         return ValueError(f"overlap choice file {path}: {field}: {msg}")
 
-    size = os.path.getsize(path)
-    if size > _MAX_CHOICE_FILE_BYTES:
-        raise bad("<file>", f"{size} bytes, more than the {_MAX_CHOICE_FILE_BYTES} a choice file can hold")
-    with open(path, "rb") as f:
-        raw = f.read()
+    # A link, FIFO, device or directory at this name is refused and the read is bounded
+    # (getsize is 0 for /dev/zero; open() of a FIFO waits for a writer forever).
+    raw = read_regular_file(path, _MAX_CHOICE_FILE_BYTES, "overlap choice file")
     try:
         doc = json.loads(raw.decode("utf-8"), parse_constant=_reject_constant)
-    except (UnicodeDecodeError, ValueError) as e:
-        raise bad("<file>", f"not valid JSON ({e})") from None
+    except (UnicodeDecodeError, ValueError, RecursionError) as e:
+        raise bad("<file>", f"not valid JSON ({type(e).__name__}: {e})") from None
     if not isinstance(doc, dict):
         raise bad("<top level>", f"expected an object, got {type(doc).__name__}")
     unknown = sorted(set(doc) - {"format", "version", "choices"})
