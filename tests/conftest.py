@@ -15,6 +15,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 PROCESS_STARTING_MODULES = frozenset({
     "test_block_kernels_interpret",
     "test_block_recipes_tp",
+    "test_checkpoint_dir_lock",
     "test_checkpoint_restart",
     "test_checkpoint_safety",
     "test_comm_backend",
@@ -47,6 +48,8 @@ PROCESS_STARTING_MODULES = frozenset({
     "test_nvfp4_triton",
     "test_overlap_auto",
     "test_packaging",
+    "test_preemption",
+    "test_process_exit",
     "test_run_integrity",
     "test_te_row_parallel_bias",
     "test_te_tensor_parallel",
