@@ -454,6 +454,13 @@ def validate(cfg: TrainConfig, world_size: int) -> ParallelLayout:
     if cfg.model.name == "hf":
         # Family plans shard attention and MLP; embeddings and lm_head stay replicated, so
         # the vocabulary need not divide by TP (vocab_size=tp below only skips that check).
+        # Every plan gives each rank whole key/value heads (replicating them would break the
+        # query-to-KV-head grouping: tp_fuse.layers.wrap.hf_plans._heads_check), so say so in
+        # config.json's words here, not after the process group has started.
+        _need(gpt.kv_groups % tp == 0,
+              f"parallel.tp ({tp}) must divide model.num_query_groups ({gpt.kv_groups}) (num_key_value_heads in "
+              f"{cfg.model.path}/config.json): every rank needs whole key/value heads; use a parallel.tp "
+              f"that divides {gpt.kv_groups}")
         dataclasses.replace(gpt, vocab_size=tp).validate(tp)
     else:
         gpt.validate(tp)  # tp vs heads, query groups, hidden, ffn, vocab -- names the field

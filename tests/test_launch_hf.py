@@ -19,13 +19,25 @@ transformers = pytest.importorskip("transformers", reason="transformers is not i
 tokenizers = pytest.importorskip("tokenizers", reason="tokenizers is not installed (pip install -e .[hf])")
 
 from tp_fuse.launch.api import compose, train  # noqa: E402
-from tp_fuse.launch.config import validate  # noqa: E402
+from tp_fuse.launch.config import CONFIG_DIR, validate  # noqa: E402
+from tp_fuse.launch.config_errors import precheck  # noqa: E402
+from tp_fuse.launch.models import hf as hf_module  # noqa: E402
 from tp_fuse.launch.data import stdlib_corpus  # noqa: E402
 from tp_fuse.launch.models.hf import build_hf_model, load_tokenizer  # noqa: E402
 from tp_fuse.launch.logging.metrics import read_jsonl  # noqa: E402
 from test_launch_train import torchrun  # noqa: E402
 
 VOCAB = 320
+
+
+def _edit_config(model_dir: str, **fields) -> None:
+    """Rewrite config.json with ``fields`` set (None: removed)."""
+    file = os.path.join(model_dir, "config.json")
+    with open(file) as f:
+        data = json.load(f)
+    data.update(fields)
+    with open(file, "w") as f:
+        json.dump({k: v for k, v in data.items() if v is not None}, f)
 
 
 def _model_dir(root, *, weights: bool, seed: int = 0, kv_heads: int = 2, family: str = "llama",
@@ -160,3 +172,99 @@ def test_weights_loaded_from_safetensors_pickle_refused_tokenizer(tmp_path):
     os.remove(os.path.join(model_dir, "tokenizer.json"))
     with pytest.raises(ValueError, match="tokenizer.json does not exist"):
         load_tokenizer(model_dir)
+
+
+# ---- issue 24 item 7: config.json fields and weight files checked before any process starts ----
+
+
+@pytest.mark.parametrize("kv", [-2, 0, 3, 2.0, "2"])
+def test_bad_num_key_value_heads_is_one_config_error(tmp_path, kv):
+    """Negative (-2 passed every `% tp` check), zero (`or heads` replaced it silently; the
+    model then divided by it), non-dividing or non-int num_key_value_heads: one line naming
+    the field and what it must be, from the pre-start config check."""
+    model_dir = _model_dir(tmp_path, weights=False)
+    _edit_config(model_dir, num_key_value_heads=kv)
+    msg = precheck(["+model=hf", f"model.path={model_dir}", "parallel.tp=2"], CONFIG_DIR, 2)
+    assert msg is not None and "\n" not in msg, msg
+    assert f"num_key_value_heads must be a positive int dividing num_attention_heads (4), got {kv!r}" in msg, msg
+
+
+def test_tp_not_dividing_num_key_value_heads_names_config_field(tmp_path):
+    model_dir = _model_dir(tmp_path, weights=False, kv_heads=1)
+    msg = precheck(["+model=hf", f"model.path={model_dir}", "parallel.tp=2"], CONFIG_DIR, 2)
+    assert msg is not None and "parallel.tp (2) must divide model.num_query_groups (1)" in msg, msg
+    assert "num_key_value_heads in" in msg and "config.json" in msg and "whole key/value heads" in msg, msg
+
+
+@pytest.mark.parametrize("field,value", [("hidden_size", 2**20), ("vocab_size", 10**9), ("num_hidden_layers", 10**6),
+                                         ("intermediate_size", 2**40), ("max_position_embeddings", 2**40)])
+def test_absurd_sizes_refused_before_allocation(tmp_path, field, value):
+    model_dir = _model_dir(tmp_path, weights=False)
+    _edit_config(model_dir, **{field: value})
+    with pytest.raises(ValueError, match=rf"{field} = {value} is above the sane bound"):
+        compose(["+model=hf", f"model.path={model_dir}"])
+
+
+def test_model_larger_than_memory_refused_with_its_size(tmp_path, monkeypatch):
+    """Sizes each within bounds whose product cannot be allocated: refused with the count."""
+    model_dir = _model_dir(tmp_path, weights=False)
+    fields = hf_module.gpt_fields(model_dir)
+    params = hf_module.parameter_count(fields, 32 // 4)
+    monkeypatch.setattr(hf_module, "_host_memory_bytes", lambda: params * 2 - 1)
+    with pytest.raises(ValueError, match=rf"the model has {params:,} parameters, .* more than this machine's memory"):
+        compose(["+model=hf", f"model.path={model_dir}"])
+    monkeypatch.setattr(hf_module, "_host_memory_bytes", lambda: params * 2)
+    compose(["+model=hf", f"model.path={model_dir}"])  # exactly fits in bfloat16
+
+
+def test_integer_safetensors_tensor_refused_not_cast(tmp_path):
+    """transformers cast an int8 tensor to float (no scales): the model loaded garbage."""
+    from safetensors.torch import load_file, save_file
+
+    model_dir = _model_dir(tmp_path, weights=True, seed=1)
+    file = os.path.join(model_dir, "model.safetensors")
+    tensors = load_file(file)
+    name = "model.layers.0.mlp.down_proj.weight"
+    tensors[name] = tensors[name].to(torch.int8)
+    save_file(tensors, file, metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=rf"tensor '{name}' has dtype I8; only float weights"):
+        compose(["+model=hf", f"model.path={model_dir}"])
+    with pytest.raises(ValueError, match=rf"tensor '{name}' has dtype I8"):
+        build_hf_model(model_dir, tp_group=None, dtype=torch.float32, device=torch.device("cpu"), seed=0, overlap=None)
+
+
+def _sharded_to(model_dir: str, target: str) -> None:
+    """Move model.safetensors to ``target`` and write an index whose entries name ``target``."""
+    from safetensors.torch import load_file
+
+    file = os.path.join(model_dir, "model.safetensors")
+    names = sorted(load_file(file))
+    os.makedirs(os.path.dirname(os.path.join(model_dir, target)), exist_ok=True)
+    shutil.move(file, os.path.join(model_dir, target))
+    with open(os.path.join(model_dir, "model.safetensors.index.json"), "w") as f:
+        json.dump({"metadata": {}, "weight_map": {n: target for n in names}}, f)
+
+
+@pytest.mark.parametrize("where", ["parent", "absolute", "subdir"])
+def test_index_entries_outside_model_path_refused(tmp_path, where):
+    model_dir = _model_dir(tmp_path / "model", weights=True, seed=2)
+    outside = str(tmp_path / "elsewhere" / "model-00001-of-00001.safetensors")
+    target = {"parent": "../elsewhere/model-00001-of-00001.safetensors", "absolute": outside,
+              "subdir": "sub/model-00001-of-00001.safetensors"}[where]
+    _sharded_to(model_dir, target)
+    with pytest.raises(ValueError, match=r"weight_map\[.*\] = .* must be a file name in .*refusing to load weights"):
+        compose(["+model=hf", f"model.path={model_dir}"])
+
+
+def test_weight_symlink_leaving_model_path_refused(tmp_path):
+    model_dir = _model_dir(tmp_path / "model", weights=True, seed=2)
+    os.makedirs(tmp_path / "elsewhere")
+    outside = str(tmp_path / "elsewhere" / "w.safetensors")
+    shutil.move(os.path.join(model_dir, "model.safetensors"), outside)
+    os.symlink(outside, os.path.join(model_dir, "model.safetensors"))
+    with pytest.raises(ValueError, match=r"model.safetensors resolves to .*elsewhere/w.safetensors, outside"):
+        compose(["+model=hf", f"model.path={model_dir}"])
+    # The same link named by an index entry in the directory: refused too.
+    _sharded_to(model_dir, "model.safetensors")
+    with pytest.raises(ValueError, match=r"outside .*refusing to load weights from outside the model directory"):
+        compose(["+model=hf", f"model.path={model_dir}"])

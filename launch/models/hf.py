@@ -23,24 +23,57 @@ from __future__ import annotations
 import glob
 import json
 import os
-from typing import Any
+import struct
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
 from tp_fuse.layers import wrap
+from tp_fuse.layers.wrap.hf_plans import FAMILIES
+from tp_fuse.safe_files import open_regular_file, read_regular_file
 
 from ..tokenizer import FileTokenizer
-from tp_fuse.layers.wrap.hf_plans import FAMILIES
 
-__all__ = ["read_hf_config", "gpt_fields", "load_tokenizer", "build_hf_model", "CausalLMLoss"]
+__all__ = ["read_hf_config", "gpt_fields", "check_weight_files", "parameter_count", "load_tokenizer",
+           "build_hf_model", "CausalLMLoss"]
 
 # Families with a SwiGLU MLP and RMSNorm (the others: GELU and LayerNorm).
 _SWIGLU_RMSNORM = ("llama", "mistral", "qwen2", "qwen3", "phi3")
 # The families +model=hf takes: gpt_fields reads their config.json spellings (wrap's other
 # built-in families, tp_fuse.layers.wrap.hf_plans.FAMILIES, work through the API).
 LAUNCHER_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gpt_neox", "gpt2")
+
+#: Upper bounds on config.json sizes. Each is far above any published decoder (hidden
+#: 25600, vocabulary 262144, 126 layers, FFN 73728, 128 heads) and far below what
+#: overflows an allocation: a value above one is a typo or a crafted file, refused before
+#: ``transformers`` asks the allocator for it.
+SIZE_BOUNDS = {
+    "hidden_size": 2**16,
+    "intermediate_size": 2**20,
+    "vocab_size": 2**22,
+    "num_hidden_layers": 2**11,
+    "num_attention_heads": 2**12,
+    "max_position_embeddings": 2**24,
+    "head_dim": 2**12,
+}
+#: config.json spellings of the same sizes (GPT-2's names) -> the bound's name.
+_ALIASES = {"n_embd": "hidden_size", "n_inner": "intermediate_size", "n_layer": "num_hidden_layers",
+            "n_head": "num_attention_heads", "n_positions": "max_position_embeddings"}
+#: The smallest element size the launcher builds a model in (bfloat16): the memory check
+#: refuses only models that cannot fit in any dtype the run could pick.
+_MIN_ITEMSIZE = 2
+#: safetensors dtypes loaded as they are. Others are refused: transformers would cast an
+#: int8 / uint8 / fp8 tensor to the run's float dtype without its quantization scales,
+#: giving a model that loads and trains on garbage weights.
+_FLOAT_DTYPES = ("F16", "BF16", "F32", "F64")
+#: A safetensors header is JSON of a few kB per tensor; the safetensors library refuses
+#: more than 100 MB, and so do we (the 8-byte length is untrusted).
+_SAFETENSORS_HEADER_LIMIT = 100 * 2**20
+#: config.json and model.safetensors.index.json: a few kB (an index: ~100 B per tensor).
+_JSON_LIMIT = 64 * 2**20
+_INDEX_FILE = "model.safetensors.index.json"
 
 
 def read_hf_config(path: Any) -> dict[str, Any]:
@@ -51,8 +84,7 @@ def read_hf_config(path: Any) -> dict[str, Any]:
     if not os.path.isfile(file):
         raise ValueError(f"model.path: {file} does not exist (a local Hugging Face model directory is needed)")
     try:
-        with open(file, encoding="utf-8") as f:
-            data = json.load(f)
+        data = json.loads(read_regular_file(file, _JSON_LIMIT, "model.path: config file", follow_symlinks=True))
     except (OSError, ValueError) as e:
         raise ValueError(f"model.path: {file} is not valid JSON: {e}") from None
     if not isinstance(data, dict):
@@ -65,14 +97,47 @@ def read_hf_config(path: Any) -> dict[str, Any]:
     return data
 
 
-def _int_field(data: dict[str, Any], file: str, *names: str) -> int:
+def _optional_int_field(data: dict[str, Any], file: str, *names: str) -> Optional[int]:
+    """The first of ``names`` present in config.json (a positive int within its
+    :data:`SIZE_BOUNDS` bound), or None if none is."""
     for name in names:
         value = data.get(name)
         if value is not None:
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ValueError(f"{file}: {name} must be a positive int, got {value!r}")
+            bound = SIZE_BOUNDS.get(_ALIASES.get(name, name))
+            if bound is not None and value > bound:
+                raise ValueError(f"{file}: {name} = {value} is above the sane bound {bound} (no published "
+                                 f"model comes close); refusing to allocate it (typo or crafted config?)")
             return value
-    raise ValueError(f"{file}: missing {' / '.join(names)}")
+    return None
+
+
+def _int_field(data: dict[str, Any], file: str, *names: str) -> int:
+    value = _optional_int_field(data, file, *names)
+    if value is None:
+        raise ValueError(f"{file}: missing {' / '.join(names)}")
+    return value
+
+
+def _host_memory_bytes() -> int:
+    """This machine's physical memory (every rank builds the whole model on the host
+    before wrapping it, so a model larger than this cannot be built)."""
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def parameter_count(fields: dict[str, Any], head_dim: int) -> int:
+    """The number of parameters of a decoder with these :func:`gpt_fields` (embeddings,
+    output head unless tied, attention and MLP projections; norms and biases are noise)."""
+    hidden, vocab, layers = fields["hidden_size"], fields["vocab_size"], fields["num_layers"]
+    heads = fields["num_heads"]
+    kv = fields["num_query_groups"] or heads
+    count = vocab * hidden * (1 if fields["tie_embeddings"] else 2)
+    if fields["position_embedding"] == "learned":
+        count += fields["max_seq_len"] * hidden
+    attention = hidden * heads * head_dim * 2 + hidden * kv * head_dim * 2  # q, o; k, v
+    mlp = hidden * fields["ffn_hidden_size"] * (3 if fields["activation"] == "swiglu" else 2)
+    return count + layers * (attention + mlp)
 
 
 def gpt_fields(path: str) -> dict[str, Any]:
@@ -84,21 +149,106 @@ def gpt_fields(path: str) -> dict[str, Any]:
     heads = _int_field(data, file, "num_attention_heads", "n_head")
     hidden = _int_field(data, file, "hidden_size", "n_embd")
     gpt2 = data["model_type"] == "gpt2"
+    # Read by transformers and by every wrap plan (tp_fuse.layers.wrap.hf_plans): a negative
+    # or zero value (which `or heads` would silently replace) fails after the process group
+    # has started, and a count not dividing the heads breaks the query-to-KV-head grouping.
+    kv = data.get("num_key_value_heads")
+    if kv is not None:
+        if isinstance(kv, bool) or not isinstance(kv, int) or kv <= 0 or heads % kv:
+            raise ValueError(f"{file}: num_key_value_heads must be a positive int dividing num_attention_heads "
+                             f"({heads}), got {kv!r}")
+    inner = _optional_int_field(data, file, "n_inner") if gpt2 else _int_field(data, file, "intermediate_size")
     fields: dict[str, Any] = {
         "vocab_size": _int_field(data, file, "vocab_size"),
         "max_seq_len": _int_field(data, file, "max_position_embeddings", "n_positions"),
         "hidden_size": hidden,
         "num_layers": _int_field(data, file, "num_hidden_layers", "n_layer"),
         "num_heads": heads,
-        "num_query_groups": data.get("num_key_value_heads") or None,
-        "ffn_hidden_size": (data.get("n_inner") or 4 * hidden) if gpt2 else _int_field(data, file, "intermediate_size"),
+        "num_query_groups": kv,
+        "ffn_hidden_size": inner or 4 * hidden,
         "activation": "swiglu" if data["model_type"] in _SWIGLU_RMSNORM else "gelu",
         "normalization": "RMSNorm" if data["model_type"] in _SWIGLU_RMSNORM else "LayerNorm",
         "position_embedding": "learned" if gpt2 else "rope",
         "tie_embeddings": bool(data.get("tie_word_embeddings", gpt2)),
         "bias": data["model_type"] in ("gpt2", "gpt_neox"),
     }
+    # Qwen3 and others may set head_dim apart from hidden_size / heads.
+    head_dim = _optional_int_field(data, file, "head_dim") or hidden // heads
+    params = parameter_count(fields, head_dim)
+    need, have = params * _MIN_ITEMSIZE, _host_memory_bytes()
+    if need > have:
+        raise ValueError(f"{file}: the model has {params:,} parameters, {need / 2**30:,.1f} GiB even in bfloat16, "
+                         f"more than this machine's memory ({have / 2**30:,.1f} GiB); every rank builds the "
+                         f"whole model on the host before sharding it, so it cannot be built here")
+    check_weight_files(path)
     return fields
+
+
+def _inside(path: str, root: str) -> bool:
+    """Whether ``path`` (symbolic links resolved) lies in the directory ``root``."""
+    real, real_root = os.path.realpath(path), os.path.realpath(root)
+    return os.path.commonpath([real, real_root]) == real_root
+
+
+def _safetensors_dtypes(file: str) -> dict[str, str]:
+    """``{tensor name: dtype}`` from a safetensors file's header (8-byte little-endian
+    length, then that much JSON), read with the header's size bounded."""
+    with open_regular_file(file, "model.path: weight file", follow_symlinks=True) as f:
+        head = f.read(8)
+        if len(head) < 8:
+            raise ValueError(f"model.path: {file} is not a safetensors file (shorter than its 8-byte header length)")
+        (size,) = struct.unpack("<Q", head)
+        if size > _SAFETENSORS_HEADER_LIMIT:
+            raise ValueError(f"model.path: {file} declares a {size}-byte safetensors header, more than the "
+                             f"{_SAFETENSORS_HEADER_LIMIT} bytes allowed (damaged or crafted?)")
+        raw = f.read(size)
+    try:
+        header = json.loads(raw)
+    except ValueError as e:
+        raise ValueError(f"model.path: {file} has an unreadable safetensors header: {e}") from None
+    if not isinstance(header, dict):
+        raise ValueError(f"model.path: {file}: the safetensors header must be a JSON object")
+    return {name: info.get("dtype") if isinstance(info, dict) else None
+            for name, info in header.items() if name != "__metadata__"}
+
+
+def check_weight_files(path: str) -> None:
+    """Refuse weights that would load wrong or from elsewhere, before any process starts.
+
+    * ``model.safetensors.index.json`` entries must name files in ``path`` itself (not
+      ``../x``, not absolute): transformers joins them to ``path`` and opens the result;
+    * every ``*.safetensors`` file (found or named by the index) must lie in ``path`` once
+      symbolic links are resolved;
+    * every tensor must be float (F16/BF16/F32/F64): transformers casts int8 / uint8 /
+      fp8 tensors to the run's dtype without their quantization scales.
+    """
+    files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
+    index = os.path.join(path, _INDEX_FILE)
+    if os.path.lexists(index):
+        try:
+            doc = json.loads(read_regular_file(index, _JSON_LIMIT, "model.path: weight index", follow_symlinks=True))
+        except ValueError as e:
+            raise ValueError(f"model.path: {index} is not valid JSON: {e}") from None
+        weight_map = doc.get("weight_map") if isinstance(doc, dict) else None
+        if not isinstance(weight_map, dict):
+            raise ValueError(f"model.path: {index} must hold an object with a weight_map object")
+        for tensor, name in weight_map.items():
+            if (not isinstance(name, str) or not name or os.path.isabs(name) or os.sep in name
+                    or (os.altsep and os.altsep in name) or name in (".", "..")):
+                raise ValueError(f"model.path: {index}: weight_map[{tensor!r}] = {name!r} must be a file name in "
+                                 f"{path} (no directory part, not absolute); refusing to load weights from elsewhere")
+            files.append(os.path.join(path, name))
+    for file in dict.fromkeys(files):  # in order, once each
+        if not _inside(file, path):
+            raise ValueError(f"model.path: {file} resolves to {os.path.realpath(file)}, outside {path}; refusing "
+                             f"to load weights from outside the model directory")
+        if not os.path.exists(file):
+            raise ValueError(f"model.path: {file} (named in {_INDEX_FILE}) does not exist")
+        for tensor, dtype in _safetensors_dtypes(file).items():
+            if dtype not in _FLOAT_DTYPES:
+                raise ValueError(f"model.path: {file}: tensor {tensor!r} has dtype {dtype}; only float weights "
+                                 f"({', '.join(_FLOAT_DTYPES)}) are loaded (an integer or fp8 tensor would be cast "
+                                 f"to float without its quantization scales). Dequantize the checkpoint first")
 
 
 def load_tokenizer(path: str) -> FileTokenizer:
@@ -130,6 +280,7 @@ def build_hf_model(path: str, *, tp_group: Any, dtype: torch.dtype, device: torc
     import transformers
 
     read_hf_config(path)
+    check_weight_files(path)  # also checked by the config check, before any process group
     safetensors = glob.glob(os.path.join(path, "*.safetensors"))
     pickled = glob.glob(os.path.join(path, "*.bin")) + glob.glob(os.path.join(path, "*.pt"))
     common = dict(trust_remote_code=False)
