@@ -253,3 +253,22 @@ def test_resuming_a_finished_run_reports_it_complete(saved, tmp_path, capfd):
     assert result.already_complete and result.start_step == 4 and result.losses == {}
     assert result.final_loss == first.final_loss
     assert "the run is already complete" in capfd.readouterr().err
+
+
+def test_dcp_size_mismatch_names_the_key_and_both_shapes(saved, tmp_path):
+    """Issue 24 item 8: DCP's message was `CheckpointException ranks:dict_keys([0])` plus a
+    traceback; the error now says the key and both shapes in one line."""
+    ck = _copy(saved[0], tmp_path)
+    step_dir = ck / "step_00000004"
+    metadata = safe_dcp.read_metadata(str(step_dir))
+    key = next(k for k, e in metadata.state_dict_metadata.items() if len(e.size) == 2)
+    entry = metadata.state_dict_metadata[key]
+    current = entry.size
+    entry.size = torch.Size([current[0] * 2, current[1]])
+    _rewrite_manifest(step_dir, **{".metadata": pickle.dumps(metadata)})
+    with pytest.raises(CheckpointError) as info:
+        _resume(ck, tmp_path)
+    msg = str(info.value)
+    assert "\n" not in msg and "dict_keys" not in msg, msg
+    assert (f"rank 0: ValueError: Size mismatch between saved {entry.size} and current: {current} for {key}"
+            in msg), msg

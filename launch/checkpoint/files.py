@@ -22,6 +22,7 @@ from .safe_dcp import DATA_FILE, METADATA_FILE, CheckpointError, read_metadata
 __all__ = [
     "FORMAT_VERSION",
     "chain",
+    "describe_dcp_failure",
     "describe_os_error",
     "describe_write_failure",
     "file_table",
@@ -69,6 +70,27 @@ def chain(exc: BaseException) -> list[BaseException]:
         if isinstance(e, DCPCheckpointException):
             todo += [pair[0] for pair in e.failures.values()]
     return out
+
+
+def describe_dcp_failure(exc: BaseException) -> str:
+    """One line for a failure raised by ``dcp.load``/``dcp.save``.
+
+    DCP's ``CheckpointException`` prints ``CheckpointException ranks:dict_keys([0])``
+    followed by each rank's traceback; the real error (``Size mismatch between saved
+    torch.Size([64]) and current: torch.Size([128]) for model/...``) is at the end of it.
+    This gives each rank's own error, ranks with the same error named together.
+    """
+    if not isinstance(exc, DCPCheckpointException):
+        return " ".join(f"{type(exc).__name__}: {exc}".split())
+    by_text: dict[str, list[int]] = {}
+    for rank, failure in sorted(exc.failures.items()):
+        inner = failure[0] if isinstance(failure, tuple) else failure
+        text = describe_dcp_failure(inner) if isinstance(inner, BaseException) else repr(inner)
+        by_text.setdefault(text, []).append(rank)
+    if not by_text:
+        return "DCP failed without naming a rank's error"
+    return "; ".join(f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}: {text}"
+                     for text, ranks in by_text.items())
 
 
 def describe_os_error(exc: OSError, directory: str) -> str:

@@ -62,7 +62,7 @@ from ..models.build import dropout_seed, fp8_quantizers
 from ..runtime import Runtime
 from .dir_lock import DirLock
 from .dir_lock import acquire as acquire_dir_lock
-from .files import FORMAT_VERSION, chain, describe_os_error, describe_write_failure, file_table
+from .files import FORMAT_VERSION, chain, describe_dcp_failure, describe_os_error, describe_write_failure, file_table
 from .files import read_manifest, verify_files, write_atomic
 from .run_identity import MANIFEST, decide_start, decision_from_box, decision_to_box, list_step_dirs
 from .run_identity import read_manifest_run_id
@@ -441,7 +441,7 @@ class CheckpointManager:
             ours = next((e for e in chain(exc) if isinstance(e, CheckpointError)), None)
             if ours is not None:
                 raise CheckpointError(f"checkpoint {path}: {ours}") from None
-            raise CheckpointError(f"checkpoint {path} could not be loaded: {type(exc).__name__}: {exc}") from exc
+            raise CheckpointError(f"checkpoint {path} could not be loaded: {describe_dcp_failure(exc)}") from exc
         self._refuse_out_of_range(path, sd)
         self._apply(sd, state_for_load, same_layout)
         state.step = int(sd["train/step"])
