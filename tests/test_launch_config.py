@@ -12,7 +12,8 @@ import sys
 import pytest
 
 from tp_fuse.launch.api import compose
-from tp_fuse.launch.config import from_dict, validate
+from tp_fuse.launch.config import CONFIG_DIR, from_dict, validate
+from tp_fuse.launch.config_errors import precheck
 from tp_fuse.launch.optim import lr_at
 from tp_fuse.launch.runtime import rank_overrides
 
@@ -149,3 +150,29 @@ def test_rank_overrides(monkeypatch):
     # Deterministic per torchrun agent (our parent here): the same on every call/rank/restart.
     assert auto.startswith("hydra.run.dir=outputs/") and auto.endswith(f"-{os.getppid()}")
     assert rank_overrides([]) == [auto]
+
+
+@pytest.mark.parametrize("text, message", [
+    ("a: !!python/object/apply:os.system ['touch {marker}']\n",
+     "could not determine a constructor for the tag 'tag:yaml.org,2002:python/object/apply:os.system'"),
+    ("a: !!python/name:os.system\n", "python/name:os.system"),
+    ("a: !custom {{}}\n", "could not determine a constructor for the tag '!custom'"),
+])
+def test_unsafe_yaml_tag_in_debug_config_is_one_config_error(tmp_path, text, message):
+    """Issue 24 item 8: yaml.safe_load's ConstructorError (not a ValueError) escaped the
+    config check as a traceback. Now one line naming the file, line and column; nothing runs."""
+    marker = tmp_path / "ran"
+    config = tmp_path / "debug.yaml"
+    config.write_text(text.format(marker=marker))
+    msg = precheck(["+model=gpt", f"debug.config={config}"], CONFIG_DIR, 1)
+    assert msg is not None and "\n" not in msg, msg
+    assert msg.startswith(f"debug.config={config}: debug config {config}: line 1, column 4:"), msg
+    assert message in msg and "no !!python or other tags" in msg, msg
+    assert not marker.exists()
+
+
+def test_malformed_debug_config_yaml_is_one_config_error(tmp_path):
+    config = tmp_path / "debug.yaml"
+    config.write_text("a: [1, 2\nb: 3\n")
+    msg = precheck(["+model=gpt", f"debug.config={config}"], CONFIG_DIR, 1)
+    assert msg is not None and "\n" not in msg and "not valid YAML: line " in msg, msg
