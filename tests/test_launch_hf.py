@@ -268,3 +268,12 @@ def test_weight_symlink_leaving_model_path_refused(tmp_path):
     _sharded_to(model_dir, "model.safetensors")
     with pytest.raises(ValueError, match=r"outside .*refusing to load weights from outside the model directory"):
         compose(["+model=hf", f"model.path={model_dir}"])
+
+
+def test_deeply_nested_config_json_is_a_config_error(tmp_path):
+    """Issue 24 item 8: config.json nested 50 000 deep raised RecursionError."""
+    model_dir = _model_dir(tmp_path, weights=False)
+    with open(os.path.join(model_dir, "config.json"), "wb") as f:
+        f.write(b"[" * 50_000 + b"]" * 50_000)
+    msg = precheck(["+model=hf", f"model.path={model_dir}"], CONFIG_DIR, 1)
+    assert msg is not None and "config.json is JSON nested too deeply" in msg, msg

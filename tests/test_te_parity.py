@@ -357,6 +357,9 @@ def test_extra_state_rejects_pickle_and_malformed_payloads():
         lin.set_extra_state(bad)
     with pytest.raises(ValueError, match="expected a 1-D uint8 tensor"):
         lin.set_extra_state({"scale": 1.0})
+    deep = torch.frombuffer(bytearray(b"[" * 50_000 + b"]" * 50_000), dtype=torch.uint8)
+    with pytest.raises(ValueError, match="BasicLinear _extra_state: JSON nested too deeply"):
+        lin.set_extra_state(deep)  # was RecursionError
     # A history of another length is refused rather than truncated.
     recipe = DelayedScaling(amax_history_len=4)
     with te.autocast(recipe=recipe):

@@ -23,7 +23,7 @@ from tp_fuse.launch.checkpoint.files import read_manifest, verify_files
 from tp_fuse.launch.checkpoint.dir_lock import LOCK_FILE
 from tp_fuse.launch.checkpoint.dir_lock import acquire as acquire_lock
 from tp_fuse.launch.logging.metrics import MetricsSink, read_jsonl
-from tp_fuse.launch.checkpoint.run_identity import IDENTITY_FILE, decide_start
+from tp_fuse.launch.checkpoint.run_identity import IDENTITY_FILE, decide_start, read_manifest_run_id
 from tp_fuse.launch.logging.runlog import tee_output
 from tp_fuse.launch.logging.wandb_safe import run_id_for
 from test_checkpoint_resume import COMMON
@@ -162,3 +162,21 @@ def test_planted_temp_file_links_write_nothing_outside(tmp_path):
     assert (ck / "latest").read_text() == "step_00000004\n"
     leftovers = [n for d in (run, ck) for n in os.listdir(d) if n.endswith(".tmp") and not os.path.islink(d / n)]
     assert leftovers == []
+
+
+#: 20 000 levels: far past the JSON parser's recursion limit, 40 kB (under run.json's 64 KiB cap).
+_DEEP_JSON = b"[" * 20_000 + b"]" * 20_000
+
+
+def test_deeply_nested_json_is_malformed_not_recursion_error(tmp_path):
+    """Issue 24 item 8: run.json (read on every start) and a manifest's run id raised
+    RecursionError out of the launcher; nested too deep they are malformed like bad JSON."""
+    ck = tmp_path / "ck"
+    ck.mkdir()
+    (ck / IDENTITY_FILE).write_bytes(_DEEP_JSON)
+    decision = decide_start(str(ck), "auto", restarted=False, job="j", overwrite=False)
+    assert decision is not None
+    step = ck / STEP
+    step.mkdir()
+    (step / MANIFEST).write_bytes(_DEEP_JSON)
+    assert read_manifest_run_id(str(step)) is None

@@ -83,7 +83,8 @@ def read_manifest_run_id(checkpoint_dir: str) -> Optional[str]:
         raw = read_regular_file(os.path.join(checkpoint_dir, MANIFEST), MANIFEST_LIMIT, "checkpoint manifest",
                                 error=CheckpointError)
         value = json.loads(raw).get("run_id")
-    except (OSError, ValueError, AttributeError) as exc:
+    # RecursionError: JSON nested thousands deep, malformed like any other bad JSON.
+    except (OSError, ValueError, AttributeError, RecursionError) as exc:
         if isinstance(exc, CheckpointError):
             raise
         return None
@@ -96,7 +97,7 @@ def _read_identity(root: str) -> Optional[dict[str, str]]:
         raw = read_regular_file(os.path.join(root, IDENTITY_FILE), IDENTITY_LIMIT, "run identity file",
                                 error=CheckpointError)
         data = json.loads(raw)
-    except (OSError, ValueError) as exc:
+    except (OSError, ValueError, RecursionError) as exc:  # RecursionError: JSON nested thousands deep
         if isinstance(exc, CheckpointError):
             raise
         return None

@@ -87,6 +87,8 @@ def read_hf_config(path: Any) -> dict[str, Any]:
         data = json.loads(read_regular_file(file, _JSON_LIMIT, "model.path: config file", follow_symlinks=True))
     except (OSError, ValueError) as e:
         raise ValueError(f"model.path: {file} is not valid JSON: {e}") from None
+    except RecursionError:  # the C parser recurses per nesting level
+        raise ValueError(f"model.path: {file} is JSON nested too deeply to be a model config") from None
     if not isinstance(data, dict):
         raise ValueError(f"model.path: {file} must hold a JSON object")
     model_type = data.get("model_type")
@@ -206,6 +208,8 @@ def _safetensors_dtypes(file: str) -> dict[str, str]:
         header = json.loads(raw)
     except ValueError as e:
         raise ValueError(f"model.path: {file} has an unreadable safetensors header: {e}") from None
+    except RecursionError:
+        raise ValueError(f"model.path: {file} has a safetensors header nested too deeply") from None
     if not isinstance(header, dict):
         raise ValueError(f"model.path: {file}: the safetensors header must be a JSON object")
     return {name: info.get("dtype") if isinstance(info, dict) else None
@@ -229,6 +233,8 @@ def check_weight_files(path: str) -> None:
             doc = json.loads(read_regular_file(index, _JSON_LIMIT, "model.path: weight index", follow_symlinks=True))
         except ValueError as e:
             raise ValueError(f"model.path: {index} is not valid JSON: {e}") from None
+        except RecursionError:
+            raise ValueError(f"model.path: {index} is JSON nested too deeply to be a weight index") from None
         weight_map = doc.get("weight_map") if isinstance(doc, dict) else None
         if not isinstance(weight_map, dict):
             raise ValueError(f"model.path: {index} must hold an object with a weight_map object")

@@ -179,6 +179,8 @@ class QuantizerStateMixin:
             doc = json.loads(bytes(state.cpu().numpy().tobytes()).decode("utf-8"))
         except (UnicodeDecodeError, json.JSONDecodeError) as e:
             raise ValueError(f"{name} _extra_state: not UTF-8 JSON ({e})") from None
+        except RecursionError:  # the C parser recurses per nesting level; a crafted state nests 10**5 deep
+            raise ValueError(f"{name} _extra_state: JSON nested too deeply to be FP8 state") from None
         if not isinstance(doc, dict) or doc.get("format") != FORMAT_NAME or doc.get("version") != _VERSION:
             raise ValueError(
                 f"{name} _extra_state: expected format {FORMAT_NAME!r} version {_VERSION}, got "
