@@ -31,7 +31,8 @@ from torch.distributed.checkpoint import metadata as dcp_md
 from tp_fuse.launch.checkpoint import safe_dcp
 from tp_fuse.launch.api import train
 from tp_fuse.launch.checkpoint.manager import MANIFEST, CheckpointError
-from tp_fuse.launch.checkpoint.run_identity import IDENTITY_FILE, decide_start
+from tp_fuse.launch.checkpoint.files import read_manifest
+from tp_fuse.launch.checkpoint.run_identity import IDENTITY_FILE, decide_start, list_step_dirs
 from test_checkpoint_resume import COMMON
 
 SMALL = [*COMMON, "trainer.max_steps=4"]
@@ -181,6 +182,29 @@ def test_metadata_structure_is_checked(saved):
     bytes_entry = dataclasses.replace(md, state_dict_metadata={"k": dcp_md.BytesStorageMetadata()}, storage_data={})
     with pytest.raises(CheckpointError, match=r"entry 'k' is a BytesStorageMetadata, expected TensorStorageMetadata"):
         safe_dcp.validate_metadata(bytes_entry, "x/.metadata")
+
+
+
+def test_file_name_patterns_refuse_a_trailing_newline(saved, tmp_path):
+    """Issue 24 item 8: `^__\\d+_\\d+\\.distcp$` accepted "__0_0.distcp\\n" (`$` matches before a
+    final newline): in .metadata, in a manifest, and step_00000002\\n as a step directory."""
+    md = safe_dcp.read_metadata(str(saved[0] / "step_00000004"))
+    index = next(iter(md.storage_data))
+    info = md.storage_data[index]
+    newline = dataclasses.replace(md, storage_data={**md.storage_data, index: type(info)(
+        relative_path=info.relative_path + "\n", offset=info.offset, length=info.length)})
+    with pytest.raises(CheckpointError, match=r"points at '__0_0\.distcp\\n', expected a __<rank>_<n>\.distcp file"):
+        safe_dcp.validate_metadata(newline, "x/.metadata")
+    ck = _copy(saved[0], tmp_path)
+    step = ck / "step_00000004"
+    manifest = json.loads((step / MANIFEST).read_text())
+    name = next(n for n in manifest["files"] if n.endswith(".distcp"))
+    manifest["files"][name + "\n"] = manifest["files"].pop(name)
+    (step / MANIFEST).write_text(json.dumps(manifest))
+    with pytest.raises(CheckpointError, match=r"files lists '__0_0\.distcp\\n', expected"):
+        read_manifest(str(step))
+    os.mkdir(ck / "step_00000009\n")
+    assert [s for s, _, _ in list_step_dirs(str(ck))] == [2, 4]
 
 
 # ---- which checkpoint is used, and why ------------------------------------------------

@@ -123,6 +123,9 @@ def test_choice_file_round_trip(tmp_path) -> None:
         (lambda d: {**d, "choices": [{**d["choices"][0], "py/object": "os.system"}]}, "choices[0]"),
         (lambda d: {**d, "choices": d["choices"] * 2}, "choices[1]"),
         (lambda d: '{"format": NaN}', "<file>"),
+        # Issue 24 item 8: `^...$` accepted a label with a trailing newline.
+        (lambda d: {**d, "choices": [{**d["choices"][0], "choice": "pipeline/2\n",
+                                      "candidates": ["pipeline/2\n"], "times_s": {}}]}, "choices[0].choice"),
     ],
 )
 def test_choice_file_malformed(tmp_path, mutate, field) -> None:

@@ -131,7 +131,7 @@ def _check_manifest_fields(mpath: str, manifest: dict[str, Any]) -> None:
         if not isinstance(value, tp) or isinstance(value, bool):
             raise CheckpointError(f"{mpath}: field {key!r} is {value!r}, expected a {tp.__name__}")
     for name, info in manifest["files"].items():
-        if not (name == METADATA_FILE or DATA_FILE.match(name)):
+        if not (name == METADATA_FILE or DATA_FILE.fullmatch(name)):
             raise CheckpointError(f"{mpath}: files lists {name!r}, expected .metadata or __<rank>_<n>.distcp")
         ok = isinstance(info, dict) and all(
             isinstance(info.get(k), t) and not isinstance(info.get(k), bool) for k, t in (("size", int), ("sha256", str))

@@ -39,7 +39,7 @@ __all__ = ["IDENTITY_FILE", "StartDecision", "decide_start", "list_step_dirs", "
 
 IDENTITY_FILE = "run.json"
 MANIFEST = "tp_fuse_checkpoint.json"
-STEP_DIR = re.compile(r"^step_(\d{8})$")
+STEP_DIR = re.compile(r"step_([0-9]{8})")  # fullmatch: `$` would accept a trailing newline
 LATEST = "latest"
 #: Byte limits of the small files read here (they hold a few hundred bytes; a manifest
 #: lists every data file of the checkpoint, a few hundred bytes per rank).
@@ -64,7 +64,7 @@ def list_step_dirs(root: str) -> list[tuple[int, str, bool]]:
         return []
     out = []
     for name in os.listdir(root):
-        m = STEP_DIR.match(name)
+        m = STEP_DIR.fullmatch(name)
         path = os.path.join(root, name)
         if m and os.path.isdir(path):
             # lexists, not isfile: a manifest that is a FIFO or a link to a device counts as

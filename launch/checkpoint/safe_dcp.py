@@ -50,7 +50,9 @@ METADATA_FILE = ".metadata"
 #: A few hundred bytes per tensor entry: even a 100B-parameter model stays far below this.
 MAX_METADATA_BYTES = 256 << 20
 #: The data files DCP's FileSystemWriter writes: ``__<rank>_<index>.distcp``.
-DATA_FILE = re.compile(r"^__\d+_\d+\.distcp$")
+# Matched with fullmatch: `$` also matches before a trailing newline, so "__0_0.distcp\n"
+# passed; [0-9], not \d, which also matches non-ASCII digits.
+DATA_FILE = re.compile(r"__[0-9]+_[0-9]+\.distcp")
 
 
 class CheckpointError(ValueError):
@@ -159,7 +161,7 @@ def validate_metadata(metadata: Any, path: str) -> dcp_metadata.Metadata:
         if not isinstance(info, dcp_filesystem._StorageInfo):
             _fail(path, f"storage of {index.fqn!r} is a {type(info).__name__}, expected _StorageInfo")
         rel = info.relative_path
-        if not isinstance(rel, str) or not DATA_FILE.match(rel):
+        if not isinstance(rel, str) or not DATA_FILE.fullmatch(rel):
             _fail(path, f"storage of {index.fqn!r} points at {rel!r}, expected a __<rank>_<n>.distcp file")
         for field in ("offset", "length"):
             value = getattr(info, field)

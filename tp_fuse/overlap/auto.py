@@ -65,7 +65,8 @@ AUTO = "auto"
 UNFUSED = "unfused"
 CHOICE_FILE_FORMAT = "tp_fuse.overlap_choices"
 CHOICE_FILE_VERSION = 1
-_LABEL_RE = re.compile(r"^(ring_exchange|bulk|unfused|pipeline/[1-9][0-9]{0,5})$")
+# fullmatch: `$` would accept a trailing newline.
+_LABEL_RE = re.compile(r"ring_exchange|bulk|unfused|pipeline/[1-9][0-9]{0,5}")
 _MAX_CHOICE_FILE_BYTES = 16 * 1024 * 1024
 
 
@@ -230,7 +231,7 @@ class OverlapAutoTuner:
         order at the same point (each candidate communicates over ``group``).
         """
         labels = tuple(candidates)
-        assert labels and all(_LABEL_RE.match(lb) for lb in labels), labels
+        assert labels and all(_LABEL_RE.fullmatch(lb) for lb in labels), labels
         key = (gemm, signature)
         known = self._decisions.get(key)
         if known is not None and known.choice not in candidates:
@@ -333,11 +334,11 @@ def load_choice_file(path: str) -> list[AutoDecision]:
         for key in ("gemm", "signature", "choice"):
             if not isinstance(e.get(key), str) or not e[key]:
                 raise bad(f"{where}.{key}", f"expected a non-empty string, got {e.get(key)!r}")
-        if not _LABEL_RE.match(e["choice"]):
+        if not _LABEL_RE.fullmatch(e["choice"]):
             raise bad(f"{where}.choice", f"{e['choice']!r} is not a method label "
                       "(ring_exchange, bulk, unfused or pipeline/<num_splits>)")
         cands = e.get("candidates", [e["choice"]])
-        if not isinstance(cands, list) or not all(isinstance(c, str) and _LABEL_RE.match(c) for c in cands):
+        if not isinstance(cands, list) or not all(isinstance(c, str) and _LABEL_RE.fullmatch(c) for c in cands):
             raise bad(f"{where}.candidates", f"expected a list of method labels, got {cands!r}")
         if e["choice"] not in cands:
             raise bad(f"{where}.choice", f"{e['choice']!r} is not among candidates {cands}")
