@@ -28,6 +28,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.distributed.checkpoint import metadata as dcp_md
 
+from tp_fuse.launch.checkpoint import manager as manager_mod
 from tp_fuse.launch.checkpoint import safe_dcp
 from tp_fuse.launch.api import train
 from tp_fuse.launch.checkpoint.manager import MANIFEST, CheckpointError
@@ -296,3 +297,20 @@ def test_dcp_size_mismatch_names_the_key_and_both_shapes(saved, tmp_path):
     assert "\n" not in msg and "dict_keys" not in msg, msg
     assert (f"rank 0: ValueError: Size mismatch between saved {entry.size} and current: {current} for {key}"
             in msg), msg
+
+
+def test_a_distcp_link_is_never_opened_by_dcp(saved, tmp_path, monkeypatch):
+    """Issue 24 item 8: DCP's reader opened data files with Path.open, following a link out of
+    the checkpoint. Rank 0's manifest check lstat's them first, but other ranks do not run it
+    and a link can be swapped in after it: with the check skipped (as on those ranks), the
+    reader itself refuses the link."""
+    ck = _copy(saved[0], tmp_path)
+    step = ck / "step_00000004"
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    name = next(p.name for p in step.iterdir() if p.name.endswith(".distcp"))
+    shutil.move(step / name, outside / name)
+    os.symlink(outside / name, step / name)
+    monkeypatch.setattr(manager_mod, "verify_files", lambda *a, **k: None)
+    with pytest.raises(CheckpointError, match=rf"checkpoint data file .*{name} is a symbolic link; refusing to follow"):
+        _resume(ck, tmp_path)

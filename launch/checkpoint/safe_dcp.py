@@ -26,6 +26,8 @@ import os
 import pathlib
 import pickle
 import re
+from collections.abc import Generator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -35,7 +37,7 @@ from torch.distributed.checkpoint import metadata as dcp_metadata
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.planner import ReadItem
 
-from tp_fuse.safe_files import read_regular_file
+from tp_fuse.safe_files import open_regular_file, read_regular_file
 
 __all__ = [
     "ALLOWED_GLOBALS",
@@ -191,8 +193,37 @@ def read_metadata(checkpoint_dir: str) -> dcp_metadata.Metadata:
     return validate_metadata(metadata, path)
 
 
+class _NoFollowFileSystem(dcp_filesystem.FileSystem):
+    """DCP's local file system, whose reads open only regular ``__<rank>_<n>.distcp`` files
+    and never follow a symbolic link.
+
+    The manifest check (``verify_files``) lstat's the data files, but on rank 0 only and
+    before DCP opens them: the other ranks, or a link swapped in after the check, would
+    still make ``Path.open`` read a file outside the checkpoint. ``O_NOFOLLOW`` on the open
+    itself leaves no such gap, on every rank.
+    """
+
+    @contextmanager
+    def create_stream(self, path: str | os.PathLike, mode: str) -> Generator[io.IOBase, None, None]:
+        if mode != "rb":  # the reader only reads; keep DCP's behaviour for anything else
+            with super().create_stream(path, mode) as stream:
+                yield stream
+            return
+        name = os.path.basename(os.fspath(path))
+        if not DATA_FILE.fullmatch(name):
+            raise CheckpointError(f"{path}: DCP asked to read {name!r}, expected a __<rank>_<n>.distcp file")
+        with open_regular_file(path, "checkpoint data file", error=CheckpointError) as stream:
+            yield stream
+
+
 class SafeFileSystemReader(FileSystemReader):
-    """``FileSystemReader`` whose ``.metadata`` is read by :func:`read_metadata`."""
+    """``FileSystemReader`` whose ``.metadata`` is read by :func:`read_metadata` and whose
+    data files are opened without following links (:class:`_NoFollowFileSystem`)."""
+
+    def __init__(self, path: str | os.PathLike) -> None:
+        super().__init__(path)
+        self.fs = _NoFollowFileSystem()
+        self.path = self.fs.init_path(path)
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> dcp_metadata.Metadata:
         metadata = read_metadata(str(self.path))
