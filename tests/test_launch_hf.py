@@ -231,6 +231,15 @@ def test_integer_safetensors_tensor_refused_not_cast(tmp_path):
         compose(["+model=hf", f"model.path={model_dir}"])
     with pytest.raises(ValueError, match=rf"tensor '{name}' has dtype I8"):
         build_hf_model(model_dir, tp_group=None, dtype=torch.float32, device=torch.device("cpu"), seed=0, overlap=None)
+    # A BOOL mask buffer (Pythia's attention.bias) is not a weight: still loads.
+    tensors[name] = tensors[name].float()
+    tensors["model.layers.0.self_attn.bias"] = torch.ones(4, 4, dtype=torch.bool)
+    save_file(tensors, file, metadata={"format": "pt"})
+    compose(["+model=hf", f"model.path={model_dir}"])
+    tensors[name] = tensors[name].to(torch.int64)  # ... but an integer .weight is refused
+    save_file(tensors, file, metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=rf"tensor '{name}' has dtype I64"):
+        compose(["+model=hf", f"model.path={model_dir}"])
 
 
 def _sharded_to(model_dir: str, target: str) -> None:

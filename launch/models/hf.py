@@ -68,6 +68,10 @@ _MIN_ITEMSIZE = 2
 #: int8 / uint8 / fp8 tensor to the run's float dtype without its quantization scales,
 #: giving a model that loads and trains on garbage weights.
 _FLOAT_DTYPES = ("F16", "BF16", "F32", "F64")
+#: Kept where the tensor is not a ``.weight``: buffers some checkpoints carry (Pythia's
+#: causal mask ``attention.bias`` is BOOL, position ids are I64); transformers drops or
+#: keeps them as they are, it never casts them into a float weight.
+_BUFFER_DTYPES = ("BOOL", "I64")
 #: A safetensors header is JSON of a few kB per tensor; the safetensors library refuses
 #: more than 100 MB, and so do we (the 8-byte length is untrusted).
 _SAFETENSORS_HEADER_LIMIT = 100 * 2**20
@@ -247,11 +251,12 @@ def check_weight_files(path: str) -> None:
     for file in dict.fromkeys(files):  # in order, once each
         if not _inside(file, path):
             raise ValueError(f"model.path: {file} resolves to {os.path.realpath(file)}, outside {path}; refusing "
-                             f"to load weights from outside the model directory")
+                             f"to load weights from outside the model directory (a Hugging Face cache snapshot "
+                             f"links into ../../blobs: copy it with `cp -rL` into a directory of its own)")
         if not os.path.exists(file):
             raise ValueError(f"model.path: {file} (named in {_INDEX_FILE}) does not exist")
         for tensor, dtype in _safetensors_dtypes(file).items():
-            if dtype not in _FLOAT_DTYPES:
+            if dtype not in _FLOAT_DTYPES and (dtype not in _BUFFER_DTYPES or tensor.endswith(".weight")):
                 raise ValueError(f"model.path: {file}: tensor {tensor!r} has dtype {dtype}; only float weights "
                                  f"({', '.join(_FLOAT_DTYPES)}) are loaded (an integer or fp8 tensor would be cast "
                                  f"to float without its quantization scales). Dequantize the checkpoint first")
