@@ -228,7 +228,8 @@ def check_weight_files(path: str) -> None:
     * every ``*.safetensors`` file (found or named by the index) must lie in ``path`` once
       symbolic links are resolved;
     * every tensor must be float (F16/BF16/F32/F64): transformers casts int8 / uint8 /
-      fp8 tensors to the run's dtype without their quantization scales.
+      fp8 tensors to the run's dtype without their quantization scales (BOOL / I64 buffers
+      that are not a ``.weight``, such as causal masks, are left to transformers).
     """
     files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
     index = os.path.join(path, _INDEX_FILE)
