@@ -1,0 +1,126 @@
+"""What ``torch.compile``'d code sees of the FP8 state, and how it reaches it at run time.
+
+Dynamo cannot read a ``contextvars.ContextVar`` (``autocast`` keeps its state in one), nor
+pass Python objects (quantizers, amax trackers) to the ops of a graph. Two small pieces
+bridge that, so that compiled code sees only constants, plain tensors and custom ops:
+
+* **The recipe in force, as a constant.** :class:`CompileKey` is what a traced graph's
+  *structure* depends on: off, or the recipe class and its forward/backward FP8 dtypes.
+  ``autocast`` mirrors it into a plain module attribute when it is entered and left
+  (:func:`traced_key`); dynamo reads that attribute while tracing and guards on its value,
+  so a different recipe recompiles and an equal new recipe object (a new
+  ``DelayedScaling()`` every step) does not. The mirror is process-wide: compiled code
+  reads the autocast state of whichever thread last entered or left an ``autocast``. The
+  FP8 custom ops re-check the real (context-local) state at run time and raise on a
+  mismatch (:func:`raise_key_mismatch`); a compiled high-precision graph has no op to
+  check, so do not mix compiled FP8 and non-FP8 threads.
+* **Handles.** A custom op takes ints, not objects: :func:`new_handle` gives an object (an
+  op's ``OpQuantizers``) a process-unique int, :func:`resolve` maps it back at run time
+  (weakly: the handle does not keep the object alive). Copies get their own handle.
+
+Nothing here runs in eager mode except the mirror update (a few attribute writes per
+``autocast`` entry, not per op).
+"""
+
+from __future__ import annotations
+
+import itertools
+import weakref
+from typing import Any, NamedTuple, Optional
+
+import torch
+
+__all__ = [
+    "CompileKey",
+    "compile_key",
+    "new_handle",
+    "raise_key_mismatch",
+    "resolve",
+    "set_traced_key",
+    "traced_key",
+]
+
+
+class CompileKey(NamedTuple):
+    """The FP8 facts a traced graph is specialized on (all constants, compared by value).
+
+    ``recipe``: the recipe class name (``"DelayedScaling"``, ``"Float8CurrentScaling"``,
+    or another recipe's, which the traced fuser path does not handle);
+    ``fwd_dtype`` / ``bwd_dtype``: the FP8 dtypes of forward tensors and gradients
+    (None for recipes without a per-tensor FP8 format).
+    """
+
+    recipe: str
+    fwd_dtype: Optional[torch.dtype]
+    bwd_dtype: Optional[torch.dtype]
+
+    @property
+    def per_tensor(self) -> bool:
+        """Whether the traced fuser path handles this recipe (per-tensor FP8 scaling)."""
+        return self.recipe in ("DelayedScaling", "Float8CurrentScaling")
+
+
+def compile_key(ctx: Any) -> Optional[CompileKey]:
+    """The :class:`CompileKey` of an ``AutocastContext`` (None: FP8 off)."""
+    if ctx is None or not ctx.enabled:
+        return None
+    recipe = ctx.recipe
+    fmt = getattr(recipe, "fp8_format", None)
+    name = type(recipe).__name__
+    if name in ("DelayedScaling", "Float8CurrentScaling") and fmt is not None:
+        return CompileKey(name, fmt.fwd_dtype, fmt.bwd_dtype)
+    return CompileKey(name, None, None)
+
+
+class _TraceView:
+    """The mirror dynamo reads: one attribute, replaced (never mutated) on every change."""
+
+    key: Optional[CompileKey] = None
+
+
+_VIEW = _TraceView()
+
+
+def traced_key() -> Optional[CompileKey]:
+    """The recipe in force as compiled code sees it (see the module doc). Traceable."""
+    return _VIEW.key
+
+
+def set_traced_key(key: Optional[CompileKey]) -> Optional[CompileKey]:
+    """Set the mirror; returns the previous value for the caller to restore."""
+    prev = _VIEW.key
+    _VIEW.key = key
+    return prev
+
+
+def raise_key_mismatch(expected: str, actual: Optional[CompileKey], where: str) -> None:
+    """Raise: a graph traced for FP8 state ``expected`` runs under ``actual`` (another
+    thread's autocast state was mirrored when it was traced or its guards ran)."""
+    raise RuntimeError(
+        f"{where}: this torch.compile'd graph was traced for FP8 {expected}, but it runs under "
+        f"{actual or 'no FP8 autocast'}. Compiled code reads the autocast state of the thread that "
+        "last entered or left tp_fuse.autocast; do not run compiled tp_fuse ops in threads with "
+        "different autocast states."
+    )
+
+
+_OBJECTS: "weakref.WeakValueDictionary[int, Any]" = weakref.WeakValueDictionary()
+_NEXT = itertools.count(1)
+
+
+def new_handle(obj: Any) -> int:
+    """A fresh process-unique int naming ``obj`` for custom ops (see :func:`resolve`)."""
+    handle = next(_NEXT)
+    _OBJECTS[handle] = obj
+    return handle
+
+
+def resolve(handle: int) -> Any:
+    """The object :func:`new_handle` named ``handle``; RuntimeError when it is gone."""
+    obj = _OBJECTS.get(handle)
+    if obj is None:
+        raise RuntimeError(
+            f"tp_fuse compiled graph: handle {handle} names an object that no longer exists "
+            "(the op was deleted while a compiled graph still refers to it)"
+        )
+    return obj
