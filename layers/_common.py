@@ -281,8 +281,10 @@ def check_fp8_amax_group(tp_group: Optional[dist.ProcessGroup], sequence_paralle
     reduced over (at least) the TP group: FP8 group ``tp`` or ``world``, not ``dp``.
     Otherwise the gathered shards would be decoded with the wrong scale, silently.
     """
+    if not sequence_parallel or tp_group is None:
+        return  # first: under torch.compile the autocast lookup below is a graph break
     state = active_autocast()
-    if state is None or not sequence_parallel or tp_group is None:
+    if state is None:
         return
     group = state.amax_reduction_group
     if group is None or group is tp_group:
