@@ -40,16 +40,18 @@ from .autocast import active_autocast
 from .compile_state import compile_key, raise_key_mismatch, resolve
 from .quantizer import OpQuantizers, is_backward_role
 
-__all__ = ["fp8_cast"]
+__all__ = ["NO_OBSERVER", "fp8_cast"]
 
 # Per OpQuantizers: (quantizers by role, backward amax tracker) of its last forward cast,
 # for the gradient casts of the backward that follows (eager ops keep both in their ctx).
 _BACKWARD: "weakref.WeakKeyDictionary[OpQuantizers, tuple[dict[str, Any], Any]]" = weakref.WeakKeyDictionary()
+#: ``observer`` value of a cast nobody observes.
+NO_OBSERVER = 0
 
 
 @torch.library.custom_op("tp_fuse::fp8_cast", mutates_args=())
 def fp8_cast(
-    x: torch.Tensor, handle: int, role: str, recipe: str, fp8_dtype: torch.dtype, transpose: bool
+    x: torch.Tensor, handle: int, role: str, recipe: str, fp8_dtype: torch.dtype, transpose: bool, observer: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Quantize ``x`` with the quantizer ``role`` of the op named by ``handle``.
 
@@ -62,6 +64,8 @@ def fp8_cast(
 
     ``recipe`` / ``fp8_dtype``: what the graph was traced for (checked against the
     recipe in force at run time). Side effects on the quantizer state: see the module doc.
+    ``observer``: the handle of the op's ``tp_fuse.debug`` hooks, told about the cast as
+    eager ``BasicLinear`` tells them (FP8 statistics), or ``NO_OBSERVER``.
     """
     owner: OpQuantizers = resolve(handle)
     if is_backward_role(role):
@@ -90,13 +94,15 @@ def fp8_cast(
         t = q._quantize_impl(x, transpose)
     if tracker is not None:
         tracker.track(q)
+    if observer != NO_OBSERVER:
+        resolve(observer).on_quantized(role, x, t, q)
     data_t = t.transpose_data() if transpose else torch.empty(0, dtype=fp8_dtype, device=x.device)
     return t._data, data_t, t._scale_inv
 
 
 @fp8_cast.register_fake
 def _fp8_cast_fake(
-    x: torch.Tensor, handle: int, role: str, recipe: str, fp8_dtype: torch.dtype, transpose: bool
+    x: torch.Tensor, handle: int, role: str, recipe: str, fp8_dtype: torch.dtype, transpose: bool, observer: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     cols = x.shape[-1] if x.dim() else 1
     rows = x.numel() // cols if x.dim() else 1

@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from ...quantization.compile_state import CompileKey
+from ...quantization.custom_ops import NO_OBSERVER
 from ...quantization.float8.tensor import Float8Tensor
 from ..basic import (
     GEGLU,
@@ -73,8 +74,9 @@ def _linear(op: BasicLinear, x: torch.Tensor, extras: Extras, fp8: Optional[Comp
         y = F.linear(x2d, weight if weight.dtype == x.dtype else weight.to(x.dtype))
     else:
         need_grad = torch.is_grad_enabled() and (x2d.requires_grad or weight.requires_grad)
+        observer = NO_OBSERVER if op.debug_hooks is None else op.debug_hooks.handle
         y = Fp8LinearFunction.apply(
-            x2d, weight, op._quantizers.handle, fp8.recipe, fp8.fwd_dtype, fp8.bwd_dtype, need_grad
+            x2d, weight, op._quantizers.handle, fp8.recipe, fp8.fwd_dtype, fp8.bwd_dtype, need_grad, observer
         )
     return y.reshape(*lead, op.out_features), []
 
@@ -181,8 +183,8 @@ TRACED_FORWARDS: dict[type, Forward] = {
 
 
 def _linear_reason(op: BasicLinear, fp8: Optional[CompileKey]) -> Optional[str]:
-    if op.debug_hooks is not None:
-        return "tp_fuse.debug hooks are attached (they observe eager FP8 casts)"
+    if op.debug_hooks is not None and op.debug_hooks.features_enabled:
+        return "tp_fuse.debug features run its GEMMs (FP8 statistics alone are traced)"
     if op.accumulate_into_main_grad:
         return "accumulate_into_main_grad adds dW into weight.main_grad outside autograd"
     if op.reduces_dgrad:

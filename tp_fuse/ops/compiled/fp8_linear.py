@@ -40,7 +40,8 @@ class Fp8LinearFunction(torch.autograd.Function):
 
     Args (after ``x``, ``weight``): ``handle`` -- the op's ``OpQuantizers.handle``;
     ``recipe`` / ``fwd_dtype`` / ``bwd_dtype`` -- the ``CompileKey`` it was traced for;
-    ``need_grad`` -- whether a backward will run (the casts then also write transposes).
+    ``need_grad`` -- whether a backward will run (the casts then also write transposes);
+    ``observer`` -- the handle of the op's ``tp_fuse.debug`` hooks (FP8 statistics), or 0.
     """
 
     @staticmethod
@@ -53,14 +54,15 @@ class Fp8LinearFunction(torch.autograd.Function):
         fwd_dtype: torch.dtype,
         bwd_dtype: torch.dtype,
         need_grad: bool,
+        observer: int,
     ) -> torch.Tensor:
         fp8 = torch.ops.tp_fuse
         wgrad = need_grad and weight.requires_grad
-        x_data, x_t, x_sinv = fp8.fp8_cast(x.detach(), handle, "input", recipe, fwd_dtype, wgrad)
-        w_data, w_t, w_sinv = fp8.fp8_cast(weight.detach(), handle, "weight", recipe, fwd_dtype, need_grad)
+        x_data, x_t, x_sinv = fp8.fp8_cast(x.detach(), handle, "input", recipe, fwd_dtype, wgrad, observer)
+        w_data, w_t, w_sinv = fp8.fp8_cast(weight.detach(), handle, "weight", recipe, fwd_dtype, need_grad, observer)
         y = fp8.fp8_gemm(x_data, w_data, x_sinv, w_sinv, x.dtype)
         ctx.save_for_backward(x_t, x_sinv, w_t, w_sinv)
-        ctx.handle, ctx.recipe, ctx.bwd_dtype, ctx.wgrad = handle, recipe, bwd_dtype, wgrad
+        ctx.handle, ctx.recipe, ctx.bwd_dtype, ctx.wgrad, ctx.observer = handle, recipe, bwd_dtype, wgrad, observer
         ctx.weight_dtype = weight.dtype
         return y
 
@@ -69,10 +71,10 @@ class Fp8LinearFunction(torch.autograd.Function):
         fp8 = torch.ops.tp_fuse
         x_t, x_sinv, w_t, w_sinv = ctx.saved_tensors
         dy_data, dy_t, dy_sinv = fp8.fp8_cast(
-            dy.contiguous(), ctx.handle, "grad_output", ctx.recipe, ctx.bwd_dtype, ctx.wgrad
+            dy.contiguous(), ctx.handle, "grad_output", ctx.recipe, ctx.bwd_dtype, ctx.wgrad, ctx.observer
         )
         dx = fp8.fp8_gemm(dy_data, w_t, dy_sinv, w_sinv, dy.dtype)
         dw = None
         if ctx.wgrad:
             dw = fp8.fp8_gemm(dy_t, x_t, dy_sinv, x_sinv, dy.dtype).to(ctx.weight_dtype)
-        return dx, dw, None, None, None, None, None
+        return dx, dw, None, None, None, None, None, None
