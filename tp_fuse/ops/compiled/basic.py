@@ -29,6 +29,9 @@ from ...quantization.custom_ops import NO_OBSERVER
 from ...quantization.float8.tensor import Float8Tensor
 from ..basic import (
     GEGLU,
+    AllGather,
+    AllReduce,
+    ReduceScatter,
     GELU,
     GLU,
     QGEGLU,
@@ -53,21 +56,31 @@ from ..basic import (
 )
 from ..basic._checks import check_tensor, compute_dtype
 from ..basic._glu import deinterleave
-from ..op import BasicOperation
+from ..basic._tp import check_first_dim_divisible
+from ..op import BasicOperation, require
 from .activations import GeluFunction
+from .comm import AllGatherSeq, AllReduceBackward, AllReduceForward, ReduceScatterSeq
 from .fp8_linear import Fp8LinearFunction
 
-__all__ = ["TRACED_FORWARDS", "unsupported_reason"]
+__all__ = ["TRACED_FORWARDS", "register_traced_forward", "tp_group", "unsupported_reason"]
 
 Extras = list[torch.Tensor]
 Forward = Callable[[Any, torch.Tensor, Extras, Optional[CompileKey]], tuple[torch.Tensor, Extras]]
 
 
+def tp_group(group: Optional[torch.distributed.ProcessGroup]) -> torch.distributed.ProcessGroup:
+    """An op's TP group for the functional collectives (None: the default group)."""
+    return group if group is not None else torch.distributed.group.WORLD
+
+
 def _linear(op: BasicLinear, x: torch.Tensor, extras: Extras, fp8: Optional[CompileKey]):
-    """``y = x W^T``: ``F.linear`` in high precision, :class:`Fp8LinearFunction` in FP8."""
+    """``y = x W^T``: ``F.linear`` in high precision, :class:`Fp8LinearFunction` in FP8.
+    Column parallel without sequence parallelism: dx is all-reduced over TP (as eager)."""
     op.check_input(x)
     lead = x.shape[:-1]
     x2d = x.reshape(-1, op.in_features)
+    if op.reduces_dgrad:
+        x2d = AllReduceBackward.apply(x2d, tp_group(op.tensor_parallel_group))
     weight = op.weight
     if fp8 is None:
         # W in x's dtype (torch.autocast): the cast is differentiated back to W's dtype.
@@ -156,6 +169,20 @@ def _dropout(op: Dropout, x: torch.Tensor, extras: Extras, fp8: Optional[Compile
     return torch.where(keep, x * (1.0 / (1.0 - op.p)), torch.zeros((), dtype=x.dtype, device=x.device)), []
 
 
+def _all_gather(op: AllGather, x: torch.Tensor, extras: Extras, fp8: Optional[CompileKey]):
+    require(x.dim() >= 1, "AllGather: expected a tensor with a sequence dimension, got a scalar")
+    return (x if op.tp_size == 1 else AllGatherSeq.apply(x, tp_group(op.process_group))), []
+
+
+def _reduce_scatter(op: ReduceScatter, x: torch.Tensor, extras: Extras, fp8: Optional[CompileKey]):
+    check_first_dim_divisible("ReduceScatter", x, op.tp_size)
+    return (x if op.tp_size == 1 else ReduceScatterSeq.apply(x, tp_group(op.process_group))), []
+
+
+def _all_reduce(op: AllReduce, x: torch.Tensor, extras: Extras, fp8: Optional[CompileKey]):
+    return (x if op.tp_size == 1 else AllReduceForward.apply(x, tp_group(op.process_group))), []
+
+
 def _identity(op: Identity, x: torch.Tensor, extras: Extras, fp8: Optional[CompileKey]):
     return x, []
 
@@ -179,7 +206,19 @@ TRACED_FORWARDS: dict[type, Forward] = {
     Dropout: _dropout,
     Identity: _identity,
     ConstantScale: _constant_scale,
+    AllGather: _all_gather,
+    ReduceScatter: _reduce_scatter,
+    AllReduce: _all_reduce,
 }
+
+
+def register_traced_forward(cls: type, forward: Forward) -> None:
+    """Trace ops of exactly ``cls`` with ``forward`` (for ops defined outside ``tp_fuse.ops``,
+    e.g. ``tp_fuse.layers``' TP-region ops). ``forward`` must compute what the op's eager
+    forward computes, with differentiable torch ops whose gradients are the op's backward."""
+    if not (isinstance(cls, type) and issubclass(cls, BasicOperation)):
+        raise ValueError(f"register_traced_forward: expected a BasicOperation subclass, got {cls!r}")
+    TRACED_FORWARDS[cls] = forward
 
 
 def _linear_reason(op: BasicLinear, fp8: Optional[CompileKey]) -> Optional[str]:
@@ -187,8 +226,6 @@ def _linear_reason(op: BasicLinear, fp8: Optional[CompileKey]) -> Optional[str]:
         return "tp_fuse.debug features run its GEMMs (FP8 statistics alone are traced)"
     if op.accumulate_into_main_grad:
         return "accumulate_into_main_grad adds dW into weight.main_grad outside autograd"
-    if op.reduces_dgrad:
-        return "column parallel without sequence parallelism all-reduces dx in its backward"
     if isinstance(op.weight, Float8Tensor) or type(op.weight) not in (torch.Tensor, torch.nn.Parameter):
         return f"the weight is a {type(op.weight).__name__} (quantized_model_init or a subclass)"
     if fp8 is not None and not fp8.per_tensor:
