@@ -184,3 +184,13 @@ def test_groups_without_a_traced_path_run_eagerly(recipe) -> None:
 def test_block_recipes_run_eagerly() -> None:
     model = _Around(ops.Sequential(ops.Linear(32, 32), ops.GELU()))
     _compiled_equals_eager(model, torch.randn(32, 32), recipe=Float8BlockScaling(), breaks=1)
+
+
+def test_explain_says_what_compile_does_with_each_group() -> None:
+    model = ops.Sequential(ops.LayerNorm(16), ops.Linear(16, 16), ops.GELU())
+    assert "compile:  traced into the caller's graph" in str(ops.explain(model))
+    with tp_fuse.autocast(recipe=DelayedScaling()):
+        assert "compile:  traced into the caller's graph" in str(ops.explain(model))
+    with tp_fuse.autocast(recipe=Float8BlockScaling()):
+        assert "compile:  graph break, runs the eager fuser: BasicLinear[1]: recipe Float8BlockScaling" in str(
+            ops.explain(model))

@@ -35,6 +35,7 @@ __all__ = [
     "compile_key",
     "new_handle",
     "raise_key_mismatch",
+    "recipe_key",
     "resolve",
     "set_traced_key",
     "traced_key",
@@ -64,7 +65,13 @@ def compile_key(ctx: Any) -> Optional[CompileKey]:
     """The :class:`CompileKey` of an ``AutocastContext`` (None: FP8 off)."""
     if ctx is None or not ctx.enabled:
         return None
-    recipe = ctx.recipe
+    return recipe_key(ctx.recipe)
+
+
+def recipe_key(recipe: Any) -> Optional[CompileKey]:
+    """The :class:`CompileKey` of a recipe (None: no recipe, high precision)."""
+    if recipe is None:
+        return None
     fmt = getattr(recipe, "fp8_format", None)
     name = type(recipe).__name__
     if name in ("DelayedScaling", "Float8CurrentScaling") and fmt is not None:
