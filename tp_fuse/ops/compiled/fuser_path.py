@@ -97,10 +97,9 @@ def compiled_call(
 ):
     """``fuser(input_, *extra_inputs)`` while dynamo traces: traced when possible."""
     fp8 = traced_key()
-    traceable = (
-        not basic_op_kwargs or not any(basic_op_kwargs)
-    ) and not isinstance(input_, QuantizedTensor) and trace_plan(fuser, fp8) is None
-    if not traceable:
+    quantized = any(isinstance(t, QuantizedTensor) for t in (input_, *extra_inputs))
+    with_kwargs = basic_op_kwargs is not None and any(basic_op_kwargs)
+    if quantized or with_kwargs or trace_plan(fuser, fp8) is not None:
         return _eager_call(fuser, input_, extra_inputs, basic_op_kwargs)
     outputs = _traced_forward(fuser, input_, extra_inputs, fp8)
     return outputs[0] if fuser.num_extra_outputs == 0 else tuple(outputs)
