@@ -24,7 +24,7 @@ import torch._dynamo
 
 import tp_fuse
 from tp_fuse import ops
-from tp_fuse.quantization.compile_state import CompileKey, new_handle, resolve, traced_key
+from tp_fuse.quantization.compile_state import NO_REF, CompileKey, CompileRef, traced_key
 from tp_fuse.recipe import DelayedScaling, Float8BlockScaling, Float8CurrentScaling
 
 import tp_fuse.ops.compiled.fp8_linear  # noqa: F401  (registers the custom ops)
@@ -55,8 +55,8 @@ def test_opcheck_fp8_cast_forward_roles(recipe) -> None:
     name = type(recipe).__name__
     with tp_fuse.autocast(recipe=recipe):
         for role, x, transpose in (("input", torch.randn(4, 6, 32), True), ("weight", op.weight.detach(), False)):
-            _ok(torch.library.opcheck(torch.ops.tp_fuse.fp8_cast.default, (x, op._quantizers.handle, role, name, E4M3, transpose, 0)))
-            data, data_t, scale_inv = torch.ops.tp_fuse.fp8_cast(x, op._quantizers.handle, role, name, E4M3, transpose, 0)
+            _ok(torch.library.opcheck(torch.ops.tp_fuse.fp8_cast.default, (x, op._quantizers.compile_ref, role, name, E4M3, transpose, NO_REF)))
+            data, data_t, scale_inv = torch.ops.tp_fuse.fp8_cast(x, op._quantizers.compile_ref, role, name, E4M3, transpose, NO_REF)
             ref = op._quantizers.get(recipe)[role].quantize(x)
             assert torch.equal(data.view(torch.uint8), ref._data.view(torch.uint8))
             assert torch.equal(scale_inv, ref._scale_inv)
@@ -71,7 +71,7 @@ def test_opcheck_fp8_cast_grad_role_inside_backward(recipe) -> None:
     op = ops.BasicLinear(32, 8)
     name = type(recipe).__name__
     with tp_fuse.autocast(recipe=recipe):
-        torch.ops.tp_fuse.fp8_cast(torch.randn(4, 32), op._quantizers.handle, "input", name, E4M3, False, 0)
+        torch.ops.tp_fuse.fp8_cast(torch.randn(4, 32), op._quantizers.compile_ref, "input", name, E4M3, False, NO_REF)
     results = []
 
     class Probe(torch.autograd.Function):
@@ -81,7 +81,7 @@ def test_opcheck_fp8_cast_grad_role_inside_backward(recipe) -> None:
 
         @staticmethod
         def backward(ctx, g):
-            args = (g.detach(), op._quantizers.handle, "grad_output", name, E5M2, True, 0)
+            args = (g.detach(), op._quantizers.compile_ref, "grad_output", name, E5M2, True, NO_REF)
             results.append(torch.library.opcheck(torch.ops.tp_fuse.fp8_cast.default, args))
             return g
 
@@ -95,9 +95,9 @@ def test_opcheck_fp8_cast_grad_role_inside_backward(recipe) -> None:
 def test_fp8_cast_outside_autocast_raises() -> None:
     op = ops.BasicLinear(32, 8)
     with pytest.raises(RuntimeError, match="traced for FP8 DelayedScaling"):
-        torch.ops.tp_fuse.fp8_cast(torch.randn(4, 32), op._quantizers.handle, "input", "DelayedScaling", E4M3, False, 0)
+        torch.ops.tp_fuse.fp8_cast(torch.randn(4, 32), op._quantizers.compile_ref, "input", "DelayedScaling", E4M3, False, NO_REF)
     with pytest.raises(RuntimeError, match="no forward FP8 cast"):
-        torch.ops.tp_fuse.fp8_cast(torch.randn(4, 8), op._quantizers.handle, "grad_output", "DelayedScaling", E5M2, False, 0)
+        torch.ops.tp_fuse.fp8_cast(torch.randn(4, 8), op._quantizers.compile_ref, "grad_output", "DelayedScaling", E5M2, False, NO_REF)
 
 
 def test_autocast_mirrors_the_recipe_for_compiled_code() -> None:
@@ -116,15 +116,33 @@ def test_autocast_mirrors_the_recipe_for_compiled_code() -> None:
     assert traced_key() is None
 
 
-def test_handles_are_per_object_and_weak() -> None:
+def test_compile_refs_are_per_object_and_weak() -> None:
     op = ops.BasicLinear(4, 4)
     clone = copy.deepcopy(op)
-    assert clone._quantizers.handle != op._quantizers.handle
-    assert resolve(clone._quantizers.handle) is clone._quantizers
-    handle = new_handle(ops.BasicLinear(4, 4)._quantizers)
+    assert clone._quantizers.compile_ref is not op._quantizers.compile_ref
+    assert clone._quantizers.compile_ref.target() is clone._quantizers
+    ref = CompileRef(ops.BasicLinear(4, 4)._quantizers)
     gc.collect()
     with pytest.raises(RuntimeError, match="no longer exists"):
-        resolve(handle)
+        ref.target()
+
+
+def test_layers_share_one_fp8_graph() -> None:
+    """The quantizers are graph inputs (CompileRef), not constants: no recompile per layer."""
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    layers = [ops.Sequential(ops.Linear(16, 16), ops.GELU()) for _ in range(3)]
+    for layer in layers:
+        layer.compile(backend="aot_eager", fullgraph=True)
+    x = torch.randn(4, 16, requires_grad=True)
+    with tp_fuse.autocast(recipe=DelayedScaling()):
+        for layer in layers:
+            x = layer(x)
+    x.sum().backward()
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
+    for layer in layers:  # each layer's own quantizers ran (and joined the reductions)
+        history = layer[0].basic_op_list[0]._quantizers.quantizers["grad_output"].amax_history
+        assert history[-1] > 0 and history[0] == 0
 
 
 def _compiled_equals_eager(model: torch.nn.Module, *inputs: torch.Tensor, recipe=None, breaks: int = 0) -> None:

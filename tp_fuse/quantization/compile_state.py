@@ -14,9 +14,13 @@ bridge that, so that compiled code sees only constants, plain tensors and custom
   FP8 custom ops re-check the real (context-local) state at run time and raise on a
   mismatch (:func:`raise_key_mismatch`); a compiled high-precision graph has no op to
   check, so do not mix compiled FP8 and non-FP8 threads.
-* **Handles.** A custom op takes ints, not objects: :func:`new_handle` gives an object (an
-  op's ``OpQuantizers``) a process-unique int, :func:`resolve` maps it back at run time
-  (weakly: the handle does not keep the object alive). Copies get their own handle.
+* **Refs.** A custom op takes tensors and constants, not arbitrary objects: a
+  :class:`CompileRef` (a torch "opaque object" of reference type) names an object (an op's
+  ``OpQuantizers``, its debug hooks) as a graph *input*, so that one graph serves every
+  layer. Copies of the owner make their own ref. It needs torch's opaque objects
+  (``torch._library.opaque_object``, private API, present in the pinned torch 2.13); with
+  an older torch (:data:`HAVE_COMPILE_REFS` False) compiled FP8 GEMMs take the eager
+  fuser behind a graph break (not tested: only torch 2.13 is installed here).
 
 Nothing here runs in eager mode except the mirror update (a few attribute writes per
 ``autocast`` entry, not per op).
@@ -24,19 +28,19 @@ Nothing here runs in eager mode except the mirror update (a few attribute writes
 
 from __future__ import annotations
 
-import itertools
 import weakref
 from typing import Any, NamedTuple, Optional
 
 import torch
 
 __all__ = [
+    "HAVE_COMPILE_REFS",
+    "NO_REF",
     "CompileKey",
+    "CompileRef",
     "compile_key",
-    "new_handle",
     "raise_key_mismatch",
     "recipe_key",
-    "resolve",
     "set_traced_key",
     "traced_key",
 ]
@@ -111,23 +115,49 @@ def raise_key_mismatch(expected: str, actual: Optional[CompileKey], where: str) 
     )
 
 
-_OBJECTS: "weakref.WeakValueDictionary[int, Any]" = weakref.WeakValueDictionary()
-_NEXT = itertools.count(1)
+class _RefBase:  # replaced by torch's OpaqueBase where it exists (see below)
+    pass
 
 
-def new_handle(obj: Any) -> int:
-    """A fresh process-unique int naming ``obj`` for custom ops (see :func:`resolve`)."""
-    handle = next(_NEXT)
-    _OBJECTS[handle] = obj
-    return handle
+try:  # torch >= 2.10: Python objects as custom-op arguments ("opaque objects")
+    from torch._library.opaque_object import register_opaque_type
+    from torch._opaque_base import OpaqueBase as _RefBase  # noqa: F811
+except ImportError:  # pragma: no cover - older torch: compiled FP8 GEMMs take the eager fuser
+    register_opaque_type = None
+
+#: Whether custom ops can take a :class:`CompileRef` (the FP8 casts of compiled graphs need it).
+HAVE_COMPILE_REFS = register_opaque_type is not None
 
 
-def resolve(handle: int) -> Any:
-    """The object :func:`new_handle` named ``handle``; RuntimeError when it is gone."""
-    obj = _OBJECTS.get(handle)
-    if obj is None:
-        raise RuntimeError(
-            f"tp_fuse compiled graph: handle {handle} names an object that no longer exists "
-            "(the op was deleted while a compiled graph still refers to it)"
-        )
-    return obj
+class CompileRef(_RefBase):
+    """A custom-op argument naming a Python object (an op's ``OpQuantizers``, its debug hooks).
+
+    Registered with torch as a *reference* opaque type: a compiled graph takes it as an
+    input, like a tensor, instead of baking it in as a constant -- so the layers of a model,
+    each with its own quantizers, share one graph (an int handle per op would be a constant
+    per layer: one recompilation per layer, and past dynamo's recompile limit, eager
+    layers). The target is held weakly; a copy of the owner makes its own ref.
+    """
+
+    def __init__(self, target: Any) -> None:
+        self._target = None if target is None else weakref.ref(target)
+
+    def target(self) -> Any:
+        """The object named (RuntimeError when it no longer exists)."""
+        obj = None if self._target is None else self._target()
+        if obj is None:
+            raise RuntimeError(
+                "tp_fuse compiled graph: a CompileRef names an object that no longer exists (the op "
+                "was deleted while a compiled graph still refers to it), or none at all"
+            )
+        return obj
+
+    def __bool__(self) -> bool:
+        return self._target is not None
+
+
+if HAVE_COMPILE_REFS:
+    register_opaque_type(CompileRef, typ="reference")
+
+#: The ref of no object (e.g. a cast nobody observes).
+NO_REF = CompileRef(None)

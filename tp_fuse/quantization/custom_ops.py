@@ -6,7 +6,8 @@ Compiled graphs (``torch.compile`` of a ``Sequential`` or a layer; see
 graph run time:
 
 * the quantizer is the op's own (``OpQuantizers.get`` for the recipe in force, as eager
-  ops ask for it), named by the ``OpQuantizers`` handle (``compile_state.new_handle``);
+  ops ask for it), named by the ``OpQuantizers``' ``compile_ref`` (a graph input, so the
+  layers of a model share one graph; ``compile_state.CompileRef``);
 * delayed scaling: the cast uses the scale of the last update and folds this tensor's amax
   into ``amax_history[0]``; the quantizer joins the step's amax reduction
   (``AutocastContext.track_forward``) -- so the once-per-step all-reduce and scale update
@@ -37,7 +38,7 @@ from typing import Any
 import torch
 
 from .autocast import active_autocast
-from .compile_state import compile_key, raise_key_mismatch, resolve
+from .compile_state import HAVE_COMPILE_REFS, NO_REF, CompileRef, compile_key, raise_key_mismatch
 from .quantizer import OpQuantizers, is_backward_role
 
 __all__ = ["NO_OBSERVER", "fp8_cast"]
@@ -45,15 +46,20 @@ __all__ = ["NO_OBSERVER", "fp8_cast"]
 # Per OpQuantizers: (quantizers by role, backward amax tracker) of its last forward cast,
 # for the gradient casts of the backward that follows (eager ops keep both in their ctx).
 _BACKWARD: "weakref.WeakKeyDictionary[OpQuantizers, tuple[dict[str, Any], Any]]" = weakref.WeakKeyDictionary()
-#: ``observer`` value of a cast nobody observes.
-NO_OBSERVER = 0
+#: ``observer`` of a cast nobody observes.
+NO_OBSERVER = NO_REF
 
 
-@torch.library.custom_op("tp_fuse::fp8_cast", mutates_args=())
 def fp8_cast(
-    x: torch.Tensor, handle: int, role: str, recipe: str, fp8_dtype: torch.dtype, transpose: bool, observer: int
+    x: torch.Tensor,
+    owner: CompileRef,
+    role: str,
+    recipe: str,
+    fp8_dtype: torch.dtype,
+    transpose: bool,
+    observer: CompileRef,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Quantize ``x`` with the quantizer ``role`` of the op named by ``handle``.
+    """Quantize ``x`` with the quantizer ``role`` of the ``OpQuantizers`` ``owner`` names.
 
     Shapes::
 
@@ -64,12 +70,12 @@ def fp8_cast(
 
     ``recipe`` / ``fp8_dtype``: what the graph was traced for (checked against the
     recipe in force at run time). Side effects on the quantizer state: see the module doc.
-    ``observer``: the handle of the op's ``tp_fuse.debug`` hooks, told about the cast as
-    eager ``BasicLinear`` tells them (FP8 statistics), or ``NO_OBSERVER``.
+    ``observer``: names the op's ``tp_fuse.debug`` hooks, told about the cast as eager
+    ``BasicLinear`` tells them (FP8 statistics), or is ``NO_OBSERVER``.
     """
-    owner: OpQuantizers = resolve(handle)
+    quantizer_set: OpQuantizers = owner.target()
     if is_backward_role(role):
-        binding = _BACKWARD.get(owner)
+        binding = _BACKWARD.get(quantizer_set)
         if binding is None:
             raise RuntimeError(
                 f"tp_fuse::fp8_cast({role!r}): no forward FP8 cast of this op ran before its backward"
@@ -81,10 +87,10 @@ def fp8_cast(
         actual = compile_key(state)
         if actual is None or actual.recipe != recipe or actual.fwd_dtype != fp8_dtype:
             raise_key_mismatch(f"{recipe} with forward dtype {fp8_dtype}", actual, "tp_fuse::fp8_cast")
-        quantizers = owner.get(state.recipe, state.amax_reduction_group)
+        quantizers = quantizer_set.get(state.recipe, state.amax_reduction_group)
         q = quantizers[role]
         state.track_forward(q)
-        _BACKWARD[owner] = (quantizers, state.backward_tracker)
+        _BACKWARD[quantizer_set] = (quantizers, state.backward_tracker)
         tracker = None
     if q.fp8_dtype != fp8_dtype:
         raise RuntimeError(
@@ -94,18 +100,28 @@ def fp8_cast(
         t = q._quantize_impl(x, transpose)
     if tracker is not None:
         tracker.track(q)
-    if observer != NO_OBSERVER:
-        resolve(observer).on_quantized(role, x, t, q)
+    if observer:
+        observer.target().on_quantized(role, x, t, q)
     data_t = t.transpose_data() if transpose else torch.empty(0, dtype=fp8_dtype, device=x.device)
     return t._data, data_t, t._scale_inv
 
 
-@fp8_cast.register_fake
 def _fp8_cast_fake(
-    x: torch.Tensor, handle: int, role: str, recipe: str, fp8_dtype: torch.dtype, transpose: bool, observer: int
+    x: torch.Tensor,
+    owner: CompileRef,
+    role: str,
+    recipe: str,
+    fp8_dtype: torch.dtype,
+    transpose: bool,
+    observer: CompileRef,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     cols = x.shape[-1] if x.dim() else 1
     rows = x.numel() // cols if x.dim() else 1
     data = torch.empty(x.shape, dtype=fp8_dtype, device=x.device)
     data_t = x.new_empty((cols, rows) if transpose else (0,), dtype=fp8_dtype)
     return data, data_t, x.new_empty((), dtype=torch.float32)
+
+
+if HAVE_COMPILE_REFS:  # else: no op; compiled FP8 GEMMs take the eager fuser (ops/compiled/basic.py)
+    fp8_cast = torch.library.custom_op("tp_fuse::fp8_cast", mutates_args=())(fp8_cast)
+    fp8_cast.register_fake(_fp8_cast_fake)

@@ -37,7 +37,7 @@ from .. import kernels
 from ..recipe import DelayedScaling, Float8CurrentScaling, Recipe, low_precision_max
 from . import scaling
 from .block.tensor import BlockScaledTensor
-from .compile_state import new_handle
+from .compile_state import CompileRef
 from .float8.tensor import Float8Tensor
 from .role import QuantizerRole, role_tensor_type
 
@@ -510,13 +510,16 @@ class OpQuantizers:
         self._recipe_snapshot: Optional[Recipe] = None
         self._quantizers: dict[str, Quantizer] = {}
         # How torch.compile'd graphs name this object in custom-op calls (compile_state).
-        self.handle = new_handle(self)
+        self.compile_ref = CompileRef(self)
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {k: v for k, v in self.__dict__.items() if k != "compile_ref"}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        # A copy (copy/deepcopy/unpickle) is another object: it gets its own handle, or a
+        # A copy (copy/deepcopy/unpickle) is another object: it gets its own ref, or a
         # compiled graph of the copy would quantize with the original's state.
         self.__dict__.update(state)
-        self.handle = new_handle(self)
+        self.compile_ref = CompileRef(self)
 
     def get(
         self, recipe: Recipe, amax_reduction_group: Optional[dist.ProcessGroup] = None

@@ -24,7 +24,7 @@ from typing import Any, Callable, Optional
 import torch
 import torch.nn.functional as F
 
-from ...quantization.compile_state import CompileKey
+from ...quantization.compile_state import HAVE_COMPILE_REFS, CompileKey
 from ...quantization.custom_ops import NO_OBSERVER
 from ...quantization.float8.tensor import Float8Tensor
 from ..basic import (
@@ -87,9 +87,9 @@ def _linear(op: BasicLinear, x: torch.Tensor, extras: Extras, fp8: Optional[Comp
         y = F.linear(x2d, weight if weight.dtype == x.dtype else weight.to(x.dtype))
     else:
         need_grad = torch.is_grad_enabled() and (x2d.requires_grad or weight.requires_grad)
-        observer = NO_OBSERVER if op.debug_hooks is None else op.debug_hooks.handle
+        observer = NO_OBSERVER if op.debug_hooks is None else op.debug_hooks.compile_ref
         y = Fp8LinearFunction.apply(
-            x2d, weight, op._quantizers.handle, fp8.recipe, fp8.fwd_dtype, fp8.bwd_dtype, need_grad, observer
+            x2d, weight, op._quantizers.compile_ref, fp8.recipe, fp8.fwd_dtype, fp8.bwd_dtype, need_grad, observer
         )
     return y.reshape(*lead, op.out_features), []
 
@@ -230,6 +230,8 @@ def _linear_reason(op: BasicLinear, fp8: Optional[CompileKey]) -> Optional[str]:
         return f"the weight is a {type(op.weight).__name__} (quantized_model_init or a subclass)"
     if fp8 is not None and not fp8.per_tensor:
         return f"recipe {fp8.recipe} (only per-tensor FP8 scaling is traced)"
+    if fp8 is not None and not HAVE_COMPILE_REFS:
+        return "this torch has no opaque objects for custom ops (tp_fuse::fp8_cast needs them)"
     return None
 
 

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from ...kernels.library import fp8_gemm_op  # noqa: F401  (registers tp_fuse::fp8_gemm)
+from ...quantization.compile_state import CompileRef
 from ...quantization.custom_ops import fp8_cast  # noqa: F401  (registers tp_fuse::fp8_cast)
 
 __all__ = ["Fp8LinearFunction"]
@@ -38,10 +39,11 @@ class Fp8LinearFunction(torch.autograd.Function):
     ``BasicLinear``'s eager path, whose numbers these are: same quantizers, same casts, same
     GEMM kernel. Saved for backward: the transposed FP8 bytes of x and W and their scales.
 
-    Args (after ``x``, ``weight``): ``handle`` -- the op's ``OpQuantizers.handle``;
+    Args (after ``x``, ``weight``): ``owner`` -- the op's ``OpQuantizers.compile_ref``;
     ``recipe`` / ``fwd_dtype`` / ``bwd_dtype`` -- the ``CompileKey`` it was traced for;
     ``need_grad`` -- whether a backward will run (the casts then also write transposes);
-    ``observer`` -- the handle of the op's ``tp_fuse.debug`` hooks (FP8 statistics), or 0.
+    ``observer`` -- the ``compile_ref`` of the op's ``tp_fuse.debug`` hooks (FP8
+    statistics), or ``NO_OBSERVER``.
     """
 
     @staticmethod
@@ -49,20 +51,20 @@ class Fp8LinearFunction(torch.autograd.Function):
         ctx: Any,
         x: torch.Tensor,
         weight: torch.Tensor,
-        handle: int,
+        owner: CompileRef,
         recipe: str,
         fwd_dtype: torch.dtype,
         bwd_dtype: torch.dtype,
         need_grad: bool,
-        observer: int,
+        observer: CompileRef,
     ) -> torch.Tensor:
         fp8 = torch.ops.tp_fuse
         wgrad = need_grad and weight.requires_grad
-        x_data, x_t, x_sinv = fp8.fp8_cast(x.detach(), handle, "input", recipe, fwd_dtype, wgrad, observer)
-        w_data, w_t, w_sinv = fp8.fp8_cast(weight.detach(), handle, "weight", recipe, fwd_dtype, need_grad, observer)
+        x_data, x_t, x_sinv = fp8.fp8_cast(x.detach(), owner, "input", recipe, fwd_dtype, wgrad, observer)
+        w_data, w_t, w_sinv = fp8.fp8_cast(weight.detach(), owner, "weight", recipe, fwd_dtype, need_grad, observer)
         y = fp8.fp8_gemm(x_data, w_data, x_sinv, w_sinv, x.dtype)
         ctx.save_for_backward(x_t, x_sinv, w_t, w_sinv)
-        ctx.handle, ctx.recipe, ctx.bwd_dtype, ctx.wgrad, ctx.observer = handle, recipe, bwd_dtype, wgrad, observer
+        ctx.owner, ctx.recipe, ctx.bwd_dtype, ctx.wgrad, ctx.observer = owner, recipe, bwd_dtype, wgrad, observer
         ctx.weight_dtype = weight.dtype
         return y
 
@@ -71,7 +73,7 @@ class Fp8LinearFunction(torch.autograd.Function):
         fp8 = torch.ops.tp_fuse
         x_t, x_sinv, w_t, w_sinv = ctx.saved_tensors
         dy_data, dy_t, dy_sinv = fp8.fp8_cast(
-            dy.contiguous(), ctx.handle, "grad_output", ctx.recipe, ctx.bwd_dtype, ctx.wgrad, ctx.observer
+            dy.contiguous(), ctx.owner, "grad_output", ctx.recipe, ctx.bwd_dtype, ctx.wgrad, ctx.observer
         )
         dx = fp8.fp8_gemm(dy_data, w_t, dy_sinv, w_sinv, dy.dtype)
         dw = None
