@@ -30,6 +30,7 @@ import torch.distributed as dist
 from tp_fuse.ops import AllGather, AllReduce, BasicLinear, BasicOperation, Bias, LayerNorm, ReduceScatter, RMSNorm
 from tp_fuse.overlap.config import TPOverlap
 from tp_fuse.quantization import active_autocast
+from tp_fuse.quantization.compile_state import traced_key
 
 from .grad_sync import sync_sequence_parallel_grad
 from .random import DropoutRNG
@@ -285,8 +286,20 @@ def check_fp8_amax_group(tp_group: Optional[dist.ProcessGroup], sequence_paralle
     reduced over (at least) the TP group: FP8 group ``tp`` or ``world``, not ``dp``.
     Otherwise the gathered shards would be decoded with the wrong scale, silently.
     """
+    if not sequence_parallel or tp_group is None:
+        return
+    if torch.compiler.is_compiling():
+        # Dynamo cannot read the autocast ContextVar: FP8 off needs no check (the mirror it
+        # guards on says so); FP8 on checks eagerly, behind a graph break.
+        if traced_key() is not None:
+            _check_amax_group_eagerly(tp_group)
+        return
+    _check_amax_group(tp_group)
+
+
+def _check_amax_group(tp_group: dist.ProcessGroup) -> None:
     state = active_autocast()
-    if state is None or not sequence_parallel or tp_group is None:
+    if state is None:
         return
     group = state.amax_reduction_group
     if group is None or group is tp_group:
@@ -299,3 +312,6 @@ def check_fp8_amax_group(tp_group: Optional[dist.ProcessGroup], sequence_paralle
             f"must include the tensor-parallel group (ranks {tp_ranks}), because FP8 activations are "
             "all-gathered as bytes with one scale; use the 'tp' or 'world' FP8 group, not 'dp'"
         )
+
+
+_check_amax_group_eagerly = torch.compiler.disable(_check_amax_group)

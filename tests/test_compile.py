@@ -1,12 +1,19 @@
 """``trainer.compile=true``: torch.compile'd TransformerLayers train like eager ones.
 
-One small run (compiling is slow on 2 CPU cores). The tp-fuse fusion groups are graph
-breaks by design (``OperationFuser.__call__`` is ``torch.compiler.disable``d, see
-docs/fsdp.md); the rest of each layer is compiled -- checked through dynamo's counters.
+One small run per recipe (compiling is slow on 2 CPU cores). The tp-fuse fusion groups are
+traced into each layer's graph (``tp_fuse/ops/compiled``): no graph break, one graph per
+layer -- checked through dynamo's counters -- and the same losses as eager. Under FP8 the
+logged statistics (``fp8_stats.jsonl``: the casts run the eager quantizers and report to
+the same collector) match eager: scales and amaxes to 1e-5; the underflow/overflow
+percentages may differ by a few elements, since inductor's attention backward rounds
+the gradients near FP8's smallest value differently.
 """
 
 from __future__ import annotations
 
+import json
+
+import pytest
 import torch
 import torch._dynamo
 
@@ -20,14 +27,23 @@ RUN = [
 ]
 
 
-def test_compiled_layers_train_like_eager(tmp_path) -> None:
-    eager = train(RUN, str(tmp_path / "eager"))
+@pytest.mark.parametrize("fp8", ["none", "delayed"])
+def test_compiled_layers_train_like_eager(tmp_path, fp8: str) -> None:
+    eager = train([*RUN, f"fp8={fp8}"], str(tmp_path / "eager"))
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
-    compiled = train([*RUN, "trainer.compile=true"], str(tmp_path / "compiled"))
-    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] > 0, "nothing was compiled"
-    breaks = " ".join(torch._dynamo.utils.counters["graph_break"])
-    assert "OperationFuser.__call__" in breaks  # the documented graph break
+    compiled = train([*RUN, f"fp8={fp8}", "trainer.compile=true"], str(tmp_path / "compiled"))
+    counters = torch._dynamo.utils.counters
+    assert counters["stats"]["unique_graphs"] > 0, "nothing was compiled"
+    assert not counters["graph_break"], dict(counters["graph_break"])  # the fusion groups are traced
     assert sorted(compiled.losses) == [1, 2]
     for step, loss in eager.losses.items():
         assert abs(compiled.losses[step] - loss) <= tols(torch.float32)["atol"], (step, compiled.losses, eager.losses)
+    if fp8 != "none":
+        stats = [[json.loads(line) for line in open(tmp_path / run / "fp8_stats.jsonl")] for run in ("eager", "compiled")]
+        assert len(stats[0]) == len(stats[1]) == 2
+        for want, got in zip(*stats):
+            assert want.keys() == got.keys()
+            for key, value in want.items():
+                if isinstance(value, float) and not key.endswith("_pct"):
+                    assert got[key] == pytest.approx(value, rel=1e-5, abs=1e-12), key

@@ -190,11 +190,13 @@ def build_model(cfg: TrainConfig, rt: Runtime, factory: Optional[ModelFactory] =
 def compile_layers(model: torch.nn.Module, *, full_recompute: bool = False) -> None:
     """``torch.compile`` every TransformerLayer in place.
 
-    tp-fuse's fusion groups (``OperationFuser``) run eagerly inside the compiled layers --
-    documented graph breaks (docs/fsdp.md); the glue between them (QKV split, RoPE,
-    attention core, residual plumbing) is compiled. ``tp_fuse.checkpoint`` is a graph
-    break too, so under full recompute the layer body inside it is what gets compiled
-    (the recompute then reruns the compiled code).
+    tp-fuse's fusion groups (``OperationFuser``) are traced into each layer's graph
+    (``tp_fuse/ops/compiled``): fp32/bf16, and FP8 delayed/current scaling through the
+    custom ops ``tp_fuse::fp8_cast`` / ``tp_fuse::fp8_gemm``; the layers share one graph.
+    Groups the traced path does not handle (TP comm ops, block-scaled recipes, debug
+    features...) run eagerly behind a graph break (docs/fsdp.md). ``tp_fuse.checkpoint`` is
+    a graph break too, so under full recompute the layer body inside it is what gets
+    compiled (the recompute then reruns the compiled code).
     """
     for layer in model.layers:
         if full_recompute:

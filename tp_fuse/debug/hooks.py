@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 from ..quantization import BlockScalingQuantizer, active_autocast, fp8_gemm, is_quantized_tensor
+from ..quantization.compile_state import CompileRef
 from .config import FeatureSpec
 
 if TYPE_CHECKING:
@@ -77,6 +78,15 @@ class LinearDebugHooks:
         self.session: Optional["DebugSession"] = None
         self.features: list[tuple["DebugFeature", FeatureSpec]] = []
         self.fp8_tap: Optional["Fp8StatsCollector"] = None
+        # How torch.compile'd graphs name these hooks (tp_fuse::fp8_cast's observer).
+        self.compile_ref = CompileRef(self)
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {k: v for k, v in self.__dict__.items() if k != "compile_ref"}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self.compile_ref = CompileRef(self)  # a copy is observed as itself
 
     @property
     def features_enabled(self) -> bool:

@@ -16,6 +16,8 @@ from typing import TYPE_CHECKING, Any, Optional
 import torch
 
 from .. import kernels
+from ..quantization.compile_state import recipe_key
+from .compiled.fuser_path import trace_plan
 from .fusion import FusionRecord
 from .op import FusibleOperation, op_display_name
 
@@ -79,6 +81,14 @@ def _plan_kernels(fuser: "OperationFuser", device: torch.device, dtype: Optional
     return plans
 
 
+def _compile_line(fuser: "OperationFuser", recipe: Any) -> str:
+    """What ``torch.compile`` does with this group under ``recipe`` (see ``ops/compiled``)."""
+    reason = trace_plan(fuser, recipe_key(recipe))
+    if reason is None:
+        return "traced into the caller's graph as basic ops (no fused ops: inductor fuses)"
+    return f"graph break, runs the eager fuser: {reason}"
+
+
 def _overlap_auto_lines(fuser: "OperationFuser") -> list[str]:
     """Decisions of the ``auto`` overlap stages of the group's fused ops (plans expose
     ``auto_lines()``), each GEMM stage once."""
@@ -106,6 +116,8 @@ class FuserExplanation:
     overlap_auto: list[str] = dataclasses.field(default_factory=list)
     # What ``recipe`` is: "last forward" (what the group last ran) or "recipe in force".
     basis: str = "recipe in force"
+    # Under torch.compile with this recipe: traced into the caller's graph, or why not.
+    compile: str = ""
 
     @classmethod
     def from_fuser(cls, fuser: "OperationFuser", basis: str = "recipe in force") -> "FuserExplanation":
@@ -121,6 +133,7 @@ class FuserExplanation:
             kernel_device=device_label,
             overlap_auto=_overlap_auto_lines(fuser),
             basis=basis,
+            compile=_compile_line(fuser, recipe),
         )
 
     def kernel_backends(self, kernel: Optional[str] = None) -> set[str]:
@@ -155,6 +168,8 @@ class FuserExplanation:
         if self.overlap_auto:
             lines.append("overlap auto (median time per candidate, max over TP ranks):")
             lines.extend(f"  {line}" for line in self.overlap_auto)
+        if self.compile:
+            lines.append(f"compile:  {self.compile}")
         return lines
 
     def __str__(self) -> str:

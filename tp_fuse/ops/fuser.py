@@ -16,6 +16,7 @@ import torch
 
 from . import fusion as fusion_registry
 from .channels import ChannelRouting
+from .compiled.fuser_path import compiled_call
 from .explain import FuserExplanation
 from .fusion import FusionLog, call_fusion
 from .op import (
@@ -366,17 +367,23 @@ class OperationFuser:
 
     # ---- running --------------------------------------------------------
 
-    # torch.compile: a fusion group runs eagerly, a documented graph break (docs/fsdp.md).
-    # Dynamo cannot trace its autograd function (Float8Tensor subclasses, FP8 state updated
-    # in place, contextvar autocast state, collectives chosen at run time); the code between
-    # groups (attention core, reshapes, RoPE, residual plumbing) is compiled.
-    @torch.compiler.disable
     def __call__(
         self,
         input_: torch.Tensor,
         *extra_inputs: torch.Tensor,
         basic_op_kwargs: Optional[list[dict[str, Any]]] = None,
     ):
+        if torch.compiler.is_compiling():
+            # Dynamo is tracing: the group becomes part of the caller's graph when its ops
+            # can be traced (tp_fuse/ops/compiled), else it runs eagerly behind a graph break.
+            self._check_call(input_, extra_inputs, basic_op_kwargs)
+            return compiled_call(self, input_, extra_inputs, basic_op_kwargs)
+        return self._eager_call(input_, *extra_inputs, basic_op_kwargs=basic_op_kwargs)
+
+    def _check_call(
+        self, input_: Any, extra_inputs: Sequence[Any], basic_op_kwargs: Optional[list[dict[str, Any]]]
+    ) -> None:
+        """ValueError for a call that does not fit this group (messages built on failure only)."""
         if not isinstance(input_, torch.Tensor):
             raise ValueError(f"expected a torch.Tensor input, got {type(input_).__name__}")
         if len(extra_inputs) != self.num_extra_inputs:
@@ -387,13 +394,22 @@ class OperationFuser:
                 f"expected {self.num_extra_inputs} extra input(s) (ops taking them: {names}), "
                 f"got {len(extra_inputs)}"
             )
-        if basic_op_kwargs is None:
-            basic_op_kwargs = [{} for _ in self.basic_ops]
-        elif len(basic_op_kwargs) != len(self.basic_ops):
+        if basic_op_kwargs is not None and len(basic_op_kwargs) != len(self.basic_ops):
             raise ValueError(
                 f"basic_op_kwargs needs one dict per basic op ({len(self.basic_ops)}), "
                 f"got {len(basic_op_kwargs)}"
             )
+
+    def _eager_call(
+        self,
+        input_: torch.Tensor,
+        *extra_inputs: torch.Tensor,
+        basic_op_kwargs: Optional[list[dict[str, Any]]] = None,
+    ):
+        """The group as one autograd function (eager mode, or a graph break under compile)."""
+        self._check_call(input_, extra_inputs, basic_op_kwargs)
+        if basic_op_kwargs is None:
+            basic_op_kwargs = [{} for _ in self.basic_ops]
         if not self._first_call_done:
             for op in self.basic_ops:
                 op.pre_first_fuser_forward()

@@ -167,8 +167,9 @@ class FusibleOperation(torch.nn.Module, metaclass=abc.ABCMeta):
         fuser = self.__dict__.get("_standalone_fuser")
         if fuser is None:
             fuser = OperationFuser([self])
-            # Plain attribute on purpose: the fuser is not a submodule.
-            self.__dict__["_standalone_fuser"] = fuser
+            if not torch.compiler.is_compiling():  # see Sequential._make_module_groups
+                # Plain attribute on purpose: the fuser is not a submodule.
+                self.__dict__["_standalone_fuser"] = fuser
         basic_ops = self.expanded_ops()
         return fuser(input_, *extra_inputs, basic_op_kwargs=[kwargs] * len(basic_ops))
 

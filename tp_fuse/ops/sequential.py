@@ -150,7 +150,12 @@ class Sequential(torch.nn.Module):
             groups.append(module)
         if run:
             groups.append(OperationFuser(run))
-        self.__dict__["_groups"] = groups
+        if not torch.compiler.is_compiling():
+            # While dynamo traces a first call the groups are built for the trace only:
+            # stored, they would fail the graph's guard on this attribute (None when
+            # traced) at the next call and recompile once. The compiled graph does not
+            # need them; an eager call builds and stores them.
+            self.__dict__["_groups"] = groups
         return groups
 
     def forward(

@@ -34,6 +34,7 @@ import torch.distributed as dist
 from ..recipe import DelayedScaling, Recipe
 from .amax_reduction import AmaxReductionBuffer, BackwardAmaxTracker
 from .block.quantizer import BlockScalingQuantizer
+from .compile_state import compile_key, set_traced_key
 from .quantizer import CurrentScalingQuantizer, DelayedScalingQuantizer, Quantizer
 
 __all__ = [
@@ -190,12 +191,15 @@ def autocast(
         enabled, recipe if recipe is not None else DelayedScaling(), amax_reduction_group, state
     )
     token = _ACTIVE.set(ctx)
+    # torch.compile cannot read the ContextVar: it reads this mirror (compile_state).
+    prev_key = set_traced_key(compile_key(ctx))
     completed = False
     try:
         yield ctx
         completed = True
     finally:
         _ACTIVE.reset(token)
+        set_traced_key(prev_key)
         if outer is None and completed:
             state.finish_forward()
 
@@ -224,10 +228,12 @@ def reenter_autocast(ctx: Optional[AutocastContext]) -> Iterator[None]:
     that step were reduced once already. ``None`` runs the block with FP8 off.
     """
     token = _ACTIVE.set(ctx)
+    prev_key = set_traced_key(compile_key(ctx))
     try:
         yield
     finally:
         _ACTIVE.reset(token)
+        set_traced_key(prev_key)
 
 
 @contextlib.contextmanager

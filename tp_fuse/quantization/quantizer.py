@@ -37,6 +37,7 @@ from .. import kernels
 from ..recipe import DelayedScaling, Float8CurrentScaling, Recipe, low_precision_max
 from . import scaling
 from .block.tensor import BlockScaledTensor
+from .compile_state import CompileRef
 from .float8.tensor import Float8Tensor
 from .role import QuantizerRole, role_tensor_type
 
@@ -341,6 +342,29 @@ def _batchable(q: DelayedScalingQuantizer) -> bool:
     return r.scaling_factor_compute_algo is None and r.amax_compute_algo in ("max", "most_recent")
 
 
+# (device, per-quantizer (algo is "most_recent", fp8_max, margin)) -> those as device
+# tensors. Built once per distinct set (the same quantizers every step): a tensor made from
+# a Python list on a GPU is a host-to-device copy that waits for the stream, every step.
+_CONSTANTS: dict[tuple, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+
+
+def _recipe_constants(
+    qs: list[DelayedScalingQuantizer], device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(most_recent [n] bool, fp8_max [n] f64, 2**margin [n] f64)`` for the batched update."""
+    values = tuple((q.recipe.amax_compute_algo == "most_recent", q.fp8_max, q.margin) for q in qs)
+    key = (device, values)
+    cached = _CONSTANTS.get(key)
+    if cached is None:
+        if len(_CONSTANTS) > 64:  # recipes changing every step: do not grow without bound
+            _CONSTANTS.clear()
+        most_recent = torch.tensor([v[0] for v in values], device=device)
+        fp8_max = torch.tensor([v[1] for v in values], dtype=torch.float64, device=device)
+        pow2_margin = torch.tensor([2.0 ** v[2] for v in values], dtype=torch.float64, device=device)
+        cached = _CONSTANTS[key] = (most_recent, fp8_max, pow2_margin)
+    return cached
+
+
 @torch.no_grad()
 def update_delayed_quantizers(quantizers: list[DelayedScalingQuantizer]) -> None:
     """``q.update()`` for every quantizer, as a few batched tensor ops instead of ~20 per quantizer.
@@ -367,14 +391,12 @@ def update_delayed_quantizers(quantizers: list[DelayedScalingQuantizer]) -> None
         current = hist[:, 0]
         bad_current = ~torch.isfinite(current)
         hist[:, 0] = torch.where(bad_current, torch.zeros_like(current), current)
-        most_recent = torch.tensor([q.recipe.amax_compute_algo == "most_recent" for q in qs], device=device)
+        most_recent, fp8_max, pow2_margin = _recipe_constants(qs, device)
         amax = torch.where(most_recent, hist[:, 0], hist.amax(dim=1))
         # scaling.delayed_scale, vectorized: (fp8_max / amax) / 2**margin in float64 when
         # amax is finite and > 0, else the previous scale; clamped to the fp32 range.
         amax64 = amax.to(torch.float64)
         usable = torch.isfinite(amax64) & (amax64 > 0)
-        fp8_max = torch.tensor([q.fp8_max for q in qs], dtype=torch.float64, device=device)
-        pow2_margin = torch.tensor([2.0**q.margin for q in qs], dtype=torch.float64, device=device)
         new = ((fp8_max / torch.where(usable, amax64, torch.ones_like(amax64))) / pow2_margin).clamp(max=_FP32_MAX)
         old_scale = torch.stack([q.scale for q in qs]).to(torch.float64)
         new_scale = torch.where(usable, new, old_scale).to(torch.float32)
@@ -504,6 +526,17 @@ class OpQuantizers:
         self.roles = roles
         self._recipe_snapshot: Optional[Recipe] = None
         self._quantizers: dict[str, Quantizer] = {}
+        # How torch.compile'd graphs name this object in custom-op calls (compile_state).
+        self.compile_ref = CompileRef(self)
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {k: v for k, v in self.__dict__.items() if k != "compile_ref"}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        # A copy (copy/deepcopy/unpickle) is another object: it gets its own ref, or a
+        # compiled graph of the copy would quantize with the original's state.
+        self.__dict__.update(state)
+        self.compile_ref = CompileRef(self)
 
     def get(
         self, recipe: Recipe, amax_reduction_group: Optional[dist.ProcessGroup] = None

@@ -1,0 +1,105 @@
+"""A fusion group under ``torch.compile``: traced as basic ops, or run eagerly behind a graph break.
+
+``OperationFuser.__call__`` comes here while dynamo traces it. When every basic op has a
+traced forward for the recipe in force (``basic.unsupported_reason``), the group is traced
+op by op -- the same order, dtype casts, extra-tensor routing and output copies as the
+eager fuser, without its autograd function -- and becomes part of the caller's graph: one
+graph for a whole ``TransformerLayer``, forward and backward. Otherwise the group runs
+through the eager fuser behind ``torch.compiler.disable`` (a graph break, as before this
+path existed); :func:`trace_plan` says why.
+
+The recipe in force is read from ``compile_state.traced_key()`` (dynamo guards on it), not
+from the autocast ``ContextVar``, which dynamo cannot read.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import TYPE_CHECKING, Any, Optional, Sequence
+
+import torch
+
+from ...quantization.compile_state import CompileKey, traced_key
+from ...quantization.quantized_tensor import QuantizedTensor
+from .basic import TRACED_FORWARDS, unsupported_reason
+
+if TYPE_CHECKING:
+    from ..fuser import OperationFuser
+
+__all__ = ["compiled_call", "trace_plan"]
+
+
+def trace_plan(fuser: "OperationFuser", fp8: Optional[CompileKey]) -> Optional[str]:
+    """None when the group can be traced under ``fp8``, else the reason it cannot."""
+    for i, op in enumerate(fuser.basic_ops):
+        reason = unsupported_reason(op, fp8)
+        if reason is not None:
+            return f"{type(op).__name__}[{i}]: {reason}"
+    return None
+
+
+def _autocast_dtype(device_type: str) -> Optional[torch.dtype]:
+    if torch.is_autocast_enabled(device_type):
+        return torch.get_autocast_dtype(device_type)
+    return None
+
+
+def _unshared(outputs: list[torch.Tensor], inputs: Sequence[Any]) -> list[torch.Tensor]:
+    """Copy an output that IS an input or an earlier output (``MakeExtraOutput``,
+    ``Identity``): the eager fuser returns independent tensors there, so that a caller's
+    in-place op on one cannot change another behind autograd's back."""
+    seen: list[torch.Tensor] = [t for t in inputs if isinstance(t, torch.Tensor)]
+    safe = []
+    for t in outputs:
+        if any(t is s for s in seen):
+            t = t.clone()
+        seen.append(t)
+        safe.append(t)
+    return safe
+
+
+def _traced_forward(
+    fuser: "OperationFuser", input_: torch.Tensor, extra_inputs: Sequence[torch.Tensor], fp8: Optional[CompileKey]
+) -> list[torch.Tensor]:
+    routing = fuser.routing
+    external = routing.place_external_inputs(extra_inputs)
+    produced: list[list[torch.Tensor]] = []
+    device_type = input_.device.type
+    autocast_dtype = _autocast_dtype(device_type)
+    # As in the eager fuser: ops pick their dtypes (input_dtype), torch.autocast stays off inside.
+    no_autocast = torch.autocast(device_type, enabled=False) if autocast_dtype is not None else contextlib.nullcontext()
+    x = input_
+    with no_autocast:
+        for i, op in enumerate(fuser.basic_ops):
+            want = op.input_dtype(autocast_dtype)
+            if want is not None and x.dtype != want:
+                x = x.to(want)  # differentiable: the gradient is cast back
+            extras = [
+                external[i][k] if src is None else produced[src[0]][src[1]]
+                for k, src in enumerate(routing.input_sources[i])
+            ]
+            x, outs = TRACED_FORWARDS[type(op)](op, x, extras, fp8)
+            produced.append(outs)
+    return _unshared([x, *routing.public_outputs(produced)], (input_, *extra_inputs))
+
+
+@torch.compiler.disable
+def _eager_call(fuser: "OperationFuser", input_: torch.Tensor, extra_inputs: Sequence[torch.Tensor], kwargs: Any):
+    """The eager fuser, reached from compiled code: a graph break."""
+    return fuser._eager_call(input_, *extra_inputs, basic_op_kwargs=kwargs)
+
+
+def compiled_call(
+    fuser: "OperationFuser",
+    input_: torch.Tensor,
+    extra_inputs: Sequence[torch.Tensor],
+    basic_op_kwargs: Optional[list[dict[str, Any]]],
+):
+    """``fuser(input_, *extra_inputs)`` while dynamo traces: traced when possible."""
+    fp8 = traced_key()
+    quantized = any(isinstance(t, QuantizedTensor) for t in (input_, *extra_inputs))
+    with_kwargs = basic_op_kwargs is not None and any(basic_op_kwargs)
+    if quantized or with_kwargs or trace_plan(fuser, fp8) is not None:
+        return _eager_call(fuser, input_, extra_inputs, basic_op_kwargs)
+    outputs = _traced_forward(fuser, input_, extra_inputs, fp8)
+    return outputs[0] if fuser.num_extra_outputs == 0 else tuple(outputs)

@@ -1,0 +1,163 @@
+"""What ``torch.compile``'d code sees of the FP8 state, and how it reaches it at run time.
+
+Dynamo cannot read a ``contextvars.ContextVar`` (``autocast`` keeps its state in one), nor
+pass Python objects (quantizers, amax trackers) to the ops of a graph. Two small pieces
+bridge that, so that compiled code sees only constants, plain tensors and custom ops:
+
+* **The recipe in force, as a constant.** :class:`CompileKey` is what a traced graph's
+  *structure* depends on: off, or the recipe class and its forward/backward FP8 dtypes.
+  ``autocast`` mirrors it into a plain module attribute when it is entered and left
+  (:func:`traced_key`); dynamo reads that attribute while tracing and guards on its value,
+  so a different recipe recompiles and an equal new recipe object (a new
+  ``DelayedScaling()`` every step) does not. The mirror is process-wide: compiled code
+  reads the autocast state of whichever thread last entered or left an ``autocast``. The
+  FP8 custom ops re-check the real (context-local) state at run time and raise on a
+  mismatch (:func:`raise_key_mismatch`); a compiled high-precision graph has no op to
+  check, so do not mix compiled FP8 and non-FP8 threads.
+* **Refs.** A custom op takes tensors and constants, not arbitrary objects: a
+  :class:`CompileRef` (a torch "opaque object" of reference type) names an object (an op's
+  ``OpQuantizers``, its debug hooks) as a graph *input*, so that one graph serves every
+  layer. Copies of the owner make their own ref. It needs torch's opaque objects
+  (``torch._library.opaque_object``, private API, present in the pinned torch 2.13); with
+  an older torch (:data:`HAVE_COMPILE_REFS` False) compiled FP8 GEMMs take the eager
+  fuser behind a graph break (not tested: only torch 2.13 is installed here).
+
+Nothing here runs in eager mode except the mirror update (a few attribute writes per
+``autocast`` entry, not per op).
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any, NamedTuple, Optional
+
+import torch
+
+__all__ = [
+    "HAVE_COMPILE_REFS",
+    "NO_REF",
+    "CompileKey",
+    "CompileRef",
+    "compile_key",
+    "raise_key_mismatch",
+    "recipe_key",
+    "set_traced_key",
+    "traced_key",
+]
+
+
+class CompileKey(NamedTuple):
+    """The FP8 facts a traced graph is specialized on (all constants, compared by value).
+
+    ``recipe``: the recipe class name (``"DelayedScaling"``, ``"Float8CurrentScaling"``,
+    or another recipe's, which the traced fuser path does not handle);
+    ``fwd_dtype`` / ``bwd_dtype``: the FP8 dtypes of forward tensors and gradients
+    (None for recipes without a per-tensor FP8 format).
+    """
+
+    recipe: str
+    fwd_dtype: Optional[torch.dtype]
+    bwd_dtype: Optional[torch.dtype]
+
+    @property
+    def per_tensor(self) -> bool:
+        """Whether the traced fuser path handles this recipe (per-tensor FP8 scaling)."""
+        return self.recipe in ("DelayedScaling", "Float8CurrentScaling")
+
+
+def compile_key(ctx: Any) -> Optional[CompileKey]:
+    """The :class:`CompileKey` of an ``AutocastContext`` (None: FP8 off)."""
+    if ctx is None or not ctx.enabled:
+        return None
+    return recipe_key(ctx.recipe)
+
+
+def recipe_key(recipe: Any) -> Optional[CompileKey]:
+    """The :class:`CompileKey` of a recipe (None: no recipe, high precision)."""
+    if recipe is None:
+        return None
+    fmt = getattr(recipe, "fp8_format", None)
+    name = type(recipe).__name__
+    if name in ("DelayedScaling", "Float8CurrentScaling") and fmt is not None:
+        return CompileKey(name, fmt.fwd_dtype, fmt.bwd_dtype)
+    return CompileKey(name, None, None)
+
+
+class _TraceView:
+    """The mirror dynamo reads: one attribute, replaced (never mutated) on every change."""
+
+    key: Optional[CompileKey] = None
+
+
+_VIEW = _TraceView()
+
+
+def traced_key() -> Optional[CompileKey]:
+    """The recipe in force as compiled code sees it (see the module doc). Traceable."""
+    return _VIEW.key
+
+
+def set_traced_key(key: Optional[CompileKey]) -> Optional[CompileKey]:
+    """Set the mirror; returns the previous value for the caller to restore."""
+    prev = _VIEW.key
+    _VIEW.key = key
+    return prev
+
+
+def raise_key_mismatch(expected: str, actual: Optional[CompileKey], where: str) -> None:
+    """Raise: a graph traced for FP8 state ``expected`` runs under ``actual`` (another
+    thread's autocast state was mirrored when it was traced or its guards ran)."""
+    raise RuntimeError(
+        f"{where}: this torch.compile'd graph was traced for FP8 {expected}, but it runs under "
+        f"{actual or 'no FP8 autocast'}. Compiled code reads the autocast state of the thread that "
+        "last entered or left tp_fuse.autocast; do not run compiled tp_fuse ops in threads with "
+        "different autocast states."
+    )
+
+
+class _RefBase:  # replaced by torch's OpaqueBase where it exists (see below)
+    pass
+
+
+try:  # torch >= 2.10: Python objects as custom-op arguments ("opaque objects")
+    from torch._library.opaque_object import register_opaque_type
+    from torch._opaque_base import OpaqueBase as _RefBase  # noqa: F811
+except ImportError:  # pragma: no cover - older torch: compiled FP8 GEMMs take the eager fuser
+    register_opaque_type = None
+
+#: Whether custom ops can take a :class:`CompileRef` (the FP8 casts of compiled graphs need it).
+HAVE_COMPILE_REFS = register_opaque_type is not None
+
+
+class CompileRef(_RefBase):
+    """A custom-op argument naming a Python object (an op's ``OpQuantizers``, its debug hooks).
+
+    Registered with torch as a *reference* opaque type: a compiled graph takes it as an
+    input, like a tensor, instead of baking it in as a constant -- so the layers of a model,
+    each with its own quantizers, share one graph (an int handle per op would be a constant
+    per layer: one recompilation per layer, and past dynamo's recompile limit, eager
+    layers). The target is held weakly; a copy of the owner makes its own ref.
+    """
+
+    def __init__(self, target: Any) -> None:
+        self._target = None if target is None else weakref.ref(target)
+
+    def target(self) -> Any:
+        """The object named (RuntimeError when it no longer exists)."""
+        obj = None if self._target is None else self._target()
+        if obj is None:
+            raise RuntimeError(
+                "tp_fuse compiled graph: a CompileRef names an object that no longer exists (the op "
+                "was deleted while a compiled graph still refers to it), or none at all"
+            )
+        return obj
+
+    def __bool__(self) -> bool:
+        return self._target is not None
+
+
+if HAVE_COMPILE_REFS:
+    register_opaque_type(CompileRef, typ="reference")
+
+#: The ref of no object (e.g. a cast nobody observes).
+NO_REF = CompileRef(None)
