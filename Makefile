@@ -35,7 +35,7 @@ train: install
 test: install
 	$(PYTHON) -m pytest -q tests
 
-# Leaves out the modules that start processes (tests/conftest.py: PROCESS_STARTING_MODULES).
+# Leaves out the modules that start processes or compile (tests/conftest.py: SLOW_MODULES).
 test-quick: install
 	$(PYTHON) -m pytest -q -m "not slow" tests
 

@@ -7,12 +7,13 @@ import pytest
 sys.path.insert(0, os.path.dirname(__file__))
 
 
-# Test modules that start processes: torchrun / launcher subprocesses, 2-4 gloo ranks, the
-# Triton interpreter or a fresh venv in a subprocess. They are ~95% of the full suite's time
-# (1,246 of 1,320 s on the 2-core machine), so `make test-quick` (``pytest -m "not slow"``)
-# leaves them out: it runs every single-process test of every room. CI and `make test` run
-# everything. A new module that starts processes belongs in this list.
-PROCESS_STARTING_MODULES = frozenset({
+# Test modules that start processes (torchrun / launcher subprocesses, 2-4 gloo ranks, the
+# Triton interpreter or a fresh venv in a subprocess) or compile with inductor. The process
+# starters were ~95% of the full suite's time (1,246 of 1,320 s on the 2-core machine), so
+# `make test-quick` (``pytest -m "not slow"``) leaves these out: it runs the single-process,
+# uncompiled tests of every room. CI and `make test` run everything. A new module that
+# starts processes or compiles belongs in this list.
+SLOW_MODULES = frozenset({
     "test_block_kernels_interpret",
     "test_block_recipes_tp",
     "test_checkpoint_dir_lock",
@@ -23,6 +24,10 @@ PROCESS_STARTING_MODULES = frozenset({
     "test_comm_overlap",
     "test_comm_topology",
     "test_comm_userbuffers",
+    "test_compile",
+    "test_compile_layer",
+    "test_compile_ops",
+    "test_compile_tp",
     "test_cuda_readiness",
     "test_debug_api",
     "test_documented_commands",
@@ -45,6 +50,7 @@ PROCESS_STARTING_MODULES = frozenset({
     "test_layers_gpt",
     "test_layers_oracle",
     "test_makefile",
+    "test_no_host_sync",
     "test_nvfp4_triton",
     "test_overlap_auto",
     "test_packaging",
@@ -65,5 +71,5 @@ PROCESS_STARTING_MODULES = frozenset({
 
 def pytest_collection_modifyitems(config, items):
     for item in items:
-        if item.module.__name__ in PROCESS_STARTING_MODULES:
+        if item.module.__name__ in SLOW_MODULES:
             item.add_marker(pytest.mark.slow)
