@@ -65,7 +65,7 @@ def _check(op, ref_fn, inputs, out_shapes=None, seed=0):
     dtype = inputs[0].dtype
     if out_shapes is None:
         out_shapes = [inputs[0].shape]
-    grads = [torch.randn(s, generator=gen, dtype=torch.float64).to(dtype) for s in out_shapes]
+    grads = [torch.randn(s, generator=gen, dtype=torch.float64).to(inputs[0].device, dtype) for s in out_shapes]
     outs, in_grads, p_grads = _run(op, inputs, grads)
     r_outs, r_in_grads, r_p_grads = _reference(ref_fn, inputs, list(op.parameters()), grads)
     assert len(outs) == len(r_outs)
@@ -136,6 +136,23 @@ def test_rms_norm(dtype, zero_centered, normalized_shape):
     op = RMSNorm(normalized_shape, eps=1e-3, dtype=dtype, zero_centered_gamma=zero_centered)
     _randomize_params(op)
     _check(op, _ref_rms_norm(normalized_shape, 1e-3, zero_centered), [_randn(SHAPE, dtype, scale=2.0)])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (CI has none)")
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("norm", ["LayerNorm", "RMSNorm"])
+def test_norms_on_cuda(norm, dtype):
+    # Regression (first GPU run, H200): a bf16 LayerNorm's backward handed CUDA's
+    # native_layer_norm_backward fp32 parameters, which only the CPU kernel accepts.
+    # Hidden 128 so that the Triton forward kernels (fp32 statistics) are the ones run.
+    shape = (3, 5, 128)
+    if norm == "LayerNorm":
+        op, ref = LayerNorm(128, eps=1e-3, dtype=dtype, device="cuda"), _ref_layer_norm((128,), 1e-3, False)
+    else:
+        op, ref = RMSNorm(128, eps=1e-3, dtype=dtype, device="cuda"), _ref_rms_norm((128,), 1e-3, False)
+    _randomize_params(op)
+    _check(op, ref, [(_randn(shape, dtype, scale=3.0) + 2.0).cuda()])
 
 
 def test_norm_initialization_follows_zero_centered_gamma():

@@ -38,7 +38,8 @@ from dist_utils import case_values, run_cases, run_distributed
 
 pytestmark = pytest.mark.multirank
 
-HAVE_MEGATRON = importlib.util.find_spec("megatron.core") is not None
+# find_spec("megatron.core") raises (not None) when the megatron namespace is absent.
+HAVE_MEGATRON = importlib.util.find_spec("megatron") is not None and importlib.util.find_spec("megatron.core") is not None
 HAVE_TRANSFORMERS = importlib.util.find_spec("transformers") is not None
 _CASES: dict[str, Callable[[int, int], Any]] = {}
 V, S, B = 64, 8, 2

@@ -60,6 +60,8 @@ def _rank(rank: int, world: int, store_dir: str, device_name: str, config: dict,
         dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
         device = torch.device(device_name)
         if device.type == "cuda":
+            # Both ranks share the one GPU; set_device wants an index, not plain "cuda".
+            device = torch.device("cuda", 0)
             torch.cuda.set_device(device)
         group = dist.group.WORLD
         cfg = GPTConfig(**config)

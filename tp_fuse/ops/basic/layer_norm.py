@@ -74,14 +74,17 @@ class LayerNorm(NormBase):
         dy = grad_output.reshape(x2d.shape)  # [rows, H]
         if dy.dtype != x2d.dtype:
             dy = dy.to(x2d.dtype)
-        # Parameters in the compute dtype: aten's mixed-precision path (bf16 input, fp32
-        # statistics) wants fp32 parameters and then returns fp32 dweight/dbias.
-        gamma = self._gamma(cdtype).to(cdtype)
+        # aten's parameter dtype for a bf16/fp16 input with fp32 statistics differs by
+        # device: the CPU kernel takes that mix only with fp32 parameters (its
+        # "mixed type" path), CUDA's only with parameters in the input dtype ("expected
+        # scalar type BFloat16 but found Float" otherwise; seen on an H200, torch 2.11).
+        param_dtype = cdtype if x2d.device.type == "cpu" else x2d.dtype
+        gamma = self._gamma(cdtype).to(param_dtype)
         # dx from aten; the parameter gradients are sums over all rows, which aten's
         # CPU kernel accumulates in the input dtype (fp16/bf16: errors of the order of
         # the sum itself), so they are summed here in the compute dtype (fp32).
         dx, _, _ = torch.ops.aten.native_layer_norm_backward(
-            dy, x2d, [self.hidden], mean, rstd, gamma, self.bias.reshape(-1).to(cdtype), [True, False, False]
+            dy, x2d, [self.hidden], mean, rstd, gamma, self.bias.reshape(-1).to(param_dtype), [True, False, False]
         )
         dy_c = dy.to(cdtype)  # no copy when the input is fp32/fp64
         dweight = dbias = None
