@@ -12,8 +12,8 @@ serves fp32 partial sums and FP8 data (as ``torch.uint8``) alike.
 
 Memory kinds:
 
-* CUDA with ``torch.distributed._symmetric_memory`` (``empty`` + ``rendezvous``) present:
-  buffers are allocated as symmetric memory and rendezvoused over the group, so peers can
+* CUDA with ``torch.distributed._symmetric_memory`` (``empty`` + ``rendezvous``) present,
+  and (with ``use_symmetric_memory="auto"``) an NCCL group: buffers are allocated as symmetric memory and rendezvoused over the group, so peers can
   map each other's buffers (:meth:`UserBufferPool.symmetric_handle`). The overlap
   algorithms in :mod:`tp_fuse.comm.overlap` still move data with NCCL point-to-point on these
   buffers; a peer-write (copy-engine) path is not implemented.
@@ -106,19 +106,25 @@ class UserBufferPool:
         self.use_symmetric_memory = use_symmetric_memory
         self._buffers: dict[tuple[str, str, torch.device], _Registered] = {}
 
-    def _wants_symmetric(self, device: torch.device) -> bool:
+    def _wants_symmetric(self, group: ProcessGroup | None, device: torch.device) -> bool:
         if self.use_symmetric_memory is False:
             return False
         available = symmetric_memory_available(device)
-        if self.use_symmetric_memory is True and not available:
-            raise ValueError(
-                f"use_symmetric_memory=True but symmetric memory is not available on {device} "
-                "(it needs CUDA and torch.distributed._symmetric_memory.empty/rendezvous)"
-            )
-        return available
+        if self.use_symmetric_memory is True:
+            if not available:
+                raise ValueError(
+                    f"use_symmetric_memory=True but symmetric memory is not available on {device} "
+                    "(it needs CUDA and torch.distributed._symmetric_memory.empty/rendezvous)"
+                )
+            return True
+        # "auto": only over an NCCL group, which guarantees one GPU per rank. A gloo group
+        # on CUDA tensors may put several ranks on one GPU (make gpu-check's TP=2 does),
+        # where the rendezvous refuses "allocations from overlapping devices".
+        g = group if group is not None else dist.group.WORLD
+        return available and "nccl" in str(dist.get_backend(g))
 
     def _allocate(self, group: ProcessGroup | None, nbytes: int, device: torch.device) -> _Registered:
-        if self._wants_symmetric(device):
+        if self._wants_symmetric(group, device):
             from torch.distributed import _symmetric_memory as symm_mem
 
             g = group if group is not None else dist.group.WORLD

@@ -8,8 +8,22 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tp_fuse.comm import UserBufferPool, symmetric_memory_available
+from tp_fuse.comm import UserBufferPool, symmetric_memory_available, userbuffers
 from dist_utils import run_distributed
+
+
+def test_auto_symmetric_memory_only_over_nccl(monkeypatch) -> None:
+    # Regression (first GPU run, H200): "auto" rendezvoused symmetric memory over a gloo
+    # group whose two ranks share one GPU, and CUDA refused "overlapping devices".
+    monkeypatch.setattr(userbuffers, "symmetric_memory_available", lambda device: True)
+    group = object()
+    cuda = torch.device("cuda")
+    monkeypatch.setattr(userbuffers.dist, "get_backend", lambda g: "gloo")
+    assert UserBufferPool()._wants_symmetric(group, cuda) is False
+    assert UserBufferPool(use_symmetric_memory=True)._wants_symmetric(group, cuda) is True
+    monkeypatch.setattr(userbuffers.dist, "get_backend", lambda g: "nccl")
+    assert UserBufferPool()._wants_symmetric(group, cuda) is True
+    assert UserBufferPool(use_symmetric_memory=False)._wants_symmetric(group, cuda) is False
 
 
 def test_symmetric_memory_is_never_claimed_on_cpu() -> None:

@@ -11,6 +11,7 @@ import math
 import os
 import subprocess
 import sys
+import threading
 import types
 
 import pytest
@@ -332,7 +333,8 @@ def _all_kernels(backend=None, device="cpu"):
     x = torch.randn(4, 8, device=device)
     w = torch.randn(8, device=device)
     s = torch.tensor(1.0, device=device)
-    a, b, sa, sb, _ = gemm_operands(4, 8, 16, E4M3, E4M3, device=device)
+    # N = K = 16: CUDA's _scaled_mm takes only multiples of 16 (N = 8 failed on an H200).
+    a, b, sa, sb, _ = gemm_operands(4, 16, 16, E4M3, E4M3, device=device)
     quantize(x, s, E4M3, backend=backend)
     layernorm_fwd(x, w, w, 1e-5, backend=backend)
     rmsnorm_fwd(x, w, 1e-5, backend=backend)
@@ -358,6 +360,16 @@ def test_cpu_defaults_to_torch_and_records_paths():
     assert "exact emulation" in inner.last("fp8_gemm").reason and inner.last("fp8_gemm").variant == "cpu-emulation"
     with pytest.raises(LookupError):
         inner.last("no_such_kernel")
+
+
+def test_log_sees_calls_from_other_threads():
+    # Regression (first GPU run, H200): the log was per thread, and CUDA's autograd runs
+    # the backward on a device thread, so no backward kernel reached a GPU log.
+    with record_kernel_paths() as log:
+        worker = threading.Thread(target=quantize, args=(torch.randn(2, 2), torch.tensor(1.0), E4M3))
+        worker.start()
+        worker.join()
+    assert [c.kernel for c in log.calls] == ["quantize"]
 
 
 def test_no_log_outside_context():

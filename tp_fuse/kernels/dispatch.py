@@ -123,34 +123,38 @@ class KernelPathLog:
         return f"KernelPathLog({dict(self.counts())})"
 
 
-# Active logs are per thread (a data-loader thread must not write into the training
-# thread's log) and nest: an inner ``record_kernel_paths`` also feeds the outer ones.
-_active = threading.local()
+# Active logs are process-wide, not per thread: on CUDA, autograd runs the backward on
+# its own device thread, so a per-thread log saw no backward kernel on a GPU (while on
+# CPU, where the backward runs in the calling thread, it saw them all). Logs nest: an
+# inner ``record_kernel_paths`` also feeds the outer ones.
+_active_logs: list[KernelPathLog] = []
+_active_lock = threading.Lock()
 
 
 def _stack() -> list[KernelPathLog]:
-    if not hasattr(_active, "logs"):
-        _active.logs = []
-    return _active.logs
+    with _active_lock:
+        return list(_active_logs)
 
 
 @contextlib.contextmanager
 def record_kernel_paths(log: Optional[KernelPathLog] = None) -> Iterator[KernelPathLog]:
-    """Capture every kernel call made in this thread inside the ``with`` block."""
+    """Capture every kernel call made inside the ``with`` block, by any thread of the
+    process (autograd's CUDA backward thread included)."""
     log = KernelPathLog() if log is None else log
-    stack = _stack()
-    stack.append(log)
+    with _active_lock:
+        _active_logs.append(log)
     try:
         yield log
     finally:
-        stack.remove(log)
+        with _active_lock:
+            _active_logs.remove(log)
 
 
 def log_call(kernel: str, choice: BackendChoice, variant: str, device: torch.device) -> None:
     """Record one executed call in every active log (no-op when none is active)."""
-    stack = _stack()
-    if not stack:
+    if not _active_logs:  # the common case, without taking the lock
         return
+    stack = _stack()
     call = KernelCall(kernel, choice.backend, variant, str(device), choice.reason)
     for log in stack:
         log.record(call)
