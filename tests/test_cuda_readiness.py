@@ -231,6 +231,22 @@ def test_each_nccl_rule(call, needle):
     assert any(needle in i for i in issues), issues
 
 
+def test_overlap_exchange_refuses_cuda_tensors_over_gloo(monkeypatch):
+    # Regression (first GPU run, H200): gloo's send of a CUDA tensor died in gloo with
+    # "writev ...: Bad address" after the peer had posted its half.
+    from types import SimpleNamespace
+
+    from tp_fuse.comm.overlap import _common
+
+    cuda_tensor, group = SimpleNamespace(is_cuda=True), object()
+    monkeypatch.setattr(_common.dist, "get_backend", lambda g: "gloo")
+    with pytest.raises(ValueError, match="gloo cannot send or receive CUDA tensors"):
+        _common._check_p2p_backend(cuda_tensor, group)
+    _common._check_p2p_backend(torch.zeros(2), group)  # CPU tensors over gloo: fine
+    monkeypatch.setattr(_common.dist, "get_backend", lambda g: "nccl")
+    _common._check_p2p_backend(cuda_tensor, group)
+
+
 def test_check_collective_raises_only_in_strict_mode(monkeypatch):
     x = torch.zeros(4, dtype=torch.int16)
     monkeypatch.delenv(STRICT_ENV, raising=False)

@@ -69,10 +69,15 @@ def test_run_steps_budget_errors_and_summary(tmp_path):
         clock.t += timeout_s
         raise subprocess.TimeoutExpired(["x"], timeout_s)
 
+    def cannot_run_here(out_dir, timeout_s):
+        return True, {"skipped": "needs two GPUs"}
+
     steps = [gc.Step("a", 150, passing), gc.Step("b", 150, failing), gc.Step("c", 60, raising),
              gc.Step("d", 500, timing_out), gc.Step("e", 60, passing)]
     results = gc.run_steps(steps, str(tmp_path), budget_s=300, clock=clock)
     assert [r.status for r in results] == ["passed", "failed", "error", "error", "skipped"]
+    skipped = gc.run_steps([gc.Step("tp2", 60, cannot_run_here)], str(tmp_path), budget_s=60, clock=clock)[0]
+    assert (skipped.status, skipped.detail) == ("skipped", "needs two GPUs")
     assert seen_timeouts == [150, 150]  # each within its own limit while the budget lasts
     assert "kernel exploded" in results[2].detail
     assert results[3].detail == "timed out after 140 s" and results[3].seconds == 140  # the budget left
@@ -89,7 +94,7 @@ def test_run_steps_budget_errors_and_summary(tmp_path):
 
 
 def test_default_steps_fit_in_nine_minutes():
-    assert [s.name for s in gc.STEPS] == ["gpu_tests", "triton_bitexact", "bench_kernels", "gpt_fp8", "tp2_gloo"]
+    assert [s.name for s in gc.STEPS] == ["gpu_tests", "triton_bitexact", "bench_kernels", "gpt_fp8", "tp2"]
     assert sum(s.timeout_s for s in gc.STEPS) <= gc.BUDGET_S <= 9 * 60
 
 
@@ -146,6 +151,14 @@ def test_kernel_check_runs_under_the_triton_interpreter(tmp_path):
     assert report["kernels"]["quantize+transpose torch.float8_e4m3fn"]["bit_exact_fraction"] == 1.0
     assert len(report["kernels"]) == 12
     assert all(report["kernels"][f"block_quantize {r}"]["ok"] for r in ("blockwise", "mxfp8", "rowwise"))
+
+
+def test_tp2_check_skips_without_two_gpus(monkeypatch):
+    # Two ranks on one GPU cannot work (NCCL refuses, gloo cannot send CUDA tensors): the
+    # first GPU run died in gloo; now the check says why it did not run.
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    report = _load("gpu_check_tp2").run_tp2("cuda")
+    assert report["ok"] and "needs two GPUs (this machine has 1)" in report["skipped"]
 
 
 @pytest.mark.multirank

@@ -13,9 +13,9 @@ One command, under 9 minutes on one GPU, writing ``<out>/gpu_check.json`` and
    transformer shapes).
 4. ``gpt_fp8``: 100 steps of the default GPT (``launch/train.py +model=gpt``) in bf16,
    FP8 delayed and FP8 current scaling: final-loss parity and tokens/s ratios.
-5. ``tp2_gloo``: ``tools/gpu_check_tp2.py``: TP=2 with sequence parallelism, overlap and
-   FP8 delayed scaling, two ranks on the one GPU through gloo (NCCL needs two GPUs),
-   against TP=1 on the same GPU: exercises the CUDA paths of the comm/overlap ops.
+5. ``tp2``: ``tools/gpu_check_tp2.py``: TP=2 (NCCL, one GPU per rank) with sequence
+   parallelism, overlap and FP8 delayed scaling against TP=1: exercises the CUDA paths of
+   the comm/overlap ops. Skipped, with the reason, on a one-GPU machine.
 
 Without CUDA it prints one line saying so and exits 0. The orchestration (time budget,
 summary files) is plain Python, tested on CPU by ``tests/test_gpu_check.py``.
@@ -77,6 +77,8 @@ def run_steps(steps: Sequence[Step], out_dir: str, budget_s: float,
         try:
             ok, summary = step.fn(out_dir, min(step.timeout_s, left))
             status, detail = ("passed" if ok else "failed"), ""
+            if ok and summary.get("skipped"):  # the step cannot run on this machine, and says why
+                status, detail = "skipped", str(summary["skipped"])
         except subprocess.TimeoutExpired as exc:
             status, summary, detail = "error", {}, f"timed out after {exc.timeout:.0f} s"
         except Exception:  # noqa: BLE001 - one broken step must not hide the others
@@ -233,10 +235,10 @@ def step_gpt_fp8(out_dir: str, timeout_s: float) -> tuple[bool, dict]:
     return ok, summary
 
 
-def step_tp2_gloo(out_dir: str, timeout_s: float) -> tuple[bool, dict]:
-    path = os.path.join(out_dir, "tp2_gloo.json")
+def step_tp2(out_dir: str, timeout_s: float) -> tuple[bool, dict]:
+    path = os.path.join(out_dir, "tp2.json")
     proc = _run([sys.executable, os.path.join(REPO, "tools", "gpu_check_tp2.py"), "--json", path], timeout_s,
-                os.path.join(out_dir, "tp2_gloo.log"))
+                os.path.join(out_dir, "tp2.log"))
     with open(path) as f:
         report = json.load(f)
     return proc.returncode == 0 and report["ok"], report
@@ -247,7 +249,7 @@ STEPS = [
     Step("triton_bitexact", 60, step_triton_bitexact),
     Step("bench_kernels", 150, step_bench_kernels),
     Step("gpt_fp8", 120, step_gpt_fp8),
-    Step("tp2_gloo", 60, step_tp2_gloo),
+    Step("tp2", 60, step_tp2),
 ]
 
 

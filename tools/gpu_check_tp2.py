@@ -1,14 +1,18 @@
-"""TP=2 on one GPU through gloo (step 5 of ``tools/gpu_check.py``).
+"""TP=2 against TP=1 on GPUs (step 5 of ``tools/gpu_check.py``).
 
-NCCL needs one GPU per rank; gloo does not care, so two ranks share ``cuda:0`` here and
-every comm/overlap op of tp-fuse runs its CUDA code path (CUDA tensors in the ring
-exchanges, pipelined reduce-scatters, FP8 byte all-gathers) on a one-GPU machine. The
-TP=2 GPT (sequence parallel, overlap on) is compared with TP=1 on the same GPU and data:
-loss and gradient norm over 3 SGD steps, in fp32 without FP8 (must agree to 1e-4) and
-with FP8 delayed scaling (within 2e-2: FP8 rounding differs between TP layouts).
+Two ranks, NCCL, one GPU each: the TP=2 GPT (sequence parallel, overlap on) is compared
+with TP=1 on the same data: loss and gradient norm over 3 SGD steps, in fp32 without FP8
+(must agree to 1e-4) and with FP8 delayed scaling (within 2e-2: FP8 rounding differs
+between TP layouts). This runs the CUDA code paths of every comm/overlap op (ring
+exchanges, pipelined reduce-scatters, FP8 byte all-gathers).
+
+It needs two GPUs. Two ranks sharing one GPU is no substitute: NCCL refuses a GPU
+shared by two ranks, and gloo cannot send CUDA tensors point-to-point (the first GPU
+run, on an H200, died in gloo with "writev: Bad address"). With one GPU the check
+reports itself skipped, with that reason.
 
 Usage: ``python tools/gpu_check_tp2.py [--device cuda] [--json out.json]``. With
-``--device cpu`` it runs the same on CPU (what ``tests/test_gpu_check.py`` does).
+``--device cpu`` it runs the same on CPU through gloo (what ``tests/test_gpu_check.py`` does).
 """
 
 from __future__ import annotations
@@ -57,12 +61,12 @@ def _train(model: GPT, group, device: torch.device, fp8: bool) -> list[tuple[flo
 def _rank(rank: int, world: int, store_dir: str, device_name: str, config: dict, queue) -> None:
     try:
         store = dist.FileStore(os.path.join(store_dir, "store"), world)
-        dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
         device = torch.device(device_name)
         if device.type == "cuda":
-            # Both ranks share the one GPU; set_device wants an index, not plain "cuda".
-            device = torch.device("cuda", 0)
+            device = torch.device("cuda", rank)  # one GPU per rank (set_device wants an index)
             torch.cuda.set_device(device)
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", store=store, rank=rank, world_size=world,
+                                device_id=device if device.type == "cuda" else None)
         group = dist.group.WORLD
         cfg = GPTConfig(**config)
         report = {}
@@ -80,9 +84,17 @@ def _rank(rank: int, world: int, store_dir: str, device_name: str, config: dict,
             dist.destroy_process_group()
 
 
+def skip_reason(gpus: int) -> str:
+    return (f"TP=2 on CUDA needs two GPUs (this machine has {gpus}): NCCL refuses a GPU shared by two "
+            "ranks, and gloo cannot send CUDA tensors point-to-point")
+
+
 def run_tp2(device: str, timeout_s: float = 240.0, **config_overrides) -> dict:
-    """Two gloo ranks on ``device``; returns rank 0's report (``ok``, per precision).
+    """Two ranks on ``device`` (CUDA: NCCL, one GPU each; CPU: gloo); returns rank 0's
+    report (``ok``, per precision), or ``{"skipped": reason}`` with fewer than two GPUs.
     ``config_overrides`` change :data:`CONFIG` (the CPU test uses a smaller model)."""
+    if torch.device(device).type == "cuda" and torch.cuda.device_count() < 2:
+        return {"ok": True, "device": device, "skipped": skip_reason(torch.cuda.device_count())}
     config = {**CONFIG, **config_overrides}
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()

