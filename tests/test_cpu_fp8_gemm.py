@@ -52,15 +52,16 @@ def _check_against_float64(out, a, b, sa, sb, bias=None):
 
 
 @pytest.mark.parametrize("dtype", [E4M3, E5M2])
-def test_decode_is_bit_exact_for_every_byte(dtype):
-    codes = torch.arange(256, dtype=torch.uint8).view(dtype)
-    got, want = fp8_to_float(codes.view(16, 16)), codes.to(torch.float32).view(16, 16)
-    assert got.dtype == torch.float32 and got.shape == (16, 16)
+@pytest.mark.parametrize("repeat", [1, 40], ids=["small", "large"])  # both sides of the table/.to size rule
+def test_decode_is_bit_exact_for_every_byte(dtype, repeat):
+    codes = torch.arange(256, dtype=torch.uint8).repeat(repeat).view(dtype)
+    got, want = fp8_to_float(codes.view(16 * repeat, 16)), codes.to(torch.float32).view(16 * repeat, 16)
+    assert got.dtype == torch.float32 and got.shape == (16 * repeat, 16) and got.is_contiguous()
     assert torch.equal(got.isnan(), want.isnan())
     ok = ~want.isnan()
     assert torch.equal(got[ok].view(torch.int32), want[ok].view(torch.int32))  # signed zeros too
     # Non-contiguous views decode to the same values.
-    assert torch.equal(fp8_to_float(codes.view(16, 16).t()).nan_to_num(), want.t().nan_to_num())
+    assert torch.equal(fp8_to_float(codes.view(16 * repeat, 16).t()).nan_to_num(), want.t().nan_to_num())
 
 
 @pytest.mark.parametrize("pair", PAIRS, ids=lambda p: "x".join(str(d)[-6:] for d in p) if isinstance(p, tuple) else p)

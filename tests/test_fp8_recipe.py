@@ -237,3 +237,38 @@ def test_batched_delayed_update_is_bit_identical_to_per_quantizer_update():
             for name in ("scale", "amax_history", "last_amax"):
                 assert torch.equal(getattr(qa, name).view(torch.int32), getattr(qb, name).view(torch.int32)), name
             assert torch.equal(qa.nonfinite_amax_count, qb.nonfinite_amax_count)
+
+
+def test_batched_update_keeps_state_in_shared_buffers_and_notices_rebinding():
+    """After a batched update the quantizers' tensors are rows of shared buffers (no
+    per-step stacking); in-place loads go through them; a rebound tensor is noticed."""
+    recipe = DelayedScaling(amax_history_len=4)
+    qs = [DelayedScalingQuantizer(recipe, role) for role in ("input", "weight", "grad_output")]
+    ref = [DelayedScalingQuantizer(recipe, role) for role in ("input", "weight", "grad_output")]
+
+    def step(value):
+        for q in (*qs, *ref):
+            q.amax_history[0] = value
+        update_delayed_quantizers(qs)
+        for q in ref:
+            q.update()
+        for q, r in zip(qs, ref):
+            for name in ("scale", "amax_history", "last_amax", "nonfinite_amax_count"):
+                assert torch.equal(getattr(q, name), getattr(r, name)), name
+
+    step(2.0)
+    state = qs[0]._shared_state
+    assert all(q._shared_state is state for q in qs)
+    assert qs[1].amax_history._base is state.hist and qs[2].scale._base is state.scale
+    # A checkpoint load writes in place: the shared row sees it.
+    with torch.no_grad():
+        qs[1].scale.copy_(torch.tensor(0.5))
+        ref[1].scale.copy_(torch.tensor(0.5))
+    step(3.0)
+    assert qs[0]._shared_state is state  # reused, not rebuilt
+    # Rebinding a tensor (what a device move does) makes the next update rebuild the
+    # shared state from the quantizers' current values.
+    qs[2].scale = qs[2].scale.clone()
+    step(float("nan"))
+    assert qs[0]._shared_state is not state and qs[2].scale._base is qs[0]._shared_state.scale
+    step(7.0)

@@ -119,7 +119,8 @@ def dgelu_dbias(
     fp8_dtype: Optional[torch.dtype] = None,
     backend: Optional[str] = None,
     with_amax: bool = True,
-) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+    with_dbias: bool = True,
+) -> tuple[torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor]]:
     """GELU backward fused with the bias gradient of the GEMM that produced ``x``.
 
     Shapes (``n = x.shape[-1]``)::
@@ -133,7 +134,8 @@ def dgelu_dbias(
                             Triton: the sum of the fp32 dx (equal within rounding).
         amax     []         fp32, max |dx32|
 
-    ``dx32 = grad * gelu'(x)``. Returns ``(dx, dbias, amax)``.
+    ``dx32 = grad * gelu'(x)``. Returns ``(dx, dbias, amax)``; ``dbias`` is None with
+    ``with_dbias=False`` (a GELU without a bias before it: the torch path skips the sum).
     """
     check_float("grad", grad)
     check_float("x", x)
@@ -151,7 +153,7 @@ def dgelu_dbias(
         # dbias as Bias.bias_grad computes it from the dx it would receive: the
         # high-precision dx (rounded to grad.dtype), summed in the compute dtype.
         dx_hp = dx32.to(grad.dtype)
-        dbias = dx_hp.sum(dim=0, dtype=cdtype).to(grad.dtype)
+        dbias = dx_hp.sum(dim=0, dtype=cdtype).to(grad.dtype) if with_dbias else None
         if fp8_dtype is None:
             dx, amax = dx_hp.contiguous(), abs_max(dx32) if with_amax else None
         else:
@@ -162,6 +164,7 @@ def dgelu_dbias(
         from . import activations_triton as kt
 
         dx, dbias, amax, variant = kt.dgelu_dbias_triton(grad, x, scale if quant else None, fp8_dtype)
+        dbias = dbias if with_dbias else None
     dispatch.log_call("dgelu_dbias", choice, variant, x.device)
     return dx, dbias, amax if with_amax else None
 

@@ -50,6 +50,14 @@ CPU_FP8_GEMM_ENV = "TP_FUSE_CPU_FP8_GEMM"
 CPU_FP8_GEMM_PATHS = ("emulate", "scaled_mm")
 _FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 
+# Which decode is faster, by dtype and size (median of 300, one thread, Xeon with
+# AVX512-FP16/AMX, torch 2.13; examples/bench_cpu_speed.py prints the GEMMs using it):
+# e5m2 is a truncated fp16 and torch's cast wins at every size (1M elements: 589 us vs
+# the table's 771 us); e4m3 casts element by element, so the table wins from a few
+# thousand elements (16K: 28 us vs 70 us; 1M: 783 us vs 3889 us) but loses below (1K:
+# 7.8 us vs 5.2 us), where the fixed cost of its four ops dominates.
+_NATIVE_E4M3_MAX_NUMEL = 4096
+
 # (fp8 dtype, device) -> fp32 [256] table of every byte's value. A few KiB; built once.
 _TABLES: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
 
@@ -71,6 +79,9 @@ def fp8_to_float(data: torch.Tensor, dtype: torch.dtype = torch.float32) -> torc
     """
     if data.dtype not in _FP8_DTYPES:
         return data.to(dtype)
+    if data.dtype == torch.float8_e5m2 or data.numel() <= _NATIVE_E4M3_MAX_NUMEL:
+        # torch's own cast is exact too, and the faster one here (see _NATIVE_E4M3_MAX_NUMEL).
+        return data.to(dtype).contiguous()
     flat = data.contiguous().view(torch.uint8).reshape(-1).to(torch.int32)
     out = _table(data.dtype, data.device).index_select(0, flat).view(data.shape)
     return out if dtype == torch.float32 else out.to(dtype)
@@ -117,7 +128,8 @@ def emulated_scaled_mm(
     """
     acc_dtype = torch.float64 if out_dtype == torch.float64 else torch.float32
     out = torch.mm(_decode_operand(mat1, acc_dtype), _decode_operand(mat2, acc_dtype))
-    out.mul_(scale_a.to(acc_dtype)).mul_(scale_b.to(acc_dtype))
+    out.mul_(scale_a if scale_a.dtype == acc_dtype else scale_a.to(acc_dtype))
+    out.mul_(scale_b if scale_b.dtype == acc_dtype else scale_b.to(acc_dtype))
     if bias is not None:
-        out.add_(bias.to(acc_dtype))
+        out.add_(bias if bias.dtype == acc_dtype else bias.to(acc_dtype))
     return out if out_dtype == acc_dtype else out.to(out_dtype)

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import abc
 import copy
+import math
 from collections.abc import Sequence
 from typing import Any, Callable, Optional, Union
 
@@ -365,16 +366,64 @@ def _recipe_constants(
     return cached
 
 
+class _SharedDelayedState:
+    """The state of quantizers that are updated together, in shared buffers.
+
+    ``hist [n, L]``, ``scale [n]``, ``last_amax [n]``, ``count [n]``: row ``i`` belongs to
+    ``quantizers[i]``, whose own ``amax_history``/``scale``/``last_amax``/
+    ``nonfinite_amax_count`` become views of that row (Transformer Engine keeps one
+    amax-history matrix per module the same way). The per-step update then works on the
+    buffers directly: no per-quantizer stacking before and copying back after. Anything
+    that rebinds a quantizer's tensor (a device move) is noticed by :meth:`serves`, and
+    the state is rebuilt from the quantizers' current values; in-place writes (loading
+    a checkpoint with ``copy_``) go through the views.
+    """
+
+    def __init__(self, qs: list[DelayedScalingQuantizer], device: torch.device) -> None:
+        with torch.inference_mode(False):  # updated in place by later steps (see __init__)
+            self.hist = torch.stack([q.amax_history for q in qs])
+            self.scale = torch.stack([q.scale for q in qs])
+            self.last_amax = torch.stack([q.last_amax for q in qs])
+            self.count = torch.stack([q.nonfinite_amax_count for q in qs])
+        for i, q in enumerate(qs):
+            q.amax_history, q.scale = self.hist[i], self.scale[i]
+            q.last_amax, q.nonfinite_amax_count = self.last_amax[i], self.count[i]
+            q._shared_state = self
+        self.quantizers = tuple(qs)
+        self.bound = tuple((q.amax_history, q.scale, q.last_amax, q.nonfinite_amax_count, q.recipe, q.margin)
+                           for q in qs)
+        self.most_recent, self.fp8_max, self.pow2_margin = _recipe_constants(qs, device)
+
+    def serves(self, qs: list[DelayedScalingQuantizer]) -> bool:
+        """Whether ``qs`` are exactly this state's quantizers, still bound to its rows."""
+        if len(qs) != len(self.quantizers):
+            return False
+        for q, own, (hist, scale, last, count, recipe, margin) in zip(qs, self.quantizers, self.bound):
+            if (q is not own or q.amax_history is not hist or q.scale is not scale or q.last_amax is not last
+                    or q.nonfinite_amax_count is not count or q.recipe is not recipe or q.margin != margin):
+                return False
+        return True
+
+    @classmethod
+    def of(cls, qs: list[DelayedScalingQuantizer], device: torch.device) -> "_SharedDelayedState":
+        state = getattr(qs[0], "_shared_state", None)
+        if state is not None and state.serves(qs):
+            return state
+        return cls(qs, device)
+
+
 @torch.no_grad()
 def update_delayed_quantizers(quantizers: list[DelayedScalingQuantizer]) -> None:
     """``q.update()`` for every quantizer, as a few batched tensor ops instead of ~20 per quantizer.
 
     Quantizers with the built-in amax algorithms ("max", "most_recent") and no custom
-    scale function are stacked per (device, history length) into ``H [n, L]`` and updated
-    with the same float operations as :meth:`DelayedScalingQuantizer.update` in the same
-    order (bit-identical results: tested); the others run their own ``update``. This is
-    the once-per-step scale update of every FP8 GEMM's quantizers (Transformer Engine
-    does it in one fused kernel over all of them), so its cost is per-step host time.
+    scale function are grouped per (device, history length); each group's state lives in
+    shared buffers (:class:`_SharedDelayedState`, built on the first update) and is
+    updated with the same float operations as :meth:`DelayedScalingQuantizer.update` in
+    the same order (bit-identical results: tested); the others run their own
+    ``update``. This is the once-per-step scale update of every FP8 GEMM's quantizers
+    (Transformer Engine does it in one fused kernel over all of them), so its cost is
+    per-step host time.
     """
     groups: dict[tuple, list[DelayedScalingQuantizer]] = {}
     for q in quantizers:
@@ -382,31 +431,29 @@ def update_delayed_quantizers(quantizers: list[DelayedScalingQuantizer]) -> None
             groups.setdefault((q.amax_history.device, q.amax_history.numel()), []).append(q)
         else:
             q.update()
-    for qs in groups.values():
+    for (device, _), qs in groups.items():
         if len(qs) == 1:
             qs[0].update()
             continue
-        device = qs[0].amax_history.device
-        hist = torch.stack([q.amax_history for q in qs])  # [n, L], slot 0 = this step
+        st = _SharedDelayedState.of(qs, device)
+        hist = st.hist  # [n, L], slot 0 = this step
         current = hist[:, 0]
-        bad_current = ~torch.isfinite(current)
-        hist[:, 0] = torch.where(bad_current, torch.zeros_like(current), current)
-        most_recent, fp8_max, pow2_margin = _recipe_constants(qs, device)
-        amax = torch.where(most_recent, hist[:, 0], hist.amax(dim=1))
+        # finite <=> |x| < inf (NaN compares false): two cheap ops where torch.isfinite
+        # is a composite of four on CPU; this runs twice per step.
+        bad_current = ~(current.abs() < math.inf)
+        current.masked_fill_(bad_current, 0.0)
+        amax = torch.where(st.most_recent, current, hist.amax(dim=1))
         # scaling.delayed_scale, vectorized: (fp8_max / amax) / 2**margin in float64 when
         # amax is finite and > 0, else the previous scale; clamped to the fp32 range.
         amax64 = amax.to(torch.float64)
-        usable = torch.isfinite(amax64) & (amax64 > 0)
-        new = ((fp8_max / torch.where(usable, amax64, torch.ones_like(amax64))) / pow2_margin).clamp(max=_FP32_MAX)
-        old_scale = torch.stack([q.scale for q in qs]).to(torch.float64)
-        new_scale = torch.where(usable, new, old_scale).to(torch.float32)
-        bad = (bad_current | ~torch.isfinite(amax)).to(torch.int64)
-        rolled = torch.roll(hist, -1, 1)
-        rolled[:, 0] = 0.0
-        torch._foreach_add_([q.nonfinite_amax_count for q in qs], list(bad.unbind(0)))
-        torch._foreach_copy_([q.last_amax for q in qs], list(amax.unbind(0)))
-        torch._foreach_copy_([q.scale for q in qs], list(new_scale.unbind(0)))
-        torch._foreach_copy_([q.amax_history for q in qs], list(rolled.unbind(0)))
+        usable = (amax64 < math.inf) & (amax64 > 0)  # amax >= 0: finite and positive
+        new = ((st.fp8_max / torch.where(usable, amax64, 1.0)) / st.pow2_margin).clamp(max=_FP32_MAX)
+        st.scale.copy_(torch.where(usable, new, st.scale.to(torch.float64)))
+        st.count.add_(bad_current | ~(amax.abs() < math.inf))
+        st.last_amax.copy_(amax)
+        # scaling.roll_amax_history on every row: shift left by one, zero the new slot 0.
+        hist.copy_(torch.roll(hist, -1, 1))
+        hist[:, 0] = 0.0
 
 
 class CurrentScalingQuantizer(Quantizer):

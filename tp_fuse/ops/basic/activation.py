@@ -121,7 +121,7 @@ class GELU(_ActivationOperation):
         (x,) = saved
         if not x.dim():
             x, dy = x.reshape(1), dy.reshape(1)
-        dx, _, _ = kernels.dgelu_dbias(dy, x, with_amax=False)
+        dx, _, _ = kernels.dgelu_dbias(dy, x, with_amax=False, with_dbias=False)
         return dx.reshape(saved[0].shape)
 
 

@@ -83,9 +83,19 @@ class LayerNorm(NormBase):
         # dx from aten; the parameter gradients are sums over all rows, which aten's
         # CPU kernel accumulates in the input dtype (fp16/bf16: errors of the order of
         # the sum itself), so they are summed here in the compute dtype (fp32).
-        dx, _, _ = torch.ops.aten.native_layer_norm_backward(
-            dy, x2d, [self.hidden], mean, rstd, gamma, self.bias.reshape(-1).to(param_dtype), [True, False, False]
+        # fp32/fp64 inputs: aten's own parameter gradients are summed in that dtype, so
+        # take them from the same call (one kernel instead of five more). With a
+        # zero-centered gamma g = 1 + w, dL/dw = dL/dg: the same sums.
+        exact_params = x2d.dtype == cdtype
+        dx, dgamma, dbeta = torch.ops.aten.native_layer_norm_backward(
+            dy, x2d, [self.hidden], mean, rstd, gamma, self.bias.reshape(-1).to(param_dtype),
+            [True, exact_params and self.weight.requires_grad, exact_params and self.bias.requires_grad],
         )
+        if exact_params:
+            return dx.reshape(grad_output.shape), (
+                None if dgamma is None else dgamma.to(self.weight.dtype).reshape(self.normalized_shape),
+                None if dbeta is None else dbeta.to(self.bias.dtype).reshape(self.normalized_shape),
+            )
         dy_c = dy.to(cdtype)  # no copy when the input is fp32/fp64
         dweight = dbias = None
         if self.weight.requires_grad:
