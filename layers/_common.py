@@ -30,7 +30,7 @@ import torch.distributed as dist
 from tp_fuse.ops import AllGather, AllReduce, BasicLinear, BasicOperation, Bias, LayerNorm, ReduceScatter, RMSNorm
 from tp_fuse.overlap.config import TPOverlap
 from tp_fuse.quantization import active_autocast
-from tp_fuse.quantization.compile_state import traced_key
+from tp_fuse.quantization.compile_state import traced_amax_group, traced_key
 
 from .grad_sync import sync_sequence_parallel_grad
 from .random import DropoutRNG
@@ -289,19 +289,16 @@ def check_fp8_amax_group(tp_group: Optional[dist.ProcessGroup], sequence_paralle
     if not sequence_parallel or tp_group is None:
         return
     if torch.compiler.is_compiling():
-        # Dynamo cannot read the autocast ContextVar: FP8 off needs no check (the mirror it
-        # guards on says so); FP8 on checks eagerly, behind a graph break.
+        # Dynamo cannot read the autocast ContextVar: it reads (and guards on) the mirror.
         if traced_key() is not None:
-            _check_amax_group_eagerly(tp_group)
+            _check_amax_group(traced_amax_group(), tp_group)
         return
-    _check_amax_group(tp_group)
-
-
-def _check_amax_group(tp_group: dist.ProcessGroup) -> None:
     state = active_autocast()
-    if state is None:
-        return
-    group = state.amax_reduction_group
+    if state is not None:
+        _check_amax_group(state.amax_reduction_group, tp_group)
+
+
+def _check_amax_group(group: Optional[dist.ProcessGroup], tp_group: dist.ProcessGroup) -> None:
     if group is None or group is tp_group:
         return  # None: torch's default group (the world), which covers every TP group
     amax_ranks = set(dist.get_process_group_ranks(group))
@@ -312,6 +309,3 @@ def _check_amax_group(tp_group: dist.ProcessGroup) -> None:
             f"must include the tensor-parallel group (ranks {tp_ranks}), because FP8 activations are "
             "all-gathered as bytes with one scale; use the 'tp' or 'world' FP8 group, not 'dp'"
         )
-
-
-_check_amax_group_eagerly = torch.compiler.disable(_check_amax_group)

@@ -9,9 +9,9 @@ the other compiled==eager checks; FP8 delayed: equal amax histories and scales).
 Cases: sequence parallel (AllGather / ReduceScatter) and not (Copy / AllReduce), fp32 and
 FP8 delayed (amax group = the TP group). One inductor case (fp32 + SP); the rest use
 ``aot_eager`` (the same traced graph run by aten: inductor compiles cost tens of seconds per
-rank on 2 shared cores). ``fullgraph=True`` everywhere except FP8 with sequence parallelism,
-where the layer's check that the amax group covers the TP group reads the autocast
-``ContextVar`` (one graph break at the top of the layer, before any fusion group).
+rank on 2 shared cores). ``fullgraph=True`` everywhere, FP8 with sequence parallelism
+included: the layer's check that the amax group covers the TP group reads the mirrored
+autocast state, and still raises its ValueError under compile for a group that does not.
 """
 
 from __future__ import annotations
@@ -62,7 +62,7 @@ def _rank_main(rank: int, world: int) -> dict:
         torch._dynamo.reset()
         eager, twin = (TransformerLayer(HIDDEN, FFN, HEADS, tp_group=group, sequence_parallel=sp, seed=3)
                        for _ in range(2))
-        compiled = torch.compile(twin, backend=backend, fullgraph=not (sp and fp8))
+        compiled = torch.compile(twin, backend=backend, fullgraph=True)
         torch._dynamo.utils.counters.clear()
         ref = _steps(eager, sp, fp8, rank, world, group)
         got = _steps(compiled, sp, fp8, rank, world, group)
@@ -77,6 +77,17 @@ def _rank_main(rank: int, world: int) -> dict:
                         state_equal &= torch.equal(q.amax_history, q2.amax_history) and torch.equal(q.scale, q2.scale)
         breaks = list(torch._dynamo.utils.counters["graph_break"])
         report[name] = {"max_diff": max(diffs), "state_equal": state_equal, "breaks": breaks}
+    # An amax group that leaves out the other TP rank: refused under compile too.
+    own = [dist.new_group([r]) for r in range(world)][rank]
+    torch._dynamo.reset()
+    layer = torch.compile(TransformerLayer(HIDDEN, FFN, HEADS, tp_group=group, sequence_parallel=True, seed=3),
+                          backend="aot_eager")
+    try:
+        with tp_fuse.autocast(recipe=DelayedScaling(), amax_reduction_group=own):
+            layer(torch.randn(SEQ // world, BATCH, HIDDEN))
+        report["bad_group"] = "no error"
+    except ValueError as e:
+        report["bad_group"] = str(e)
     return report
 
 
@@ -88,12 +99,14 @@ def results() -> list[dict]:
 @pytest.mark.multirank
 @pytest.mark.parametrize("name", [c[0] for c in CASES])
 def test_compiled_tp_layer_matches_eager(results, name: str) -> None:
-    sp, fp8 = next((c[1], c[2]) for c in CASES if c[0] == name)
     for rank, report in enumerate(results):
         case = report[name]
         assert case["max_diff"] <= 1e-5, (rank, case)
         assert case["state_equal"], (rank, case)
-        if sp and fp8:  # only the amax-group check, run eagerly
-            assert case["breaks"] and all("_check_amax_group" in b for b in case["breaks"]), (rank, case)
-        else:
-            assert not case["breaks"], (rank, case)
+        assert not case["breaks"], (rank, case)
+
+
+@pytest.mark.multirank
+def test_compiled_sp_layer_refuses_an_amax_group_without_the_tp_ranks(results) -> None:
+    for report in results:
+        assert "must include the tensor-parallel group" in report["bad_group"], report["bad_group"]

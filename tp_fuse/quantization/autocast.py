@@ -192,14 +192,14 @@ def autocast(
     )
     token = _ACTIVE.set(ctx)
     # torch.compile cannot read the ContextVar: it reads this mirror (compile_state).
-    prev_key = set_traced_key(compile_key(ctx))
+    prev_view = set_traced_key(compile_key(ctx), amax_reduction_group)
     completed = False
     try:
         yield ctx
         completed = True
     finally:
         _ACTIVE.reset(token)
-        set_traced_key(prev_key)
+        set_traced_key(*prev_view)
         if outer is None and completed:
             state.finish_forward()
 
@@ -228,12 +228,12 @@ def reenter_autocast(ctx: Optional[AutocastContext]) -> Iterator[None]:
     that step were reduced once already. ``None`` runs the block with FP8 off.
     """
     token = _ACTIVE.set(ctx)
-    prev_key = set_traced_key(compile_key(ctx))
+    prev_view = set_traced_key(compile_key(ctx), None if ctx is None else ctx.amax_reduction_group)
     try:
         yield
     finally:
         _ACTIVE.reset(token)
-        set_traced_key(prev_key)
+        set_traced_key(*prev_view)
 
 
 @contextlib.contextmanager

@@ -42,6 +42,7 @@ __all__ = [
     "raise_key_mismatch",
     "recipe_key",
     "set_traced_key",
+    "traced_amax_group",
     "traced_key",
 ]
 
@@ -84,9 +85,11 @@ def recipe_key(recipe: Any) -> Optional[CompileKey]:
 
 
 class _TraceView:
-    """The mirror dynamo reads: one attribute, replaced (never mutated) on every change."""
+    """The mirror dynamo reads: attributes replaced (never mutated) on every change."""
 
     key: Optional[CompileKey] = None
+    # The autocast's amax reduction group (for the sequence-parallel check of the layers).
+    amax_group: Any = None
 
 
 _VIEW = _TraceView()
@@ -97,10 +100,15 @@ def traced_key() -> Optional[CompileKey]:
     return _VIEW.key
 
 
-def set_traced_key(key: Optional[CompileKey]) -> Optional[CompileKey]:
-    """Set the mirror; returns the previous value for the caller to restore."""
-    prev = _VIEW.key
-    _VIEW.key = key
+def traced_amax_group() -> Any:
+    """The amax reduction group of the autocast in force, as compiled code sees it."""
+    return _VIEW.amax_group
+
+
+def set_traced_key(key: Optional[CompileKey], amax_group: Any = None) -> tuple[Optional[CompileKey], Any]:
+    """Set the mirror; returns the previous ``(key, amax_group)`` for the caller to restore."""
+    prev = (_VIEW.key, _VIEW.amax_group)
+    _VIEW.key, _VIEW.amax_group = key, amax_group
     return prev
 
 
