@@ -27,12 +27,15 @@ RUN = [
 ]
 
 
-@pytest.mark.parametrize("fp8", ["none", "delayed"])
-def test_compiled_layers_train_like_eager(tmp_path, fp8: str) -> None:
-    eager = train([*RUN, f"fp8={fp8}"], str(tmp_path / "eager"))
+@pytest.mark.parametrize("fp8,recompute", [("none", "none"), ("delayed", "none"), ("delayed", "full")])
+def test_compiled_layers_train_like_eager(tmp_path, fp8: str, recompute: str) -> None:
+    """``recompute=full``: the compiled layer body runs again inside tp_fuse.checkpoint's
+    recompute, whose FP8 scale replay acts on the quantizers the compiled casts use."""
+    args = [*RUN, f"fp8={fp8}", f"trainer.activation_checkpointing={recompute}"]
+    eager = train(args, str(tmp_path / "eager"))
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
-    compiled = train([*RUN, f"fp8={fp8}", "trainer.compile=true"], str(tmp_path / "compiled"))
+    compiled = train([*args, "trainer.compile=true"], str(tmp_path / "compiled"))
     counters = torch._dynamo.utils.counters
     assert counters["stats"]["unique_graphs"] > 0, "nothing was compiled"
     assert not counters["graph_break"], dict(counters["graph_break"])  # the fusion groups are traced
