@@ -211,14 +211,17 @@ def test_round_down_to_power_of_2() -> None:
     assert got.tolist() == expected
 
 
-def test_batched_delayed_update_is_bit_identical_to_per_quantizer_update():
+@pytest.mark.parametrize("algos,margins", [(("max", "most_recent"), (0, 2)), (("max",), (0,)),
+                                           (("most_recent",), (0,)), (("max",), (1,))],
+                         ids=["mixed", "max", "most_recent", "max-margin"])
+def test_batched_delayed_update_is_bit_identical_to_per_quantizer_update(algos, margins):
     """update_delayed_quantizers (one stacked update per step) == q.update() per quantizer,
-    bit for bit, for both built-in amax algorithms, margins, forward/backward formats and
-    NaN / inf / 0 / huge / tiny amaxes."""
+    bit for bit, for both built-in amax algorithms (alone and mixed in one group), margins,
+    forward/backward formats and NaN / inf / 0 / huge / tiny amaxes."""
     def build():
         qs = []
-        for algo in ("max", "most_recent"):
-            for margin in (0, 2):
+        for algo in algos:
+            for margin in margins:
                 recipe = DelayedScaling(margin=margin, amax_history_len=5, amax_compute_algo=algo)
                 qs += [DelayedScalingQuantizer(recipe, role) for role in ("input", "grad_output")]
         return qs

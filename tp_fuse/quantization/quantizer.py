@@ -257,7 +257,8 @@ class DelayedScalingQuantizer(Quantizer):
         """
         with torch.no_grad():
             self._to_device(data.device)
-            self.amax_history[0] = torch.maximum(self.amax_history[0], amax)
+            slot = self.amax_history[0]
+            torch.maximum(slot, amax, out=slot)  # in place: two ops where indexing takes four
             # A new tensor: later scale updates must not change this tensor's value.
             scale_inv = torch.reciprocal(self.scale)
         return _with_transpose(Float8Tensor(data, scale_inv, dtype), data_t)
@@ -343,29 +344,6 @@ def _batchable(q: DelayedScalingQuantizer) -> bool:
     return r.scaling_factor_compute_algo is None and r.amax_compute_algo in ("max", "most_recent")
 
 
-# (device, per-quantizer (algo is "most_recent", fp8_max, margin)) -> those as device
-# tensors. Built once per distinct set (the same quantizers every step): a tensor made from
-# a Python list on a GPU is a host-to-device copy that waits for the stream, every step.
-_CONSTANTS: dict[tuple, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
-
-
-def _recipe_constants(
-    qs: list[DelayedScalingQuantizer], device: torch.device
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(most_recent [n] bool, fp8_max [n] f64, 2**margin [n] f64)`` for the batched update."""
-    values = tuple((q.recipe.amax_compute_algo == "most_recent", q.fp8_max, q.margin) for q in qs)
-    key = (device, values)
-    cached = _CONSTANTS.get(key)
-    if cached is None:
-        if len(_CONSTANTS) > 64:  # recipes changing every step: do not grow without bound
-            _CONSTANTS.clear()
-        most_recent = torch.tensor([v[0] for v in values], device=device)
-        fp8_max = torch.tensor([v[1] for v in values], dtype=torch.float64, device=device)
-        pow2_margin = torch.tensor([2.0 ** v[2] for v in values], dtype=torch.float64, device=device)
-        cached = _CONSTANTS[key] = (most_recent, fp8_max, pow2_margin)
-    return cached
-
-
 class _SharedDelayedState:
     """The state of quantizers that are updated together, in shared buffers.
 
@@ -392,7 +370,14 @@ class _SharedDelayedState:
         self.quantizers = tuple(qs)
         self.bound = tuple((q.amax_history, q.scale, q.last_amax, q.nonfinite_amax_count, q.recipe, q.margin)
                            for q in qs)
-        self.most_recent, self.fp8_max, self.pow2_margin = _recipe_constants(qs, device)
+        # Per-row recipe constants, made once (on a GPU a tensor built from a Python list
+        # is a host-to-device copy that waits for the stream).
+        most_recent = [q.recipe.amax_compute_algo == "most_recent" for q in qs]
+        self.all_most_recent, self.any_most_recent = all(most_recent), any(most_recent)
+        self.most_recent = torch.tensor(most_recent, device=device)
+        self.fp8_max = torch.tensor([q.fp8_max for q in qs], dtype=torch.float64, device=device)
+        self.any_margin = any(q.margin != 0 for q in qs)
+        self.pow2_margin = torch.tensor([2.0 ** q.margin for q in qs], dtype=torch.float64, device=device)
 
     def serves(self, qs: list[DelayedScalingQuantizer]) -> bool:
         """Whether ``qs`` are exactly this state's quantizers, still bound to its rows."""
@@ -442,14 +427,24 @@ def update_delayed_quantizers(quantizers: list[DelayedScalingQuantizer]) -> None
         # is a composite of four on CPU; this runs twice per step.
         bad_current = ~(current.abs() < math.inf)
         current.masked_fill_(bad_current, 0.0)
-        amax = torch.where(st.most_recent, current, hist.amax(dim=1))
+        # From here the history holds only finite values (slot 0 just sanitized, the
+        # others earlier slot-0 values, loaded states checked by check_delayed_state), so
+        # amax is finite: update()'s non-finite-amax test is always false here.
+        if st.all_most_recent:
+            amax = current
+        elif st.any_most_recent:
+            amax = torch.where(st.most_recent, current, hist.amax(dim=1))
+        else:
+            amax = hist.amax(dim=1)
         # scaling.delayed_scale, vectorized: (fp8_max / amax) / 2**margin in float64 when
-        # amax is finite and > 0, else the previous scale; clamped to the fp32 range.
+        # amax > 0, else the previous scale; clamped to the fp32 range.
         amax64 = amax.to(torch.float64)
-        usable = (amax64 < math.inf) & (amax64 > 0)  # amax >= 0: finite and positive
-        new = ((st.fp8_max / torch.where(usable, amax64, 1.0)) / st.pow2_margin).clamp(max=_FP32_MAX)
-        st.scale.copy_(torch.where(usable, new, st.scale.to(torch.float64)))
-        st.count.add_(bad_current | ~(amax.abs() < math.inf))
+        usable = amax64 > 0
+        new = st.fp8_max / torch.where(usable, amax64, 1.0)
+        if st.any_margin:  # dividing by 2**0 = 1 is exact: skipped
+            new = new / st.pow2_margin
+        st.scale.copy_(torch.where(usable, new.clamp_(max=_FP32_MAX), st.scale.to(torch.float64)))
+        st.count.add_(bad_current)
         st.last_amax.copy_(amax)
         # scaling.roll_amax_history on every row: shift left by one, zero the new slot 0.
         hist.copy_(torch.roll(hist, -1, 1))
