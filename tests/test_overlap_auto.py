@@ -29,18 +29,19 @@ from tp_fuse.overlap.config import OverlapConfig
 
 
 class PreferClock:
-    """Fake clock: runs each candidate and reports ``times[label]`` seconds (default 2.0)."""
+    """Fake clock: runs each candidate and reports ``times[label]`` seconds (default 2 ms;
+    ``prefer``: 1 ms), well inside the tuner's time budgets."""
 
     def __init__(self, times: Optional[dict[str, float]] = None, prefer: Optional[str] = None) -> None:
         self.times = dict(times or {})
         if prefer is not None:
-            self.times[prefer] = 1.0
+            self.times[prefer] = 1e-3
         self.calls: list[str] = []
 
     def measure(self, label: str, fn) -> float:
         fn()
         self.calls.append(label)
-        return self.times.get(label, 2.0)
+        return self.times.get(label, 2e-3)
 
 
 class NoClock:
@@ -200,7 +201,9 @@ def _prefer_each(run: Runner, r: int, tp: int, group) -> None:
                     assert sorted(decided) == sorted(_stages(kind)), (label, sorted(decided))
                     for stage, d in decided.items():
                         assert set(d.candidates) <= set(labels) and d.candidates[-1] == "unfused", d
-                        want = prefer if prefer in d.candidates else d.candidates[0]  # ties: first
+                        # ties: the static default (Megatron's method, or unfused)
+                        want = prefer if prefer in d.candidates else d.default
+                        assert d.default in d.candidates, d
                         assert d.choice == want, (label, stage, d)
                         assert all(clock.calls.count(c) >= 2 for c in d.candidates), (label, clock.calls)
                     run.data.setdefault("choices", []).append((label, sorted((k, v.choice) for k, v in decided.items())))
@@ -219,14 +222,14 @@ def _agree_across_ranks(run: Runner, r: int, tp: int, group) -> None:
     """Rank 0 finds ring_exchange fastest, rank 1 pipeline/2; pipeline/4 is never the slowest
     anywhere, so the max over ranks picks it on every rank."""
     def one() -> None:
-        times = {"ring_exchange": 1.0, "pipeline/2": 5.0} if r == 0 else {"ring_exchange": 5.0, "pipeline/2": 1.0}
-        times.update({"pipeline/4": 2.0, "unfused": 3.0})
+        times = {"ring_exchange": 1e-3, "pipeline/2": 5e-3} if r == 0 else {"ring_exchange": 5e-3, "pipeline/2": 1e-3}
+        times.update({"pipeline/4": 2e-3, "unfused": 3e-3})
         ov = _auto_overlap(PreferClock(times))
         case = Case("row", tp, 4, (), 6, 8, False, seed=7)
         _run_step(case, r, group, ov, False)
         (d,) = [d for d in ov.tuner.decisions if d.gemm == "fc2_fprop"]
         assert d.choice == "pipeline/4", d
-        assert d.times["ring_exchange"] == 5.0 and d.times["pipeline/2"] == 5.0, d.times
+        assert d.times["ring_exchange"] == 5e-3 and d.times["pipeline/2"] == 5e-3, d.times
         gathered: list[Any] = [None] * tp
         dist.all_gather_object(gathered, [(x.gemm, x.choice) for x in ov.tuner.decisions], group=group)
         assert all(g == gathered[0] for g in gathered), gathered
@@ -403,3 +406,91 @@ def test_launcher_overlap_method(tmp_path) -> None:
     (tmp_path / OVERLAP_CHOICE_FILE).write_text('{"format": "tp_fuse.overlap_choices", "version": 1, "choices": 5}')
     with pytest.raises(ValueError, match=f"{OVERLAP_CHOICE_FILE}: choices: expected a list"):
         build_overlap(LaunchOverlap(enabled=True), str(tmp_path))
+
+
+# ---------------------------------------------------------------- time budgets and noise
+
+
+class SlowClock:
+    """Reports ``seconds`` per call (and counts calls) without running anything slow."""
+
+    def __init__(self, seconds: dict[str, float] | float) -> None:
+        self.seconds, self.calls = seconds, []
+
+    def measure(self, label: str, fn) -> float:
+        fn()
+        self.calls.append(label)
+        return self.seconds if isinstance(self.seconds, float) else self.seconds[label]
+
+
+@pytest.fixture
+def one_rank():
+    """A one-rank gloo world in this process (the tuner agrees over its group)."""
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def _decide(tuner: OverlapAutoTuner, gemm: str, default: Optional[str] = "pipeline/4") -> str:
+    labels = ("ring_exchange", "pipeline/2", "pipeline/4", "unfused")
+    return tuner.decide(gemm, "sig", {lb: (lambda: None) for lb in labels}, None, torch.device("cpu"), default=default)
+
+
+def test_stage_budget_caps_the_rounds(one_rank) -> None:
+    # 1.5 s per candidate call: the first round (6 s) is over the 2 s stage budget, so
+    # there is no second one, although repeats asks for 5.
+    clock = SlowClock(1.5)
+    tuner = OverlapAutoTuner(clock, repeats=5, stage_budget_s=2.0, run_budget_s=1000.0)
+    _decide(tuner, "fc2_fprop")
+    assert len(clock.calls) == 4 and tuner.timed_seconds == 6.0
+    fast = SlowClock(1e-3)
+    _decide(OverlapAutoTuner(fast, repeats=5), "fc2_fprop")
+    assert len(fast.calls) == 4 * 5  # inside the budget: every round runs
+
+
+def test_run_budget_spent_takes_the_static_default_unmeasured(one_rank, tmp_path) -> None:
+    clock = SlowClock({"ring_exchange": 1.0, "pipeline/2": 3.0, "pipeline/4": 3.0, "unfused": 3.0})
+    lines: list[str] = []
+    tuner = OverlapAutoTuner(clock, repeats=1, run_budget_s=5.0, log=lines.append,
+                             choice_file=tmp_path / "choices.json", write_choices=True)
+    assert _decide(tuner, "fc2_fprop") == "ring_exchange"  # measured: 10 s timed, over the 5 s budget
+    calls = len(clock.calls)
+    assert _decide(tuner, "fc2_dgrad", default="pipeline/2") == "pipeline/2"  # not measured
+    assert len(clock.calls) == calls
+    (d,) = tuner.decisions_for("fc2_dgrad")
+    assert d.source == "budget" and "budget of 5 s spent" in d.describe() and d.times == {}
+    assert "tuning so far 10.00 s timed, budget 5 s" in lines[-1]
+    # Unmeasured choices are not saved: a later run measures them.
+    assert [x.gemm for x in load_choice_file(str(tmp_path / "choices.json"))] == ["fc2_fprop"]
+
+
+def test_choice_within_noise_keeps_the_static_default(one_rank) -> None:
+    class Noisy:
+        """ring_exchange 3% faster than the default pipeline/4 at best, with 10% spread."""
+
+        def __init__(self) -> None:
+            self.n: dict[str, int] = {}
+
+        def measure(self, label: str, fn) -> float:
+            self.n[label] = self.n.get(label, 0) + 1
+            base = {"ring_exchange": 0.97e-3, "pipeline/4": 1.0e-3}.get(label, 2e-3)
+            return base * (1.2 if self.n[label] % 2 else 1.0)  # every other sample 20% slow
+
+    tuner = OverlapAutoTuner(Noisy(), repeats=4)
+    assert _decide(tuner, "fc2_fprop", default="pipeline/4") == "pipeline/4"
+    (d,) = tuner.decisions
+    assert "within the noise" in d.note and d.spread["ring_exchange"] > 0.05
+    assert "+-" in d.describe() and "static default kept" in d.describe()
+    # A clear win (no noise, 2x) is taken.
+    clear = OverlapAutoTuner(SlowClock({"ring_exchange": 1e-3, "pipeline/2": 2e-3, "pipeline/4": 2e-3,
+                                        "unfused": 2e-3}))
+    assert _decide(clear, "fc2_fprop", default="pipeline/4") == "ring_exchange"
+
+
+def test_static_default_per_stage() -> None:
+    from tp_fuse.overlap.config import static_default
+
+    assert static_default("fc1_fprop") == ("ring_exchange", 4)
+    assert static_default("fc2_fprop") == ("pipeline", 4)
+    assert static_default("row_dgrad") == ("ring_exchange", 4)
+    assert static_default("myproj_fprop") is None

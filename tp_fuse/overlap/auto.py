@@ -11,11 +11,19 @@ FP8 recipe kind, TP size):
    callable per candidate: the overlap methods that apply to the window
    (``ring_exchange``, ``pipeline/<num_splits>``, ``bulk``) and ``unfused`` (the same
    collective, then the whole GEMM: no overlap);
-2. every rank runs each candidate ``warmup`` times untimed, then ``repeats`` times timed,
-   candidates interleaved, in the same order on every rank (each candidate communicates);
-3. the median time of each candidate is all-reduced with MAX over the TP group (a method is
-   as slow as its slowest rank) and the fastest candidate wins (ties: the earlier one in
-   candidate order), so every rank makes the same choice;
+2. every rank runs each candidate ``warmup`` times untimed, then up to ``repeats`` rounds
+   timed, candidates interleaved, in the same order on every rank (each candidate
+   communicates). Measuring is bounded: a round starts only while the stage's timed
+   seconds are under ``stage_budget_s`` (agreed over the group after each round), and once
+   the tuner's timed seconds reach ``run_budget_s`` new stages are not measured at all:
+   they take the static default (Megatron's method for the stage, else ``unfused``);
+3. each candidate's minimum and median time are all-reduced with MAX over the TP group (a
+   method is as slow as its slowest rank). The minimum decides (machine noise only ever
+   adds time); the fastest candidate wins (ties: the earlier one in candidate order)
+   unless it beats the static default by less than the noise -- the larger relative
+   spread ``(median - min) / min`` of the two, at least 2 % -- in which case the default
+   is kept: a choice the measurement cannot support is not made. Every rank sees the
+   same numbers, so every rank makes the same choice;
 4. the decision is cached per (GEMM key, signature) and, with ``choice_file``, saved as
    JSON; a tuner built with an existing file reuses its choices without measuring
    (resume, and every rank of every run that shares the file).
@@ -118,9 +126,13 @@ class WallClock:
 class AutoDecision:
     """One choice: for GEMM stage ``gemm`` at ``signature``, candidate ``choice``.
 
-    ``times`` are seconds per candidate (median over repeats, max over TP ranks), empty
-    when the choice came from a file without times. ``source``: ``"measured"`` or the path
-    of the choice file it was read from. ``cost_s``: wall time the measurement took.
+    ``times`` are seconds per candidate (minimum over the timed rounds, max over TP
+    ranks), empty when the choice came from a file without times or was not measured.
+    ``spread``: per candidate ``(median - min) / min``, the noise of its samples.
+    ``source``: ``"measured"``, ``"budget"`` (not measured: the run's tuning budget was
+    spent) or the path of the choice file it was read from. ``cost_s``: wall time the
+    measurement took. ``note``: why the choice is not simply the fastest, if it is not.
+    ``default``: the static choice the tuner falls back to for this stage.
     """
 
     gemm: str
@@ -130,16 +142,27 @@ class AutoDecision:
     times: Mapping[str, float]
     source: str = "measured"
     cost_s: float = 0.0
+    spread: Mapping[str, float] = dataclasses.field(default_factory=dict)
+    note: str = ""
+    default: str = ""
 
     def describe(self) -> str:
-        """``"fc2_fprop [x 256x2x64 float32, fp32, tp=2]: pipeline/2 1.20 ms, ... -> ring_exchange (measured)"``."""
-        parts = [
-            f"{c} {self.times[c] * 1e3:.3f} ms" if c in self.times else f"{c} (not timed)"
-            for c in self.candidates
-        ]
-        src = "measured" if self.source == "measured" else f"from {self.source}"
-        cost = f", measuring took {self.cost_s * 1e3:.1f} ms" if self.source == "measured" else ""
-        return f"{self.gemm} [{self.signature}]: {', '.join(parts)} -> {self.choice} ({src}{cost})"
+        """``"fc2_fprop [x 256x2x64 float32, fp32, tp=2]: pipeline/2 1.20 ms +-3%, ... -> ring_exchange (measured)"``."""
+        parts = []
+        for c in self.candidates:
+            if c not in self.times:
+                parts.append(f"{c} (not timed)")
+                continue
+            noise = f" +-{self.spread[c] * 100:.0f}%" if c in self.spread else ""
+            parts.append(f"{c} {self.times[c] * 1e3:.3f} ms{noise}")
+        if self.source == "measured":
+            src = f"measured, measuring took {self.cost_s * 1e3:.1f} ms"
+        elif self.source == "budget":
+            src = "not measured"
+        else:
+            src = f"from {self.source}"
+        note = f"; {self.note}" if self.note else ""
+        return f"{self.gemm} [{self.signature}]: {', '.join(parts)} -> {self.choice} ({src}{note})"
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -157,7 +180,12 @@ class OverlapAutoTuner:
     Args:
         clock: a :class:`Clock` (default :class:`WallClock`).
         warmup: untimed runs per candidate before timing (first calls allocate workspaces).
-        repeats: timed runs per candidate (the median counts).
+        repeats: at most this many timed rounds (one run of every candidate each).
+        stage_budget_s: a new round starts only while one stage's timed seconds (as the
+            clock reports them, summed over candidates and rounds) are below this; at
+            least one round always runs.
+        run_budget_s: once this tuner's timed seconds reach this, new stages are not
+            measured: they take the static default.
         splits: ``num_splits`` values tried for ``pipeline`` (besides a config's own).
         choice_file: JSON file of earlier choices: read at construction if it exists (its
             choices are used without measuring) and, with ``write_choices``, rewritten
@@ -172,6 +200,8 @@ class OverlapAutoTuner:
         *,
         warmup: int = 1,
         repeats: int = 5,
+        stage_budget_s: float = 2.0,
+        run_budget_s: float = 20.0,
         splits: Sequence[int] = (2, 4),
         choice_file: Optional[str | os.PathLike] = None,
         write_choices: bool = False,
@@ -180,6 +210,9 @@ class OverlapAutoTuner:
         for name, value, low in (("warmup", warmup, 0), ("repeats", repeats, 1)):
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 raise ValueError(f"OverlapAutoTuner: {name} must be an int >= {low}, got {value!r}")
+        for name, value in (("stage_budget_s", stage_budget_s), ("run_budget_s", run_budget_s)):
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0 or not math.isfinite(value):
+                raise ValueError(f"OverlapAutoTuner: {name} must be a finite number of seconds > 0, got {value!r}")
         splits = tuple(splits)
         if not splits or any(isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in splits):
             raise ValueError(f"OverlapAutoTuner: splits must be positive ints, got {splits!r}")
@@ -189,14 +222,17 @@ class OverlapAutoTuner:
             raise ValueError("OverlapAutoTuner: write_choices=True needs a choice_file")
         self.clock: Clock = clock if clock is not None else WallClock()
         self.warmup, self.repeats, self.splits = warmup, repeats, splits
+        self.stage_budget_s, self.run_budget_s = float(stage_budget_s), float(run_budget_s)
         self.choice_file = None if choice_file is None else os.fspath(choice_file)
         self.write_choices = write_choices
         self.log = log
         self._decisions: dict[tuple[str, str], AutoDecision] = {}
         # File choices confirmed to be the same on every rank of the group.
         self._agreed: set[tuple[str, str]] = set()
-        #: Wall seconds spent measuring (all decisions of this tuner).
+        #: Wall seconds spent measuring (all decisions of this tuner, warm-up included).
         self.measure_seconds = 0.0
+        #: Timed seconds as the clock reported them (what the budgets count).
+        self.timed_seconds = 0.0
         # lexists: a planted link (even a dangling one) is reported by the reader, not skipped.
         if self.choice_file is not None and os.path.lexists(self.choice_file):
             for d in load_choice_file(self.choice_file):
@@ -224,14 +260,20 @@ class OverlapAutoTuner:
         candidates: Mapping[str, Callable[[], Any]],
         group: Optional[dist.ProcessGroup],
         device: torch.device,
+        default: Optional[str] = None,
     ) -> str:
         """The candidate label to run for ``(gemm, signature)``; measured on a cache miss.
 
-        Every rank of ``group`` must call this with the same ``candidates`` in the same
-        order at the same point (each candidate communicates over ``group``).
+        ``default``: the static choice (Megatron's method for the stage) kept when the
+        measurement cannot tell it from the fastest, and taken unmeasured once the run's
+        budget is spent; ``unfused`` when None or not a candidate. Every rank of ``group``
+        must call this with the same ``candidates`` in the same order at the same point
+        (each candidate communicates over ``group``).
         """
         labels = tuple(candidates)
         assert labels and all(_LABEL_RE.fullmatch(lb) for lb in labels), labels
+        if default not in labels:
+            default = UNFUSED if UNFUSED in labels else labels[0]
         key = (gemm, signature)
         known = self._decisions.get(key)
         if known is not None and known.choice not in candidates:
@@ -246,12 +288,17 @@ class OverlapAutoTuner:
         # read the same one; otherwise all measure together (a rank whose run directory lacks
         # the file must not measure alone: its collectives would meet nobody).
         idx = labels.index(known.choice) if known is not None else 0
-        flags = torch.tensor([0.0 if known is not None else 1.0, idx, -idx], dtype=torch.float64)
-        need, hi, neg_lo = comm.all_reduce(flags.to(device), group, op=dist.ReduceOp.MAX).cpu().tolist()
+        spent = 1.0 if self.timed_seconds >= self.run_budget_s else 0.0
+        flags = torch.tensor([0.0 if known is not None else 1.0, idx, -idx, spent], dtype=torch.float64)
+        need, hi, neg_lo, spent = comm.all_reduce(flags.to(device), group, op=dist.ReduceOp.MAX).cpu().tolist()
         if need == 0 and hi == -neg_lo:
             assert known is not None
             self._agreed.add(key)
             return known.choice
+        if spent:  # some rank's budget is spent: every rank takes the default, unmeasured
+            return self._record(AutoDecision(
+                gemm, signature, default, labels, {}, "budget",
+                note=f"tuning budget of {self.run_budget_s:g} s spent, static default", default=default))
         start = time.perf_counter()
         for _ in range(self.warmup):
             for label in labels:
@@ -263,16 +310,37 @@ class OverlapAutoTuner:
                 if not math.isfinite(seconds) or seconds < 0:
                     raise ValueError(f"OverlapAutoTuner: clock returned {seconds!r} for {label}")
                 samples[label].append(seconds)
-        local = torch.tensor([statistics.median(samples[lb]) for lb in labels], dtype=torch.float64)
+            # Another round only if every rank is still inside the stage budget (agreed:
+            # each round communicates, so all ranks must run the same number of rounds).
+            elapsed = torch.tensor([sum(map(sum, samples.values()))], dtype=torch.float64)
+            if comm.all_reduce(elapsed.to(device), group, op=dist.ReduceOp.MAX).item() >= self.stage_budget_s:
+                break
+        self.timed_seconds += sum(map(sum, samples.values()))
+        local = torch.tensor([min(samples[lb]) for lb in labels] + [statistics.median(samples[lb]) for lb in labels],
+                             dtype=torch.float64)
         # float64 on the group's device: gloo takes CPU tensors, NCCL CUDA ones.
-        times = comm.all_reduce(local.to(device), group, op=dist.ReduceOp.MAX).cpu().tolist()
+        agreed = comm.all_reduce(local.to(device), group, op=dist.ReduceOp.MAX).cpu().tolist()
+        times, medians = agreed[: len(labels)], agreed[len(labels):]
+        spread = {lb: (m - t) / t if t > 0 else 0.0 for lb, t, m in zip(labels, times, medians)}
         best = min(range(len(labels)), key=lambda i: (times[i], i))
+        choice, note = labels[best], ""
+        d = labels.index(default)
+        if best != d:
+            noise = max(spread[labels[best]], spread[default], 0.02)
+            if times[d] - times[best] <= noise * times[best]:
+                choice = default
+                note = (f"{labels[best]} is faster by {(times[d] / times[best] - 1) * 100:.1f}%, within the "
+                        f"noise of {noise * 100:.0f}%: static default kept")
         cost = time.perf_counter() - start
         self.measure_seconds += cost
-        decision = AutoDecision(gemm, signature, labels[best], labels, dict(zip(labels, times)), "measured", cost)
-        self._decisions[(gemm, signature)] = decision
+        return self._record(AutoDecision(gemm, signature, choice, labels, dict(zip(labels, times)), "measured",
+                                         cost, spread, note, default))
+
+    def _record(self, decision: AutoDecision) -> str:
+        self._decisions[(decision.gemm, decision.signature)] = decision
         if self.log is not None:
-            self.log(f"overlap auto: {decision.describe()}")
+            self.log(f"overlap auto: {decision.describe()} [tuning so far {self.timed_seconds:.2f} s timed, "
+                     f"budget {self.run_budget_s:g} s]")
         if self.write_choices:
             assert self.choice_file is not None
             save_choice_file(self.choice_file, self.decisions)
@@ -283,11 +351,12 @@ class OverlapAutoTuner:
 
 
 def save_choice_file(path: str, decisions: Iterable[AutoDecision]) -> None:
-    """Write ``decisions`` to ``path`` atomically (temporary file, then rename)."""
+    """Write ``decisions`` to ``path`` atomically (temporary file, then rename). Choices
+    made without measuring (the budget was spent) are left out: a later run measures them."""
     doc = {
         "format": CHOICE_FILE_FORMAT,
         "version": CHOICE_FILE_VERSION,
-        "choices": [d.to_json() for d in decisions],
+        "choices": [d.to_json() for d in decisions if d.source != "budget"],
     }
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     write_atomic(path, json.dumps(doc, indent=1, sort_keys=True))

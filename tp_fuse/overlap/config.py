@@ -193,6 +193,17 @@ def megatron_defaults(layers: Iterable[str] = GEMM_LAYERS) -> dict[str, GemmOver
     return table
 
 
+def static_default(key: str) -> Optional[tuple[str, int]]:
+    """Megatron's ``(method, num_splits)`` for a GEMM stage key (``"fc1_fprop"``, or an
+    unnamed linear's ``"column_dgrad"``); None for a layer of unknown role. ``method: auto``
+    falls back to it when measuring cannot tell the candidates apart."""
+    prefix, _, stage = key.rpartition("_")
+    role = _LAYER_ROLE.get(prefix, prefix)
+    if role not in _ROLE_DEFAULTS or stage not in GEMM_STAGES:
+        return None
+    return _ROLE_DEFAULTS[role][stage]
+
+
 def auto_defaults(layers: Iterable[str] = GEMM_LAYERS) -> dict[str, GemmOverlapConfig]:
     """``method: auto`` for every stage of ``layers``."""
     return {f"{layer}_{stage}": GemmOverlapConfig(method=AUTO) for layer in layers for stage in GEMM_STAGES}

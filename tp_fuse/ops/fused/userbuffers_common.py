@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from ...overlap.auto import AUTO, candidate_labels
-from ...overlap.config import METHODS, TPOverlap
+from ...overlap.config import METHODS, TPOverlap, static_default
 from ...overlap.plan import OverlapPlan
 from ...overlap.userbuffers_setup import registered_overlap
 from ...quantization import (
@@ -202,7 +202,13 @@ def run_planned(
     signature = (
         f"x {'x'.join(map(str, x.shape))} {str(x.dtype).replace('torch.', '')}, {precision}, tp={plan.tp_size}{extra}"
     )
-    label = tuner.decide(plan.key, signature, {lb: functools.partial(run, lb) for lb in labels}, group, x.device)
+    fallback = static_default(plan.key)
+    if fallback is not None and fallback[0] == "pipeline":
+        default: Optional[str] = f"pipeline/{effective_splits(fallback[1], rows)}"
+    else:
+        default = None if fallback is None else fallback[0]
+    label = tuner.decide(plan.key, signature, {lb: functools.partial(run, lb) for lb in labels}, group, x.device,
+                         default=default)
     return run(label)
 
 
