@@ -5,11 +5,12 @@ from __future__ import annotations
 from typing import Any, Optional
 
 import torch
+from nvdlfw_inspect.registry import api_method
 import torch.distributed as dist
 
-from ..stats import FP8_STATS, components_for, fp8_components, simulate_fp8_cast
-from .api import StatsLoggingFeature
-from ...quantization import Float8Tensor
+from tp_fuse.debug.stats import FP8_STATS, components_for, fp8_components, simulate_fp8_cast
+from tp_fuse.debug.features.api import StatsLoggingFeature, enabled_at
+from tp_fuse.quantization import Float8Tensor
 
 __all__ = ["LogFp8TensorStats"]
 
@@ -29,18 +30,23 @@ class LogFp8TensorStats(StatsLoggingFeature):
     known_stats = FP8_STATS
     allowed_tensors = frozenset({"activation", "weight", "gradient"})
 
+    @api_method
     def inspect_tensor(
         self,
         config: dict[str, Any],
         layer_name: str,
         tensor_name: str,
         tensor: torch.Tensor,
-        rowwise_quantized_tensor: Optional[torch.Tensor],
-        columnwise_quantized_tensor: Optional[torch.Tensor],
-        quantizer: Any,
-        iteration: int,
-        tp_group: Optional[dist.ProcessGroup],
+        rowwise_quantized_tensor: Optional[torch.Tensor] = None,
+        columnwise_quantized_tensor: Optional[torch.Tensor] = None,
+        quantizer: Any = None,
+        iteration: int = 0,
+        tp_group: Optional[dist.ProcessGroup] = None,
     ) -> None:
+        # Under nvdlfw-inspect a tensor some feature inspects this iteration is handed to
+        # every feature covering it: each keeps to its own freq/start_step/end_step.
+        if not enabled_at(config, iteration)[0]:
+            return
 
         q = rowwise_quantized_tensor
         if isinstance(q, Float8Tensor):
