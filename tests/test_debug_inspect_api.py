@@ -275,3 +275,46 @@ def test_debug_session_and_debug_api_do_not_share_a_layer(api):
                                                 "transformer_engine": {"DisableFP8Layer": {}}}})
     with pytest.raises(ValueError, match="either a DebugSession or the debug API"):
         session.attach(model)
+
+
+@pytest.mark.parametrize("recipe_name", ["MXFP8BlockScaling", "Float8BlockScaling"])
+def test_log_fp8_tensor_stats_under_block_recipes(api, recipe_name):
+    import tp_fuse.recipe as recipes
+
+    logger = api("""
+    s:
+      enabled: True
+      layers: {layer_name_regex_pattern: .*fc1}
+      transformer_engine:
+        LogFp8TensorStats:
+          enabled: True
+          tensors: [activation]
+          stats: [mse, underflows%, scale_inv_min, scale_inv_max, scale_inv_std]
+    """)
+    recipe = getattr(recipes, recipe_name)()
+    torch.manual_seed(0)
+    model = te.ops.Sequential(te.ops.Linear(128, 128))
+    model[0].basic_linear.name = "d.fc1"
+    x = torch.randn(128, 128, generator=torch.Generator().manual_seed(3))
+    _step(model, x, recipe)
+    debug_api.step()
+    with te.autocast(recipe=recipe):
+        q = model[0].basic_linear.fp8_quantizers()["input"].quantize(x)
+    d = q._rowwise.dequantize()
+    assert logger.rows[("d.fc1_activation_mse", 0)] == pytest.approx(((d.double() - x.double()) ** 2).mean().item())
+    s_inv = q._rowwise.scale_inv.double()
+    assert logger.rows[("d.fc1_activation_scale_inv_min", 0)] == s_inv.min().item()
+    assert logger.rows[("d.fc1_activation_scale_inv_max", 0)] == s_inv.max().item()
+    assert logger.rows[("d.fc1_activation_scale_inv_std", 0)] == pytest.approx(s_inv.std().item(), rel=1e-6)
+
+
+def test_scale_inv_std_under_a_per_tensor_recipe_is_an_error(api):
+    api("""
+    s:
+      enabled: True
+      layers: {layer_name_regex_pattern: .*fc1}
+      transformer_engine:
+        LogFp8TensorStats: {enabled: True, tensors: [activation], stats: [scale_inv_std]}
+    """)
+    with pytest.raises(ValueError, match="scale_inv_std describes the block scales"):
+        _step(_mlp(), torch.randn(4, 32))
