@@ -4,7 +4,9 @@
 an :class:`~tp_fuse.debug.Fp8StatsCollector` was attached. It is a
 :class:`LinearDebugHooks` with two independent parts:
 
-* ``session`` -- the debug features configured for this layer. When any is
+* ``session`` -- the debug features configured for this layer (a ``DebugSession``),
+  or ``uses_debug_api`` -- the layer's calls go to nvdlfw-inspect's
+  ``debug_api.transformer_engine`` (:mod:`tp_fuse.debug.inspect_api`). When any is
   configured (``features_enabled``) the layer's fusions are rejected and its three
   GEMMs run here: :meth:`forward_gemm` / :meth:`backward_gemm` make the routing and
   GEMM calls of the feature API for every GEMM tensor.
@@ -78,6 +80,8 @@ class LinearDebugHooks:
         self.session: Optional["DebugSession"] = None
         self.features: list[tuple["DebugFeature", FeatureSpec]] = []
         self.fp8_tap: Optional["Fp8StatsCollector"] = None
+        # Routed through nvdlfw-inspect's process-wide debug API (TE's entry point).
+        self.uses_debug_api = False
         # How torch.compile'd graphs name these hooks (tp_fuse::fp8_cast's observer).
         self.compile_ref = CompileRef(self)
 
@@ -90,8 +94,25 @@ class LinearDebugHooks:
 
     @property
     def features_enabled(self) -> bool:
-        """Whether this layer has debug features (then it runs unfused, through here)."""
+        """Whether this layer has debug features (then it runs unfused, through here).
+
+        Under nvdlfw-inspect: while the debug API is initialized and a config section
+        selects this layer (read per call: ``end_debug`` or a new ``initialize`` apply to
+        the next fusion decision and GEMM).
+        """
+        if self.uses_debug_api:
+            from .inspect_api import debug_api_initialized, layer_has_config
+
+            return debug_api_initialized() and layer_has_config(self.layer_name)
         return bool(self.features)
+
+    def use_debug_api(self) -> None:
+        """Route this layer's feature calls through ``nvdlfw_inspect.api`` (ValueError if a
+        ``DebugSession`` already gave it features: one configuration per layer)."""
+        if self.session is not None:
+            raise ValueError(f"{self.layer_name}: has DebugSession features; a layer takes either a "
+                             "DebugSession or nvdlfw_inspect's debug API, not both")
+        self.uses_debug_api = True
 
     # ---- passive FP8 observation (any path) --------------------------------
 
@@ -104,8 +125,17 @@ class LinearDebugHooks:
     # ---- feature routing ---------------------------------------------------
 
     def _iteration(self) -> int:
+        if self.uses_debug_api:
+            import nvdlfw_inspect.api as debug_api
+
+            return debug_api.DEBUG_MANAGER._trainer_iteration_count
         assert self.session is not None
         return self.session.iteration
+
+    def _api(self) -> Any:
+        import nvdlfw_inspect.api as debug_api
+
+        return getattr(debug_api, "transformer_engine")
 
     def _paused(self) -> bool:
         return self.session is not None and self.session.is_paused
@@ -114,6 +144,15 @@ class LinearDebugHooks:
         if self._paused():
             return None
         it = self._iteration()
+        if self.uses_debug_api:
+            api = self._api()
+            on = _routing(api.modify_tensor_enabled(layer_name=self.layer_name, gemm=gemm, tensor_name=tensor_name,
+                                                    iteration=it), f"modify_tensor_enabled({self.layer_name})")
+            if not on:
+                return None
+            out = api.modify_tensor(layer_name=self.layer_name, gemm=gemm, tensor_name=tensor_name, tensor=tensor,
+                                    default_quantizer=quantizer, iteration=it, out=None)
+            return self._check_modified(out, tensor, "modify_tensor", gemm, tensor_name)
         chosen = None
         for feature, spec in self.features:
             cfg = spec.config_for(gemm, tensor_name)
@@ -131,14 +170,17 @@ class LinearDebugHooks:
             return None
         feature, spec, cfg = chosen
         out = feature.modify_tensor(cfg, self.layer_name, gemm, tensor_name, tensor, quantizer, it, None)
+        return self._check_modified(out, tensor, f"{spec.name}.modify_tensor", gemm, tensor_name)
+
+    def _check_modified(self, out: Any, tensor: torch.Tensor, what: str, gemm: str, tensor_name: str) -> torch.Tensor:
         if not isinstance(out, torch.Tensor):
             raise ValueError(
-                f"{spec.name}.modify_tensor({self.layer_name}, {gemm}, {tensor_name}) returned "
+                f"{what}({self.layer_name}, {gemm}, {tensor_name}) returned "
                 f"{type(out).__name__}, expected a tensor"
             )
         if out.shape != tensor.shape:
             raise ValueError(
-                f"{spec.name}.modify_tensor({self.layer_name}, {gemm}, {tensor_name}) changed the shape "
+                f"{what}({self.layer_name}, {gemm}, {tensor_name}) changed the shape "
                 f"from {tuple(tensor.shape)} to {tuple(out.shape)}"
             )
         return out
@@ -147,6 +189,9 @@ class LinearDebugHooks:
         if self._paused():
             return True
         it = self._iteration()
+        if self.uses_debug_api:
+            return _routing(self._api().fp8_gemm_enabled(layer_name=self.layer_name, gemm=gemm, iteration=it),
+                            f"fp8_gemm_enabled({self.layer_name}, {gemm})")
         allowed = True
         for feature, spec in self.features:
             cfg = spec.config_for(gemm, None)
@@ -160,6 +205,14 @@ class LinearDebugHooks:
         if self._paused():
             return
         it = self._iteration()
+        if self.uses_debug_api:
+            api = self._api()
+            if _routing(api.inspect_tensor_enabled(layer_name=self.layer_name, tensor_name=tensor_name, iteration=it),
+                        f"inspect_tensor_enabled({self.layer_name}, {tensor_name})"):
+                api.inspect_tensor(layer_name=self.layer_name, tensor_name=tensor_name, tensor=tensor.detach(),
+                                   rowwise_quantized_tensor=q, columnwise_quantized_tensor=None, quantizer=quantizer,
+                                   iteration=it, tp_group=self.tp_group)
+            return
         for feature, spec in self.features:
             cfg = spec.config_for(None, tensor_name)
             if cfg is None:

@@ -111,6 +111,9 @@ class DebugSession:
             if not specs:
                 continue
             hooks = hooks_for(name, tp_group)
+            if hooks.uses_debug_api:
+                raise ValueError(f"layer {name.layer_name}: already routed through nvdlfw_inspect's debug API; "
+                                 "a layer takes either a DebugSession or the debug API, not both")
             hooks.session = self
             hooks.features = specs
             self.layers[name.layer_name] = hooks

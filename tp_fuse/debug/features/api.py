@@ -17,7 +17,15 @@ the reason ``debug features enabled on <layer>``); a layer with none runs the
 normal fused path and never calls into the debug package.
 
 Features are instantiated per :class:`~tp_fuse.debug.DebugSession` and get that
-session's :class:`~tp_fuse.debug.stats.StatsBuffer`: no global state.
+session's :class:`~tp_fuse.debug.stats.StatsBuffer`. The same classes are registered as
+nvdlfw-inspect features (:mod:`tp_fuse.debug.inspect_api`); there the framework creates
+them with no arguments and the ``transformer_engine`` namespace API hands them its buffer.
+nvdlfw-inspect routes a call to a feature only when the feature's method is marked with
+``nvdlfw_inspect.registry.api_method``: every override below is marked, the defaults of
+this base class are not (they are what an unconfigured layer gets anyway).
+
+Every file of this directory is executed on its own by nvdlfw-inspect when a user passes
+it in ``feature_dirs`` (``import_and_exec_module``): imports here are absolute.
 """
 
 from __future__ import annotations
@@ -27,9 +35,10 @@ from typing import Any, ClassVar, Optional, Union
 
 import torch
 import torch.distributed as dist
+from nvdlfw_inspect.registry import api_method
 
-from ..config import FeatureSpec
-from ..stats import StatsBuffer
+from tp_fuse.debug.config import FeatureSpec
+from tp_fuse.debug.stats import StatsBuffer
 
 __all__ = ["DebugFeature", "RoutingResult", "StatsLoggingFeature", "enabled_at"]
 
@@ -75,7 +84,8 @@ class DebugFeature:
     #: Whether the feature is scoped by tensors (logging, FakeQuant) or only by GEMMs.
     uses_tensors: ClassVar[bool] = True
 
-    def __init__(self, stats: StatsBuffer) -> None:
+    def __init__(self, stats: Optional[StatsBuffer] = None) -> None:
+        # None: created by nvdlfw-inspect's registry; its namespace API sets the buffer.
         self.stats = stats
 
     # ---- configuration -----------------------------------------------------
@@ -140,7 +150,7 @@ class DebugFeature:
         tensor_name: str,
         tensor: torch.Tensor,
         default_quantizer: Any,
-        iteration: int,
+        iteration: int = 0,
         out: Optional[torch.Tensor] = None,
     ) -> Optional[torch.Tensor]:
         raise NotImplementedError(f"{type(self).__name__} enables modify_tensor but does not implement it")
@@ -151,11 +161,11 @@ class DebugFeature:
         layer_name: str,
         tensor_name: str,
         tensor: torch.Tensor,
-        rowwise_quantized_tensor: Optional[torch.Tensor],
-        columnwise_quantized_tensor: Optional[torch.Tensor],
-        quantizer: Any,
-        iteration: int,
-        tp_group: Optional[dist.ProcessGroup],
+        rowwise_quantized_tensor: Optional[torch.Tensor] = None,
+        columnwise_quantized_tensor: Optional[torch.Tensor] = None,
+        quantizer: Any = None,
+        iteration: int = 0,
+        tp_group: Optional[dist.ProcessGroup] = None,
     ) -> None:
         raise NotImplementedError(f"{type(self).__name__} enables inspect_tensor but does not implement it")
 
@@ -197,6 +207,7 @@ class StatsLoggingFeature(DebugFeature):
         _check_window(opts, where)
         check_stats_option(opts, where, self.known_stats)
 
+    @api_method
     def inspect_tensor_enabled(self, config, layer_name, tensor_name, iteration):
         if "stats" not in config:
             raise ValueError(f"{self.feature_name} on {layer_name}/{tensor_name}: option 'stats' is required")
@@ -205,5 +216,8 @@ class StatsLoggingFeature(DebugFeature):
     def record(self, config: dict[str, Any], layer_name: str, tensor_name: str, iteration: int, comps: Any) -> None:
         """Add the components of ``config['stats']``; a weight once per iteration (every
         micro-batch sees the same one)."""
+        if self.stats is None:
+            raise RuntimeError(f"{self.feature_name}: no statistics buffer; attach it through a DebugSession "
+                               "or nvdlfw_inspect.api.initialize(feature_dirs=[tp_fuse.debug.FEATURE_DIR])")
         self.stats.add(iteration, f"debug/{layer_name}/{tensor_name}", config["stats"], comps,
                        source=self.feature_name, once=tensor_name == "weight")

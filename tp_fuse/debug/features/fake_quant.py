@@ -5,14 +5,15 @@ from __future__ import annotations
 from typing import Any, Optional
 
 import torch
+from nvdlfw_inspect.registry import api_method
 
-from ...quantization import scaling
-from ...quantization.block.cast import quantize_layouts
-from ...quantization.block.scaling import BlockSpec, ScaleRule
-from ...quantization.nvfp4.quantizer import NVFP4Quantizer
-from ...quantization.nvfp4.scaling import rht_matrix
-from ...recipe import NVFP4BlockScaling
-from .api import DebugFeature
+from tp_fuse.quantization import scaling
+from tp_fuse.quantization.block.cast import quantize_layouts
+from tp_fuse.quantization.block.scaling import BlockSpec, ScaleRule
+from tp_fuse.quantization.nvfp4.quantizer import NVFP4Quantizer
+from tp_fuse.quantization.nvfp4.scaling import rht_matrix
+from tp_fuse.recipe import NVFP4BlockScaling
+from tp_fuse.debug.features.api import DebugFeature
 
 __all__ = ["FakeQuant"]
 
@@ -129,14 +130,17 @@ class FakeQuant(DebugFeature):
             raise ValueError(f"{where}.margin: block format {fmt} takes its scales from each block's amax; "
                              f"margin applies to FP8E4M3/FP8E5M2 only, got margin={margin}")
 
+    @api_method
     def modify_tensor_enabled(self, config, layer_name, gemm, tensor_name, iteration):
         if "quant_format" not in config:
             raise ValueError(f"FakeQuant on {layer_name}/{gemm}/{tensor_name}: option 'quant_format' is required")
         return True, iteration + 1
 
+    @api_method
     def fp8_gemm_enabled(self, config, layer_name, gemm, iteration):
         return False, None
 
+    @api_method
     @torch.no_grad()
     def modify_tensor(
         self,

@@ -196,6 +196,16 @@ class BasicLinear(QuantizerStateMixin, BasicOperation):
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}"
 
+    def pre_first_fuser_forward(self) -> None:
+        """Join nvdlfw-inspect's debug API (TE's ``debug_api.initialize``) under this op's
+        ``name`` attribute, when both are set; before the fusion decisions, which a layer
+        with debug features must stay out of (``tp_fuse.debug.inspect_api``). Costs one
+        ``sys.modules`` look-up when the debug API is not in use."""
+        from ...debug.inspect_api import attach_named_op, debug_api_initialized
+
+        if debug_api_initialized():
+            attach_named_op(self)
+
     # ---- validation ------------------------------------------------------
 
     def input_dtype(self, autocast_dtype: Optional[torch.dtype]) -> Optional[torch.dtype]:
