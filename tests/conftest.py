@@ -65,6 +65,7 @@ SLOW_MODULES = frozenset({
     "test_wrap",
     "test_wrap_correctness",
     "test_wrap_fused_split",
+    "test_wrap_olmo2",
     "test_wrap_models",
 })
 
