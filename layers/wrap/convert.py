@@ -93,10 +93,12 @@ from .hf_plans import FamilyPlan, family_plan
 from .plan_styles import FusedColumn
 from tp_fuse.quantization import autocast
 
-__all__ = ["wrap", "ParallelLinearAdapter", "WrapReport"]
+__all__ = ["wrap", "ParallelLinearAdapter", "PLAN_STYLES", "WrapReport"]
 
 Style = Literal["column", "row", "sequence_parallel", "sharded_norm"]
 _STYLES = ("column", "row", "sequence_parallel", "sharded_norm")
+#: The plan styles given by name (``FusedColumn(...)`` besides): the launcher's ``model.plan``.
+PLAN_STYLES = _STYLES
 # Styles that keep or shard a norm: no GEMM, not a column/row pair member.
 _NORM_STYLES = ("sequence_parallel", "sharded_norm")
 _COLUMN_ATTRS = ("input_size", "output_size", "output_size_per_partition", "gather_output", "skip_bias_add",
