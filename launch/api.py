@@ -13,12 +13,14 @@ exists: one process, or each rank of a job started some other way.
 
 from __future__ import annotations
 
+import sys
 from typing import Optional
 
 from hydra import compose as hydra_compose
 from hydra import initialize_config_dir
 from omegaconf import OmegaConf
 
+from .comm_timeout import CollectiveTimeoutError, explain_comm_failure
 from .config import CONFIG_DIR, TrainConfig, from_dict, validate
 from .models.build import ModelFactory
 from .runtime import env_world_size, start
@@ -45,8 +47,14 @@ def train(overrides: list[str], run_dir: str, model_factory: Optional[ModelFacto
     rt = start(cfg, layout, run_dir)
     try:
         result = Trainer(cfg, rt, model_factory).fit()
-    except BaseException:
+    except BaseException as exc:
+        # Before the abort: the explanation is agreed through the process group's store.
+        why = (explain_comm_failure(exc, rt.rank, rt.dist.world_size, cfg.parallel.timeout_s)
+               if isinstance(exc, Exception) else None)
         rt.abort()  # peers blocked in a collective with this rank fail now, not at the timeout
+        if why is not None:
+            print(f"[tp-fuse] error: {why}", file=sys.stderr, flush=True)
+            raise CollectiveTimeoutError(why) from exc
         raise
     rt.shutdown()
     return result

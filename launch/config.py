@@ -64,6 +64,13 @@ class ModelConfig:
     #: forward and backward of the wrapped model against the original on a [2, 8] token
     #: probe (``tp_fuse.layers.wrap.verify``; costs one full-model gradient per rank, transiently).
     verify: bool = True
+    #: ``+model=hf``: the ``wrap`` plan. None: the family plan of config.json's
+    #: ``model_type``; a built-in plan's name (``tp_fuse.layers.wrap.hf_plans.FAMILIES``,
+    #: e.g. ``llama``); or a ``{module glob: style}`` mapping (styles:
+    #: ``tp_fuse.layers.wrap.convert.PLAN_STYLES``), given in a YAML config or, on the command
+    #: line, as the path of a ``.yaml`` file holding it (Hydra overrides cannot spell globs).
+    #: The model's own family checks and fix-ups still apply (``wrap``'s explicit plans).
+    plan: Union[None, str, dict[str, str]] = None
 
 
 @dataclass
@@ -270,6 +277,7 @@ class TrainConfig:
             out["model"].pop("path", None)
         if out["model"]["name"] != "hf":
             out["model"].pop("verify", None)
+            out["model"].pop("plan", None)
         return out
 
 
@@ -402,18 +410,23 @@ def from_dict(data: dict[str, Any]) -> TrainConfig:
         raise ValueError(f"model.name: expected a string, got {name!r}")
     path = model.pop("path", None)
     verify = True
+    plan = None
     if name == "hf":
         verify = model.pop("verify", True)
         if not isinstance(verify, bool):
             raise ValueError(f"model.verify: expected true or false, got {verify!r}")
+        plan = check_plan(model.pop("plan", None))
         extra = sorted(model)
         if extra:
-            raise ValueError(f"unknown key(s) {', '.join(f'model.{k}' for k in extra)}: +model=hf takes model.path "
-                             f"and model.verify (the sizes come from the directory's config.json)")
+            raise ValueError(f"unknown key(s) {', '.join(f'model.{k}' for k in extra)}: +model=hf takes model.path, "
+                             f"model.verify and model.plan (the sizes come from the directory's config.json)")
         gpt = GPTConfig(**gpt_fields(path))
     else:
         if path is not None:
             raise ValueError(f"model.path: only +model=hf takes a model directory (model.name is {name!r})")
+        if model.pop("plan", None) is not None:
+            raise ValueError(f"model.plan: only +model=hf takes a wrap plan (model.name is {name!r}; tp-fuse's "
+                             f"own models are built sharded)")
         gpt = _build(GPTConfig, model, "model")
     sections = SECTIONS
     unknown = sorted(set(data) - set(sections))
@@ -422,7 +435,51 @@ def from_dict(data: dict[str, Any]) -> TrainConfig:
             f"unknown top-level key(s) {', '.join(unknown)}; known: model, {', '.join(sections)}"
         )
     built = {k: _build(cls, data[k] if data.get(k) is not None else {}, k) for k, cls in sections.items()}
-    return TrainConfig(model=ModelConfig(name=name, gpt=gpt, path=path, verify=verify), **built)
+    return TrainConfig(model=ModelConfig(name=name, gpt=gpt, path=path, verify=verify, plan=plan), **built)
+
+
+def check_plan(plan: Any) -> Union[None, str, dict[str, str]]:
+    """``model.plan`` for ``+model=hf``, checked before any process starts: None, the name
+    of a built-in plan, or a ``{module glob: style}`` mapping of strings; ValueError
+    listing what is available otherwise."""
+    from tp_fuse.layers.wrap.convert import PLAN_STYLES
+    from tp_fuse.layers.wrap.hf_plans import FAMILIES
+
+    if plan is None:
+        return None
+    if isinstance(plan, str) and plan.endswith((".yaml", ".yml")):
+        # Hydra's override grammar cannot spell glob keys ("*", "."), so on the command
+        # line a mapping comes as a YAML file. Read as data (safe_load), size-bounded.
+        import yaml
+
+        from tp_fuse.safe_files import read_regular_file
+
+        try:
+            loaded = yaml.safe_load(read_regular_file(plan, 2**20, "model.plan: plan file", follow_symlinks=True))
+        except (OSError, ValueError, yaml.YAMLError) as e:
+            raise ValueError(f"model.plan: cannot read the plan file {plan}: {e}") from None
+        if not isinstance(loaded, dict):
+            raise ValueError(f"model.plan: {plan} must hold a YAML mapping {{module glob: style}}, got "
+                             f"{type(loaded).__name__}")
+        plan = loaded
+    if isinstance(plan, str):
+        if plan not in FAMILIES:
+            raise ValueError(f"model.plan: no built-in wrap plan named {plan!r}; available: {', '.join(sorted(FAMILIES))} "
+                             f"(or a .yaml file holding a mapping {{module glob: style}} with styles "
+                             f"{', '.join(PLAN_STYLES)}; "
+                             f"leave it unset for config.json's model_type)")
+        return plan
+    if isinstance(plan, dict) and plan:
+        for glob, style in plan.items():
+            if not isinstance(glob, str) or not glob:
+                raise ValueError(f"model.plan: keys must be module-name globs (non-empty strings), got {glob!r}")
+            if style not in PLAN_STYLES:
+                raise ValueError(f"model.plan[{glob!r}]: unknown style {style!r}; expected one of "
+                                 f"{', '.join(PLAN_STYLES)} (fused projections need the Python API's FusedColumn, "
+                                 f"or a built-in plan by name: {', '.join(sorted(FAMILIES))})")
+        return dict(plan)
+    raise ValueError(f"model.plan: expected the name of a built-in plan ({', '.join(sorted(FAMILIES))}) or a "
+                     f"non-empty mapping {{module glob: style}}, got {plan!r}")
 
 
 # ---- cross-field validation -----------------------------------------------------

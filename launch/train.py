@@ -34,6 +34,7 @@ from hydra.core.hydra_config import HydraConfig  # noqa: E402
 from omegaconf import DictConfig, OmegaConf  # noqa: E402
 
 from tp_fuse.launch.checkpoint.manager import CheckpointError  # noqa: E402
+from tp_fuse.launch.comm_timeout import explain_comm_failure  # noqa: E402
 from tp_fuse.launch.config import from_dict, validate  # noqa: E402
 from tp_fuse.launch.config_errors import CONFIG_DIR, precheck, report_and_exit  # noqa: E402
 from tp_fuse.launch.health import TrainingDivergedError  # noqa: E402
@@ -63,6 +64,16 @@ def run(raw: DictConfig) -> Optional[float]:
         except KeyboardInterrupt:  # Ctrl-C outside the training loop (which stops with a save)
             rt.abort()
             _interrupted()
+        except Exception as exc:
+            # A collective that timed out because a rank did not arrive: one line on every
+            # rank that sees it, naming the ranks and parallel.timeout_s (agreed through the
+            # store, so before the abort), instead of gloo's bare "Timed out" traceback.
+            why = explain_comm_failure(exc, rt.rank, rt.dist.world_size, cfg.parallel.timeout_s)
+            rt.abort()  # peers blocked in a collective with this rank fail now, not at the timeout
+            if why is None:
+                raise
+            print(f"[tp-fuse] error: {why}", file=sys.stderr, flush=True)
+            raise SystemExit(1) from None
         except BaseException:
             rt.abort()  # peers blocked in a collective with this rank fail now, not at the timeout
             raise

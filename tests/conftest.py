@@ -19,6 +19,7 @@ SLOW_MODULES = frozenset({
     "test_checkpoint_dir_lock",
     "test_checkpoint_restart",
     "test_checkpoint_safety",
+    "test_collective_timeout",
     "test_comm_backend",
     "test_comm_collectives",
     "test_comm_overlap",
@@ -65,6 +66,7 @@ SLOW_MODULES = frozenset({
     "test_wrap",
     "test_wrap_correctness",
     "test_wrap_fused_split",
+    "test_wrap_olmo2",
     "test_wrap_models",
 })
 

@@ -285,10 +285,18 @@ class CausalLMLoss(torch.nn.Module):
         return F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), ignore_index=-100)
 
 
+def resolve_plan(plan: Any, config: Any) -> Optional[dict[str, Any]]:
+    """``model.plan`` as ``wrap``'s ``plan=``: None (the model's family plan), a built-in
+    plan's name (its ``{glob: style}`` for this config), or the mapping itself."""
+    if isinstance(plan, str):
+        return FAMILIES[plan].plan_for(config)  # the name was checked with the config
+    return dict(plan) if plan is not None else None
+
+
 def build_hf_model(path: str, *, tp_group: Any, dtype: torch.dtype, device: torch.device, seed: int,
-                   overlap: Any, verify: bool = True) -> CausalLMLoss:
+                   overlap: Any, verify: bool = True, plan: Any = None) -> CausalLMLoss:
     """Build (weights from safetensors if present, else seeded random init), wrap (with
-    ``verify=True`` at TP size > 1 when ``verify``), return."""
+    ``plan``: ``model.plan``, and ``verify=True`` at TP size > 1 when ``verify``), return."""
     import transformers
 
     read_hf_config(path)
@@ -310,5 +318,6 @@ def build_hf_model(path: str, *, tp_group: Any, dtype: torch.dtype, device: torc
     model.to(device)
     if tp_group is not None:
         check = verify and dist.get_world_size(tp_group) > 1
-        wrap(model, tp_group, overlap=overlap, verify=True if check else None)
+        wrap(model, tp_group, plan=resolve_plan(plan, model.config), overlap=overlap,
+             verify=True if check else None)
     return CausalLMLoss(model)

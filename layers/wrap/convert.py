@@ -34,6 +34,13 @@ Two kinds of modules are converted:
    * ``"sequence_parallel"``: ``nn.LayerNorm`` / ``nn.RMSNorm`` kept as they are; with
      ``sequence_parallel=True`` their gradients are all-reduced over TP (they see only
      this rank's sequence shard).
+   * ``"sharded_norm"``: an RMSNorm applied to a column-parallel output over ALL its
+     features (OLMo2's ``q_norm`` / ``k_norm``, ``[heads * head_dim]``) ->
+     ``ShardedRMSNorm``: its weight sharded like the features, its mean of squares summed
+     over TP (``tp_fuse.layers.wrap.modules``). Only ``nn.RMSNorm`` and the Hugging Face
+     RMSNorms of ``HF_RMS_NORMS`` (whose formula it reproduces); the trace checks that its
+     input is TP-sharded. A per-head norm (Qwen3's, ``[head_dim]``) is NOT this: it stays
+     replicated and its gradient is summed (found by the trace).
 
    The full weights of the plain modules must be identical on every TP rank (checked,
    collectively); each rank keeps its slice. New ``Parameter``s are made: build the
@@ -78,7 +85,7 @@ from ..parallel_linear import ColumnParallelLinear, RowParallelLinear
 from ..sharding import ShardSpec, set_shard_spec, shard_tensor, tp_rank_and_size
 from .checks import attention_converted, collapse, expert_problems, tied_problems
 from .heads import attention_modules, head_problems, localize_heads
-from .modules import MegatronLinearAdapter, ParallelLinearAdapter, megatron_adapter
+from .modules import HF_RMS_NORMS, MegatronLinearAdapter, ParallelLinearAdapter, ShardedRMSNorm, megatron_adapter
 from .passes import probe_original, sync_traced, trace_lazily
 from .report import WrapReport
 from .verify import compare, make_probe
@@ -86,10 +93,14 @@ from .hf_plans import FamilyPlan, family_plan
 from .plan_styles import FusedColumn
 from tp_fuse.quantization import autocast
 
-__all__ = ["wrap", "ParallelLinearAdapter", "WrapReport"]
+__all__ = ["wrap", "ParallelLinearAdapter", "PLAN_STYLES", "WrapReport"]
 
-Style = Literal["column", "row", "sequence_parallel"]
-_STYLES = ("column", "row", "sequence_parallel")
+Style = Literal["column", "row", "sequence_parallel", "sharded_norm"]
+_STYLES = ("column", "row", "sequence_parallel", "sharded_norm")
+#: The plan styles given by name (``FusedColumn(...)`` besides): the launcher's ``model.plan``.
+PLAN_STYLES = _STYLES
+# Styles that keep or shard a norm: no GEMM, not a column/row pair member.
+_NORM_STYLES = ("sequence_parallel", "sharded_norm")
 _COLUMN_ATTRS = ("input_size", "output_size", "output_size_per_partition", "gather_output", "skip_bias_add",
                  "weight", "bias")
 _ROW_ATTRS = ("input_size", "output_size", "input_size_per_partition", "input_is_parallel", "skip_bias_add",
@@ -235,9 +246,52 @@ def _plain_problems(name: str, m: torch.nn.Module, style: Any, tp: int) -> list[
         if style == "row" and in_f % tp:
             return [f"{name}: in_features ({in_f}) is not divisible by the TP size ({tp})"]
         return []
+    if style == "sharded_norm":
+        return _sharded_norm_problems(name, m, tp)
     if not isinstance(m, _NORMS):
         return [f"{name}: plan style 'sequence_parallel' needs a LayerNorm/RMSNorm, got {type(m).__name__}"]
     return []
+
+
+def _rms_norm_params(m: torch.nn.Module) -> Optional[tuple[Optional[torch.Tensor], int, Optional[float], bool]]:
+    """``(weight, width, eps, weight_after_cast)`` of an RMSNorm that ``ShardedRMSNorm``
+    reproduces exactly, or None. Llama-family RMSNorms multiply the weight after casting
+    back to the input dtype, OLMo2's before."""
+    rms = getattr(torch.nn, "RMSNorm", None)
+    if rms is not None and type(m) is rms:
+        if len(m.normalized_shape) != 1:
+            return None
+        return m.weight, int(m.normalized_shape[0]), m.eps, False
+    if type(m).__name__ in HF_RMS_NORMS:
+        w = getattr(m, "weight", None)
+        eps = getattr(m, "variance_epsilon", None)
+        if not isinstance(w, torch.Tensor) or w.dim() != 1 or not isinstance(eps, float):
+            return None
+        return w, int(w.shape[0]), eps, type(m).__name__ != "Olmo2RMSNorm"
+    return None
+
+
+def _sharded_norm_problems(name: str, m: torch.nn.Module, tp: int) -> list[str]:
+    params = _rms_norm_params(m)
+    if params is None:
+        return [f"{name}: plan style 'sharded_norm' needs a torch.nn.RMSNorm over one dimension or one of the "
+                f"Hugging Face RMSNorms {list(HF_RMS_NORMS)} (whose formula it reproduces), got "
+                f"{type(m).__name__}"]
+    if params[1] % tp:
+        return [f"{name}: its {params[1]} features are not divisible by the TP size ({tp})"]
+    return []
+
+
+def _convert_sharded_norm(m: torch.nn.Module, tp_group: dist.ProcessGroup) -> ShardedRMSNorm:
+    rank, size = tp_rank_and_size(tp_group)
+    weight, width, eps, after_cast = _rms_norm_params(m)  # type: ignore[misc] - checked before
+    spec = ShardSpec(dim=0)
+    local = shard_tensor(weight.detach(), spec, rank, size).clone() if weight is not None else None
+    new = ShardedRMSNorm(local, width, eps, tp_group, weight_after_cast=after_cast)
+    if new.weight is not None:
+        new.weight.requires_grad_(weight.requires_grad)
+        set_shard_spec(new.weight, spec)
+    return new
 
 
 def _convert_plain(m: torch.nn.Module, style: Any, tp_group: dist.ProcessGroup, sequence_parallel: bool,
@@ -372,7 +426,7 @@ def wrap(
             excluded_prefixes.append(name)
             report.left.append((label, "excluded by the caller"))
             matched_globs |= {g for g in plan if fnmatch.fnmatchcase(name, g)}
-            if any(fnmatch.fnmatchcase(name, g) and plan[g] != "sequence_parallel" for g in plan):
+            if any(fnmatch.fnmatchcase(name, g) and plan[g] not in _NORM_STYLES for g in plan):
                 excluded_gemms.append(name)
             continue
         kind = ("column" if _is_megatron(m, _COLUMN_ATTRS) else "row" if _is_megatron(m, _ROW_ATTRS) else None)
@@ -402,7 +456,7 @@ def wrap(
         report.left += [(n, why) for glob, why in family.notes.items() for n, _ in model.named_modules()
                         if fnmatch.fnmatchcase(n, glob) and not any(n == p or n.startswith(p + ".")
                                                                      for p in excluded_prefixes)]
-    problems += _split_pair_problems(excluded_gemms, [n for n, s in planned.items() if s != "sequence_parallel"])
+    problems += _split_pair_problems(excluded_gemms, [n for n, s in planned.items() if s not in _NORM_STYLES])
     unmatched = [g for g in plan if g not in matched_globs]
     if builtin and plan and len(unmatched) == len(plan):
         problems.append(f"{family.model_type}: no module matches the built-in plan, whose names are those of the "
@@ -414,10 +468,15 @@ def wrap(
     for glob in exclude:
         if not any(fnmatch.fnmatchcase(n, glob) for n, _ in model.named_modules() if n):
             problems.append(f"exclude[{glob!r}]: matches no module")
-    columns = [n for n, s in planned.items() if s not in ("row", "sequence_parallel")]
+    columns = [n for n, s in planned.items() if s not in ("row", *_NORM_STYLES)]
     rows = [n for n, s in planned.items() if s == "row"]
+    # Sharded norms take a sharded input and give a sharded output: for the trace they are
+    # column-like boundaries (not looked into), whose input must already be sharded.
+    norms = [n for n, s in planned.items() if s == "sharded_norm"]
     if family is not None and (builtin or attention_converted(model, columns)):
         problems += [f"{family.model_type}: {p}" for p in family.check(model.config, tp)]
+        if not builtin:
+            problems += _family_norm_problems(model, family, planned, columns)
         if sequence_parallel:
             problems.append(f"{family.model_type}: sequence_parallel=True does not apply to Hugging Face "
                             f"models (activations are [batch, seq, hidden]; SP splits dim 0)")
@@ -430,7 +489,7 @@ def wrap(
                                   tp_group)
     trace, reference = None, None
     if not problems:
-        trace, reference = probe_original(model, probe, columns if tp > 1 else [], rows)
+        trace, reference = probe_original(model, probe, columns if tp > 1 else [], rows, norms if tp > 1 else [])
         problems += trace.problems if trace is not None else []
     if problems:
         raise ValueError("wrap: cannot convert the model:\n  - " + "\n  - ".join(collapse(problems)))
@@ -447,6 +506,11 @@ def wrap(
         _replace(model, name, new)
     for name, style in planned.items():
         m = modules[name]
+        if style == "sharded_norm":
+            report.converted.append((name, f"{type(m).__name__} -> sharded norm (weight split with the features, "
+                                           f"statistics summed over TP)"))
+            _replace(model, name, _convert_sharded_norm(m, tp_group))
+            continue
         if style == "sequence_parallel":
             if sp:
                 for p in m.parameters():
@@ -466,7 +530,7 @@ def wrap(
     if trace is not None:
         sync_traced(model, trace, tp_group, report)
     elif columns and tp > 1:
-        trace_lazily(model, columns, rows, tp_group, report, verbose=verbose and rank == 0)
+        trace_lazily(model, columns, rows, tp_group, report, verbose=verbose and rank == 0, norms=norms)
     _tag_untouched(model)
     if reference is not None:
         transposed = {f"{n}.weight" for n, m in model.named_modules()
@@ -482,6 +546,26 @@ def wrap(
     if verbose and rank == 0:
         print(report)
     return model
+
+
+def _family_norm_problems(model: torch.nn.Module, family: FamilyPlan, planned: dict[str, Any],
+                          columns: list[str]) -> list[str]:
+    """An explicit plan that shards a block whose family norm must be sharded with it
+    (OLMo2's full-width ``q_norm``) but leaves that norm replicated: its weight would not
+    match the local features, and normalising each rank's slice alone is wrong."""
+    problems = []
+    sharded_parents = {c.rpartition(".")[0] for c in columns}
+    for glob, style in family.plan_for(model.config).items():
+        if style != "sharded_norm":
+            continue
+        missed = [n for n, _ in model.named_modules() if fnmatch.fnmatchcase(n, glob)
+                  and n.rpartition(".")[0] in sharded_parents and planned.get(n) != "sharded_norm"]
+        if missed:
+            problems.append(f"{family.model_type}: {glob} normalises over all heads of a projection this plan "
+                            f"shards ({len(missed)} modules, e.g. {missed[0]}); it must be in the plan as "
+                            f"'sharded_norm' (weight split with the heads, statistics summed over TP), as in the "
+                            f"built-in {family.model_type} plan (plan=None)")
+    return problems
 
 
 def _split_pair_problems(excluded: list[str], converted: list[str]) -> list[str]:

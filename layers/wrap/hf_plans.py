@@ -12,7 +12,10 @@ modules get a :class:`LocalHeadsConfig` view with this rank's head counts (the f
 fix-up); Bloom's attention modules take this rank's heads of the ALiBi bias that
 ``BloomModel`` builds for all heads (its fix-up). Replicated parameters used on the sharded
 heads (Qwen3's ``q_norm`` / ``k_norm``) are found by ``wrap``'s trace and get their
-gradient summed over TP. MoE families shard attention (and Qwen2-MoE's shared expert) and
+gradient summed over TP. OLMo2's ``q_norm`` / ``k_norm`` are different: one RMSNorm over
+the whole q (k) projection, ``[heads * head_dim]``, so its statistic spans every head; the
+olmo2 plan shards them with the heads (plan style ``"sharded_norm"``: weight split, mean of
+squares summed over TP). MoE families shard attention (and Qwen2-MoE's shared expert) and
 keep the routed experts replicated (``FamilyPlan.notes``, listed in the report).
 
 A family's checks and fix-ups apply to an explicit ``plan=`` for a model of that family
@@ -92,6 +95,13 @@ _GATED_MLP = {
     "model.layers.*.mlp.down_proj": "row",
 }
 _ATTENTION = {k: v for k, v in _LLAMA_LIKE.items() if ".self_attn." in k}
+
+# OLMo2: q_norm / k_norm normalise the whole q / k projection output (all heads), so
+# under TP they are sharded norms (weight split with the features, statistics summed over
+# TP); replicated, each rank would normalise its own heads only (wrong numbers) or fail on
+# the shapes.
+_OLMO2 = {**_LLAMA_LIKE, "model.layers.*.self_attn.q_norm": "sharded_norm",
+          "model.layers.*.self_attn.k_norm": "sharded_norm"}
 
 _STARCODER2 = {**_ATTENTION, "model.layers.*.mlp.c_fc": "column", "model.layers.*.mlp.c_proj": "row"}
 
@@ -267,6 +277,7 @@ FAMILIES: dict[str, FamilyPlan] = {
     **{t: FamilyPlan(t, _LLAMA_LIKE, _heads_check) for t in ("gemma", "gemma2", "gemma3_text", "granite")},
     "cohere": FamilyPlan("cohere", _LLAMA_LIKE, _cohere_check),
     "starcoder2": FamilyPlan("starcoder2", _STARCODER2, _heads_check),
+    "olmo2": FamilyPlan("olmo2", _OLMO2, _heads_check),
     # StableLM's per-head q/k LayerNorms (qk_layernorm=True) are refused by wrap's
     # per-head module-list check (tp_fuse.layers.wrap.heads).
     "stablelm": FamilyPlan("stablelm", {**_ATTENTION, **_GATED_MLP}, _heads_check),

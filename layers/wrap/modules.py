@@ -22,7 +22,7 @@ import torch
 
 from ..parallel_linear import ColumnParallelLinear, RowParallelLinear
 
-__all__ = ["MegatronLinearAdapter", "ParallelLinearAdapter", "megatron_adapter"]
+__all__ = ["HF_RMS_NORMS", "MegatronLinearAdapter", "ParallelLinearAdapter", "ShardedRMSNorm", "megatron_adapter"]
 
 # Megatron layer attributes that model code reads (copied onto the adapter as they were).
 _MEGATRON_ATTRS = ("input_size", "output_size", "output_size_per_partition", "input_size_per_partition",
@@ -202,3 +202,75 @@ def megatron_adapter(original: torch.nn.Module, tp_layer: ColumnParallelLinear |
     has_extra = type(original).get_extra_state is not torch.nn.Module.get_extra_state
     cls = _MegatronLinearAdapterWithExtraState if has_extra else MegatronLinearAdapter
     return cls(original, tp_layer, kind)
+
+
+# RMSNorm classes whose forward is exactly ``weight * (x * rsqrt(mean(x^2) + eps))`` in
+# float32, cast back to the input's dtype, eps in ``variance_epsilon``: the ones the
+# "sharded_norm" plan style may replace. Gemma's ``(1 + weight)``, Cohere's mean-subtracted
+# "LayerNorm" and others would be silently wrong under that formula, so they are refused
+# by name rather than recognised by their attributes.
+HF_RMS_NORMS = ("Olmo2RMSNorm", "LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm")
+
+
+class _AllReduceSum(torch.autograd.Function):
+    """``y = sum_r x_r`` over the TP group; backward ``dx = sum_r dy_r``.
+
+    Both directions sum: every rank uses the summed statistic for its own features, so
+    the gradient reaching it on one rank is only that rank's part of the true one."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: Any) -> torch.Tensor:  # type: ignore[override]
+        import torch.distributed._functional_collectives as funcol
+
+        ctx.group = group
+        return funcol.wait_tensor(funcol.all_reduce(x.contiguous(), "sum", group))
+
+    @staticmethod
+    def backward(ctx: Any, dy: torch.Tensor):  # type: ignore[override]
+        import torch.distributed._functional_collectives as funcol
+
+        return funcol.wait_tensor(funcol.all_reduce(dy.contiguous(), "sum", ctx.group)), None
+
+
+class ShardedRMSNorm(torch.nn.Module):
+    """An RMSNorm over the output features of a column-parallel projection (OLMo2's
+    ``q_norm`` / ``k_norm``: one norm over all heads' features, ``[heads * head_dim]``).
+
+    After ``wrap`` each rank holds only its slice of those features, so both the weight
+    and the statistic must follow them: the weight is sharded like the projection's
+    output (``ShardSpec(dim=0)``, rank r holds features ``[r w/tp, (r+1) w/tp)``), and the
+    mean of squares is the TP-sum of the per-rank sums of squares divided by the FULL
+    width. A replicated norm would instead fail on the shapes, or -- normalising each
+    rank's slice on its own -- be silently wrong.
+
+    Computes ``x * rsqrt(mean(x^2) + eps)`` in float32 and multiplies by the weight after
+    casting back to ``x``'s dtype (``weight_after_cast``: Llama's order) or before (OLMo2's
+    order), as the replaced module did, so that low-precision rounding is the same too;
+    ``torch.nn.RMSNorm`` with ``eps=None`` uses ``torch.finfo(x.dtype).eps`` as torch
+    does. ``state_dict`` keys are the original's (``weight``).
+    """
+
+    def __init__(self, weight: Optional[torch.Tensor], full_width: int, eps: Optional[float], tp_group: Any,
+                 weight_after_cast: bool = False) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(weight) if weight is not None else None
+        self.full_width = full_width
+        self.eps = eps
+        self.tp_group = tp_group
+        self.weight_after_cast = weight_after_cast
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x32 = x.float()
+        squares = _AllReduceSum.apply(x32.pow(2).sum(-1, keepdim=True), self.tp_group)
+        eps = self.eps if self.eps is not None else torch.finfo(dtype).eps
+        y = x32 * torch.rsqrt(squares / self.full_width + eps)
+        if self.weight is None:
+            return y.to(dtype)
+        if self.weight_after_cast:
+            return self.weight * y.to(dtype)
+        return (self.weight * y).to(dtype)
+
+    def extra_repr(self) -> str:
+        local = self.weight.shape[0] if self.weight is not None else self.full_width
+        return f"local {local} of {self.full_width} features, eps={self.eps}, statistics summed over TP"

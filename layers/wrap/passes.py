@@ -32,7 +32,7 @@ __all__ = ["probe_original", "sync_traced", "trace_lazily"]
 
 
 def probe_original(model: torch.nn.Module, probe: Optional[Callable[[torch.nn.Module], Any]], columns: list[str],
-                    rows: list[str]) -> tuple[Optional[TraceResult], Optional[Reference]]:
+                    rows: list[str], norms: list[str] = ()) -> tuple[Optional[TraceResult], Optional[Reference]]:
     """Trace one forward of the original model (and, with a ``verify`` probe, its
     backward for the comparison after wrapping). The automatic probe of a Hugging Face
     model is best effort: if it fails, the wrapped model's first forward is traced."""
@@ -42,7 +42,7 @@ def probe_original(model: torch.nn.Module, probe: Optional[Callable[[torch.nn.Mo
     stashed = stash_grads(model) if probe is not None else []
     try:
         with evaluation(model):
-            trace = trace_sharded_uses(model, lambda: run(model), columns, rows)
+            trace = trace_sharded_uses(model, lambda: run(model), columns, rows, norms=norms)
             reference = reference_pass(model, trace.output, stashed) if probe is not None else None
     except Exception as e:  # noqa: BLE001 - a failing user probe is reported, the automatic one falls back
         for p, g in stashed:
@@ -70,7 +70,7 @@ def sync_traced(model: torch.nn.Module, trace: TraceResult, tp_group: dist.Proce
 
 
 def trace_lazily(model: torch.nn.Module, columns: list[str], rows: list[str], tp_group: dist.ProcessGroup,
-                 report: WrapReport, verbose: bool) -> None:
+                 report: WrapReport, verbose: bool, norms: list[str] = ()) -> None:
     """Trace the wrapped model's first forward and install the gradient sums after it."""
 
     def finish(result: TraceResult) -> None:
@@ -81,5 +81,5 @@ def trace_lazily(model: torch.nn.Module, columns: list[str], rows: list[str], tp
         if verbose and added:
             print("wrap (traced first forward):\n" + "\n".join(f"  ~ {n}: {how}" for n, how in added))
 
-    trace_first_forward(model, columns, rows, finish)
+    trace_first_forward(model, columns, rows, finish, norms)
     report.traced = "on the first forward (no probe: pass verify=... to trace before converting)"

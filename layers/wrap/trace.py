@@ -158,7 +158,10 @@ class _ShardTracer(TorchFunctionMode):
 
 
 def _install_hooks(model: torch.nn.Module, tracer: _ShardTracer, columns: set[str], rows: set[str],
-                   skip_root: bool = False) -> list[Any]:
+                   skip_root: bool = False, norms: frozenset[str] = frozenset()) -> list[Any]:
+    """``norms``: sharded norms (plan style ``"sharded_norm"``): boundaries like the
+    columns (their output is sharded), whose input must be sharded already -- a norm over
+    features the ranks do not split would get a sharded weight for unsharded features."""
     handles = []
     for name, m in model.named_modules():
         if skip_root and not name:
@@ -167,6 +170,10 @@ def _install_hooks(model: torch.nn.Module, tracer: _ShardTracer, columns: set[st
 
         def pre(mod: torch.nn.Module, args: Any, name: str = name, boundary: bool = boundary) -> None:
             tracer.stack.append(name or "<root>")
+            if name in norms and not tracer.suspended and not any(id(t) in tracer.sharded for t in _tensors(args)):
+                tracer._problem(f"{name}: plan style 'sharded_norm' is for a norm over a column-parallel module's "
+                                f"(TP-sharded) output features, but this module's input is not TP-sharded; "
+                                f"leave it out of the plan (replicated) or shard the projection feeding it")
             if boundary:
                 tracer.suspended += 1
 
@@ -182,14 +189,16 @@ def _install_hooks(model: torch.nn.Module, tracer: _ShardTracer, columns: set[st
     return handles
 
 
-def _start(model: torch.nn.Module, columns: set[str], rows: set[str], skip_root: bool) -> tuple[_ShardTracer, list]:
+def _start(model: torch.nn.Module, columns: set[str], rows: set[str], skip_root: bool,
+           norms: frozenset[str] = frozenset()) -> tuple[_ShardTracer, list]:
+    columns = columns | norms  # a sharded norm's output is sharded, its inside not traced
     inside = tuple(n + "." for n in columns | rows)
     params: dict[int, str] = {}
     for name, p in model.named_parameters(remove_duplicate=False):
         if not name.startswith(inside) and id(p) not in params:
             params[id(p)] = name
     tracer = _ShardTracer(params)
-    return tracer, _install_hooks(model, tracer, columns, rows, skip_root)
+    return tracer, _install_hooks(model, tracer, columns, rows, skip_root, norms)
 
 
 def _finish(tracer: _ShardTracer, handles: list, out: Any,
@@ -219,7 +228,7 @@ def _finish(tracer: _ShardTracer, handles: list, out: Any,
 
 def trace_sharded_uses(model: torch.nn.Module, run: Callable[[], Any], columns: Iterable[str],
                        rows: Iterable[str], check_outputs: Optional[Callable[[Any], list[tuple[str, torch.Tensor]]]]
-                       = output_leaves) -> TraceResult:
+                       = output_leaves, norms: Iterable[str] = ()) -> TraceResult:
     """Run ``run()`` (one forward of ``model``) and follow the outputs of the modules named
     in ``columns`` (TP-sharded) until the modules named in ``rows``.
 
@@ -227,7 +236,7 @@ def trace_sharded_uses(model: torch.nn.Module, run: Callable[[], Any], columns: 
     bias, added after the reduction). ``check_outputs(output)`` gives the output tensors
     that must not be sharded (None: do not check). The model is left as it was.
     """
-    tracer, handles = _start(model, set(columns), set(rows), skip_root=False)
+    tracer, handles = _start(model, set(columns), set(rows), skip_root=False, norms=frozenset(norms))
     out = None
     try:
         with tracer:
@@ -238,16 +247,16 @@ def trace_sharded_uses(model: torch.nn.Module, run: Callable[[], Any], columns: 
 
 
 def trace_first_forward(model: torch.nn.Module, columns: Iterable[str], rows: Iterable[str],
-                        finish: Callable[[TraceResult], None]) -> None:
+                        finish: Callable[[TraceResult], None], norms: Iterable[str] = ()) -> None:
     """Trace the next forward of ``model`` (already wrapped: the column/row modules are its
     converted ones) and call ``finish(result)`` right after it, before any backward --
     for models ``wrap`` has no probe for. Then the hooks are removed: later forwards run
     untraced. ``finish`` may raise (the forward then raises)."""
-    columns, rows = set(columns), set(rows)
+    columns, rows, sharded_norms = set(columns), set(rows), frozenset(norms)
     state: dict[str, Any] = {}
 
     def pre(mod: torch.nn.Module, args: Any) -> None:
-        tracer, handles = _start(model, columns, rows, skip_root=True)
+        tracer, handles = _start(model, columns, rows, skip_root=True, norms=sharded_norms)
         tracer.stack.append("<root>")
         tracer.__enter__()
         state.update(tracer=tracer, handles=handles)

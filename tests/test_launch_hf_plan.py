@@ -1,0 +1,70 @@
+"""``+model=hf model.plan=...`` (issue 22): the user chooses the wrap plan, checked before any
+process starts. A built-in plan by name, or a ``.yaml`` file of ``{module glob: style}``
+(Hydra's override grammar cannot spell glob keys); anything else is one ValueError listing
+the available plans and styles. Config only: no process group, nothing downloaded."""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("transformers", reason="transformers is not installed (pip install -e .[hf])")
+pytest.importorskip("tokenizers", reason="tokenizers is not installed (pip install -e .[hf])")
+
+from tp_fuse.launch.api import compose  # noqa: E402
+from tp_fuse.launch.config import CONFIG_DIR  # noqa: E402
+from tp_fuse.launch.config_errors import precheck  # noqa: E402
+from tp_fuse.launch.models.hf import resolve_plan  # noqa: E402
+from test_launch_hf import _model_dir  # noqa: E402
+
+GATED = "model.layers.*.mlp.gate_proj: column\nmodel.layers.*.mlp.up_proj: column\nmodel.layers.*.mlp.down_proj: row\n"
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> str:
+    return _model_dir(tmp_path_factory.mktemp("llama"), weights=False)
+
+
+def test_default_is_the_family_plan(model_dir) -> None:
+    cfg = compose(["+model=hf", f"model.path={model_dir}"])
+    assert cfg.model.plan is None and resolve_plan(None, object()) is None
+
+
+def test_a_builtin_plan_by_name(model_dir) -> None:
+    cfg = compose(["+model=hf", f"model.path={model_dir}", "model.plan=mistral"])
+    assert cfg.model.plan == "mistral" and cfg.to_dict()["model"]["plan"] == "mistral"
+
+    class Config:
+        num_attention_heads, num_key_value_heads, hidden_size = 4, 2, 32
+
+    assert resolve_plan("mistral", Config())["model.layers.*.self_attn.q_proj"] == "column"
+
+
+def test_a_plan_file(model_dir, tmp_path) -> None:
+    (tmp_path / "mlp.yaml").write_text(GATED)
+    cfg = compose(["+model=hf", f"model.path={model_dir}", f"model.plan={tmp_path / 'mlp.yaml'}"])
+    assert cfg.model.plan == {"model.layers.*.mlp.gate_proj": "column", "model.layers.*.mlp.up_proj": "column",
+                              "model.layers.*.mlp.down_proj": "row"}
+    assert resolve_plan(cfg.model.plan, object()) == cfg.model.plan
+
+
+def test_unknown_plan_lists_the_available_ones(model_dir) -> None:
+    msg = precheck(["+model=hf", f"model.path={model_dir}", "model.plan=lama"], CONFIG_DIR, 1)
+    assert msg is not None and msg.startswith("model.plan: no built-in wrap plan named 'lama'; available: bloom, "), msg
+    assert "llama" in msg and "olmo2" in msg and "column, row, sequence_parallel, sharded_norm" in msg, msg
+
+
+@pytest.mark.parametrize("text,needle", [
+    ("model.layers.*.mlp.up_proj: diagonal\n", "model.plan['model.layers.*.mlp.up_proj']: unknown style 'diagonal'"),
+    ("- column\n", "must hold a YAML mapping {module glob: style}, got list"),
+    ("!!python/object:os.system {}\n", "cannot read the plan file"),
+])
+def test_bad_plan_file_is_one_error(model_dir, tmp_path, text, needle) -> None:
+    (tmp_path / "p.yaml").write_text(text)
+    with pytest.raises(ValueError, match=None) as e:
+        compose(["+model=hf", f"model.path={model_dir}", f"model.plan={tmp_path / 'p.yaml'}"])
+    assert needle in str(e.value), str(e.value)
+
+
+def test_only_hf_takes_a_plan() -> None:
+    with pytest.raises(ValueError, match="model.plan: only \\+model=hf takes a wrap plan"):
+        compose(["+model=gpt", "+model.plan=llama"])
