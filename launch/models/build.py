@@ -147,7 +147,8 @@ def build_model(cfg: TrainConfig, rt: Runtime, factory: Optional[ModelFactory] =
     if factory is None and cfg.model.name == "hf":
         # Wrapped also at TP size 1 (a one-rank group) so that FP8 reaches the GEMMs.
         model = build_hf_model(cfg.model.path, tp_group=rt.topology.tp_group, dtype=rt.dtype, device=rt.device,
-                               seed=cfg.trainer.seed, overlap=overlap, verify=cfg.model.verify)
+                               seed=cfg.trainer.seed, overlap=overlap, verify=cfg.model.verify,
+                               progress_bar=rt.is_rank0)
         model.train()
         return model
     if factory is None and cfg.model.name == "megatron_gpt":
