@@ -220,6 +220,9 @@ class TrainerConfig:
     # Activation recompute: none | selective (core attention) | full (every TransformerLayer).
     activation_checkpointing: Literal["none", "selective", "full"] = "none"
     compile: bool = False  # torch.compile every TransformerLayer (tp-fuse ops stay eager: docs/fsdp.md)
+    # The peak FLOP/s of one rank that MFU divides by: null = the data sheet of known GPUs or,
+    # on CPU, a measurement cached per machine; "remeasure" = measure the CPU peak again.
+    peak_flops: Union[float, Literal["remeasure"], None] = None
 
 
 @dataclass
@@ -330,6 +333,24 @@ def _type_name(tp: Any) -> str:
     return getattr(tp, "__name__", str(tp))
 
 
+def _string_literals(tp: Any) -> list[str]:
+    """The string values a ``Literal`` (possibly inside a ``Union``) allows."""
+    origin = typing.get_origin(tp)
+    if origin is Literal:
+        return [a for a in typing.get_args(tp) if isinstance(a, str)]
+    if origin in (Union, types.UnionType):
+        return [v for a in typing.get_args(tp) for v in _string_literals(a)]
+    return []
+
+
+def _literal_hint(value: Any, tp: Any) -> str:
+    """``; did you mean 'delayed'?`` for a string close to one of ``tp``'s literals, else empty."""
+    if not isinstance(value, str):
+        return ""
+    guess = difflib.get_close_matches(value, _string_literals(tp), n=1, cutoff=0.6)
+    return f"; did you mean {guess[0]!r}?" if guess else ""
+
+
 def _coerce(value: Any, tp: Any, name: str) -> Any:
     """``value`` checked (and, for int->float, converted) against annotation ``tp``."""
     origin = typing.get_origin(tp)
@@ -337,14 +358,14 @@ def _coerce(value: Any, tp: Any, name: str) -> Any:
         # Compare types too: True == 1 must not select a Literal[1].
         if any(type(value) is type(a) and value == a for a in typing.get_args(tp)):
             return value
-        raise ValueError(f"{name}: expected one of {_type_name(tp)}, got {value!r}")
+        raise ValueError(f"{name}: expected one of {_type_name(tp)}, got {value!r}{_literal_hint(value, tp)}")
     if origin in (Union, types.UnionType):
         for arg in typing.get_args(tp):
             try:
                 return _coerce(value, arg, name)
             except ValueError:
                 continue
-        raise ValueError(f"{name}: expected {_type_name(tp)}, got {value!r}")
+        raise ValueError(f"{name}: expected {_type_name(tp)}, got {value!r}{_literal_hint(value, tp)}")
     if origin is list:
         (item,) = typing.get_args(tp)
         if not isinstance(value, (list, tuple)):
@@ -559,6 +580,10 @@ def validate(cfg: TrainConfig, world_size: int) -> ParallelLayout:
     _need(math.isfinite(par.timeout_s) and par.timeout_s > 0,
           f"parallel.timeout_s must be a finite number > 0, got {par.timeout_s}")
     _need(tr.max_nonfinite_steps >= 0, f"trainer.max_nonfinite_steps must be >= 0, got {tr.max_nonfinite_steps}")
+    if isinstance(tr.peak_flops, float):
+        _need(math.isfinite(tr.peak_flops) and tr.peak_flops > 0,
+              f"trainer.peak_flops must be a finite number of FLOP/s > 0 (one rank's peak, e.g. 989e12), "
+              f"'remeasure' or null, got {tr.peak_flops}")
 
     opt = cfg.optim
     for name in ("lr", "min_lr", "weight_decay", "eps", "grad_clip", "beta1", "beta2"):

@@ -10,7 +10,9 @@ into a message:
   "To append to your config use +trainer.max_step=5" (the wrong fix), becomes
   ``unknown key trainer.max_step; known keys of trainer: ...; did you mean
   trainer.max_steps?``;
-* everything else (unknown group option, bad value, cross-field constraint) keeps its
+* an unknown option of a config group (``fp8=delayd``), which Hydra reports with the list
+  of options only, also gets ``did you mean 'delayed'?``;
+* everything else ( bad value, cross-field constraint) keeps its
   own message, without a traceback.
 
 :func:`report_and_exit` prints the message on rank 0 only (every torchrun rank checks the
@@ -42,7 +44,8 @@ from .config import (
     validate,
 )
 
-__all__ = ["CONFIG_DIR", "CONFIG_ERROR_EXIT", "closest", "known_keys", "override_key_error", "precheck", "report_and_exit"]
+__all__ = ["CONFIG_DIR", "CONFIG_ERROR_EXIT", "closest", "group_option_error", "known_keys", "override_key_error",
+           "precheck", "report_and_exit"]
 
 #: Exit status for a configuration error (as argparse uses for usage errors).
 CONFIG_ERROR_EXIT = 2
@@ -108,6 +111,27 @@ def override_key_error(override: str) -> Optional[str]:
     return None
 
 
+def group_option_error(override: str, config_dir: str) -> Optional[str]:
+    """Our message for ``group=option`` (or ``+group=option``) naming an option that does not
+    exist in ``config_dir/group/``: the options and the closest one; None when it exists or
+    the override is not a group selection."""
+    if "=" not in override or override.startswith(("~", "-")):
+        return None
+    key, option = override.split("=", 1)
+    group = key.lstrip("+")
+    if not group or "." in group or "/" in group or group.startswith("hydra"):
+        return None
+    directory = os.path.join(config_dir, group)
+    if not os.path.isdir(directory):
+        return None
+    options = sorted(name[:-len(".yaml")] for name in os.listdir(directory) if name.endswith(".yaml"))
+    if option in options or not option or "," in option:  # a Hydra sweep list is Hydra's to check
+        return None
+    guess = closest(option, options)
+    return (f"unknown option {option!r} of config group {group} in {override!r}; options: {', '.join(options)}"
+            + (f"; did you mean {guess!r}?" if guess else ""))
+
+
 def _hydra_message(exc: BaseException) -> str:
     """Hydra's exception text without its stack trace (its cause holds the detail)."""
     text = str(exc).strip()
@@ -128,7 +152,7 @@ def precheck(argv: list[str], config_dir: str, world_size: int) -> Optional[str]
     if any(a.startswith("-") for a in argv):
         return None
     for arg in argv:
-        msg = override_key_error(arg)
+        msg = override_key_error(arg) or group_option_error(arg, config_dir)
         if msg is not None:
             return msg
     overrides = [a for a in argv if not a.lstrip("+~").startswith("hydra")]

@@ -9,13 +9,15 @@
   same code that uses it. It changes no state: no parameter, optimizer, FP8 scale, RNG
   stream or data position (resumed runs still repeat uninterrupted ones exactly).
 * :func:`announce` -- parameter counts, the resolved configuration, the validation set,
-  the MFU formula and peak, and the W&B mode, printed by rank 0; returns the
+  the MFU formula and peak (and where the peak comes from: ``tp_fuse.launch.logging.peak``),
+  and the W&B mode, printed by rank 0; returns the
   :class:`tp_fuse.launch.logging.report.StepMeter` for the log lines.
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
 import sys
 from typing import Any, Optional
 
@@ -64,19 +66,29 @@ def _fmt_count(n: int) -> str:
     return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.2f}M" if n >= 1e6 else f"{n:,}"
 
 
+def _fmt_params(n: int) -> str:
+    """``124.44M (exactly 124,439,808)``; small counts are exact already: ``842,496``."""
+    short = _fmt_count(n)
+    return short if short == f"{n:,}" else f"{short} (exactly {n:,})"
+
+
 def announce(cfg: TrainConfig, rt: Runtime, model: torch.nn.Module, loader: BatchLoader,
              start_step: int, wandb_line: Optional[str], tokenizer: Any = None) -> StepMeter:
     """Print the start-of-run report on rank 0 (collectives on every rank); the step meter."""
     topo = rt.topology
     total, per_rank = count_parameters(model, topo.tp_group if rt.layout.tp > 1 else None, rt.layout.tp)
-    peak = PeakFlops.detect(rt.device, rt.dtype, topo.world_group, rt.layout.world_size)
+    # torchrun's LOCAL_WORLD_SIZE: the ranks sharing this machine's cores (the CPU peak's cache key).
+    peak = PeakFlops.detect(rt.device, rt.dtype, topo.world_group, rt.layout.world_size,
+                            user_peak=cfg.trainer.peak_flops,
+                            ranks_on_machine=int(os.environ.get("LOCAL_WORLD_SIZE", rt.layout.world_size)),
+                            local_rank=int(os.environ.get("LOCAL_RANK", rt.rank)))
     fpt = flops_per_token(cfg.model.gpt, cfg.seq_len)
     tokens_per_step = cfg.trainer.global_batch_size * cfg.seq_len
     if rt.is_rank0:
         print("[tp-fuse] resolved config:\n" + yaml.safe_dump(cfg.to_dict(), sort_keys=False).rstrip(),
               file=sys.stderr, flush=True)
-        say(f"parameters: {_fmt_count(total)} total ({total:,}), {_fmt_count(per_rank)} per rank "
-            f"({per_rank:,}; TP={rt.layout.tp} x DP={rt.layout.dp})")
+        say(f"parameters: {_fmt_params(total)} in the model, {_fmt_params(per_rank)} on each rank "
+            f"(layout TP={rt.layout.tp} x DP={rt.layout.dp}: tensor-parallel weights are split over the TP ranks)")
         if tokenizer is not None:
             say(f"tokenizer: {tokenizer.name}, {tokenizer.vocab_size:,} tokens for model.vocab_size="
                 f"{cfg.model.gpt.vocab_size:,}; corpus {loader.data.train.numel() + loader.data.val.numel():,} tokens")
@@ -89,4 +101,4 @@ def announce(cfg: TrainConfig, rt: Runtime, model: torch.nn.Module, loader: Batc
             f"peak = {peak.source}")
         if wandb_line:
             say(wandb_line)
-    return StepMeter(tokens_per_step, fpt, peak, cfg.trainer.max_steps, start_step)
+    return StepMeter(tokens_per_step, fpt, peak, cfg.trainer.max_steps, start_step, say if rt.is_rank0 else None)

@@ -11,12 +11,15 @@ One optimizer step::
     norm over all TP shards; clip; AdamW step
     every log_interval: metrics (+ FP8 statistics) -> metrics.jsonl / W&B
     every val_interval: validation loss (high precision: never touches FP8 state)
-    every checkpoint.interval: atomic distributed checkpoint
+    every checkpoint.interval: atomic distributed checkpoint ("saved checkpoint step N -> path")
     SIGTERM/SIGUSR1/SIGINT (agreed in the health all-reduce): checkpoint, stop (tp_fuse.launch.preemption)
 
 Deterministic: batches depend only on the step (``tp_fuse.launch.data``), initialization only
 on the seed, and all reductions run in a fixed order, so a resumed run repeats the
 uninterrupted one exactly (same layout) -- see ``tests/test_checkpoint*.py``.
+
+A run that ends normally (or stops on a signal after saving) ends with a summary block on
+rank 0 (``tp_fuse.launch.logging.summary``).
 """
 
 from __future__ import annotations
@@ -46,7 +49,8 @@ from .models.hf import load_tokenizer
 from .models.build import ModelFactory, build_model, build_recipe, fp8_autocast, fp8_quantizers
 from .optim import build_optimizer, lr_at, set_lr
 from .logging.progress import Progress
-from .logging.report import format_eta
+from .logging.report import format_eta, peak_memory_bytes
+from .logging.summary import RunSummary, summary_lines
 from .preemption import StopSignals, signal_name
 from .runtime import Runtime, job_key, restart_count
 from .startup import announce, presize_overlap_buffers, say
@@ -91,6 +95,8 @@ class Trainer:
         self.cfg = cfg
         self.rt = rt
         tr, topo = cfg.trainer, rt.topology
+        if rt.is_rank0:  # runtime.start printed it before train.log existed: repeat it there
+            say(f"run dir: {rt.run_dir}")
         torch.manual_seed(tr.seed)
         if cfg.model.name == "hf":  # the model directory's tokenizer.json
             self.tokenizer = load_tokenizer(cfg.model.path)
@@ -153,6 +159,7 @@ class Trainer:
         wandb = None
         if rt.is_rank0 and cfg.logger.kind == "wandb":
             wandb = WandbLogger(cfg.logger, rt.run_dir, {**cfg.to_dict(), "layout": dataclasses.asdict(rt.layout)})
+        self.wandb = wandb
         # Records after the start step (a crashed attempt's, or an older run's in a reused
         # run directory) are dropped: the files hold one trajectory.
         self.sink = MetricsSink(rt.run_dir, rt.is_rank0, wandb, resume_step=self.start_step)
@@ -253,6 +260,7 @@ class Trainer:
             self.sink.close(0)
             return TrainResult(self.start_step, self.start_step, {}, {}, rt.run_dir, None, self.state.last_loss)
         signals = StopSignals().install()  # SIGTERM/SIGUSR1/SIGINT: finish the step, save, stop
+        t_start = time.perf_counter()
         try:
             last_step = tr.max_steps if tr.exit_at_step is None else min(tr.exit_at_step, tr.max_steps)
             for step in range(self.start_step + 1, last_step + 1):
@@ -334,6 +342,8 @@ class Trainer:
                 exiting = (tr.exit_at_step == step and step < tr.max_steps) or stopping
                 if (ck.interval and step % ck.interval == 0) or (ck.save_final and step == tr.max_steps) or exiting:
                     last_ckpt = self.ckpt.save(self.state)
+                    if rt.is_rank0:
+                        say(f"saved checkpoint step {step} -> {last_ckpt}")
                 if stopping:
                     stopped_by = signal_name(health.stop_signal)
                     if rt.is_rank0:
@@ -347,4 +357,25 @@ class Trainer:
             progress.close()
             self.sink.close(exit_code)
         last = max(losses) if losses else self.start_step
+        if rt.is_rank0:
+            for line in summary_lines(self._summary(last, losses, val_losses, time.perf_counter() - t_start,
+                                                    last_ckpt or self.ckpt.latest_of_run(), stopped_by)):
+                print(line, file=sys.stderr, flush=True)
         return TrainResult(self.start_step, last, losses, val_losses, rt.run_dir, last_ckpt, stopped_by=stopped_by)
+
+    def _summary(self, last: int, losses: dict[int, float], val_losses: dict[int, float], wall_s: float,
+                 checkpoint: Optional[str], stopped_by: Optional[str]) -> RunSummary:
+        """The end-of-run summary's contents (rank 0; tp_fuse.launch.logging.summary)."""
+        cfg, meter = self.cfg, self.meter
+        mem, mem_what = peak_memory_bytes(self.rt.device)
+        ck = cfg.checkpoint
+        return RunSummary(
+            start_step=self.start_step, last_step=last, max_steps=cfg.trainer.max_steps, losses=losses,
+            val_losses=val_losses, wall_s=wall_s, totals=meter.totals(), peak_source=meter.peak.short,
+            mfu_note=meter.mfu_withdrawn or (
+                "the peak is unknown: " + meter.peak.source.removeprefix("n/a (").removesuffix(")")
+                if meter.peak.value is None else None),
+            peak_mem_gib=mem / 2**30, mem_what=mem_what, run_dir=self.rt.run_dir, checkpoint=checkpoint,
+            checkpoint_hint=f"checkpoint.interval={ck.interval}, checkpoint.save_final={str(ck.save_final).lower()}",
+            wandb=self.wandb.summary_line() if self.wandb is not None else None, stopped_by=stopped_by,
+        )

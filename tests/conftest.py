@@ -75,3 +75,17 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if item.module.__name__ in SLOW_MODULES:
             item.add_marker(pytest.mark.slow)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _private_peak_cache(tmp_path_factory):
+    """The launcher caches its measured CPU peak under ``$XDG_CACHE_HOME/tp-fuse``: tests
+    (and the launcher processes they start, which inherit the environment) use a cache of
+    their own, measured once per session, never the user's."""
+    old = os.environ.get("XDG_CACHE_HOME")
+    os.environ["XDG_CACHE_HOME"] = str(tmp_path_factory.mktemp("xdg_cache"))
+    yield
+    if old is None:
+        os.environ.pop("XDG_CACHE_HOME", None)
+    else:
+        os.environ["XDG_CACHE_HOME"] = old

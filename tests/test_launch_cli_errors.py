@@ -39,10 +39,18 @@ def test_typo_in_existing_group_names_valid_keys_and_closest_match():
 def test_precheck_reports_every_kind_of_config_error():
     assert precheck(["+model=gpt"], CONFIG_DIR, 1) is None
     assert "did you mean trainer.max_steps?" in precheck(["+model=gpt", "trainer.max_step=5"], CONFIG_DIR, 1)
+    # An unknown option of a config group: the options and the closest one (issue 25).
+    msg = precheck(["+model=gpt", "fp8=delayd"], CONFIG_DIR, 1)
+    assert msg == ("unknown option 'delayd' of config group fp8 in 'fp8=delayd'; options: blockwise, current, "
+                   "delayed, mxfp8, none, nvfp4, rowwise; did you mean 'delayed'?")
+    assert precheck(["+model=gtp"], CONFIG_DIR, 1).endswith("did you mean 'gpt'?")
+    assert "did you mean" not in precheck(["+model=gpt", "fp8=zzzz"], CONFIG_DIR, 1)
+    # ... and a mistyped value of a field with fixed choices.
+    assert precheck(["+model=gpt", "fp8.recipe=delayd"], CONFIG_DIR, 1).endswith("got 'delayd'; did you mean 'delayed'?")
+    assert precheck(["+model=gpt", "trainer.peak_flops=remesure"], CONFIG_DIR, 1).endswith("did you mean 'remeasure'?")
     # Hydra's own errors keep their content, without the config search path.
-    msg = precheck(["+model=gpt", "fp8=delyed"], CONFIG_DIR, 1)
-    assert "Could not find 'fp8/delyed'" in msg and "Available options in 'fp8':" in msg and " delayed " in msg
-    assert "search path" not in msg
+    msg = precheck(["+model=gpt", "optim=adamw,x"], CONFIG_DIR, 1)
+    assert "Ambiguous value for argument 'optim=adamw,x'" in msg and "search path" not in msg
     assert precheck(["+model=gpt", "parallel.tp=3"], CONFIG_DIR, 2) == "parallel.tp (3) must divide the world size (2)"
     # A '+' addition of an unknown key is caught by the typed config, with the closest match too.
     assert "did you mean trainer.max_steps?" in precheck(["+model=gpt", "+trainer.max_step=3"], CONFIG_DIR, 1)

@@ -48,6 +48,10 @@ def test_quiet_informative_run_with_restart(tmp_path):
     log = open(os.path.join(run_dir, "train.log")).read()
     assert "step      4/4" in log and "ms/step" in log and "ETA" in log and "MFU" in log
     assert "[tp-fuse] parameters: " in log
+    # The run directory, every save and the end-of-run summary are in train.log too (issue 25).
+    assert f"[tp-fuse] run dir: {run_dir}" in log
+    assert f"[tp-fuse] saved checkpoint step 4 -> {run_dir}/checkpoints/step_00000004" in log
+    assert "[tp-fuse] run summary:" in log and f"  run dir          {run_dir}" in log and "wandb sync " in log
     last = read_jsonl(os.path.join(run_dir, "metrics.jsonl"))[-1]
     assert last["step"] == 4
     assert {"step_time_s", "tokens_per_s", "eta_s", "mfu", "peak_mem_gib"} <= set(last)

@@ -37,6 +37,7 @@ with ``fp8.group=world``) and RNG streams are re-seeded from ``trainer.seed`` an
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -64,7 +65,7 @@ from .dir_lock import DirLock
 from .dir_lock import acquire as acquire_dir_lock
 from .files import FORMAT_VERSION, chain, describe_dcp_failure, describe_os_error, describe_write_failure, file_table
 from .files import read_manifest, verify_files, write_atomic
-from .run_identity import MANIFEST, decide_start, decision_from_box, decision_to_box, list_step_dirs
+from .run_identity import IDENTITY_FILE, MANIFEST, decide_start, decision_from_box, decision_to_box, list_step_dirs
 from .run_identity import read_manifest_run_id
 from .loaded_state import loaded_state_problem
 from .safe_dcp import CheckpointError, SafeFileSystemReader, SafeLoadPlanner
@@ -179,12 +180,26 @@ class CheckpointManager:
         self.writer_factory = writer_factory
         self.run_id: Optional[str] = None  # set by :meth:`start`
         self.lock: Optional[DirLock] = None  # rank 0, from :meth:`start` until :meth:`release`
+        # Rank 0: the lock created the directory. If nothing was saved into it, :meth:`release`
+        # removes it again (checkpoint.interval=0 must not leave an empty checkpoints/ behind).
+        self._created_root = False
 
     def release(self) -> None:
         """Give up the directory's lock (rank 0; a no-op elsewhere and when not held)."""
         if self.lock is not None:
             self.lock.release()
             self.lock = None
+            if self._created_root:
+                self._remove_if_unused()
+
+    def _remove_if_unused(self) -> None:
+        """Remove the directory this job created if it holds no more than the run's identity
+        file (nothing was saved: nothing to resume, so ``run.json`` alone means nothing)."""
+        with contextlib.suppress(OSError):  # gone, unreadable, or filled by someone else meanwhile
+            if set(os.listdir(self.root)) <= {IDENTITY_FILE}:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(os.path.join(self.root, IDENTITY_FILE))
+                os.rmdir(self.root)  # fails (and stays) if anything appeared in between
 
     # ---- discovery ----------------------------------------------------------
 
@@ -218,6 +233,7 @@ class CheckpointManager:
             try:
                 # The lock first: a second job on this directory must change nothing in it.
                 if self.lock is None:
+                    self._created_root = not os.path.lexists(self.root)
                     self.lock = acquire_dir_lock(self.root, job=job, say=_say)
                 decision = decide_start(self.root, resume, restarted=restarted, job=job, overwrite=overwrite)
                 if self.lock is not None:
@@ -431,6 +447,12 @@ class CheckpointManager:
         saved_fp8 = manifest.get("fp8_recipe") is not None and state.recipe is not None
         saved_fp8 = saved_fp8 and repr(state.recipe).split("(")[0] == manifest["fp8_recipe"].split("(")[0]
         state_for_load = dataclasses.replace(state, recipe=state.recipe if saved_fp8 else None)
+        if state.recipe is not None and not saved_fp8 and rt.is_rank0:
+            # Accepted (weights and optimizer state carry over), but FP8 scaling restarts from scratch.
+            saved = manifest.get("fp8_recipe")
+            _say(f"note: checkpoint {path} was trained "
+                 + (f"with another FP8 recipe ({saved.split('(')[0]})" if saved else "without FP8")
+                 + f"; this run uses {type(state.recipe).__name__}: its FP8 state (amax history, scales) starts fresh")
         sd = self._state_dict(
             state_for_load, fp8_rank=rt.rank if same_layout else 0, with_rng=same_layout, for_load=True
         )

@@ -10,38 +10,30 @@
   ``fc1 = hidden * ffn (x2 for SwiGLU)``, ``fc2 = ffn * hidden``; embeddings lookups,
   norms, biases and activations are not counted and the causal mask is not discounted
   (the PaLM / Megatron convention).
-* :class:`PeakFlops` -- the peak the MFU divides by: on CUDA the vendor's dense bf16 peak
-  of known GPUs (others: n/a); on CPU a float32 matmul measured once at start-up on every
-  rank at the same time (so ranks sharing cores share the measured peak).
-* :class:`StepMeter` -- step time, tokens/s, MFU, ETA and peak memory for the log line.
+* :class:`PeakFlops` -- the peak the MFU divides by (``tp_fuse.launch.logging.peak``: the
+  user's ``trainer.peak_flops``, the data sheet of known GPUs, or a cached CPU measurement).
+* :class:`StepMeter` -- step time, tokens/s, MFU, ETA and peak memory for the log line, and
+  the totals of the end-of-run summary; :func:`format_eta` -- ``21m49s``.
 """
 
 from __future__ import annotations
 
 import resource
 import sys
-import time
-from dataclasses import dataclass
-from typing import Optional
+import statistics
+from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
 
 from tp_fuse.layers import GPTConfig, get_shard_spec
 
-__all__ = ["PeakFlops", "StepMeter", "count_parameters", "flops_per_token", "peak_memory_bytes"]
+from .peak import PeakFlops
 
-#: Dense bf16 tensor-core peaks (FLOP/s) from the vendors' data sheets, by device-name substring.
-_CUDA_BF16_PEAK = {
-    "H200": 989e12,
-    "H100 SXM": 989e12,
-    "H100 NVL": 835e12,
-    "H100 PCIe": 756e12,
-    "H100": 989e12,
-    "A100": 312e12,
-    "L40S": 362e12,
-    "A10G": 70e12,
-}
+__all__ = ["PeakFlops", "StepMeter", "count_parameters", "flops_per_token", "format_eta", "peak_memory_bytes"]
+
+#: Step times the ETA looks at: recent enough to follow a changing load, enough for a median.
+ETA_WINDOW = 20
 
 
 @torch.no_grad()
@@ -72,50 +64,6 @@ def flops_per_token(gpt: GPTConfig, seq_len: int) -> float:
     return 6.0 * weights + 12.0 * gpt.num_layers * h * seq_len
 
 
-def _measure_cpu_flops(n: int = 512, repeats: int = 5) -> float:
-    """Best-of-``repeats`` float32 ``n x n`` matmul rate of this process (its threads)."""
-    # A private generator: the global stream must be where a resumed checkpoint left it
-    # (NVFP4's stochastic rounding draws its seeds from it).
-    gen = torch.Generator().manual_seed(0)
-    a, b = torch.randn(n, n, generator=gen), torch.randn(n, n, generator=gen)
-    torch.mm(a, b)  # warm-up
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        torch.mm(a, b)
-        best = min(best, time.perf_counter() - t0)
-    return 2.0 * n**3 / best
-
-
-@dataclass
-class PeakFlops:
-    """The job's peak FLOP/s (all ranks) and where it comes from; ``value`` None = n/a."""
-
-    value: Optional[float]
-    source: str
-
-    @classmethod
-    def detect(cls, device: torch.device, dtype: torch.dtype, world_group: Optional[dist.ProcessGroup],
-               world_size: int) -> "PeakFlops":
-        if device.type == "cuda":
-            name = torch.cuda.get_device_name(device)
-            if dtype != torch.bfloat16:
-                return cls(None, f"n/a (known peaks are bf16 tensor-core peaks; training dtype {dtype})")
-            peak = next((v for k, v in _CUDA_BF16_PEAK.items() if k in name), None)
-            if peak is None:
-                return cls(None, f"n/a (no peak known for {name})")
-            return cls(peak * world_size, f"{world_size} x {peak / 1e12:.0f} TFLOP/s ({name} dense bf16, data sheet)")
-        if device.type == "cpu":
-            # Every rank measures at the same moment: ranks sharing cores share the peak.
-            mine = torch.tensor([_measure_cpu_flops()], dtype=torch.float64)
-            if world_size > 1:
-                dist.all_reduce(mine, group=world_group)
-            total = float(mine.item())
-            return cls(total, f"{total / 1e9:.1f} GFLOP/s (float32 512^3 matmul measured at start-up on all "
-                              f"{world_size} rank(s) at once)")
-        return cls(None, f"n/a (device {device.type})")
-
-
 def peak_memory_bytes(device: torch.device) -> tuple[int, str]:
     """``(bytes, what)``: CUDA peak allocated memory, or the process's peak RSS on CPU."""
     if device.type == "cuda":
@@ -124,46 +72,102 @@ def peak_memory_bytes(device: torch.device) -> tuple[int, str]:
     return rss * (1 if sys.platform == "darwin" else 1024), "peak RSS"
 
 
+
+
 class StepMeter:
-    """Throughput numbers for the log line and metrics.jsonl.
+    """Throughput numbers for the log line and metrics.jsonl, and the run's totals.
 
     Args:
         tokens_per_step: global batch tokens of one optimizer step.
         flops_per_token: :func:`flops_per_token`.
         peak: the job's peak (:class:`PeakFlops`).
         max_steps, start_step: for the ETA.
+        warn: where to say (once) that MFU stopped being shown (rank 0); None elsewhere.
     """
 
     def __init__(self, tokens_per_step: int, flops_per_token: float, peak: PeakFlops, max_steps: int,
-                 start_step: int) -> None:
+                 start_step: int, warn: Optional[Callable[[str], None]] = None) -> None:
         self.tokens_per_step = tokens_per_step
         self.flops_per_token = flops_per_token
         self.peak = peak
         self.max_steps = max_steps
         self._times: list[float] = []
         self._start_step = start_step
+        self._warn = warn
+        #: Why MFU is not shown although a peak exists (an MFU above 100% proved the peak wrong).
+        self.mfu_withdrawn: Optional[str] = None
+
+    def _mfu(self, tokens_per_s: float) -> Optional[float]:
+        """MFU against the peak, None when it is unknown or was proven wrong.
+
+        Above 100% the peak is wrong (no step can beat the hardware): clamping would print a
+        made-up number, so MFU is withdrawn for the rest of the run, and a cached
+        measurement is dropped so the next run measures again.
+        """
+        if self.peak.value is None or self.mfu_withdrawn is not None:
+            return None
+        mfu = tokens_per_s * self.flops_per_token / self.peak.value
+        if mfu <= 1.0:
+            return mfu
+        self.mfu_withdrawn = (f"MFU would be {mfu:.0%}, above 100%: the peak it divides by ({self.peak.source}) "
+                              "is too low for this machine")
+        if self._warn is not None:
+            dropped = self.peak.forget()
+            self._warn(f"WARNING: {self.mfu_withdrawn}; MFU is not shown for the rest of this run. Set "
+                       "trainer.peak_flops to the real peak FLOP/s of one rank"
+                       + (f" ({dropped})" if dropped else ""))
+        return None
 
     def metrics(self, step: int, step_time: float, device: torch.device) -> dict[str, float]:
-        """Metrics of ``step`` (its wall time ``step_time``); the ETA uses the mean step time
-        since the start, leaving out the first step (start-up: fusion decisions, allocation)."""
+        """Metrics of ``step`` (its wall time ``step_time``).
+
+        The ETA is the median of the last :data:`ETA_WINDOW` step times, leaving out this
+        process's first step (start-up: fusion decisions, allocation) once there are
+        others: a median ignores the odd slow step (validation, a checkpoint, a load spike)
+        that a mean since the start would carry into every later estimate.
+        """
         self._times.append(step_time)
         times = self._times[1:] or self._times
-        mean = sum(times) / len(times)
+        typical = statistics.median(times[-ETA_WINDOW:])
         tokens_per_s = self.tokens_per_step / step_time
         out = {
             "step_time_s": step_time,
             "tokens_per_s": tokens_per_s,
-            "eta_s": mean * (self.max_steps - step),
+            "eta_s": typical * (self.max_steps - step),
         }
-        if self.peak.value is not None:
-            out["mfu"] = tokens_per_s * self.flops_per_token / self.peak.value
+        mfu = self._mfu(tokens_per_s)
+        if mfu is not None:
+            out["mfu"] = mfu
         mem, _ = peak_memory_bytes(device)
         out["peak_mem_gib"] = mem / 2**30
         return out
 
+    def totals(self) -> dict[str, float]:
+        """Totals over the steps this process ran (for the end-of-run summary).
+
+        ``steps``, ``total_s`` (sum of step times), ``mean_step_s`` (leaving out the first
+        step when there are others), ``tokens_per_s`` (all tokens / total time) and ``mfu``
+        (from that rate; absent when the peak is unknown or was withdrawn).
+        """
+        out: dict[str, float] = {"steps": float(len(self._times))}
+        if not self._times:
+            return out
+        total = sum(self._times)
+        steady = self._times[1:] or self._times
+        out.update(total_s=total, mean_step_s=sum(steady) / len(steady),
+                   tokens_per_s=self.tokens_per_step * len(self._times) / total)
+        if self.peak.value is not None and self.mfu_withdrawn is None:
+            mfu = out["tokens_per_s"] * self.flops_per_token / self.peak.value
+            if mfu <= 1.0:  # every step was <= 100%, so the mean is too; checked anyway
+                out["mfu"] = mfu
+        return out
+
 
 def format_eta(seconds: float) -> str:
-    seconds = int(round(seconds))
+    """A duration that cannot be read as a clock time: ``45s``, ``21m49s``, ``2h03m07s``."""
+    seconds = int(round(max(seconds, 0.0)))
     h, rem = divmod(seconds, 3600)
     m, s = divmod(rem, 60)
-    return f"{h}:{m:02d}:{s:02d}" if h else f"{m}:{s:02d}"
+    if h:
+        return f"{h}h{m:02d}m{s:02d}s"
+    return f"{m}m{s:02d}s" if m else f"{s}s"

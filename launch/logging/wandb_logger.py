@@ -88,6 +88,16 @@ class WandbLogger:
             return "W&B: disabled (WANDB_MODE=disabled)"
         return f"W&B: offline, run {self.run.id}; upload it later with: {sync_hint(self.run)}"
 
+    def summary_line(self) -> str:
+        """For the end-of-run summary: the mode, the run's files, and how to upload them if offline."""
+        where = self.run_path or "<run dir>/wandb"
+        if self.mode == "online":
+            url = getattr(self.run, "url", None) or ""
+            return f"online, run {self.run.id} {url}; files in {where}".replace("  ", " ")
+        if self.mode == "disabled":
+            return "disabled (WANDB_MODE=disabled)"
+        return f"offline, files in {where}; upload them with: {sync_hint(self.run)}"
+
     @property
     def run_path(self) -> Optional[str]:
         """Directory of this run's files (``.../wandb/offline-run-...``)."""

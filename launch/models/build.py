@@ -148,7 +148,7 @@ def build_model(cfg: TrainConfig, rt: Runtime, factory: Optional[ModelFactory] =
         # Wrapped also at TP size 1 (a one-rank group) so that FP8 reaches the GEMMs.
         model = build_hf_model(cfg.model.path, tp_group=rt.topology.tp_group, dtype=rt.dtype, device=rt.device,
                                seed=cfg.trainer.seed, overlap=overlap, verify=cfg.model.verify,
-                               plan=cfg.model.plan)
+                               plan=cfg.model.plan, progress_bar=rt.is_rank0)
         model.train()
         return model
     if factory is None and cfg.model.name == "megatron_gpt":

@@ -20,10 +20,12 @@ stops at start-up with the first differing parameter named.
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import json
 import os
 import struct
+from collections.abc import Iterator
 from typing import Any, Optional
 
 import torch
@@ -293,10 +295,31 @@ def resolve_plan(plan: Any, config: Any) -> Optional[dict[str, Any]]:
     return dict(plan) if plan is not None else None
 
 
+@contextlib.contextmanager
+def _transformers_progress(show: bool) -> Iterator[None]:
+    """transformers' own progress bars (``Loading weights``) on or off while the block runs.
+
+    Every rank loads the weights; one bar (rank 0's) is enough. transformers keeps the
+    switch in its own module state, so it is put back as it was afterwards.
+    """
+    from transformers.utils import logging as hf_logging
+
+    was = hf_logging.is_progress_bar_enabled()
+    if show == was:
+        yield
+        return
+    (hf_logging.enable_progress_bar if show else hf_logging.disable_progress_bar)()
+    try:
+        yield
+    finally:
+        (hf_logging.enable_progress_bar if was else hf_logging.disable_progress_bar)()
+
+
 def build_hf_model(path: str, *, tp_group: Any, dtype: torch.dtype, device: torch.device, seed: int,
-                   overlap: Any, verify: bool = True, plan: Any = None) -> CausalLMLoss:
+                   overlap: Any, verify: bool = True, plan: Any = None, progress_bar: bool = True) -> CausalLMLoss:
     """Build (weights from safetensors if present, else seeded random init), wrap (with
-    ``plan``: ``model.plan``, and ``verify=True`` at TP size > 1 when ``verify``), return."""
+    ``plan``: ``model.plan``, and ``verify=True`` at TP size > 1 when ``verify``), return.
+    ``progress_bar`` False (ranks other than 0) silences transformers' weight-loading bar."""
     import transformers
 
     read_hf_config(path)
@@ -305,8 +328,9 @@ def build_hf_model(path: str, *, tp_group: Any, dtype: torch.dtype, device: torc
     pickled = glob.glob(os.path.join(path, "*.bin")) + glob.glob(os.path.join(path, "*.pt"))
     common = dict(trust_remote_code=False)
     if safetensors:
-        model = transformers.AutoModelForCausalLM.from_pretrained(
-            path, local_files_only=True, use_safetensors=True, dtype=dtype, **common)
+        with _transformers_progress(progress_bar):
+            model = transformers.AutoModelForCausalLM.from_pretrained(
+                path, local_files_only=True, use_safetensors=True, dtype=dtype, **common)
     elif pickled:
         raise ValueError(f"model.path: {path} has only pickled weights ({os.path.basename(pickled[0])}); they are "
                          f"not loaded (unpickling runs code). Convert them to safetensors")
