@@ -94,8 +94,9 @@ def fp8_gemm(
     if not choice.runnable:
         raise RuntimeError(f"fp8_gemm: {choice.reason}")
     if choice.backend == "torch":
-        out, pre = _fp8_gemm_torch(a, b, scale_a, scale_b, out_dtype, bias, gelu)
-        variant = "cpu-emulation" if a.device.type == "cpu" and cpu_fp8_gemm_path() == "emulate" else "scaled_mm"
+        cpu_path = cpu_fp8_gemm_path() if a.device.type == "cpu" else None  # one environment read per call
+        out, pre = _fp8_gemm_torch(a, b, scale_a, scale_b, out_dtype, bias, gelu, cpu_path)
+        variant = "cpu-emulation" if cpu_path == "emulate" else "scaled_mm"
     else:
         from . import gemm_triton
 
@@ -112,6 +113,7 @@ def _fp8_gemm_torch(
     out_dtype: torch.dtype,
     bias: Optional[torch.Tensor],
     gelu: bool,
+    cpu_path: Optional[str] = None,
 ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     # _scaled_mm wants a row-major and the second operand column-major: b [N, K]
     # row-major viewed as b.T [K, N] is exactly that.
@@ -133,6 +135,7 @@ def _fp8_gemm_torch(
         scale_b.reshape(()),
         gemm_dtype,
         bias=(bias if not cuda else bias.to(out_dtype)) if fused_bias else None,
+        cpu_path=cpu_path,
     )
     if gemm_dtype != out_dtype:
         pre = pre.to(out_dtype)
