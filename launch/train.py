@@ -12,22 +12,13 @@ import os
 import sys
 from typing import Optional
 
-# `python launch/train.py` puts launch/ (not the repository root) on sys.path: take it off
-# (launch/logging/ would stand in for the standard library's logging). From a checkout,
-# import tp_fuse from this checkout, whose comm/, layers/, launch/ are tp_fuse.comm, .layers,
-# .launch (pyproject's package-dir mapping), installed or not.
-_HERE = os.path.dirname(os.path.abspath(__file__))
-_ROOT = os.path.dirname(_HERE)
-sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != _HERE]
-if "tp_fuse" not in sys.modules and os.path.isfile(os.path.join(_ROOT, "tp_fuse", "__init__.py")):
-    import importlib.util
+# Before any other import: `python launch/train.py` puts launch/ on sys.path, where
+# launch/logging/ would stand in for the standard library's logging; _tp_fuse_checkout takes
+# it off and imports tp_fuse from this checkout (see its docstring).
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _tp_fuse_checkout import use_checkout  # noqa: E402
 
-    _spec = importlib.util.spec_from_file_location(
-        "tp_fuse", os.path.join(_ROOT, "tp_fuse", "__init__.py"),
-        submodule_search_locations=[os.path.join(_ROOT, "tp_fuse"), _ROOT],
-    )
-    sys.modules["tp_fuse"] = _tp_fuse = importlib.util.module_from_spec(_spec)
-    _spec.loader.exec_module(_tp_fuse)
+use_checkout()
 
 import hydra  # noqa: E402
 from hydra.core.hydra_config import HydraConfig  # noqa: E402

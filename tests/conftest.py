@@ -45,6 +45,7 @@ SLOW_MODULES = frozenset({
     "test_launch_grads",
     "test_launch_hf",
     "test_launch_observability",
+    "test_launch_scripts",
     "test_launch_tokenizer",
     "test_launch_train",
     "test_launch_validation",

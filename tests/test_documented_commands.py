@@ -15,7 +15,7 @@ directory (a checkpoint sequence is one block). What the test changes, and only 
 Commands that cannot run on a CPU test box are listed with the reason (multi-node,
 8 processes, placeholder paths such as ``/path/to``, absolute paths of the user's machine
 such as a model directory); anything else that starts
-``launch/train.py`` runs.
+``launch/train.py`` runs, and so does ``python -m tp_fuse.launch.prepare_data`` (data preparation).
 """
 
 from __future__ import annotations
@@ -38,6 +38,7 @@ SCALE = 50
 STEP_KEYS = ("trainer.max_steps", "trainer.exit_at_step", "trainer.fail_at_step", "checkpoint.interval",
              "trainer.log_interval", "trainer.val_interval")
 EXTRA = ["trainer.val_tokens=2048", "trainer.progress=false"]
+PREPARE = "tp_fuse.launch.prepare_data"  # data preparation runs as written (before the training that reads it)
 
 
 def _blocks(path: str) -> list[list[str]]:
@@ -60,7 +61,7 @@ def _blocks(path: str) -> list[list[str]]:
 
 
 def _skip_reason(cmd: str) -> str | None:
-    if "launch/train.py" not in cmd and not cmd.startswith("make train"):
+    if "launch/train.py" not in cmd and not cmd.startswith("make train") and PREPARE not in cmd:
         return "not a launcher command"
     if "+model=megatron_gpt" in cmd and not torch.cuda.is_available():
         return "needs CUDA (megatron-core allocates with torch.cuda)"
@@ -109,6 +110,8 @@ def _prepare(cmd: str, cwd: str) -> list[str]:
         rest = [a for a in argv[2:] if not a.startswith("ARGS=")]
         return ["make", "-s", "-C", ROOT, "train", *rest, f"ARGS={args}", f"STAMP_DIR={stamp_dir}",
                 f"PYTHON={sys.executable}"]
+    if PREPARE in argv:
+        return [sys.executable, *argv[1:], "--no-progress"]
     i = next(k for k, a in enumerate(argv) if a.endswith("launch/train.py"))
     argv[i] = os.path.join(ROOT, "launch", "train.py")
     if argv[0] == "python":
