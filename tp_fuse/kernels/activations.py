@@ -42,6 +42,7 @@ import torch.nn.functional as F
 
 from . import dispatch
 from ._common import (
+    as_shape,
     abs_max,
     check_float,
     check_quant_args,
@@ -158,7 +159,7 @@ def dgelu_dbias(
             dx, amax = dx_hp.contiguous(), abs_max(dx32) if with_amax else None
         else:
             dx, amax = finish_output(dx32, grad.dtype, scale, fp8_dtype, with_amax)
-        dx = dx.reshape(x.shape)
+        dx = as_shape(dx, x.shape)
         variant = "reference"
     else:
         from . import activations_triton as kt
@@ -211,7 +212,7 @@ def dswiglu(
         torch.mul(x1, one_minus_s, out=d1).add_(1.0).mul_(s).mul_(x2).mul_(g)  # g x2 s (1 + x1 (1 - s))
         torch.mul(x1, s, out=d2).mul_(g)  # g silu(x1)
         dx, amax = finish_output(dx32, grad.dtype, scale, fp8_dtype, with_amax)
-        dx = dx.reshape(x.shape)
+        dx = as_shape(dx, x.shape)
         variant = "reference"
     else:
         from . import activations_triton as kt

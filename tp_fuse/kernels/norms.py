@@ -23,6 +23,7 @@ import torch
 
 from . import dispatch
 from ._common import (
+    as_shape,
     check_float,
     check_quant_args,
     check_vector,
@@ -158,4 +159,4 @@ def _norm_torch(
         y32, mean, rstd = torch.native_layer_norm(x2, [n], w, b, eps)  # [rows, n], [rows, 1] x2
     y, amax = finish_output(y32, x.dtype, scale, fp8_dtype, with_amax)
     lead = x.shape[:-1]
-    return y.reshape(x.shape), None if mean is None else mean.reshape(lead), rstd.reshape(lead), amax
+    return as_shape(y, x.shape), None if mean is None else as_shape(mean, lead), as_shape(rstd, lead), amax

@@ -12,6 +12,7 @@ from typing import Any, Optional
 
 import torch
 
+from ...kernels._common import as_rows, as_shape
 from ..op import BasicOperation, OperationContext
 from ._checks import (
     check_eps,
@@ -81,8 +82,8 @@ class NormBase(BasicOperation):
         """g as a flat ``[H]`` vector; in ``dtype`` when zero-centered (``1 + w`` must
         not round in bf16), else the parameter itself (the kernels upcast it)."""
         if self.zero_centered_gamma:
-            return self.weight.reshape(-1).to(dtype) + 1
-        return self.weight.reshape(-1)
+            return as_shape(self.weight, (self.hidden,)).to(dtype) + 1
+        return as_shape(self.weight, (self.hidden,))
 
     def kernels_used(self, direction: str) -> tuple[str, ...]:
         """``tp_fuse.kernels`` functions this op calls in ``direction`` (for ``explain``)."""
@@ -111,14 +112,14 @@ class NormBase(BasicOperation):
         is filled exactly as :meth:`op_forward` fills it.
         """
         self.check_input(x)
-        x2d = x.reshape(-1, self.hidden)  # [rows, H]
+        x2d = as_rows(x, self.hidden)  # [rows, H]
         y, stats, amax = self._run_kernel(
             x2d, self._gamma(compute_dtype(x.dtype)), scale=scale, fp8_dtype=fp8_dtype, with_amax=with_amax
         )
         if ctx.requires_grad:
             # The input in its own dtype (not xhat in float32): half the memory for bf16.
             ctx.save_for_backward(x2d, *stats)
-        return y.reshape(x.shape), amax
+        return as_shape(y, x.shape), amax
 
     def op_forward(self, ctx: OperationContext, input_: torch.Tensor, **unused: Any) -> torch.Tensor:
         return self.normalize(ctx, maybe_dequantize(input_))[0]

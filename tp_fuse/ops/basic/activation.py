@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from ... import kernels
+from ...kernels._common import as_shape
 from ...quantization import Float8CurrentScalingQuantizer
 from ..op import BasicOperation, OperationContext, require
 from ._checks import check_tensor, compute_dtype, maybe_dequantize
@@ -115,14 +116,14 @@ class GELU(_ActivationOperation):
     def _activation_forward(self, x: torch.Tensor) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
         # The kernels work on rows: a 0-d input is viewed as one element.
         y, _ = kernels.gelu_fwd(x if x.dim() else x.reshape(1), with_amax=False)
-        return y.reshape(x.shape), (x,)
+        return as_shape(y, x.shape), (x,)
 
     def _activation_backward(self, saved: tuple[torch.Tensor, ...], dy: torch.Tensor) -> torch.Tensor:
         (x,) = saved
         if not x.dim():
             x, dy = x.reshape(1), dy.reshape(1)
         dx, _, _ = kernels.dgelu_dbias(dy, x, with_amax=False, with_dbias=False)
-        return dx.reshape(saved[0].shape)
+        return as_shape(dx, saved[0].shape)
 
 
 class ReLU(_ActivationOperation):

@@ -10,6 +10,7 @@ import torch
 
 from tp_fuse.comm import all_reduce
 
+from ...kernels._common import as_rows, as_shape
 from ...quantization import (
     Float8Tensor,
     OpQuantizers,
@@ -315,7 +316,7 @@ class BasicLinear(QuantizerStateMixin, BasicOperation):
         assert residual is not None or not into_residual
         self.check_input(x)
         lead = x.shape[:-1]
-        x2d = x.reshape(-1, self.in_features)
+        x2d = as_rows(x, self.in_features)
         if residual is not None:
             require(
                 residual.shape == (*lead, self.out_features),
@@ -376,7 +377,7 @@ class BasicLinear(QuantizerStateMixin, BasicOperation):
         # context: the GEMM's compute dtype and whether it ran quantized.
         ctx.dtype = y.dtype
         ctx.with_quantized_compute = ctx.fp8
-        return y.reshape(*lead, self.out_features)
+        return as_shape(y, (*lead, self.out_features))
 
     @staticmethod
     def input_for_wgrad(ctx: OperationContext, x_saved: torch.Tensor) -> torch.Tensor:
@@ -404,7 +405,7 @@ class BasicLinear(QuantizerStateMixin, BasicOperation):
             dx, dw = self.debug_hooks.backward_gemm(self, ctx, dy, grad_input_accumulate=grad_input_accumulate)
             return self.reduce_dgrad(dx), dw
         x_saved, w_saved = ctx.saved_tensors
-        dy2d = dy.reshape(-1, self.out_features)
+        dy2d = as_rows(dy, self.out_features)
         acc = None
         if grad_input_accumulate is not None:
             acc = grad_input_accumulate.reshape(-1, self.in_features)
@@ -437,7 +438,7 @@ class BasicLinear(QuantizerStateMixin, BasicOperation):
                 dx = dy2d @ w_saved
             dw = None
             if self.weight.requires_grad:
-                dw = dy2d.t() @ self.input_for_wgrad(ctx, x_saved).reshape(-1, self.in_features)
+                dw = dy2d.t() @ as_rows(self.input_for_wgrad(ctx, x_saved), self.in_features)
                 if alpha != 1.0:
                     dw = dw.mul_(alpha)
         if dw is not None and dw.dtype != self.weight.dtype and not self._accumulate_into_main_grad:
@@ -445,7 +446,7 @@ class BasicLinear(QuantizerStateMixin, BasicOperation):
         # dx has x's shape: the leading dims are dy's (a context filled by a third-party
         # fused op may not record ``input_shape``).
         input_shape = getattr(ctx, "input_shape", None) or (*dy.shape[:-1], self.in_features)
-        return self.reduce_dgrad(dx.reshape(input_shape)), self.finish_wgrad(dw)
+        return self.reduce_dgrad(as_shape(dx, input_shape)), self.finish_wgrad(dw)
 
     @staticmethod
     def _context_fp8(ctx: OperationContext) -> bool:

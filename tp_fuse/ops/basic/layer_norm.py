@@ -8,6 +8,7 @@ from typing import Any, Optional
 import torch
 
 from ... import kernels
+from ...kernels._common import as_shape
 from ..op import OperationContext
 from ._norm import NormBase
 
@@ -63,7 +64,7 @@ class LayerNorm(NormBase):
     def _run_kernel(
         self, x2d: torch.Tensor, gamma: torch.Tensor, **fp8: Any
     ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...], Optional[torch.Tensor]]:
-        y, mean, rstd, amax = kernels.layernorm_fwd(x2d, gamma, self.bias.reshape(-1), self.eps, **fp8)
+        y, mean, rstd, amax = kernels.layernorm_fwd(x2d, gamma, as_shape(self.bias, (self.hidden,)), self.eps, **fp8)
         return y, (mean, rstd), amax
 
     def op_backward(
@@ -71,7 +72,7 @@ class LayerNorm(NormBase):
     ) -> tuple[torch.Tensor, tuple[Optional[torch.Tensor], Optional[torch.Tensor]]]:
         x2d, mean, rstd = ctx.saved_tensors
         cdtype = mean.dtype
-        dy = grad_output.reshape(x2d.shape)  # [rows, H]
+        dy = as_shape(grad_output, x2d.shape)  # [rows, H]
         if dy.dtype != x2d.dtype:
             dy = dy.to(x2d.dtype)
         # aten's parameter dtype for a bf16/fp16 input with fp32 statistics differs by
@@ -88,13 +89,13 @@ class LayerNorm(NormBase):
         # zero-centered gamma g = 1 + w, dL/dw = dL/dg: the same sums.
         exact_params = x2d.dtype == cdtype
         dx, dgamma, dbeta = torch.ops.aten.native_layer_norm_backward(
-            dy, x2d, [self.hidden], mean, rstd, gamma, self.bias.reshape(-1).to(param_dtype),
+            dy, x2d, [self.hidden], mean, rstd, gamma, as_shape(self.bias, (self.hidden,)).to(param_dtype),
             [True, exact_params and self.weight.requires_grad, exact_params and self.bias.requires_grad],
         )
         if exact_params:
-            return dx.reshape(grad_output.shape), (
-                None if dgamma is None else dgamma.to(self.weight.dtype).reshape(self.normalized_shape),
-                None if dbeta is None else dbeta.to(self.bias.dtype).reshape(self.normalized_shape),
+            return as_shape(dx, grad_output.shape), (
+                None if dgamma is None else as_shape(dgamma.to(self.weight.dtype), self.normalized_shape),
+                None if dbeta is None else as_shape(dbeta.to(self.bias.dtype), self.normalized_shape),
             )
         dy_c = dy.to(cdtype)  # no copy when the input is fp32/fp64
         dweight = dbias = None
