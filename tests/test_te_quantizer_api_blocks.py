@@ -206,3 +206,17 @@ def test_float8_tensor_update_usage() -> None:
     assert t._transpose_cache is not None and torch.equal(t._transpose_cache[1], t._data.t())
     t.update_usage(rowwise_usage=False, columnwise_usage=False)
     assert t._transpose_cache is None and t._data is not None
+
+
+@pytest.mark.parametrize("name", ["current", "mxfp8", "nvfp4"])
+def test_dequantize_is_straight_through_for_every_format(name: str) -> None:
+    # One autograd function (quantized_tensor._Dequantize) serves every format.
+    q = Float8CurrentScalingQuantizer(DType.kFloat8E4M3, "cpu") if name == "current" else BLOCK_QUANTIZERS[name]()
+    x = _x(9, 32, 64).to(torch.bfloat16).requires_grad_()
+    t = q(x)
+    assert t.requires_grad
+    y = t.dequantize(dtype=torch.float64)
+    g = _x(10, 32, 64).to(torch.float64)
+    y.backward(g)
+    assert x.grad.dtype == torch.bfloat16
+    torch.testing.assert_close(x.grad, g.to(torch.bfloat16), rtol=0, atol=0)

@@ -28,8 +28,18 @@ class QuantizedTensor(torch.Tensor):
     _quantizer: Any
     _master: Optional[torch.Tensor]
 
-    def dequantize(self, dtype: "torch.dtype | None" = None) -> torch.Tensor:  # pragma: no cover - abstract
-        raise NotImplementedError(f"{type(self).__name__} must implement dequantize")
+    def dequantize(self, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+        """Plain high-precision tensor in ``dtype`` (default: the nominal dtype).
+
+        Differentiable (identity backward, :class:`_Dequantize`) when this tensor requires grad.
+        """
+        if torch.is_grad_enabled() and self.requires_grad:
+            return _Dequantize.apply(self, dtype)
+        return self._dequantize_plain(dtype)
+
+    def _dequantize_plain(self, dtype: Optional[torch.dtype] = None) -> torch.Tensor:  # pragma: no cover - abstract
+        """The value as a plain tensor, outside autograd (each format's arithmetic)."""
+        raise NotImplementedError(f"{type(self).__name__} must implement _dequantize_plain")
 
     def update_usage(
         self, rowwise_usage: Optional[bool] = None, columnwise_usage: Optional[bool] = None
@@ -65,6 +75,32 @@ class QuantizedTensor(torch.Tensor):
             else:
                 self._quantizer.update_quantized(tensor, self)
         return self
+
+
+class _Dequantize(torch.autograd.Function):
+    """QuantizedTensor -> plain high-precision tensor, differentiable.
+
+    ======== ============================== ======================
+             forward                        backward
+    ======== ============================== ======================
+    in       x: QuantizedTensor [*]         grad_out: [*] (dtype)
+    out      y = data * scale_inv (per      grad_x = grad_out
+             tensor or per block)
+    ======== ============================== ======================
+
+    The backward is the identity (straight-through): dequantization is the
+    representation of x, not a function of it. One function for every format: the
+    format's arithmetic is its ``_dequantize_plain``.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, x: QuantizedTensor, dtype: Optional[torch.dtype]) -> torch.Tensor:
+        ctx.nominal_dtype = x.dtype
+        return x._dequantize_plain(dtype)
+
+    @staticmethod
+    def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad_out.to(ctx.nominal_dtype), None
 
 
 def write_back_in_place(

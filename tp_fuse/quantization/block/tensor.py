@@ -183,13 +183,8 @@ class BlockScaledTensor(QuantizedTensor):
             )
         return p
 
-    def dequantize(self, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
-        """High-precision value (row-wise copy, else the transposed column-wise copy).
-
-        Differentiable (identity backward) when this tensor requires grad.
-        """
-        if torch.is_grad_enabled() and self.requires_grad:
-            return _Dequantize.apply(self, dtype)
+    def _dequantize_plain(self, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+        """From the row-wise copy, else the transposed column-wise copy (``dequantize``)."""
         return _dequantize_impl(self, dtype)
 
     def transpose_fp8(self) -> "BlockScaledTensor":
@@ -360,27 +355,6 @@ def _dequantize_impl(t: BlockScaledTensor, dtype: Optional[torch.dtype] = None) 
     else:
         flat = t._columnwise.dequantize().t()
     return flat.reshape(t.shape).to(dtype or t.dtype)
-
-
-class _Dequantize(torch.autograd.Function):
-    """BlockScaledTensor -> plain tensor; straight-through (identity) backward.
-
-    ======== ============================ ======================
-             forward                      backward
-    ======== ============================ ======================
-    in       x: BlockScaledTensor [*]     grad_out: [*] (dtype)
-    out      y = data * scale_inv/block   grad_x = grad_out
-    ======== ============================ ======================
-    """
-
-    @staticmethod
-    def forward(ctx: Any, x: BlockScaledTensor, dtype: Optional[torch.dtype]) -> torch.Tensor:
-        ctx.nominal_dtype = x.dtype
-        return _dequantize_impl(x, dtype)
-
-    @staticmethod
-    def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return grad_out.to(ctx.nominal_dtype), None
 
 
 def _unwrap(x: Any) -> Any:

@@ -52,30 +52,6 @@ def _dequantize_impl(t: "Float8Tensor", dtype: Optional[torch.dtype] = None) -> 
     return out.to(dtype or t.dtype)
 
 
-class _Dequantize(torch.autograd.Function):
-    """Float8Tensor -> plain high-precision tensor, differentiable.
-
-    ======== ===================== ======================
-             forward               backward
-    ======== ===================== ======================
-    in       x: Float8Tensor [*]   grad_out: [*] (dtype)
-    out      y = data * scale_inv  grad_x = grad_out
-    ======== ===================== ======================
-
-    The backward is the identity (straight-through): dequantization is the
-    representation of x, not a function of it.
-    """
-
-    @staticmethod
-    def forward(ctx: Any, x: "Float8Tensor", dtype: Optional[torch.dtype]) -> torch.Tensor:
-        ctx.nominal_dtype = x.dtype
-        return _dequantize_impl(x, dtype)
-
-    @staticmethod
-    def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return grad_out.to(ctx.nominal_dtype), None
-
-
 class Float8Tensor(QuantizedTensor):
     """FP8 data with a per-tensor scale, behaving like a high-precision tensor.
 
@@ -229,13 +205,8 @@ class Float8Tensor(QuantizedTensor):
         elif columnwise_usage is False:
             self._transpose_cache = None
 
-    def dequantize(self, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
-        """Plain tensor ``data * scale_inv`` in ``dtype`` (default: nominal dtype).
-
-        Differentiable (identity backward) when this tensor requires grad.
-        """
-        if torch.is_grad_enabled() and self.requires_grad:
-            return _Dequantize.apply(self, dtype)
+    def _dequantize_plain(self, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+        """``data * scale_inv`` (``dequantize``)."""
         return _dequantize_impl(self, dtype)
 
     def transpose_data(self) -> torch.Tensor:
