@@ -8,7 +8,7 @@ the class itself holds no data and is never instantiated.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import torch
 from torch.utils._pytree import tree_map
@@ -20,11 +20,87 @@ class QuantizedTensor(torch.Tensor):
     """Base class of tensors stored in a low-precision format with scales.
 
     Subclasses are ``torch.Tensor`` wrapper subclasses that report a nominal
-    high-precision ``dtype`` and provide ``dequantize(dtype=None)``.
+    high-precision ``dtype`` and provide ``dequantize(dtype=None)``, ``update_usage`` and
+    the ``_quantizer`` (None, or the quantizer that made the tensor) and ``_master``
+    (FP8 parameters' high-precision copy, else None) attributes :meth:`quantize_` uses.
     """
 
-    def dequantize(self, dtype: "torch.dtype | None" = None) -> torch.Tensor:  # pragma: no cover - abstract
-        raise NotImplementedError(f"{type(self).__name__} must implement dequantize")
+    _quantizer: Any
+    _master: Optional[torch.Tensor]
+
+    def dequantize(self, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+        """Plain high-precision tensor in ``dtype`` (default: the nominal dtype).
+
+        Differentiable (identity backward, :class:`_Dequantize`) when this tensor requires grad.
+        """
+        if torch.is_grad_enabled() and self.requires_grad:
+            return _Dequantize.apply(self, dtype)
+        return self._dequantize_plain(dtype)
+
+    def _dequantize_plain(self, dtype: Optional[torch.dtype] = None) -> torch.Tensor:  # pragma: no cover - abstract
+        """The value as a plain tensor, outside autograd (each format's arithmetic)."""
+        raise NotImplementedError(f"{type(self).__name__} must implement _dequantize_plain")
+
+    def update_usage(
+        self, rowwise_usage: Optional[bool] = None, columnwise_usage: Optional[bool] = None
+    ) -> None:  # pragma: no cover - abstract
+        raise NotImplementedError(f"{type(self).__name__} must implement update_usage")
+
+    def quantize_(self, tensor: torch.Tensor, *, noop_flag: Optional[torch.Tensor] = None) -> "QuantizedTensor":
+        """Quantize ``tensor`` into this tensor's buffers with its quantizer (TE's
+        ``QuantizedTensor.quantize_``); returns ``self``.
+
+        A quantized ``tensor`` is dequantized first. ``noop_flag`` (one-element tensor):
+        nonzero skips the update, as in TE. FP8 parameters take the ``copy_`` path (their
+        master copy is updated, then re-quantized); other tensors
+        ``self._quantizer.update_quantized(tensor, self)``. Raises ValueError when this
+        tensor has no quantizer (TE builds a default one from the tensor's own scales; here
+        a tensor not made by a quantizer has none).
+        """
+        who = f"{type(self).__name__}.quantize_"
+        if self._quantizer is None:
+            raise ValueError(
+                f"{who}: this tensor has no quantizer (make it with a quantizer, e.g. quantizer(x) or "
+                "quantizer.make_empty(shape))"
+            )
+        if noop_flag is not None and bool(noop_flag.reshape(-1)[0] != 0):
+            return self
+        if isinstance(tensor, QuantizedTensor):
+            tensor = tensor.dequantize()
+        if tuple(tensor.shape) != tuple(self.shape):
+            raise ValueError(f"{who}: expected a tensor of shape {tuple(self.shape)}, got {tuple(tensor.shape)}")
+        with torch.no_grad():
+            if self._master is not None:
+                self.copy_(tensor)
+            else:
+                self._quantizer.update_quantized(tensor, self)
+        return self
+
+
+class _Dequantize(torch.autograd.Function):
+    """QuantizedTensor -> plain high-precision tensor, differentiable.
+
+    ======== ============================== ======================
+             forward                        backward
+    ======== ============================== ======================
+    in       x: QuantizedTensor [*]         grad_out: [*] (dtype)
+    out      y = data * scale_inv (per      grad_x = grad_out
+             tensor or per block)
+    ======== ============================== ======================
+
+    The backward is the identity (straight-through): dequantization is the
+    representation of x, not a function of it. One function for every format: the
+    format's arithmetic is its ``_dequantize_plain``.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, x: QuantizedTensor, dtype: Optional[torch.dtype]) -> torch.Tensor:
+        ctx.nominal_dtype = x.dtype
+        return x._dequantize_plain(dtype)
+
+    @staticmethod
+    def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad_out.to(ctx.nominal_dtype), None
 
 
 def write_back_in_place(

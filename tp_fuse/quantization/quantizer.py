@@ -26,7 +26,7 @@ from __future__ import annotations
 import abc
 import copy
 import math
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any, Callable, Optional, Union
 
 import torch
@@ -40,6 +40,7 @@ from . import scaling
 from .block.tensor import BlockScaledTensor
 from .compile_state import CompileRef
 from .float8.tensor import Float8Tensor
+from .quantized_tensor import QuantizedTensor
 from .role import QuantizerRole, role_tensor_type
 
 __all__ = [
@@ -67,6 +68,46 @@ def _amax(x: torch.Tensor) -> torch.Tensor:
     if x.numel() == 0:
         return torch.zeros((), dtype=torch.float32, device=x.device)
     return x.detach().abs().amax().to(torch.float32)
+
+
+def _cast(
+    x: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dtype, *, transpose: bool = False, with_amax: bool = True
+) -> tuple[torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor]]:
+    """``kernels.quantize`` for any rank, 0-d included: the cast kernels take >= 1 dims,
+    and a 0-d tensor's value is its one element (cast as shape ``[1]``, bytes reshaped back)."""
+    if x.dim() == 0:
+        data, _, amax = kernels.quantize(x.reshape(1), scale, fp8_dtype, with_amax=with_amax)
+        return data.reshape(()), None, amax
+    return kernels.quantize(x, scale, fp8_dtype, transpose=transpose, with_amax=with_amax)
+
+
+def parse_shape(shape: Any, who: str) -> tuple[int, ...]:
+    """``shape`` (an iterable of sizes, or one int: TE's tests pass both) as a tuple of
+    sizes >= 0; ``()`` is a 0-d tensor."""
+    try:
+        dims = (int(shape),) if isinstance(shape, int) else tuple(int(n) for n in shape)
+    except TypeError:
+        raise ValueError(f"{who}: shape must be an int or an iterable of ints, got {shape!r}") from None
+    if any(n < 0 for n in dims):
+        raise ValueError(f"{who}: shape must not have negative sizes, got {dims}")
+    return dims
+
+
+def check_empty_args(
+    who: str, shape: Any, dtype: Any, device: Optional[Union[torch.device, str]]
+) -> tuple[tuple[int, ...], torch.device]:
+    """Validate Transformer Engine's ``make_empty`` arguments; ``(dims, device)``.
+
+    ``shape``: an iterable of sizes >= 0 (``()`` is a 0-d tensor) or one int; ``dtype``: the
+    nominal high-precision float dtype; ``device`` None: CUDA when available (TE's default),
+    else the CPU.
+    """
+    dims = parse_shape(shape, f"{who}.make_empty")
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point or dtype.itemsize < 2:
+        raise ValueError(f"{who}.make_empty: dtype must be a high-precision float dtype, got {dtype!r}")
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    return dims, torch.device(device)
 
 
 def _with_transpose(t: Float8Tensor, data_t: Optional[torch.Tensor]) -> Float8Tensor:
@@ -130,7 +171,13 @@ class Quantizer(abc.ABC):
         fp8_dtype: target FP8 dtype.
         fp8_max: largest finite value of ``fp8_dtype``.
         role: what the quantized tensor is (``"input"``, ``"grad_output"``...).
+        rowwise_usage, columnwise_usage: the copies :meth:`make_empty` makes (TE's usage
+            flags; the TE-named quantizers set them with ``set_usage``, :class:`UsageMixin`).
     """
+
+    # Recipe quantizers make both copies; TE-named ones override these per instance.
+    rowwise_usage: bool = True
+    columnwise_usage: bool = True
 
     def __init__(self, fp8_dtype: torch.dtype, role: str) -> None:
         self.fp8_dtype = fp8_dtype
@@ -200,6 +247,75 @@ class Quantizer(abc.ABC):
     def stats(self) -> dict[str, float]:
         """Scalar statistics for logging (synchronizes with the device)."""
 
+    # ------------------------------------------------- Transformer Engine's API
+    def make_empty(
+        self,
+        shape: Iterable[int],
+        *,
+        dtype: torch.dtype = torch.float32,
+        device: Optional[Union[torch.device, str]] = None,
+        requires_grad: bool = False,
+        pin_memory: bool = False,
+    ) -> QuantizedTensor:
+        """A quantized tensor of ``shape`` with uninitialized data (TE's ``make_empty``).
+
+        ``dtype``: its nominal high-precision dtype; ``device`` None: CUDA when available
+        (TE's default), else the CPU. It keeps this quantizer, so ``t.quantize_(x)`` (or
+        ``quantizer.update_quantized(x, t)``) fills it. Per-tensor FP8 (this class): a
+        :class:`Float8Tensor` whose scale is this quantizer's current one
+        (:meth:`_empty_scale_inv`); the block quantizers make the copies ``set_usage``
+        asks for.
+        """
+        dims, dev = check_empty_args(type(self).__name__, shape, dtype, device)
+        return self._make_empty(dims, dtype, dev, requires_grad=bool(requires_grad), pin_memory=bool(pin_memory))
+
+    def _make_empty(
+        self, dims: tuple[int, ...], dtype: torch.dtype, device: torch.device, *, requires_grad: bool, pin_memory: bool
+    ) -> QuantizedTensor:
+        data = torch.empty(dims, dtype=self.fp8_dtype, device=device, pin_memory=pin_memory)
+        return Float8Tensor(data, self._empty_scale_inv(device), dtype, requires_grad=requires_grad, quantizer=self)
+
+    def _empty_scale_inv(self, device: torch.device) -> torch.Tensor:
+        """``scale_inv`` of an empty per-tensor tensor: ``1 / scale`` of a quantizer with a
+        scale state, else 1 (current scaling: the scale comes with the first quantization)."""
+        scale = getattr(self, "scale", None)
+        if isinstance(scale, torch.Tensor):
+            return torch.reciprocal(scale.detach().reshape(()).to(device=device, dtype=torch.float32))
+        return torch.ones((), dtype=torch.float32, device=device)
+
+    def update_quantized(
+        self, src: torch.Tensor, dst: QuantizedTensor, *, noop_flag: Optional[torch.Tensor] = None
+    ) -> QuantizedTensor:
+        """Quantize ``src`` with this quantizer into ``dst``'s buffers, in place; returns
+        ``dst`` (TE's ``update_quantized``). ``noop_flag`` (one-element tensor): nonzero
+        skips the update. ``dst`` must be of this quantizer's format and ``src``'s shape."""
+        if not isinstance(dst, QuantizedTensor) or not self._can_store(dst):
+            raise ValueError(
+                f"{type(self).__name__}.update_quantized: dst must be a quantized tensor of this quantizer's format "
+                f"(e.g. from make_empty), got {type(dst).__name__}"
+            )
+        if tuple(src.shape) != tuple(dst.shape):
+            raise ValueError(
+                f"{type(self).__name__}.update_quantized: expected src of dst's shape {tuple(dst.shape)}, "
+                f"got {tuple(src.shape)}"
+            )
+        if noop_flag is not None and bool(noop_flag.reshape(-1)[0] != 0):
+            return dst
+        with torch.no_grad():
+            self._store(src.detach().to(dst.device), dst)
+        return dst
+
+    def _can_store(self, dst: QuantizedTensor) -> bool:
+        return isinstance(dst, Float8Tensor)
+
+    def _store(self, src: torch.Tensor, dst: QuantizedTensor) -> None:
+        """Write ``quantize(src)`` into ``dst``'s buffers (same shape, checked)."""
+        assert isinstance(dst, Float8Tensor)
+        q = self._quantize_impl(src)
+        dst._alias.generation += 1  # invalidates dst's (and its aliases') transpose cache
+        dst._data.copy_(q._data)
+        dst._scale_inv.copy_(q._scale_inv)
+
     def __repr__(self) -> str:
         return f"{type(self).__name__}(role={self.role!r}, fp8_dtype={self.fp8_dtype})"
 
@@ -239,7 +355,7 @@ class DelayedScalingQuantizer(Quantizer):
     def _quantize_impl(self, x: torch.Tensor, transpose: bool = False) -> Float8Tensor:
         with torch.no_grad():
             self._to_device(x.device)
-            data, data_t, amax = kernels.quantize(x.detach(), self.scale, self.fp8_dtype, transpose=transpose)
+            data, data_t, amax = _cast(x.detach(), self.scale, self.fp8_dtype, transpose=transpose)
         return self.from_producer(data, amax, x.dtype, data_t)
 
     def producer_scale(self, device: torch.device) -> torch.Tensor:
@@ -482,6 +598,11 @@ class CurrentScalingQuantizer(Quantizer):
         self.nonfinite_amax_count = torch.zeros((), dtype=torch.int64)
         self.zero_amax_count = torch.zeros((), dtype=torch.int64)
 
+    def _empty_scale_inv(self, device: torch.device) -> torch.Tensor:
+        # ``self.scale`` is the last tensor's scale, unrelated to a new tensor's values:
+        # an empty tensor gets 1, its real scale comes with the first quantization.
+        return torch.ones((), dtype=torch.float32, device=device)
+
     def _reduce(self, amax: torch.Tensor) -> torch.Tensor:
         group = self.amax_reduction_group
         if group is None or dist.get_world_size(group) == 1:
@@ -501,9 +622,7 @@ class CurrentScalingQuantizer(Quantizer):
             amax = self._reduce(amax)
             scale = scaling.current_scale(amax, self.fp8_max, self.power_2_scale)
             # The amax is known: the cast kernel need not compute it again.
-            data, data_t, _ = kernels.quantize(
-                x.detach(), scale, self.fp8_dtype, transpose=transpose, with_amax=False
-            )
+            data, data_t, _ = _cast(x.detach(), scale, self.fp8_dtype, transpose=transpose, with_amax=False)
             self.last_amax = amax.clone()
             self.scale = scale
             nonfinite = scaling.is_nonfinite(amax)

@@ -18,6 +18,7 @@ tensors (both layouts in one read), the torch reference elsewhere; ``backend`` f
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Optional, Union
 
 import torch
@@ -26,8 +27,9 @@ import torch.distributed as dist
 from ...recipe import FP4_DTYPE, Float8BlockScaling, Float8RowwiseScaling, MXFP8BlockScaling, NVFP4BlockScaling, QParams
 from .cast import AmaxHook, quantize_layouts
 from .scaling import BlockSpec, ScaleRule
-from .tensor import BlockScaledTensor
-from ..quantizer import Quantizer, is_backward_role, register_recipe_quantizer
+from .tensor import BlockPayload, BlockScaledTensor, copy_payloads, flat_2d
+from ..quantized_tensor import QuantizedTensor
+from ..quantizer import Quantizer, is_backward_role, parse_shape, register_recipe_quantizer
 
 __all__ = ["BlockRecipe", "BlockScalingQuantizer", "block_layout", "is_block_recipe", "recipe_short_name"]
 
@@ -40,6 +42,9 @@ _BLOCK_1D = BlockSpec(1, 128)
 _BLOCK_2D = BlockSpec(128, 128)
 _MX_BLOCK = BlockSpec(1, 32)
 _ROW = BlockSpec(1, None)
+
+# Storage dtype of each scale rule's block scales.
+_SCALE_DTYPE = {"fp32": torch.float32, "e8m0": torch.float8_e8m0fnu, "nvfp4": torch.float8_e4m3fn}
 
 
 def is_block_recipe(recipe: object) -> bool:
@@ -155,9 +160,7 @@ class BlockScalingQuantizer(Quantizer):
     def _quantize_layouts(
         self, x: torch.Tensor, transpose: bool, reduce_col_amax: Optional[AmaxHook] = None
     ) -> BlockScaledTensor:
-        if x.dim() < 1:
-            raise ValueError(f"{type(self).__name__}.quantize: expected a tensor with >= 1 dims, got 0-d")
-        x2d = x.detach().reshape(-1, x.shape[-1])
+        x2d = x.detach().reshape(flat_2d(x.shape))
         out = quantize_layouts(x2d, self.spec, self.fp8_dtype, self.rule, columnwise=transpose,
                                reduce_columnwise_amax=reduce_col_amax, backend=self.backend)
         self.nonfinite_amax_count = self.nonfinite_amax_count.to(out.nonfinite.device) + out.nonfinite
@@ -168,6 +171,56 @@ class BlockScalingQuantizer(Quantizer):
         # Both copies from high precision: block scales are not transposition-invariant.
         with torch.no_grad():
             return self._quantize_layouts(x, transpose)
+
+    # ------------------------------------------------- Transformer Engine's API
+    def get_scale_shape(self, shape: Iterable[int], columnwise: bool) -> tuple[int, int]:
+        """Shape of the ``scale_inv`` of a tensor of ``shape`` (TE's ``get_scale_shape``): of
+        the column-wise copy when ``columnwise``, else of the row-wise copy.
+
+        For ``[R, C]`` = ``(prod(shape[:-1]), shape[-1])`` (``(1, 1)`` for 0-d) and blocks
+        ``(br, bc)``: row-wise ``[ceil(R/br), ceil(C/bc)]``, column-wise (blocks of the
+        transpose) ``[ceil(C/br), ceil(R/bc)]`` -- the shapes this quantizer's tensors hold
+        (``_rowwise_scale_inv`` / ``_columnwise_scale_inv``) and the constructors take.
+        Transformer Engine's answer is its cuBLAS layout instead (padded to multiples of
+        128 x 4, and for 1x128 blocks and MXFP8's column-wise copy in another orientation):
+        the same scales, other buffer shapes (docs/ops.md).
+        """
+        dims = parse_shape(shape, f"{type(self).__name__}.get_scale_shape")
+        r, c = flat_2d(dims)
+        return self.spec.scale_shape((c, r) if columnwise else (r, c))
+
+    def get_columnwise_shape(self, shape: Iterable[int]) -> tuple[int, ...]:
+        """Shape of the column-wise data of a tensor of ``shape``: ``(shape[-1], *shape[:-1])``
+        (TE's ``Float8BlockQuantizer`` / ``NVFP4Quantizer`` answer; ``()`` for 0-d). The
+        constructors take it or its 2-D form ``[C, R]``. For MXFP8 TE answers ``shape`` (its
+        column-wise copy is not transposed); here every block format stores the transpose."""
+        dims = parse_shape(shape, f"{type(self).__name__}.get_columnwise_shape")
+        return (dims[-1], *dims[:-1]) if dims else ()
+
+    def _empty_payload(self, rows: int, cols: int, device: torch.device, pin_memory: bool) -> BlockPayload:
+        """An uninitialized payload of a ``[rows, cols]`` layout (data and block scales)."""
+        kw = {"device": device, "pin_memory": pin_memory}
+        data = torch.empty((rows, cols), dtype=self.fp8_dtype, **kw)
+        scale_inv = torch.empty(self.spec.scale_shape((rows, cols)), dtype=_SCALE_DTYPE[self.rule.kind], **kw)
+        return BlockPayload(data, scale_inv, self.spec)
+
+    def _make_empty(
+        self, dims: tuple[int, ...], dtype: torch.dtype, device: torch.device, *, requires_grad: bool, pin_memory: bool
+    ) -> QuantizedTensor:
+        if not (self.rowwise_usage or self.columnwise_usage):
+            raise ValueError(f"{type(self).__name__}.make_empty: neither rowwise nor columnwise usage is set")
+        r, c = flat_2d(dims)
+        row = self._empty_payload(r, c, device, pin_memory) if self.rowwise_usage else None
+        col = self._empty_payload(c, r, device, pin_memory) if self.columnwise_usage else None
+        return BlockScaledTensor(dims, dtype, row, col, self.recipe_name, requires_grad=requires_grad, quantizer=self)
+
+    def _can_store(self, dst: QuantizedTensor) -> bool:
+        return isinstance(dst, BlockScaledTensor) and dst.recipe_name == self.recipe_name
+
+    def _store(self, src: torch.Tensor, dst: QuantizedTensor) -> None:
+        assert isinstance(dst, BlockScaledTensor)
+        # Both copies from high precision (never one from the other), then into dst's buffers.
+        copy_payloads(dst, self._quantize_impl(src, transpose=dst._columnwise is not None))
 
     def stats(self) -> dict[str, float]:
         s = self.last_scale_inv

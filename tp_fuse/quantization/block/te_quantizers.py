@@ -40,13 +40,15 @@ class _BlockUsage(UsageMixin):
     ``set_usage`` asked for, both quantized from high precision."""
 
     def __call__(self, tensor: torch.Tensor) -> BlockScaledTensor:
-        """Quantize ``tensor`` into the copies set by ``set_usage`` (straight-through autograd)."""
+        """Quantize ``tensor`` into the copies set by ``set_usage`` (straight-through autograd);
+        the result keeps this quantizer (TE: ``quantize_`` re-quantizes with it)."""
         if not (self.rowwise_usage or self.columnwise_usage):
             raise ValueError(f"{type(self).__name__}: neither rowwise nor columnwise usage is set")
         q = self.quantize(tensor, transpose=self.columnwise_usage)  # type: ignore[attr-defined]
-        if self.rowwise_usage:
-            return q
-        return BlockScaledTensor(q.shape, q.dtype, None, q._columnwise, q.recipe_name)
+        if not self.rowwise_usage:
+            q.update_usage(rowwise_usage=False)
+        q._quantizer = self
+        return q
 
 
 class MXFP8Quantizer(_BlockUsage, BlockScalingQuantizer):

@@ -27,6 +27,7 @@ copies with its ``_quantizer`` -- the optimizer path of Float8Tensor.
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any, Optional
 
 import torch
@@ -38,9 +39,16 @@ from ..nvfp4.scaling import dequantize_nvfp4
 from ..quantized_tensor import QuantizedTensor, write_back_in_place
 from ..te_dtype import DType, te_dtype_of
 
-__all__ = ["BlockPayload", "BlockScaledTensor", "Float8BlockwiseQTensor", "MXFP8Tensor", "NVFP4Tensor"]
+__all__ = ["BlockPayload", "BlockScaledTensor", "Float8BlockwiseQTensor", "MXFP8Tensor", "NVFP4Tensor", "flat_2d"]
 
 aten = torch.ops.aten
+
+
+def flat_2d(shape: Any) -> tuple[int, int]:
+    """``(R, C)`` = ``(prod(shape[:-1]), shape[-1])``, the 2-D view block payloads hold; a
+    0-d tensor is ``(1, 1)`` (its one value), as in Transformer Engine."""
+    shape = tuple(shape)
+    return (math.prod(shape[:-1]), shape[-1]) if shape else (1, 1)
 
 
 @dataclasses.dataclass
@@ -116,20 +124,18 @@ class BlockScaledTensor(QuantizedTensor):
         shape = torch.Size(shape)
         if rowwise is None and columnwise is None:
             raise ValueError("BlockScaledTensor: expected a row-wise or a column-wise payload, got neither")
-        if len(shape) < 1:
-            raise ValueError("BlockScaledTensor: expected a tensor with >= 1 dims")
-        rows = shape[:-1].numel()
+        rows, cols = flat_2d(shape)
         ref = rowwise if rowwise is not None else columnwise
         assert ref is not None
-        if rowwise is not None and tuple(rowwise.shape) != (rows, shape[-1]):
+        if rowwise is not None and tuple(rowwise.shape) != (rows, cols):
             raise ValueError(
                 f"BlockScaledTensor: row-wise data shape {tuple(rowwise.shape)} does not match "
-                f"nominal shape {tuple(shape)} (expected {(rows, shape[-1])})"
+                f"nominal shape {tuple(shape)} (expected {(rows, cols)})"
             )
-        if columnwise is not None and tuple(columnwise.shape) != (shape[-1], rows):
+        if columnwise is not None and tuple(columnwise.shape) != (cols, rows):
             raise ValueError(
                 f"BlockScaledTensor: column-wise data shape {tuple(columnwise.shape)} does not match "
-                f"nominal shape {tuple(shape)} (expected {(shape[-1], rows)})"
+                f"nominal shape {tuple(shape)} (expected {(cols, rows)})"
             )
         if master is not None and (master.shape != shape or master.dtype != dtype):
             raise ValueError(
@@ -177,21 +183,32 @@ class BlockScaledTensor(QuantizedTensor):
             )
         return p
 
-    def dequantize(self, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
-        """High-precision value (row-wise copy, else the transposed column-wise copy).
-
-        Differentiable (identity backward) when this tensor requires grad.
-        """
-        if torch.is_grad_enabled() and self.requires_grad:
-            return _Dequantize.apply(self, dtype)
+    def _dequantize_plain(self, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+        """From the row-wise copy, else the transposed column-wise copy (``dequantize``)."""
         return _dequantize_impl(self, dtype)
 
     def transpose_fp8(self) -> "BlockScaledTensor":
         """The 2-D transpose ``[C, R]``: the column-wise copy becomes the row-wise one."""
-        rows = self.shape[:-1].numel()
-        return BlockScaledTensor(
-            (self.shape[-1], rows), self.dtype, self._columnwise, self._rowwise, self.recipe_name
-        )
+        rows, cols = flat_2d(self.shape)
+        return BlockScaledTensor((cols, rows), self.dtype, self._columnwise, self._rowwise, self.recipe_name)
+
+    def update_usage(self, rowwise_usage: Optional[bool] = None, columnwise_usage: Optional[bool] = None) -> None:
+        """TE's ``update_usage``: ``False`` drops that copy (in place, for this tensor
+        object); ``True`` requires it. A missing copy is not made from the other (block
+        scales are not transposition-invariant: it would quantize twice; TE raises too), and
+        dropping both would leave no data: both raise ValueError."""
+        keep_row = self._rowwise is not None if rowwise_usage is None else bool(rowwise_usage)
+        keep_col = self._columnwise is not None if columnwise_usage is None else bool(columnwise_usage)
+        for which, want in (("rowwise", keep_row), ("columnwise", keep_col)):
+            if want and getattr(self, "_" + which) is None:
+                raise ValueError(
+                    f"{type(self).__name__}.update_usage: {which}_usage=True, but this tensor has no {which} copy "
+                    "(quantize with that usage set; it is not derived from the other copy)"
+                )
+        if not (keep_row or keep_col):
+            raise ValueError(f"{type(self).__name__}.update_usage: expected at least one usage kept, got neither")
+        self._rowwise = self._rowwise if keep_row else None
+        self._columnwise = self._columnwise if keep_col else None
 
     def rowwise_only(self) -> "BlockScaledTensor":
         """The same tensor without its column-wise copy (what an fprop GEMM needs)."""
@@ -260,14 +277,26 @@ class BlockScaledTensor(QuantizedTensor):
                 "BlockScaledTensor: in-place update of a tensor without a quantizer (only FP8 "
                 "parameters made by quantized_model_init can be updated in place)"
             )
-        q = self._quantizer.quantize(value.detach(), transpose=self._columnwise is not None)
-        for which in ("_rowwise", "_columnwise"):
-            mine, new = getattr(self, which), getattr(q, which)
-            if mine is not None:
-                mine.data.copy_(new.data)
-                mine.scale_inv.copy_(new.scale_inv)
-                if mine.amax is not None:
-                    mine.amax.copy_(new.amax)
+        copy_payloads(self, self._quantizer.quantize(value.detach(), transpose=self._columnwise is not None))
+
+
+def copy_payloads(dst: BlockScaledTensor, src: BlockScaledTensor) -> None:
+    """Copy ``src``'s bytes, scales and amaxes into ``dst``'s existing copies, in place
+    (so aliases made by detach/view see them); ``src`` must hold each copy ``dst`` has."""
+    for which in ("_rowwise", "_columnwise"):
+        mine, new = getattr(dst, which), getattr(src, which)
+        if mine is None:
+            continue
+        if new is None or new.spec != mine.spec or tuple(new.scale_inv.shape) != tuple(mine.scale_inv.shape):
+            raise ValueError(
+                f"{type(dst).__name__}: cannot store the {which[1:]} copy of a {type(src).__name__} "
+                f"({'missing' if new is None else new.spec.describe()}) in one of blocks {mine.spec.describe()}"
+            )
+        mine.data.copy_(new.data)
+        mine.scale_inv.copy_(new.scale_inv)
+        if mine.amax is not None:
+            mine.amax.copy_(new.amax)
+        mine.e4m3_max = new.e4m3_max
 
 
 class MXFP8Tensor(BlockScaledTensor):
@@ -328,27 +357,6 @@ def _dequantize_impl(t: BlockScaledTensor, dtype: Optional[torch.dtype] = None) 
     return flat.reshape(t.shape).to(dtype or t.dtype)
 
 
-class _Dequantize(torch.autograd.Function):
-    """BlockScaledTensor -> plain tensor; straight-through (identity) backward.
-
-    ======== ============================ ======================
-             forward                      backward
-    ======== ============================ ======================
-    in       x: BlockScaledTensor [*]     grad_out: [*] (dtype)
-    out      y = data * scale_inv/block   grad_x = grad_out
-    ======== ============================ ======================
-    """
-
-    @staticmethod
-    def forward(ctx: Any, x: BlockScaledTensor, dtype: Optional[torch.dtype]) -> torch.Tensor:
-        ctx.nominal_dtype = x.dtype
-        return _dequantize_impl(x, dtype)
-
-    @staticmethod
-    def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return grad_out.to(ctx.nominal_dtype), None
-
-
 def _unwrap(x: Any) -> Any:
     return _dequantize_impl(x) if isinstance(x, BlockScaledTensor) else x
 
@@ -389,7 +397,7 @@ def _view(t: BlockScaledTensor, size: Any) -> Any:
             if s != -1:
                 known *= s
         size[size.index(-1)] = t.numel() // max(known, 1)
-    if len(size) >= 1 and size[-1] == t.shape[-1] and torch.Size(size).numel() == t.numel():
+    if len(size) >= 1 and t.dim() >= 1 and size[-1] == t.shape[-1] and torch.Size(size).numel() == t.numel():
         # Leading dimensions only: the 2-D payloads are unchanged.
         return _same(t, size)
     # Any other view would cut across blocks: compute in high precision.

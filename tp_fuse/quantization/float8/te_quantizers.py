@@ -19,17 +19,15 @@ re-quantize ``y`` with it; ``quantizer.copy()`` is TE's shallow copy.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from typing import Optional, Union
 
 import torch
 import torch.distributed as dist
 
-from ... import kernels
 from ...recipe import Float8CurrentScaling, Format, fp8_dtype_max
 from .tensor import Float8Tensor
 from ..te_dtype import DType, as_torch_dtype
-from ..quantizer import CurrentScalingQuantizer, Quantizer, UsageMixin, _amax, _with_transpose
+from ..quantizer import CurrentScalingQuantizer, Quantizer, UsageMixin, _amax, _cast, _with_transpose
 
 __all__ = ["DType", "Float8Quantizer", "Float8CurrentScalingQuantizer", "as_torch_dtype"]
 
@@ -51,53 +49,6 @@ class _UsageMixin(UsageMixin):
         out = self.quantize(tensor, transpose=self.columnwise_usage and tensor.dim() >= 2)  # type: ignore[attr-defined]
         out._quantizer = self
         return out
-
-    def _empty_scale_inv(self, device: torch.device) -> torch.Tensor:
-        return torch.ones((), dtype=torch.float32, device=device)
-
-    def make_empty(
-        self,
-        shape: Iterable[int],
-        *,
-        dtype: torch.dtype = torch.float32,
-        device: Optional[Union[torch.device, str]] = None,
-        requires_grad: bool = False,
-        pin_memory: bool = False,
-    ) -> Float8Tensor:
-        """A Float8Tensor of ``shape`` with uninitialized FP8 bytes (TE's ``make_empty``).
-
-        ``dtype``: its nominal high-precision dtype; ``device`` None: CUDA when available
-        (TE's default), else the CPU. Its scale is this quantizer's current one (1 for
-        current scaling, whose scale comes with the first ``quantize_``); it keeps this
-        quantizer, so ``t.quantize_(x)`` fills it.
-        """
-        try:
-            dims = tuple(int(n) for n in shape)
-        except TypeError:
-            raise ValueError(f"make_empty: shape must be an iterable of ints, got {shape!r}") from None
-        if any(n < 0 for n in dims):
-            raise ValueError(f"make_empty: shape must not have negative sizes, got {dims}")
-        if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point or dtype.itemsize < 2:
-            raise ValueError(f"make_empty: dtype must be a high-precision float dtype, got {dtype!r}")
-        if device is None:
-            device = "cuda" if torch.cuda.is_available() else "cpu"
-        device = torch.device(device)
-        data = torch.empty(dims, dtype=self.fp8_dtype, device=device, pin_memory=pin_memory)  # type: ignore[attr-defined]
-        return Float8Tensor(data, self._empty_scale_inv(device), dtype, requires_grad=requires_grad, quantizer=self)
-
-    def update_quantized(self, src: torch.Tensor, dst: Float8Tensor) -> Float8Tensor:
-        """Quantize ``src`` into ``dst``'s buffers in place; returns ``dst``."""
-        if not isinstance(dst, Float8Tensor) or dst.shape != src.shape:
-            raise ValueError(
-                f"update_quantized: expected a Float8Tensor of shape {tuple(src.shape)}, got "
-                f"{type(dst).__name__} {tuple(getattr(dst, 'shape', ()))}"
-            )
-        with torch.no_grad():
-            q = self._quantize_impl(src.detach())  # type: ignore[attr-defined]
-            dst._alias.generation += 1
-            dst._data.copy_(q._data.to(dst._data.dtype))
-            dst._scale_inv.copy_(q._scale_inv)
-        return dst
 
 
 class Float8Quantizer(_UsageMixin, Quantizer):
@@ -133,13 +84,10 @@ class Float8Quantizer(_UsageMixin, Quantizer):
         return Float8Quantizer(self.scale, self.amax, self.fp8_dtype, rowwise=self.rowwise_usage,
                                columnwise=self.columnwise_usage)
 
-    def _empty_scale_inv(self, device: torch.device) -> torch.Tensor:
-        return torch.reciprocal(self.scale.detach().reshape(()).to(device=device, dtype=torch.float32))
-
     def _quantize_impl(self, x: torch.Tensor, transpose: bool = False) -> Float8Tensor:
         with torch.no_grad():
             scale = self.scale.reshape(()).to(device=x.device)
-            data, data_t, amax = kernels.quantize(x.detach(), scale, self.fp8_dtype, transpose=transpose)
+            data, data_t, amax = _cast(x.detach(), scale, self.fp8_dtype, transpose=transpose)
             self.amax.copy_(torch.maximum(self.amax.reshape(()), amax.to(self.amax.device)).reshape(self.amax.shape))
             scale_inv = torch.reciprocal(scale)
         return _with_transpose(Float8Tensor(data, scale_inv, x.dtype), data_t)

@@ -37,7 +37,7 @@ from torch.utils._pytree import tree_map
 
 from ...kernels.fp8_emulation import fp8_to_float
 from ..quantized_tensor import QuantizedTensor, write_back_in_place
-from ..te_dtype import DType, te_dtype_of
+from ..te_dtype import DType, as_torch_dtype, te_dtype_of
 
 __all__ = ["Float8Tensor"]
 
@@ -52,30 +52,6 @@ def _dequantize_impl(t: "Float8Tensor", dtype: Optional[torch.dtype] = None) -> 
     return out.to(dtype or t.dtype)
 
 
-class _Dequantize(torch.autograd.Function):
-    """Float8Tensor -> plain high-precision tensor, differentiable.
-
-    ======== ===================== ======================
-             forward               backward
-    ======== ===================== ======================
-    in       x: Float8Tensor [*]   grad_out: [*] (dtype)
-    out      y = data * scale_inv  grad_x = grad_out
-    ======== ===================== ======================
-
-    The backward is the identity (straight-through): dequantization is the
-    representation of x, not a function of it.
-    """
-
-    @staticmethod
-    def forward(ctx: Any, x: "Float8Tensor", dtype: Optional[torch.dtype]) -> torch.Tensor:
-        ctx.nominal_dtype = x.dtype
-        return _dequantize_impl(x, dtype)
-
-    @staticmethod
-    def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return grad_out.to(ctx.nominal_dtype), None
-
-
 class Float8Tensor(QuantizedTensor):
     """FP8 data with a per-tensor scale, behaving like a high-precision tensor.
 
@@ -85,7 +61,14 @@ class Float8Tensor(QuantizedTensor):
         dtype: nominal high-precision dtype reported by ``.dtype``.
         requires_grad: autograd flag of the wrapper.
         master: high-precision master copy (FP8 parameters only).
-        quantizer: quantizer that re-quantizes ``master`` (FP8 parameters only).
+        quantizer: the quantizer ``quantize_`` (and, for FP8 parameters, in-place
+            updates of ``master``) re-quantize with.
+
+    Transformer Engine's keyword form is accepted too:
+    ``Float8Tensor(shape=, dtype=, data=uint8 bytes, fp8_dtype=DType..., fp8_scale_inv=,
+    data_transpose=, quantizer=, requires_grad=)``. The uint8 bytes are *viewed* as
+    ``fp8_dtype`` (no copy): ``_data`` then holds the FP8 dtype over the same memory,
+    where TE's ``_data`` stays uint8 (``t._data.view(torch.uint8)`` gives TE's view).
     """
 
     _data: torch.Tensor
@@ -102,26 +85,49 @@ class Float8Tensor(QuantizedTensor):
     @staticmethod
     def __new__(
         cls,
-        data: torch.Tensor,
-        scale_inv: torch.Tensor,
-        dtype: torch.dtype,
+        data: Optional[torch.Tensor] = None,
+        scale_inv: Optional[torch.Tensor] = None,
+        dtype: Optional[torch.dtype] = None,
         *,
         requires_grad: bool = False,
         master: Optional[torch.Tensor] = None,
         quantizer: Any = None,
         _alias: Optional["_AliasState"] = None,
+        shape: Any = None,
+        fp8_dtype: Any = None,
+        fp8_scale_inv: Optional[torch.Tensor] = None,
+        data_transpose: Optional[torch.Tensor] = None,
+        device: Any = None,
     ) -> "Float8Tensor":
+        if data is None:
+            raise ValueError(
+                "Float8Tensor data: expected the row-wise FP8 bytes (a tensor holding only data_transpose, "
+                "as TE allows, is not supported)"
+            )
+        if fp8_scale_inv is not None:
+            if scale_inv is not None:
+                raise ValueError("Float8Tensor: expected scale_inv or fp8_scale_inv (TE's name), got both")
+            scale_inv = fp8_scale_inv
+        if scale_inv is None:
+            raise ValueError("Float8Tensor scale_inv: expected a one-element fp32 tensor, got None")
+        dtype = torch.float32 if dtype is None else dtype  # TE's default nominal dtype
+        data = _as_fp8(data, fp8_dtype, "data")
+        if shape is not None and tuple(torch.Size([shape] if isinstance(shape, int) else shape)) != tuple(data.shape):
+            raise ValueError(f"Float8Tensor shape: expected the data's shape {tuple(data.shape)}, got {shape!r}")
+        if device is not None and torch.device(device).type != data.device.type:
+            raise ValueError(f"Float8Tensor device: expected the data's device {data.device}, got {device!r}")
+        if scale_inv.device != data.device:
+            # TE's tests pass a CPU scale with CUDA data; every op here reads both on one device.
+            scale_inv = scale_inv.to(data.device)
         if data.dtype not in _FP8_DTYPES:
-            raise ValueError(f"Float8Tensor data: expected one of {_FP8_DTYPES}, got {data.dtype}")
+            raise ValueError(f"Float8Tensor data: expected one of {_FP8_DTYPES} (or uint8 with fp8_dtype=), got {data.dtype}")
         if scale_inv.numel() != 1 or scale_inv.dtype != torch.float32:
             raise ValueError(
                 "Float8Tensor scale_inv: expected a one-element fp32 tensor, got "
                 f"shape {tuple(scale_inv.shape)} dtype {scale_inv.dtype}"
             )
-        if not dtype.is_floating_point or dtype in _FP8_DTYPES:
-            raise ValueError(
-                f"Float8Tensor dtype: expected a high-precision float dtype, got {dtype}"
-            )
+        if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point or dtype in _FP8_DTYPES:
+            raise ValueError(f"Float8Tensor dtype: expected a high-precision float dtype, got {dtype}")
         if master is not None and (master.shape != data.shape or master.dtype != dtype):
             raise ValueError(
                 f"Float8Tensor master: expected shape {tuple(data.shape)} dtype {dtype}, "
@@ -142,7 +148,23 @@ class Float8Tensor(QuantizedTensor):
         self._quantizer = quantizer
         self._alias = _alias if _alias is not None else _AliasState()
         self._transpose_cache = None
+        if data_transpose is not None:
+            self._seed_transpose(_as_fp8(data_transpose, fp8_dtype, "data_transpose"))
         return self
+
+    def _seed_transpose(self, data_t: torch.Tensor) -> None:
+        """Use ``data_t`` (TE's ``data_transpose``: ``[shape[-1], prod(shape[:-1])]``) as the
+        transpose cache; checked against the shape :meth:`transpose_data` would make."""
+        rows = self._data.shape[:-1].numel() if self.dim() >= 1 else 1
+        expected = (self._data.shape[-1], rows) if self.dim() >= 2 else None
+        if expected is None or tuple(data_t.shape) != expected or data_t.dtype != self._data.dtype:
+            raise ValueError(
+                f"Float8Tensor data_transpose: expected {self._data.dtype} of shape {expected} (a tensor with "
+                f">= 2 dims), got {data_t.dtype} of shape {tuple(data_t.shape)}"
+            )
+        key = self.transpose_cache_key()
+        if key is not None:
+            self._transpose_cache = (key, data_t.contiguous())
 
     @classmethod
     def from_parts(
@@ -173,39 +195,18 @@ class Float8Tensor(QuantizedTensor):
         """Quantizer that re-quantizes the master (FP8 parameters), else None."""
         return self._quantizer
 
-    def quantize_(self, tensor: torch.Tensor, *, noop_flag: Optional[torch.Tensor] = None) -> "Float8Tensor":
-        """Quantize ``tensor`` into this tensor's buffers with its quantizer (TE's
-        ``QuantizedTensor.quantize_``); returns ``self``.
+    def update_usage(self, rowwise_usage: Optional[bool] = None, columnwise_usage: Optional[bool] = None) -> None:
+        """TE's ``update_usage``: ``columnwise_usage=True`` makes the transposed bytes now
+        (cached, :meth:`transpose_data`), ``False`` drops them. The row-wise bytes are this
+        tensor's storage and stay (TE frees them on ``rowwise_usage=False``; the values are
+        the same either way)."""
+        if columnwise_usage and self.dim() >= 2:
+            self.transpose_data()
+        elif columnwise_usage is False:
+            self._transpose_cache = None
 
-        A quantized ``tensor`` is dequantized first. ``noop_flag`` (one-element tensor):
-        nonzero skips the update, as in TE. Raises ValueError when this tensor has no
-        quantizer (TE: it was neither made by a quantizer nor given one). FP8 parameters
-        update their master copy too (the ``copy_`` path).
-        """
-        if self._quantizer is None:
-            raise ValueError(
-                "Float8Tensor.quantize_: this tensor has no quantizer (make it with a quantizer, "
-                "e.g. Float8Quantizer(...)(x) or .make_empty(shape))"
-            )
-        if noop_flag is not None and bool(noop_flag.reshape(-1)[0] != 0):
-            return self
-        if isinstance(tensor, QuantizedTensor):
-            tensor = tensor.dequantize()
-        if tuple(tensor.shape) != tuple(self.shape):
-            raise ValueError(
-                f"Float8Tensor.quantize_: expected a tensor of shape {tuple(self.shape)}, got {tuple(tensor.shape)}"
-            )
-        with torch.no_grad():
-            self.copy_(tensor)
-        return self
-
-    def dequantize(self, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
-        """Plain tensor ``data * scale_inv`` in ``dtype`` (default: nominal dtype).
-
-        Differentiable (identity backward) when this tensor requires grad.
-        """
-        if torch.is_grad_enabled() and self.requires_grad:
-            return _Dequantize.apply(self, dtype)
+    def _dequantize_plain(self, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+        """``data * scale_inv`` (``dequantize``)."""
         return _dequantize_impl(self, dtype)
 
     def transpose_data(self) -> torch.Tensor:
@@ -314,6 +315,21 @@ class Float8Tensor(QuantizedTensor):
         fp8_max = float(torch.finfo(self.fp8_dtype).max)
         scaled = value.detach().to(torch.float32) / self._scale_inv
         self._data.copy_(scaled.clamp(-fp8_max, fp8_max).to(self.fp8_dtype))
+
+
+def _as_fp8(data: torch.Tensor, fp8_dtype: Any, what: str) -> torch.Tensor:
+    """``data`` as an FP8 tensor: TE's uint8 bytes are viewed (no copy, bit-exact) as
+    ``fp8_dtype`` (a ``DType`` or torch FP8 dtype), which they then require."""
+    want = None if fp8_dtype is None else as_torch_dtype(fp8_dtype, "Float8Tensor fp8_dtype")
+    if want is not None and want not in _FP8_DTYPES:
+        raise ValueError(f"Float8Tensor fp8_dtype: expected one of {_FP8_DTYPES}, got {fp8_dtype!r}")
+    if data.dtype == torch.uint8:
+        if want is None:
+            raise ValueError(f"Float8Tensor {what}: uint8 bytes (TE's storage) need fp8_dtype= to say their format")
+        return data.view(want)
+    if want is not None and data.dtype != want:
+        raise ValueError(f"Float8Tensor {what}: dtype {data.dtype} does not match fp8_dtype {want}")
+    return data
 
 
 class _AliasState:

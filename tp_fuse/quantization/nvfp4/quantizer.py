@@ -29,7 +29,7 @@ from tp_fuse.comm.nccl_rules import check_collective
 from ...recipe import FP4_DTYPE, NVFP4BlockScaling
 from ..block.quantizer import BlockScalingQuantizer
 from ..block.scaling import ScaleRule
-from ..block.tensor import BlockPayload, BlockScaledTensor
+from ..block.tensor import BlockPayload, BlockScaledTensor, flat_2d
 from .scaling_4over6 import E4M3_MAXES, ERR_MODES, transpose_nvfp4_2d
 from .cast import quantize_nvfp4_layout
 from .scaling import NVFP4_BLOCK, NVFP4_BLOCK_2D, _check_cols, apply_rht
@@ -165,7 +165,10 @@ class NVFP4Quantizer(UsageMixin, BlockScalingQuantizer):
         if not (self.rowwise_usage or self.columnwise_usage):
             raise ValueError("NVFP4Quantizer: neither rowwise nor columnwise usage is set")
         q = self.quantize(tensor, transpose=self.columnwise_usage)
-        return q if self.rowwise_usage else _without_rowwise(q)
+        if not self.rowwise_usage:
+            q.update_usage(rowwise_usage=False)
+        q._quantizer = self
+        return q
 
     def can_use_quantized(self, x: torch.Tensor, *, transpose: bool = False) -> bool:
         """As the block quantizers, except that with the RHT a given column-wise copy
@@ -193,16 +196,14 @@ class NVFP4Quantizer(UsageMixin, BlockScalingQuantizer):
         """
         world = dist.get_world_size(group) if group is not None and dist.is_initialized() else 1
         rank = dist.get_rank(group) if world > 1 else 0
-        rows = x.shape[:-1].numel() if x.dim() >= 1 else 0
+        rows = flat_2d(x.shape)[0]
         return self._quantize(x, transpose, group if world > 1 else None, row_offset=rank * rows)
 
     def _quantize(
         self, x: torch.Tensor, transpose: bool, group: Optional[dist.ProcessGroup], *, row_offset: int
     ) -> BlockScaledTensor:
         with torch.no_grad():
-            if x.dim() < 1:
-                raise ValueError("NVFP4Quantizer.quantize: expected a tensor with >= 1 dims, got 0-d")
-            x2d = x.detach().reshape(-1, x.shape[-1])
+            x2d = x.detach().reshape(flat_2d(x.shape))
             row_amax = _amax(x2d)
             col_src = col_amax = None
             if transpose:
@@ -246,6 +247,20 @@ class NVFP4Quantizer(UsageMixin, BlockScalingQuantizer):
             self.last_amax = row_amax
         return BlockScaledTensor(x.shape, x.dtype, rowwise, columnwise, self.recipe_name)
 
+    def _empty_payload(self, rows: int, cols: int, device: torch.device, pin_memory: bool) -> BlockPayload:
+        """An uninitialized NVFP4 payload of a ``[rows, cols]`` layout: FP4 data packed two
+        values per byte ``[rows, cols/2]``, E4M3 block scales, a 0-d fp32 amax (zero)."""
+        if cols % 16:
+            raise ValueError(
+                f"NVFP4Quantizer.make_empty: a [{rows}, {cols}] layout (the column-wise copy is the transpose); the "
+                "quantized (last) dimension must be a multiple of 16 (one E4M3 scale per 16 values)"
+            )
+        kw = {"device": device, "pin_memory": pin_memory}
+        data = torch.empty((rows, cols // 2), dtype=FP4_DTYPE, **kw)
+        scale_inv = torch.empty(self.spec.scale_shape((rows, cols)), dtype=torch.float8_e4m3fn, **kw)
+        amax = torch.zeros((), dtype=torch.float32, device=device)
+        return BlockPayload(data, scale_inv, self.spec, amax, float(self.nvfp4_e4m3_max))
+
     def _format(self) -> Optional[tuple[int, str]]:
         """``(e4m3_max, err_mode)`` when this quantizer uses 4over6, else None."""
         return (self.nvfp4_e4m3_max, self.nvfp4_4over6_err_mode) if self.nvfp4_use_4over6 else None
@@ -282,10 +297,6 @@ def _reduce_max(
     dist.all_reduce(buf, op=dist.ReduceOp.MAX, group=group)
     return (buf[0], buf[1] if col_amax is not None else None,
             buf[2].to(torch.int64) if seed is not None else None)
-
-
-def _without_rowwise(t: BlockScaledTensor) -> BlockScaledTensor:
-    return BlockScaledTensor(t.shape, t.dtype, None, t._columnwise, t.recipe_name)
 
 
 register_recipe_quantizer(NVFP4BlockScaling, NVFP4Quantizer.for_role)
