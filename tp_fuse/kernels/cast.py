@@ -13,7 +13,7 @@ from typing import Optional
 import torch
 
 from . import dispatch
-from ._common import abs_max, check_float, check_fp8_dtype, check_scale, fp8_cast, rows_2d, triton_dtype_issue
+from ._common import abs_max, as_shape, check_float, check_fp8_dtype, check_scale, fp8_cast, rows_2d, triton_dtype_issue
 
 __all__ = ["quantize"]
 
@@ -89,4 +89,4 @@ def _quantize_torch(
     x2 = rows_2d(x)  # [rows, cols]
     data = fp8_cast(x2, scale, fp8_dtype).contiguous()  # elementwise ops keep x's strides
     data_t = data.t().contiguous() if transpose else None  # [cols, rows]
-    return data.reshape(x.shape), data_t, abs_max(x) if with_amax else None
+    return as_shape(data, x.shape), data_t, abs_max(x) if with_amax else None

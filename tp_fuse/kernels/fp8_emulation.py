@@ -96,9 +96,13 @@ def cpu_fp8_gemm_path() -> str:
 
 
 def _decode_operand(mat: torch.Tensor, acc_dtype: torch.dtype) -> torch.Tensor:
-    # Decode in the operand's storage order: a column-major mat2 [K, N] (the transpose of
-    # a row-major [N, K] weight) is decoded as that [N, K] and transposed back as a view,
-    # with no transpose copy of the FP8 bytes; torch.mm reads either layout.
+    if mat.dtype == torch.float8_e5m2 or mat.numel() <= _NATIVE_E4M3_MAX_NUMEL:
+        # torch's cast (the faster one here, see _NATIVE_E4M3_MAX_NUMEL) keeps the
+        # operand's layout, and torch.mm reads either: one op, no transposes.
+        return mat.to(acc_dtype)
+    # The table decodes contiguous bytes: decode in the operand's storage order. A
+    # column-major mat2 [K, N] (the transpose of a row-major [N, K] weight) is decoded as
+    # that [N, K] and transposed back as a view, with no transpose copy of the FP8 bytes.
     if not mat.is_contiguous() and mat.t().is_contiguous():
         return fp8_to_float(mat.t(), acc_dtype).t()
     return fp8_to_float(mat, acc_dtype)

@@ -131,8 +131,8 @@ def _fp8_gemm_torch(
     pre = scaled_mm(
         a,
         b.t(),
-        scale_a.reshape(()),
-        scale_b.reshape(()),
+        scale_a if scale_a.dim() == 0 else scale_a.reshape(()),
+        scale_b if scale_b.dim() == 0 else scale_b.reshape(()),
         gemm_dtype,
         bias=(bias if not cuda else bias.to(out_dtype)) if fused_bias else None,
         cpu_path=cpu_path,

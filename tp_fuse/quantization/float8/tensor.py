@@ -143,7 +143,7 @@ class Float8Tensor(QuantizedTensor):
             requires_grad=requires_grad,
         )
         self._data = data
-        self._scale_inv = scale_inv.reshape(())
+        self._scale_inv = scale_inv if scale_inv.dim() == 0 else scale_inv.reshape(())
         self._master = master
         self._quantizer = quantizer
         self._alias = _alias if _alias is not None else _AliasState()
