@@ -46,8 +46,10 @@ def _model_dir(root, *, weights: bool, seed: int = 0, kv_heads: int = 2, family:
     os.makedirs(path, exist_ok=True)
     config_cls, model_cls = {"llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
                              "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
-                             "phi3": (transformers.Phi3Config, transformers.Phi3ForCausalLM)}[family]
-    special = {"pad_token_id": 0, "bos_token_id": 0, "eos_token_id": 0} if family == "phi3" else {}
+                             "phi3": (transformers.Phi3Config, transformers.Phi3ForCausalLM),
+                             "olmo2": (transformers.Olmo2Config, transformers.Olmo2ForCausalLM)}[family]
+    # Their default special token ids (32000, 50279) lie outside the tiny vocabulary.
+    special = {"pad_token_id": 0, "bos_token_id": 0, "eos_token_id": 0} if family in ("phi3", "olmo2") else {}
     cfg = config_cls(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                      num_attention_heads=4, num_key_value_heads=kv_heads, max_position_embeddings=64,
                      **special, **config)
@@ -123,6 +125,30 @@ def test_torchrun_hf_qwen3_tp2_matches_tp1(tmp_path):
                     env={"HOME": str(tmp_path / "home")})
     out = proc.stdout + proc.stderr
     assert "q_norm.weight (x2): replicated, used on TP-sharded activations" in out, out[-3000:]
+    assert "verified: outputs and every gradient match the original" in out, out[-3000:]
+    tp2 = {m["step"]: m["loss"] for m in read_jsonl(os.path.join(tmp_path / "run", "metrics.jsonl"))}
+    tp1 = train([*args, "parallel.tp=1"], str(tmp_path / "run1")).losses
+    assert sorted(tp2) == list(range(1, 13))
+    for step in range(1, 13):  # float32 reduction order only
+        assert tp2[step] == pytest.approx(tp1[step], rel=1e-4), (step, tp2, tp1)
+
+
+@pytest.mark.multirank
+def test_torchrun_hf_olmo2_tp2_matches_tp1(tmp_path):
+    """OLMo2 through the launcher (issue 22): its q_norm/k_norm normalise the whole q/k
+    projection (all heads), so its plan shards them with the heads ("sharded_norm": weight
+    split, mean of squares summed over TP). TP=2 (start-up verify on) matches TP=1 over 12
+    steps from the same safetensors weights."""
+    model_dir = _model_dir(tmp_path / "model", weights=True, seed=5, family="olmo2", initializer_range=0.3)
+    args = ["+model=hf", f"model.path={model_dir}", "data.seq_len=32", "trainer.global_batch_size=4",
+            "trainer.micro_batch_size=4", "trainer.max_steps=12", "trainer.log_interval=1", "trainer.val_interval=0",
+            "logger=none", "trainer.progress=false", "optim.warmup_steps=1", "optim.lr=3e-3"]
+    os.makedirs(tmp_path / "run")
+    proc = torchrun([*args, "parallel.tp=2", f"hydra.run.dir={tmp_path / 'run'}"], cwd=str(tmp_path / "run"),
+                    env={"HOME": str(tmp_path / "home")})
+    out = proc.stdout + proc.stderr
+    assert "plan for model_type 'olmo2'" in out, out[-3000:]
+    assert "sharded norm (weight split with the features, statistics summed over TP)" in out, out[-3000:]
     assert "verified: outputs and every gradient match the original" in out, out[-3000:]
     tp2 = {m["step"]: m["loss"] for m in read_jsonl(os.path.join(tmp_path / "run", "metrics.jsonl"))}
     tp1 = train([*args, "parallel.tp=1"], str(tmp_path / "run1")).losses

@@ -13,6 +13,13 @@ fails on the shapes, and one normalising each rank's slice alone is silently wro
 * refused with one message: a plan that shards OLMo2's attention but leaves the
   full-width norms replicated (the llama plan), ``sharded_norm`` on a norm whose input is
   not sharded, and on a norm class whose formula it does not reproduce.
+* the general rule behind the first (any model, found by the trace): a LayerNorm/RMSNorm-
+  like module over the full width of a projection the plan shards, entered with its
+  sharded output but left replicated, is refused naming the module and the fix -- on a
+  plain model at its first forward (every forward after too) or in ``wrap`` with a probe,
+  on an OLMo2-like model of no known family (the llama plan) in ``wrap``; a weightless
+  norm that would compute wrong numbers silently is refused alike; the same plain model
+  with the norm as ``sharded_norm`` matches the unwrapped one.
 """
 
 from __future__ import annotations
@@ -101,7 +108,68 @@ def refusals(rank: int, world: int) -> Any:
     }
 
 
-_CASES = {"builtin": builtin, "refusals": refusals}
+class NormAfterColumn(nn.Module):
+    """``down(norm(up(x)))``: the norm sees all 16 features of the column-parallel ``up``."""
+
+    def __init__(self, norm: nn.Module) -> None:
+        super().__init__()
+        self.up, self.norm, self.down = nn.Linear(8, 16), norm, nn.Linear(16, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(self.norm(self.up(x)))
+
+
+class WeightlessRMSNorm(nn.Module):
+    """An RMSNorm written out by hand, no weight: replicated on each rank's 8 features it
+    would run without any shape error and give wrong numbers (statistics of the slice)."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.normalized_shape = (width,)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
+
+
+def replicated_norms(rank: int, world: int) -> Any:
+    from tp_fuse.layers import wrap
+    from tp_fuse.layers.wrap.hf_plans import FAMILIES
+
+    group = dist.new_group([0, 1])
+    plan = {"up": "column", "down": "row"}
+    x = torch.randn(2, 3, 8, generator=torch.Generator().manual_seed(7))
+
+    def plain(norm: nn.Module) -> nn.Module:
+        torch.manual_seed(0)
+        return NormAfterColumn(norm)
+
+    def first_forward(norm: nn.Module) -> list[str]:
+        model = wrap(plain(norm), group, plan=plan, verbose=False)  # no probe: traced at the first forward
+        return [_error(lambda: model(x)) for _ in range(2)]
+
+    out: dict[str, Any] = {
+        "rmsnorm_first_forward": first_forward(nn.RMSNorm(16)),
+        "weightless_first_forward": first_forward(WeightlessRMSNorm(16)),
+        "layernorm_first_forward": first_forward(nn.LayerNorm(16)),
+        "rmsnorm_probe": _error(lambda: wrap(plain(nn.RMSNorm(16)), group, plan=plan, verify=x, verbose=False)),
+    }
+    # An OLMo2-like model of no built-in family (so no family check): only the trace sees it.
+    olmo_like = _olmo2()
+    olmo_like.config.model_type = "my_olmo2_fork"
+    out["olmo2_like_llama_plan"] = _error(lambda: wrap(olmo_like, group, plan=FAMILIES["llama"].plan_for(
+        olmo_like.config), verbose=False))
+    # Accepted: the norm sharded with the features.
+    ref = plain(nn.RMSNorm(16))
+    with torch.no_grad():
+        ref.norm.weight.add_(0.1 * torch.randn(16, generator=torch.Generator().manual_seed(2)))
+    model = wrap(copy.deepcopy(ref), group, plan={**plan, "norm": "sharded_norm"}, verbose=False)
+    out["sharded_ok_rel"] = float((model(x) - ref(x)).abs().max() / ref(x).abs().max())
+    model = wrap(copy.deepcopy(ref), group, plan={**plan, "norm": "sharded_norm"}, verify=x, verbose=False)
+    out["sharded_verified"] = model.tp_fuse_wrap_report.verified
+    return out
+
+
+_CASES = {"builtin": builtin, "refusals": refusals, "replicated_norms": replicated_norms}
 
 
 @pytest.fixture(scope="module")
@@ -134,3 +202,28 @@ def test_olmo2_refusals_are_one_clear_message(results) -> None:
     assert "post_attention_layernorm: plan style 'sharded_norm'" in msg and "input is not TP-sharded" in msg, msg
     msg = v["layernorm"]
     assert "norm: plan style 'sharded_norm' needs a torch.nn.RMSNorm" in msg and "got LayerNorm" in msg, msg
+
+
+def test_replicated_full_width_norm_refused_with_the_fix(results) -> None:
+    v = case_values(results, "replicated_norms")[0]
+    for key in ("rmsnorm_first_forward", "weightless_first_forward", "layernorm_first_forward"):
+        first, again = v[key]
+        assert first.startswith("wrap: the first forward of the wrapped model shows it cannot be correct:"), first
+        assert first.count("\n  - ") == 1, first  # one problem, one line
+        assert "norm: this " in first and "normalises over 16 features, the full output width of up" in first, first
+        assert "each rank would normalise only its own 8 features" in first, first
+        assert again == first, (key, again)  # still refused, never silently run
+    assert "Add 'norm' to the plan as 'sharded_norm'" in v["rmsnorm_first_forward"][0]
+    assert "Add 'norm' to the plan as 'sharded_norm'" in v["weightless_first_forward"][0] or \
+        "shards only RMSNorms" in v["weightless_first_forward"][0]
+    msg = v["layernorm_first_forward"][0]
+    assert "shards only RMSNorms" in msg and "not a LayerNorm" in msg and "leave up unsharded" in msg, msg
+    msg = v["rmsnorm_probe"]
+    assert msg.startswith("wrap: cannot convert the model:") and "norm: this RMSNorm normalises over 16" in msg, msg
+    msg = v["olmo2_like_llama_plan"]
+    assert msg.startswith("wrap: cannot convert the model:"), msg
+    assert "model.layers.*.self_attn.q_norm: this Olmo2RMSNorm normalises over 32 features" in msg, msg
+    assert "model.layers.*.self_attn.k_norm: this Olmo2RMSNorm normalises over 16 features" in msg, msg
+    assert "Add 'model.layers.*.self_attn.q_norm' to the plan as 'sharded_norm'" in msg, msg
+    assert v["sharded_ok_rel"] < 1e-6, v["sharded_ok_rel"]
+    assert v["sharded_verified"]

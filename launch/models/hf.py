@@ -42,10 +42,12 @@ __all__ = ["read_hf_config", "gpt_fields", "check_weight_files", "parameter_coun
            "build_hf_model", "CausalLMLoss"]
 
 # Families with a SwiGLU MLP and RMSNorm (the others: GELU and LayerNorm).
-_SWIGLU_RMSNORM = ("llama", "mistral", "qwen2", "qwen3", "phi3")
+_SWIGLU_RMSNORM = ("llama", "mistral", "qwen2", "qwen3", "phi3", "olmo2")
 # The families +model=hf takes: gpt_fields reads their config.json spellings (wrap's other
 # built-in families, tp_fuse.layers.wrap.hf_plans.FAMILIES, work through the API).
-LAUNCHER_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gpt_neox", "gpt2")
+# OLMo2's config.json uses the llama spellings; its full-width q/k norms are sharded by its
+# plan (plan style "sharded_norm"), nothing launcher-side differs.
+LAUNCHER_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "olmo2", "gpt_neox", "gpt2")
 
 #: Upper bounds on config.json sizes. Each is far above any published decoder (hidden
 #: 25600, vocabulary 262144, 126 layers, FFN 73728, 128 heads) and far below what

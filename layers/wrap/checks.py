@@ -12,17 +12,25 @@
   silently unties them (``lm_head`` ``[V/tp, h]`` while the embedding stays ``[V, h]``).
 * :func:`attention_converted` -- whether a plan shards any attention projection (a
   family's head checks then apply to an explicit plan too).
+* :func:`replicated_norm_check` -- for the trace (``tp_fuse.layers.wrap.trace``): a
+  LayerNorm/RMSNorm-like module over the full width of a projection the plan shards,
+  entered with a TP-sharded input but left replicated. Each rank would normalise only its
+  slice of the features with that slice's statistics: a shape error at best (the weight
+  or ``normalized_shape`` is full width), wrong numbers silently at worst (a norm that
+  broadcasts or has no weight). It must be sharded with the features (plan style
+  ``"sharded_norm"``, RMSNorms) or its block left unsharded.
 """
 
 from __future__ import annotations
 
 import re
 from collections.abc import Iterable, Mapping
-from typing import Any
+from typing import Any, Callable, Optional
 
 import torch
 
-__all__ = ["collapse", "expert_problems", "tied_problems", "attention_converted", "name_pattern"]
+__all__ = ["collapse", "expert_problems", "tied_problems", "attention_converted", "name_pattern",
+           "norm_width", "replicated_norm_check"]
 
 # A numeric component of a module path (``layers.3`` / ``h.0`` / ``local_experts.12``),
 # not a decimal number in the message (``0.5``): a letter or underscore before the dot.
@@ -101,3 +109,86 @@ def attention_converted(model: torch.nn.Module, columns: Iterable[str]) -> bool:
         if "Attention" in cls or re.search(r"attn|attention", parent, re.IGNORECASE):
             return True
     return False
+
+
+# Norms over something else than the last (feature) dim: batch / instance / group norms
+# normalise per channel (dim 1), a TP-sharded feature dim is not what they reduce over.
+_OTHER_NORMS: tuple[type, ...] = (torch.nn.modules.batchnorm._NormBase, torch.nn.GroupNorm,
+                                  torch.nn.LocalResponseNorm)
+
+
+def norm_width(m: torch.nn.Module) -> Optional[int]:
+    """The number of features a LayerNorm/RMSNorm-like module normalises over, or None if
+    ``m`` is not one (or its width cannot be read).
+
+    Norm-like: ``nn.LayerNorm`` / ``nn.RMSNorm``, or any class whose name contains
+    ``Norm`` (Hugging Face ``LlamaRMSNorm``, ``Olmo2RMSNorm``, Apex/Megatron fused norms)
+    other than the batch/instance/group norms. Its width: a one-dimensional
+    ``normalized_shape`` (torch's norms, with or without a weight), else a one-dimensional
+    ``weight`` (Hugging Face RMSNorms keep no shape besides it).
+    """
+    if isinstance(m, _OTHER_NORMS) or "Norm" not in type(m).__name__:
+        return None
+    shape = getattr(m, "normalized_shape", None)
+    if isinstance(shape, int) and not isinstance(shape, bool):
+        return shape
+    if isinstance(shape, (tuple, list, torch.Size)):
+        # Over several dims (nn.LayerNorm((heads, head_dim))): not a width to compare.
+        return int(shape[0]) if len(shape) == 1 else None
+    w = getattr(m, "weight", None)
+    if isinstance(w, torch.Tensor) and w.dim() == 1:
+        return int(w.shape[0])
+    return None
+
+
+def replicated_norm_check(widths: Mapping[int, list[str]], tp: int, shardable: Callable[[torch.nn.Module], bool],
+                          shardable_names: Iterable[str] = ()
+                          ) -> Callable[[str, torch.nn.Module, torch.Tensor, bool], Optional[str]]:
+    """A ``module_check`` for the trace: the problem line for a replicated norm entered
+    with a TP-sharded input ``x`` whose width is the full width of a sharded projection.
+
+    ``widths``: ``{full output width: the column-parallel modules with it}`` (a fused
+    projection's parts too); the message names the one nearest the norm (longest common
+    module path: the same layer's projection, not layer 0's). The norm is flagged when
+    its width is one of them AND ``x``'s last dim is that width (the original model) or
+    its ``1/tp`` slice (the wrapped model): the sharded features are then, as far as
+    shapes tell (the trace does not follow which dim is sharded), the ones it normalises.
+    A per-head norm (Qwen3's ``q_norm``, ``[head_dim]`` on ``[.., heads, head_dim]``
+    sharded by heads) has a width no projection has (every rank holds whole heads, so
+    ``heads * head_dim > head_dim``), and stays replicated with its gradient summed (the
+    trace's sync).
+    ``shardable(m)``: whether plan style ``"sharded_norm"`` can convert ``m``
+    (``shardable_names``: those classes, for the message).
+    """
+
+    def check(name: str, m: torch.nn.Module, x: torch.Tensor, local: bool) -> Optional[str]:
+        width = norm_width(m)
+        if width is None or width not in widths or x.dim() == 0:
+            return None
+        if x.shape[-1] != (width // tp if local else width):
+            return None
+        column = max(widths[width], key=lambda c: (_common_prefix(c, name), -widths[width].index(c)))
+        cls = type(m).__name__
+        why = (f"{name}: this {cls} normalises over {width} features, the full output width of {column}, which the "
+               f"plan shards; its input is TP-sharded but the plan leaves it replicated, so each rank would "
+               f"normalise only its own {width // tp} features with their statistics alone (wrong numbers, or a "
+               f"shape error). ")
+        if shardable(m):
+            return why + (f"Add {name_pattern(name)!r} to the plan as 'sharded_norm' (weight split with the "
+                          f"features, statistics summed over TP)")
+        supported = ", ".join(["nn.RMSNorm", *shardable_names])
+        return why + (f"Plan style 'sharded_norm' shards only RMSNorms ({supported}), not a {cls}: leave "
+                      f"{name_pattern(column)} unsharded (take it out of the plan, or exclude the block that holds "
+                      f"both)")
+
+    return check
+
+
+def _common_prefix(a: str, b: str) -> int:
+    """How many leading module-path components ``a`` and ``b`` share."""
+    n = 0
+    for x, y in zip(a.split("."), b.split(".")):
+        if x != y:
+            break
+        n += 1
+    return n

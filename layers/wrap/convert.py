@@ -83,7 +83,7 @@ from tp_fuse.recipe import Recipe
 from ..grad_sync import sync_sequence_parallel_grad
 from ..parallel_linear import ColumnParallelLinear, RowParallelLinear
 from ..sharding import ShardSpec, set_shard_spec, shard_tensor, tp_rank_and_size
-from .checks import attention_converted, collapse, expert_problems, tied_problems
+from .checks import attention_converted, collapse, expert_problems, replicated_norm_check, tied_problems
 from .heads import attention_modules, head_problems, localize_heads
 from .modules import HF_RMS_NORMS, MegatronLinearAdapter, ParallelLinearAdapter, ShardedRMSNorm, megatron_adapter
 from .passes import probe_original, sync_traced, trace_lazily
@@ -488,8 +488,10 @@ def wrap(
     problems += _check_replicated([(n, modules[n]) for n, s in planned.items() if s != "sequence_parallel"],
                                   tp_group)
     trace, reference = None, None
+    norm_check = _replicated_norm_check(modules, planned, columns, tp) if tp > 1 and not problems else None
     if not problems:
-        trace, reference = probe_original(model, probe, columns if tp > 1 else [], rows, norms if tp > 1 else [])
+        trace, reference = probe_original(model, probe, columns if tp > 1 else [], rows, norms if tp > 1 else [],
+                                          norm_check)
         problems += trace.problems if trace is not None else []
     if problems:
         raise ValueError("wrap: cannot convert the model:\n  - " + "\n  - ".join(collapse(problems)))
@@ -530,7 +532,8 @@ def wrap(
     if trace is not None:
         sync_traced(model, trace, tp_group, report)
     elif columns and tp > 1:
-        trace_lazily(model, columns, rows, tp_group, report, verbose=verbose and rank == 0, norms=norms)
+        trace_lazily(model, columns, rows, tp_group, report, verbose=verbose and rank == 0, norms=norms,
+                     module_check=norm_check)
     _tag_untouched(model)
     if reference is not None:
         transposed = {f"{n}.weight" for n, m in model.named_modules()
@@ -546,6 +549,21 @@ def wrap(
     if verbose and rank == 0:
         print(report)
     return model
+
+
+def _replicated_norm_check(modules: dict[str, torch.nn.Module], planned: dict[str, Any], columns: list[str],
+                           tp: int) -> Callable[..., Any]:
+    """The trace's check for a full-width norm left replicated on sharded features
+    (``checks.replicated_norm_check``), for the widths of the plan's column projections
+    (a fused projection's parts too: the model splits them before normalising one)."""
+    widths: dict[int, list[str]] = {}
+    for name in columns:
+        out_f = _linear_sizes(modules[name])[1]
+        style = planned[name]
+        # A fused projection's parts (checked by _plain_problems already) besides its whole.
+        for size in {out_f, *(style.sizes(out_f) if isinstance(style, FusedColumn) else ())}:
+            widths.setdefault(size, []).append(name)
+    return replicated_norm_check(widths, tp, lambda m: _rms_norm_params(m) is not None, HF_RMS_NORMS)
 
 
 def _family_norm_problems(model: torch.nn.Module, family: FamilyPlan, planned: dict[str, Any],

@@ -25,14 +25,15 @@ import torch.distributed as dist
 from ..grad_sync import sync_sharded_activation_grad
 from .checks import collapse
 from .report import WrapReport
-from .trace import TraceResult, trace_first_forward, trace_sharded_uses
+from .trace import FIRST_FORWARD_ERROR, ModuleCheck, TraceResult, trace_first_forward, trace_sharded_uses
 from .verify import Reference, auto_probe, evaluation, reference_pass, stash_grads
 
 __all__ = ["probe_original", "sync_traced", "trace_lazily"]
 
 
 def probe_original(model: torch.nn.Module, probe: Optional[Callable[[torch.nn.Module], Any]], columns: list[str],
-                    rows: list[str], norms: list[str] = ()) -> tuple[Optional[TraceResult], Optional[Reference]]:
+                    rows: list[str], norms: list[str] = (), module_check: Optional[ModuleCheck] = None
+                    ) -> tuple[Optional[TraceResult], Optional[Reference]]:
     """Trace one forward of the original model (and, with a ``verify`` probe, its
     backward for the comparison after wrapping). The automatic probe of a Hugging Face
     model is best effort: if it fails, the wrapped model's first forward is traced."""
@@ -42,7 +43,8 @@ def probe_original(model: torch.nn.Module, probe: Optional[Callable[[torch.nn.Mo
     stashed = stash_grads(model) if probe is not None else []
     try:
         with evaluation(model):
-            trace = trace_sharded_uses(model, lambda: run(model), columns, rows, norms=norms)
+            trace = trace_sharded_uses(model, lambda: run(model), columns, rows, norms=norms,
+                                       module_check=module_check)
             reference = reference_pass(model, trace.output, stashed) if probe is not None else None
     except Exception as e:  # noqa: BLE001 - a failing user probe is reported, the automatic one falls back
         for p, g in stashed:
@@ -70,16 +72,16 @@ def sync_traced(model: torch.nn.Module, trace: TraceResult, tp_group: dist.Proce
 
 
 def trace_lazily(model: torch.nn.Module, columns: list[str], rows: list[str], tp_group: dist.ProcessGroup,
-                 report: WrapReport, verbose: bool, norms: list[str] = ()) -> None:
+                 report: WrapReport, verbose: bool, norms: list[str] = (),
+                 module_check: Optional[ModuleCheck] = None) -> None:
     """Trace the wrapped model's first forward and install the gradient sums after it."""
 
     def finish(result: TraceResult) -> None:
         if result.problems:
-            raise ValueError("wrap: the first forward of the wrapped model shows it cannot be correct:\n  - "
-                             + "\n  - ".join(collapse(result.problems)))
+            raise ValueError(FIRST_FORWARD_ERROR + "\n  - ".join(collapse(result.problems)))
         added = sync_traced(model, result, tp_group, report)
         if verbose and added:
             print("wrap (traced first forward):\n" + "\n".join(f"  ~ {n}: {how}" for n, how in added))
 
-    trace_first_forward(model, columns, rows, finish, norms)
+    trace_first_forward(model, columns, rows, finish, norms, module_check)
     report.traced = "on the first forward (no probe: pass verify=... to trace before converting)"

@@ -28,6 +28,13 @@ through a column module (its gradient would be partial too), and a sharded tenso
 reaches the model's output without a row module (each rank returns only its slice).
 The trace runs on the original model before ``wrap`` changes anything (the module names
 to be converted are given), or on the wrapped model's first forward.
+
+A module that receives a sharded input can also be checked as such (``module_check``):
+``wrap`` uses it to refuse a full-width norm left replicated inside the sharded region
+(``tp_fuse.layers.wrap.checks.replicated_norm_check``). On the wrapped model such a
+problem raises at once, from that module's forward pre-hook: its forward would otherwise
+fail on the shapes (or compute wrong numbers) before the trace could report it; the trace
+then stays installed, so every later forward raises the same error.
 """
 
 from __future__ import annotations
@@ -40,7 +47,13 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_leaves
 
-__all__ = ["TraceResult", "trace_sharded_uses", "trace_first_forward", "output_leaves"]
+__all__ = ["TraceResult", "trace_sharded_uses", "trace_first_forward", "output_leaves", "ModuleCheck"]
+
+#: ``check(module name, module, its first TP-sharded input, local)`` -> a problem line or
+#: None; ``local``: the model is already wrapped (sharded tensors hold this rank's slice).
+ModuleCheck = Callable[[str, torch.nn.Module, torch.Tensor, bool], Optional[str]]
+#: How a problem found on the wrapped model's first forward is raised (passes.trace_lazily too).
+FIRST_FORWARD_ERROR = "wrap: the first forward of the wrapped model shows it cannot be correct:\n  - "
 
 
 @dataclasses.dataclass
@@ -86,9 +99,13 @@ class _ShardTracer(TorchFunctionMode):
     """Follows sharded tensors and parameter lineage through every torch op (by ``id``;
     the tensors are kept alive until the trace ends so that ids stay unique)."""
 
-    def __init__(self, params: dict[int, str]) -> None:
+    def __init__(self, params: dict[int, str], module_check: Optional[ModuleCheck] = None,
+                 local: bool = False) -> None:
         super().__init__()
         self.params = params
+        self.module_check = module_check
+        self.local = local
+        self.aborted = False
         self.sharded: set[int] = set()
         self.lineage: dict[int, frozenset[str]] = {}
         self.keep: list[torch.Tensor] = []
@@ -112,6 +129,15 @@ class _ShardTracer(TorchFunctionMode):
         if text not in self._seen_problems:
             self._seen_problems.add(text)
             self.result.problems.append(text)
+
+    def fail(self, text: str) -> None:
+        """A problem seen on entering a module: recorded (original model: its forward can
+        go on), or raised now (wrapped model: its forward would break or be wrong first)."""
+        if not self.local:
+            self._problem(text)
+            return
+        self.aborted = True
+        raise ValueError(FIRST_FORWARD_ERROR + text)
 
     def _lineage_of(self, t: torch.Tensor) -> Optional[frozenset[str]]:
         name = self.params.get(id(t))
@@ -161,7 +187,8 @@ def _install_hooks(model: torch.nn.Module, tracer: _ShardTracer, columns: set[st
                    skip_root: bool = False, norms: frozenset[str] = frozenset()) -> list[Any]:
     """``norms``: sharded norms (plan style ``"sharded_norm"``): boundaries like the
     columns (their output is sharded), whose input must be sharded already -- a norm over
-    features the ranks do not split would get a sharded weight for unsharded features."""
+    features the ranks do not split would get a sharded weight for unsharded features.
+    Every other module entered with a sharded input goes through ``tracer.module_check``."""
     handles = []
     for name, m in model.named_modules():
         if skip_root and not name:
@@ -170,10 +197,15 @@ def _install_hooks(model: torch.nn.Module, tracer: _ShardTracer, columns: set[st
 
         def pre(mod: torch.nn.Module, args: Any, name: str = name, boundary: bool = boundary) -> None:
             tracer.stack.append(name or "<root>")
-            if name in norms and not tracer.suspended and not any(id(t) in tracer.sharded for t in _tensors(args)):
-                tracer._problem(f"{name}: plan style 'sharded_norm' is for a norm over a column-parallel module's "
-                                f"(TP-sharded) output features, but this module's input is not TP-sharded; "
-                                f"leave it out of the plan (replicated) or shard the projection feeding it")
+            sharded_in = [t for t in _tensors(args) if id(t) in tracer.sharded] if not tracer.suspended else []
+            if name in norms and not tracer.suspended and not sharded_in:
+                tracer.fail(f"{name}: plan style 'sharded_norm' is for a norm over a column-parallel module's "
+                            f"(TP-sharded) output features, but this module's input is not TP-sharded; "
+                            f"leave it out of the plan (replicated) or shard the projection feeding it")
+            elif sharded_in and not boundary and name not in norms and tracer.module_check is not None:
+                found = tracer.module_check(name, mod, sharded_in[0], tracer.local)
+                if found:
+                    tracer.fail(found)
             if boundary:
                 tracer.suspended += 1
 
@@ -190,14 +222,15 @@ def _install_hooks(model: torch.nn.Module, tracer: _ShardTracer, columns: set[st
 
 
 def _start(model: torch.nn.Module, columns: set[str], rows: set[str], skip_root: bool,
-           norms: frozenset[str] = frozenset()) -> tuple[_ShardTracer, list]:
+           norms: frozenset[str] = frozenset(), module_check: Optional[ModuleCheck] = None,
+           local: bool = False) -> tuple[_ShardTracer, list]:
     columns = columns | norms  # a sharded norm's output is sharded, its inside not traced
     inside = tuple(n + "." for n in columns | rows)
     params: dict[int, str] = {}
     for name, p in model.named_parameters(remove_duplicate=False):
         if not name.startswith(inside) and id(p) not in params:
             params[id(p)] = name
-    tracer = _ShardTracer(params)
+    tracer = _ShardTracer(params, module_check, local)
     return tracer, _install_hooks(model, tracer, columns, rows, skip_root, norms)
 
 
@@ -228,15 +261,19 @@ def _finish(tracer: _ShardTracer, handles: list, out: Any,
 
 def trace_sharded_uses(model: torch.nn.Module, run: Callable[[], Any], columns: Iterable[str],
                        rows: Iterable[str], check_outputs: Optional[Callable[[Any], list[tuple[str, torch.Tensor]]]]
-                       = output_leaves, norms: Iterable[str] = ()) -> TraceResult:
+                       = output_leaves, norms: Iterable[str] = (),
+                       module_check: Optional[ModuleCheck] = None) -> TraceResult:
     """Run ``run()`` (one forward of ``model``) and follow the outputs of the modules named
     in ``columns`` (TP-sharded) until the modules named in ``rows``.
 
     Parameters inside those modules are not followed (they are sharded or, for a row's
     bias, added after the reduction). ``check_outputs(output)`` gives the output tensors
-    that must not be sharded (None: do not check). The model is left as it was.
+    that must not be sharded (None: do not check); ``module_check`` is asked about every
+    other module entered with a sharded input (its problems join the result's). The model
+    is left as it was.
     """
-    tracer, handles = _start(model, set(columns), set(rows), skip_root=False, norms=frozenset(norms))
+    tracer, handles = _start(model, set(columns), set(rows), skip_root=False, norms=frozenset(norms),
+                             module_check=module_check)
     out = None
     try:
         with tracer:
@@ -247,16 +284,20 @@ def trace_sharded_uses(model: torch.nn.Module, run: Callable[[], Any], columns: 
 
 
 def trace_first_forward(model: torch.nn.Module, columns: Iterable[str], rows: Iterable[str],
-                        finish: Callable[[TraceResult], None], norms: Iterable[str] = ()) -> None:
+                        finish: Callable[[TraceResult], None], norms: Iterable[str] = (),
+                        module_check: Optional[ModuleCheck] = None) -> None:
     """Trace the next forward of ``model`` (already wrapped: the column/row modules are its
     converted ones) and call ``finish(result)`` right after it, before any backward --
     for models ``wrap`` has no probe for. Then the hooks are removed: later forwards run
-    untraced. ``finish`` may raise (the forward then raises)."""
+    untraced. ``finish`` may raise (the forward then raises). A problem found on entering
+    a module (``module_check``, a sharded norm's input) raises from there, and the trace
+    stays installed: the next forward is traced (and refused) again."""
     columns, rows, sharded_norms = set(columns), set(rows), frozenset(norms)
     state: dict[str, Any] = {}
 
     def pre(mod: torch.nn.Module, args: Any) -> None:
-        tracer, handles = _start(model, columns, rows, skip_root=True, norms=sharded_norms)
+        tracer, handles = _start(model, columns, rows, skip_root=True, norms=sharded_norms,
+                                 module_check=module_check, local=True)
         tracer.stack.append("<root>")
         tracer.__enter__()
         state.update(tracer=tracer, handles=handles)
@@ -266,6 +307,11 @@ def trace_first_forward(model: torch.nn.Module, columns: Iterable[str], rows: It
         if tracer is None:
             return
         tracer.__exit__(None, None, None)
+        if tracer.aborted:  # already raised from a module's pre-hook: clean up, trace again next time
+            for h in state.pop("handles"):
+                h.remove()
+            tracer.keep.clear()
+            return
         for h in root_handles:
             h.remove()
         finish(_finish(tracer, state.pop("handles"), out, output_leaves))
