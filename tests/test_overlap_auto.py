@@ -124,6 +124,9 @@ def test_choice_file_round_trip(tmp_path) -> None:
         (lambda d: {**d, "choices": [{**d["choices"][0], "py/object": "os.system"}]}, "choices[0]"),
         (lambda d: {**d, "choices": d["choices"] * 2}, "choices[1]"),
         (lambda d: '{"format": NaN}', "<file>"),
+        # symm_mem is one label (the op pipelines by itself): no split count.
+        (lambda d: {**d, "choices": [{**d["choices"][0], "choice": "symm_mem/2",
+                                      "candidates": ["symm_mem/2"], "times_s": {}}]}, "choices[0].choice"),
         # Issue 24 item 8: `^...$` accepted a label with a trailing newline.
         (lambda d: {**d, "choices": [{**d["choices"][0], "choice": "pipeline/2\n",
                                       "candidates": ["pipeline/2\n"], "times_s": {}}]}, "choices[0].choice"),
@@ -201,6 +204,8 @@ def _prefer_each(run: Runner, r: int, tp: int, group) -> None:
                     assert sorted(decided) == sorted(_stages(kind)), (label, sorted(decided))
                     for stage, d in decided.items():
                         assert set(d.candidates) <= set(labels) and d.candidates[-1] == "unfused", d
+                        # PyTorch's symm_mem ops run on CUDA+NCCL only: never a candidate on gloo/CPU.
+                        assert "symm_mem" not in d.candidates, d
                         # ties: the static default (Megatron's method, or unfused)
                         want = prefer if prefer in d.candidates else d.default
                         assert d.default in d.candidates, d

@@ -4,7 +4,9 @@ Two ranks, NCCL, one GPU each: the TP=2 GPT (sequence parallel, overlap on) is c
 with TP=1 on the same data: loss and gradient norm over 3 SGD steps, in fp32 without FP8
 (must agree to 1e-4) and with FP8 delayed scaling (within 2e-2: FP8 rounding differs
 between TP layouts). This runs the CUDA code paths of every comm/overlap op (ring
-exchanges, pipelined reduce-scatters, FP8 byte all-gathers).
+exchanges, pipelined reduce-scatters, FP8 byte all-gathers), and then measures PyTorch's
+symm_mem fused AG+GEMM / GEMM+RS ops against the unfused windows
+(``tools/gpu_check_symm_mem.py``; report key ``symm_mem``).
 
 It needs two GPUs. Two ranks sharing one GPU is no substitute: NCCL refuses a GPU
 shared by two ranks, and gloo cannot send CUDA tensors point-to-point (the first GPU
@@ -34,6 +36,7 @@ import tp_fuse  # noqa: E402 - after the repo path
 from tp_fuse.layers import GPT, GPTConfig, grad_norm  # noqa: E402
 from tp_fuse.overlap.config import TPOverlap  # noqa: E402
 from tp_fuse.recipe import DelayedScaling  # noqa: E402
+from gpu_check_symm_mem import measure_symm_mem  # noqa: E402 - tools/ is the script's directory
 
 CONFIG = dict(vocab_size=256, max_seq_len=64, hidden_size=128, num_layers=2, num_heads=4)
 BATCH, STEPS = 2, 3  # 2 x 64 tokens: every FP8 GEMM dimension % 16 == 0
@@ -76,6 +79,9 @@ def _rank(rank: int, world: int, store_dir: str, device_name: str, config: dict,
                         group, device, fp8)
             rel = max(max(abs(a - b) / abs(b) for a, b in zip(t, r)) for t, r in zip(tp, ref))
             report[name] = {"tp1": ref, "tp2": tp, "max_rel_diff": rel, "ok": rel <= TOL[name]}
+        if device.type == "cuda":
+            # PyTorch's symm_mem fused ops, measured against the unfused windows on the same ranks.
+            report["symm_mem"] = measure_symm_mem(group, device)
         queue.put((rank, report, None))
     except Exception:  # noqa: BLE001 - reported to the parent
         queue.put((rank, None, traceback.format_exc()))

@@ -9,8 +9,10 @@ FP8 recipe kind, TP size):
 1. the fused op prepares its operands once (FP8 casts and amax recording happen there,
    exactly once, so measuring records no extra amax values), then hands the tuner one
    callable per candidate: the overlap methods that apply to the window
-   (``ring_exchange``, ``pipeline/<num_splits>``, ``bulk``) and ``unfused`` (the same
-   collective, then the whole GEMM: no overlap);
+   (``ring_exchange``, ``pipeline/<num_splits>``, ``bulk``), on CUDA with symmetric
+   memory PyTorch's fused ops (``symm_mem``, forward AG+GEMM and GEMM+RS windows; see
+   :mod:`tp_fuse.overlap.symm_mem`) and ``unfused`` (the same collective, then the whole
+   GEMM: no overlap);
 2. every rank runs each candidate ``warmup`` times untimed, then up to ``repeats`` rounds
    timed, candidates interleaved, in the same order on every rank (each candidate
    communicates). Measuring is bounded: a round starts only while the stage's timed
@@ -74,7 +76,8 @@ UNFUSED = "unfused"
 CHOICE_FILE_FORMAT = "tp_fuse.overlap_choices"
 CHOICE_FILE_VERSION = 1
 # fullmatch: `$` would accept a trailing newline.
-_LABEL_RE = re.compile(r"ring_exchange|bulk|unfused|pipeline/[1-9][0-9]{0,5}")
+# symm_mem: PyTorch's fused symmetric-memory ops (tp_fuse.overlap.symm_mem), offered on CUDA only.
+_LABEL_RE = re.compile(r"ring_exchange|bulk|unfused|symm_mem|pipeline/[1-9][0-9]{0,5}")
 _MAX_CHOICE_FILE_BYTES = 16 * 1024 * 1024
 
 
@@ -85,9 +88,12 @@ def parse_label(label: str) -> tuple[str, int]:
     return label, 0
 
 
-def candidate_labels(methods: Iterable[str], splits: Iterable[int], rows: int) -> list[str]:
+def candidate_labels(methods: Iterable[str], splits: Iterable[int], rows: int,
+                     extra: Iterable[str] = ()) -> list[str]:
     """Candidates for a window that can use ``methods``: ``pipeline`` once per distinct
-    effective split count (at most one chunk per row), then ``unfused`` last."""
+    effective split count (at most one chunk per row), then ``extra`` (labels the window
+    can run besides the config's methods, e.g. ``symm_mem`` where PyTorch's fused ops
+    exist), then ``unfused`` last."""
     out: list[str] = []
     for method in methods:
         if method == "pipeline":
@@ -97,6 +103,10 @@ def candidate_labels(methods: Iterable[str], splits: Iterable[int], rows: int) -
                     out.append(label)
         else:
             out.append(method)
+    for label in extra:
+        if not _LABEL_RE.fullmatch(label) or label == UNFUSED or label in out:
+            raise ValueError(f"candidate_labels: extra label {label!r} is not a new method label")
+        out.append(label)
     out.append(UNFUSED)
     return out
 
@@ -405,7 +415,7 @@ def load_choice_file(path: str) -> list[AutoDecision]:
                 raise bad(f"{where}.{key}", f"expected a non-empty string, got {e.get(key)!r}")
         if not _LABEL_RE.fullmatch(e["choice"]):
             raise bad(f"{where}.choice", f"{e['choice']!r} is not a method label "
-                      "(ring_exchange, bulk, unfused or pipeline/<num_splits>)")
+                      "(ring_exchange, bulk, unfused, symm_mem or pipeline/<num_splits>)")
         cands = e.get("candidates", [e["choice"]])
         if not isinstance(cands, list) or not all(isinstance(c, str) and _LABEL_RE.fullmatch(c) for c in cands):
             raise bad(f"{where}.candidates", f"expected a list of method labels, got {cands!r}")

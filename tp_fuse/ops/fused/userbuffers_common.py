@@ -24,6 +24,14 @@ import torch.distributed as dist
 from ...overlap.auto import AUTO, candidate_labels
 from ...overlap.config import METHODS, TPOverlap, static_default
 from ...overlap.plan import OverlapPlan
+from ...overlap.symm_mem import (
+    WindowCall,
+    fp8_layout_problem,
+    group_name_of,
+    symm_mem_unavailable,
+    symm_op_for,
+    window_call,
+)
 from ...overlap.userbuffers_setup import registered_overlap
 from ...quantization import (
     BlockScaledTensor,
@@ -33,6 +41,7 @@ from ...quantization import (
     active_autocast,
     fp8_gemm,
     is_block_recipe,
+    is_quantized_tensor,
 )
 from ...quantization.block import wire as block_wire
 from ...quantization.block.quantizer import block_layout, recipe_short_name
@@ -182,12 +191,18 @@ def run_planned(
     x: torch.Tensor,
     precision: str,
     extra: str = "",
+    extra_labels: Sequence[str] = (),
 ) -> Any:
     """``run(label)`` for the plan's method: ``"ring_exchange"``, ``"bulk"``,
     ``"pipeline/<effective num_splits>"`` (``rows``: the rows a chunk is cut from), or,
     for ``method: auto``, the label the TPOverlap's tuner picks among the window's methods
     and ``"unfused"``, measured on the first call with this signature (``x``'s shape and
     dtype, ``precision``, the TP size and ``extra``), the same on every TP rank.
+
+    ``extra_labels``: candidates the window can run besides its config's methods (``symm_mem``
+    where :func:`symm_mem_window` built a call); they are offered to ``method: auto`` only,
+    and must be the same on every rank (they depend on the device, the group's backend and
+    the shapes, which the window's ranks share).
 
     ``run`` must be repeatable with the same result: operands (FP8 casts included) are
     prepared before, so measuring records nothing twice.
@@ -198,7 +213,7 @@ def run_planned(
             return run(f"pipeline/{effective_splits(entry.num_splits, rows)}")
         return run(entry.method)
     tuner = plan.overlap.tuner
-    labels = candidate_labels(plan.methods, (*tuner.splits, entry.num_splits), rows)
+    labels = candidate_labels(plan.methods, (*tuner.splits, entry.num_splits), rows, extra_labels)
     signature = (
         f"x {'x'.join(map(str, x.shape))} {str(x.dtype).replace('torch.', '')}, {precision}, tp={plan.tp_size}{extra}"
     )
@@ -210,6 +225,35 @@ def run_planned(
     label = tuner.decide(plan.key, signature, {lb: functools.partial(run, lb) for lb in labels}, group, x.device,
                          default=default)
     return run(label)
+
+
+def symm_mem_window(
+    plan: OverlapPlan,
+    mode: str,
+    group: Optional[dist.ProcessGroup],
+    a: Any,
+    w: Any,
+    *,
+    out_dtype: torch.dtype,
+    bias: Optional[torch.Tensor] = None,
+    return_a: bool = False,
+) -> Optional[WindowCall]:
+    """The ``symm_mem`` candidate of a forward window (PyTorch's fused AG+GEMM / GEMM+RS op,
+    :func:`tp_fuse.overlap.symm_mem.window_call`), or None where it is not offered: the
+    plan is not ``method: auto``, the op cannot run here (:func:`symm_mem_unavailable`:
+    CPU, gloo, no symmetric memory, ...), the FP8 layout has no form in the op (block
+    scales), or the call would break one of the op's rules (:func:`symm_mem_violations`,
+    e.g. K % 16 for FP8). ``a [M, K]``, ``w [N, K]``: plain or FP8 operands."""
+    if plan.entry.method != AUTO:
+        return None
+    op = symm_op_for(mode, is_quantized_tensor(a))
+    if symm_mem_unavailable(op, group, a.device, plan.overlap.pool) is not None:
+        return None
+    if is_quantized_tensor(a) and fp8_layout_problem(a, w) is not None:
+        return None
+    call = window_call(mode, a, w, group_name=group_name_of(group), world_size=plan.tp_size,
+                       out_dtype=out_dtype, bias=bias, return_a=return_a)
+    return None if call.call.violations() else call
 
 
 # ---- FP8 all-gather: one scale on every TP rank --------------------------------

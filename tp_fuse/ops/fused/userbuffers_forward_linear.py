@@ -21,6 +21,7 @@ from tp_fuse.comm import (
 )
 
 from ...overlap.auto import UNFUSED, parse_label
+from ...overlap.symm_mem import SYMM_MEM
 from ...quantization import BlockScaledTensor, active_autocast, is_quantized_tensor
 from ...quantization.block.quantizer import is_block_recipe
 from ..basic._checks import maybe_dequantize
@@ -50,6 +51,7 @@ from .userbuffers_common import (
     quantize_same_scale_over,
     reject_collective_without_gemm,
     run_planned,
+    symm_mem_window,
 )
 
 # Why a method does not apply to a forward window (the matcher rejects with this reason).
@@ -215,7 +217,17 @@ class UserbuffersForwardLinear(UserbuffersLinearBase):
             overlap.save_gathered_input and lin_ctx.requires_grad and not isinstance(x_fp8, BlockScaledTensor)
         )
 
+        # PyTorch's fused all-gather+matmul, where it can run (CUDA, NCCL, symmetric memory):
+        # one more candidate for method: auto, on the same prepared operands.
+        symm = symm_mem_window(self.plan, "all_gather", group, x_fp8 if fp8 else x2d, w_saved,
+                               out_dtype=x.dtype, bias=bias, return_a=keep_gathered)
+
         def run(label: str):
+            if label == SYMM_MEM:
+                assert symm is not None
+                gathered_a, y_symm = symm.run()
+                # FP8: the gathered float8 data; re-wrapped with the shard's scale below.
+                return (y_symm, gathered_a) if keep_gathered else y_symm
             if label == UNFUSED:  # no overlap: gather, then one GEMM
                 gathered = all_gather_dim0(wire, group)
                 out = torch.empty(gathered.shape[0], linear.out_features, dtype=x.dtype, device=x.device)
@@ -238,6 +250,7 @@ class UserbuffersForwardLinear(UserbuffersLinearBase):
             self.plan, run, rows=wire.shape[0], group=group, x=x,
             precision=precision_label(active_autocast().recipe if fp8 else None),
             extra=", keep gathered" if keep_gathered else "",
+            extra_labels=(SYMM_MEM,) if symm is not None else (),
         )
         if keep_gathered:
             y2d, gathered = result
@@ -276,7 +289,14 @@ class UserbuffersForwardLinear(UserbuffersLinearBase):
             check_shapes=overlap.check_shapes,
         )
 
+        # PyTorch's fused matmul+reduce-scatter, where it can run (CUDA, NCCL, symmetric memory).
+        bias = bias_op.bias.to(x.dtype) if bias_op is not None else None  # type: ignore[union-attr]
+        symm = symm_mem_window(self.plan, "reduce_scatter", group, saved[0], saved[1], out_dtype=x.dtype, bias=bias)
+
         def run(label: str) -> torch.Tensor:
+            if label == SYMM_MEM:
+                assert symm is not None
+                return symm.run()[1]
             method, splits = parse_label(label)
             if method == "pipeline":
                 return gemm_reduce_scatter_pipelined(wire, gemm, group, overlap.pool, num_splits=splits, **common)
@@ -289,6 +309,7 @@ class UserbuffersForwardLinear(UserbuffersLinearBase):
         y2d = run_planned(
             self.plan, run, rows=wire.shape[0] // tp, group=group, x=x,
             precision=precision_label(active_autocast().recipe if fp8 else None),
+            extra_labels=(SYMM_MEM,) if symm is not None else (),
         )
         lin_ctx.input_shape = x.shape
         if lin_ctx.requires_grad:
