@@ -55,6 +55,7 @@ SLOW_MODULES = frozenset({
     "test_no_host_sync",
     "test_nvfp4_triton",
     "test_overlap_auto",
+    "test_overlap_symm_mem",
     "test_packaging",
     "test_preemption",
     "test_process_exit",
