@@ -26,6 +26,11 @@ exit, outside any graph), so the compiler may place the cast anywhere its inputs
 its outputs always feed a GEMM, so it is never dead code; the partitioner does not
 recompute custom ops in the backward.
 
+``tp_fuse::block_cast`` / ``tp_fuse::block_gemm`` (below) do the same for the block-scaled
+recipes and NVFP4: the cast runs the op's eager block quantizer (bound the same way) and
+returns its row-wise and column-wise payloads as plain tensors; the GEMM rebuilds them and
+runs the eager block GEMM.
+
 The fake implementation gives the shapes: ``data`` like ``x`` (contiguous), ``data_t``
 ``[cols, rows]`` of the 2-D view (``[0]`` without ``transpose``), ``scale_inv`` 0-d fp32.
 """
