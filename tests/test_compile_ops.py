@@ -30,6 +30,7 @@ from tp_fuse.recipe import DelayedScaling, Float8BlockScaling, Float8CurrentScal
 import tp_fuse.ops.compiled.fp8_linear  # noqa: F401  (registers the custom ops)
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
+BLOCK_RECIPES = ["Float8BlockScaling", "MXFP8BlockScaling", "Float8RowwiseScaling", "NVFP4BlockScaling"]
 ALL_CHECKS = ("test_schema", "test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic")
 
 
@@ -100,6 +101,52 @@ def test_fp8_cast_outside_autocast_raises() -> None:
         torch.ops.tp_fuse.fp8_cast(torch.randn(4, 8), op._quantizers.compile_ref, "grad_output", "DelayedScaling", E5M2, False, NO_REF)
 
 
+def _block_cast_args(op, name: str, role: str, x: torch.Tensor, transpose: bool) -> tuple:
+    layout = traced_key().layout(role)
+    return (x, op._quantizers.compile_ref, role, name, *layout[:5], transpose, NO_REF)
+
+
+@pytest.mark.parametrize("name", BLOCK_RECIPES)
+def test_opcheck_block_cast_and_gemm(name: str) -> None:
+    """Fake == real (shapes, dtypes, strides) for every payload of every block format --
+    FP4 data packed two per byte, E8M0 / E4M3 / fp32 block scales, NVFP4's amaxes -- and the
+    op's bytes are the eager quantizer's; the GEMM of the payloads is eager's block GEMM."""
+    recipe = getattr(tp_fuse.recipe, name)()
+    op = ops.BasicLinear(64, 48)
+    # test_schema compares inputs before/after with ops CPU has no FP8/FP4 kernels for.
+    checks = ALL_CHECKS[1:]
+    with tp_fuse.autocast(recipe=recipe):
+        x = torch.randn(2, 16, 64)
+        for role, t, transpose in (("input", x, True), ("input", x, False), ("weight", op.weight.detach(), True)):
+            args = _block_cast_args(op, name, role, t, transpose)
+            _ok(torch.library.opcheck(torch.ops.tp_fuse.block_cast.default, args, test_utils=checks))
+        xs = torch.ops.tp_fuse.block_cast(*_block_cast_args(op, name, "input", x, True))
+        ws = torch.ops.tp_fuse.block_cast(*_block_cast_args(op, name, "weight", op.weight.detach(), False))
+        lx, lw = traced_key().layout("input"), traced_key().layout("weight")
+    if name != "NVFP4BlockScaling":  # stochastic rounding / RHT draw: a second cast differs
+        ref = op._quantizers.get(recipe)["input"].quantize(x, transpose=True)
+        for got, want in zip(xs, (ref._rowwise.data, ref._rowwise.scale_inv, None,
+                                  ref._columnwise.data, ref._columnwise.scale_inv, None)):
+            if want is not None:
+                assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
+    args = (*xs[:3], *ws[:3], lx.recipe_name, [lx.block_rows, lx.block_cols], [lw.block_rows, lw.block_cols],
+            lx.e4m3_max, lw.e4m3_max, torch.float32)
+    _ok(torch.library.opcheck(torch.ops.tp_fuse.block_gemm.default, args, test_utils=checks))
+    y = torch.ops.tp_fuse.block_gemm(*args)
+    assert y.shape == (32, 48)
+    from tp_fuse.quantization.block.gemm import emulated_block_gemm
+    from tp_fuse.quantization.block.scaling import BlockSpec
+    from tp_fuse.quantization.block.tensor import BlockPayload
+
+    def payload(t, layout):
+        amax = t[2] if layout.data_dtype == tp_fuse.recipe.FP4_DTYPE else None
+        return BlockPayload(t[0], t[1], BlockSpec(layout.block_rows, layout.block_cols or None), amax, layout.e4m3_max)
+
+    # The emulation (the CPU kernel of every format but row-wise's _scaled_mm): same fp32 sums.
+    torch.testing.assert_close(y, emulated_block_gemm(payload(xs, lx), payload(ws, lw), torch.float32),
+                               rtol=1e-6, atol=1e-6)
+
+
 def test_autocast_mirrors_the_recipe_for_compiled_code() -> None:
     assert traced_key() is None
     with tp_fuse.autocast(recipe=DelayedScaling()):
@@ -112,7 +159,12 @@ def test_autocast_mirrors_the_recipe_for_compiled_code() -> None:
                 raise KeyError
         assert traced_key() == CompileKey("DelayedScaling", E4M3, E5M2)
         with tp_fuse.autocast(recipe=Float8BlockScaling()):
-            assert not traced_key().per_tensor
+            key = traced_key()
+            assert not key.per_tensor and key.block_scaled and key.traced
+            assert key.layout("weight")[1:3] == (128, 128) and key.layout("input")[1:3] == (1, 128)
+        # A block recipe's layouts depend on its fields, not only its class: another graph.
+        with tp_fuse.autocast(recipe=Float8BlockScaling(w_block_scaling_dim=1)):
+            assert traced_key().layout("weight")[1:3] == (1, 128)
     assert traced_key() is None
 
 
@@ -157,6 +209,7 @@ def _compiled_equals_eager(model: torch.nn.Module, *inputs: torch.Tensor, recipe
     compiled = torch.compile(twin, backend="aot_eager", fullgraph=breaks == 0)
     outs = []
     for fn in (model, compiled):
+        torch.manual_seed(0)  # NVFP4's stochastic rounding draws its seeds from the default generator
         xs = [t.detach().clone().requires_grad_() for t in inputs]
         with ctx():
             y = fn(*xs)
@@ -199,9 +252,11 @@ def test_groups_without_a_traced_path_run_eagerly(recipe) -> None:
     _compiled_equals_eager(model, torch.randn(4, 16), recipe=recipe, breaks=1)
 
 
-def test_block_recipes_run_eagerly() -> None:
+@pytest.mark.parametrize("name", BLOCK_RECIPES)
+def test_block_recipes_trace(name: str) -> None:
+    """Block-scaled recipes: one graph (tp_fuse::block_cast / block_gemm), eager's numbers."""
     model = _Around(ops.Sequential(ops.Linear(32, 32), ops.GELU()))
-    _compiled_equals_eager(model, torch.randn(32, 32), recipe=Float8BlockScaling(), breaks=1)
+    _compiled_equals_eager(model, torch.randn(32, 32), recipe=getattr(tp_fuse.recipe, name)())
 
 
 def test_explain_says_what_compile_does_with_each_group() -> None:
@@ -210,5 +265,4 @@ def test_explain_says_what_compile_does_with_each_group() -> None:
     with tp_fuse.autocast(recipe=DelayedScaling()):
         assert "compile:  traced into the caller's graph" in str(ops.explain(model))
     with tp_fuse.autocast(recipe=Float8BlockScaling()):
-        assert "compile:  graph break, runs the eager fuser: BasicLinear[1]: recipe Float8BlockScaling" in str(
-            ops.explain(model))
+        assert "compile:  traced into the caller's graph" in str(ops.explain(model))

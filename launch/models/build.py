@@ -192,10 +192,11 @@ def compile_layers(model: torch.nn.Module, *, full_recompute: bool = False) -> N
     """``torch.compile`` every TransformerLayer in place.
 
     tp-fuse's fusion groups (``OperationFuser``) are traced into each layer's graph
-    (``tp_fuse/ops/compiled``): fp32/bf16, and FP8 delayed/current scaling through the
-    custom ops ``tp_fuse::fp8_cast`` / ``tp_fuse::fp8_gemm``; the layers share one graph.
-    Groups the traced path does not handle (TP comm ops, block-scaled recipes, debug
-    features...) run eagerly behind a graph break (docs/fsdp.md). ``tp_fuse.checkpoint`` is
+    (``tp_fuse/ops/compiled``): fp32/bf16, FP8 delayed/current scaling through the custom
+    ops ``tp_fuse::fp8_cast`` / ``tp_fuse::fp8_gemm``, the block-scaled recipes and NVFP4
+    through ``tp_fuse::block_cast`` / ``tp_fuse::block_gemm``; the layers share one graph.
+    Groups the traced path does not handle (debug features, FP8 parameters...) run eagerly
+    behind a graph break (docs/fsdp.md). ``tp_fuse.checkpoint`` is
     a graph break too, so under full recompute the layer body inside it is what gets
     compiled (the recompute then reruns the compiled code).
     """

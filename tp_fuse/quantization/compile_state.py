@@ -28,13 +28,16 @@ Nothing here runs in eager mode except the mirror update (a few attribute writes
 
 from __future__ import annotations
 
+import copy
 import weakref
 from typing import Any, NamedTuple, Optional
 
 import torch
 
 __all__ = [
+    "BLOCK_ROLES",
     "HAVE_COMPILE_REFS",
+    "BlockLayout",
     "NO_REF",
     "CompileKey",
     "CompileRef",
@@ -47,23 +50,66 @@ __all__ = [
 ]
 
 
+class BlockLayout(NamedTuple):
+    """What a compiled graph must know of one role's block-scaled cast (all constants).
+
+    ``recipe_name``: the tensors' short recipe name (``blockwise``, ``mxfp8``, ``rowwise``,
+    ``nvfp4``: what the block GEMM dispatches on); ``block_rows`` x ``block_cols``: the
+    block shape (``block_cols`` 0: the whole row, row-wise scaling); ``data_dtype``: FP8,
+    or ``torch.float4_e2m1fn_x2`` (two values per byte) for NVFP4; ``scale_dtype``: fp32,
+    E8M0 (MXFP8) or E4M3 (NVFP4); ``e4m3_max``: NVFP4's second-level scale bound (448, or
+    256 with 4over6). The fake implementations derive every output shape from these.
+    """
+
+    recipe_name: str
+    block_rows: int
+    block_cols: int
+    data_dtype: torch.dtype
+    scale_dtype: torch.dtype
+    e4m3_max: float
+
+
+#: The roles of ``BasicLinear``'s quantizers, whose layouts a block :class:`CompileKey` carries.
+BLOCK_ROLES = ("input", "weight", "grad_output")
+
+
 class CompileKey(NamedTuple):
     """The FP8 facts a traced graph is specialized on (all constants, compared by value).
 
     ``recipe``: the recipe class name (``"DelayedScaling"``, ``"Float8CurrentScaling"``,
-    or another recipe's, which the traced fuser path does not handle);
+    a block recipe's, or another recipe's, which the traced fuser path does not handle);
     ``fwd_dtype`` / ``bwd_dtype``: the FP8 dtypes of forward tensors and gradients
-    (None for recipes without a per-tensor FP8 format).
+    (None for recipes without a per-tensor FP8 format); ``layouts``: for the block-scaled
+    recipes (``Float8BlockScaling``, ``MXFP8BlockScaling``, ``Float8RowwiseScaling``,
+    ``NVFP4BlockScaling``), ``((role, BlockLayout), ...)`` for :data:`BLOCK_ROLES` --
+    block shapes and dtypes depend on the recipe's fields, not only on its class, and
+    the graph's shapes depend on them -- else None.
     """
 
     recipe: str
     fwd_dtype: Optional[torch.dtype]
     bwd_dtype: Optional[torch.dtype]
+    layouts: Optional[tuple[tuple[str, BlockLayout], ...]] = None
 
     @property
     def per_tensor(self) -> bool:
-        """Whether the traced fuser path handles this recipe (per-tensor FP8 scaling)."""
+        """Whether this is a per-tensor FP8 recipe (``tp_fuse::fp8_cast`` / ``fp8_gemm``)."""
         return self.recipe in ("DelayedScaling", "Float8CurrentScaling")
+
+    @property
+    def block_scaled(self) -> bool:
+        """Whether this is a block-scaled recipe (``tp_fuse::block_cast`` / ``block_gemm``)."""
+        return self.layouts is not None
+
+    @property
+    def traced(self) -> bool:
+        """Whether the traced fuser path handles this recipe."""
+        return self.per_tensor or self.block_scaled
+
+    def layout(self, role: str) -> BlockLayout:
+        """The :class:`BlockLayout` of ``role`` (block recipes only)."""
+        assert self.layouts is not None, self
+        return dict(self.layouts)[role]
 
 
 def compile_key(ctx: Any) -> Optional[CompileKey]:
@@ -71,6 +117,35 @@ def compile_key(ctx: Any) -> Optional[CompileKey]:
     if ctx is None or not ctx.enabled:
         return None
     return recipe_key(ctx.recipe)
+
+
+# (recipe snapshot, its key): autocast is entered every step with an equal recipe, and a
+# block recipe's key builds its quantizers to read their layouts (tens of microseconds).
+_LAST_BLOCK_KEY: list[Any] = [None, None]
+
+
+def _block_layouts(recipe: Any) -> Optional[tuple[tuple[str, BlockLayout], ...]]:
+    """The layouts of :data:`BLOCK_ROLES` under a block-scaled ``recipe``, else None; read
+    from the quantizers ops build (``make_quantizer``), so they cannot disagree."""
+    from .block.quantizer import _SCALE_DTYPE, BlockScalingQuantizer, is_block_recipe
+    from .quantizer import make_quantizer
+
+    if not is_block_recipe(recipe):
+        return None
+    snap, key = _LAST_BLOCK_KEY
+    if snap is not None and type(snap) is type(recipe) and snap == recipe:
+        return key
+    layouts = []
+    for role in BLOCK_ROLES:
+        q = make_quantizer(recipe, role)
+        assert isinstance(q, BlockScalingQuantizer), q
+        layouts.append((role, BlockLayout(
+            q.recipe_name, q.spec.rows, q.spec.cols or 0, q.fp8_dtype, _SCALE_DTYPE[q.rule.kind],
+            float(getattr(q, "nvfp4_e4m3_max", 448.0)),
+        )))
+    key = tuple(layouts)
+    _LAST_BLOCK_KEY[:] = [copy.copy(recipe), key]
+    return key
 
 
 def recipe_key(recipe: Any) -> Optional[CompileKey]:
@@ -81,6 +156,9 @@ def recipe_key(recipe: Any) -> Optional[CompileKey]:
     name = type(recipe).__name__
     if name in ("DelayedScaling", "Float8CurrentScaling") and fmt is not None:
         return CompileKey(name, fmt.fwd_dtype, fmt.bwd_dtype)
+    layouts = _block_layouts(recipe)
+    if layouts is not None:
+        return CompileKey(name, None, None, layouts)
     return CompileKey(name, None, None)
 
 

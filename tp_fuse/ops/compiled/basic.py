@@ -60,7 +60,7 @@ from ..basic._tp import check_first_dim_divisible
 from ..op import BasicOperation, require
 from .activations import GeluFunction
 from .comm import AllGatherSeq, AllReduceBackward, AllReduceForward, ReduceScatterSeq
-from .fp8_linear import Fp8LinearFunction
+from .fp8_linear import BlockLinearFunction, Fp8LinearFunction
 
 __all__ = ["TRACED_FORWARDS", "register_traced_forward", "tp_group", "unsupported_reason"]
 
@@ -74,7 +74,8 @@ def tp_group(group: Optional[torch.distributed.ProcessGroup]) -> torch.distribut
 
 
 def _linear(op: BasicLinear, x: torch.Tensor, extras: Extras, fp8: Optional[CompileKey]):
-    """``y = x W^T``: ``F.linear`` in high precision, :class:`Fp8LinearFunction` in FP8.
+    """``y = x W^T``: ``F.linear`` in high precision, :class:`Fp8LinearFunction` in per-tensor
+    FP8, :class:`BlockLinearFunction` under the block-scaled recipes (NVFP4 included).
     Column parallel without sequence parallelism: dx is all-reduced over TP (as eager)."""
     op.check_input(x)
     lead = x.shape[:-1]
@@ -88,9 +89,12 @@ def _linear(op: BasicLinear, x: torch.Tensor, extras: Extras, fp8: Optional[Comp
     else:
         need_grad = torch.is_grad_enabled() and (x2d.requires_grad or weight.requires_grad)
         observer = NO_OBSERVER if op.debug_hooks is None else op.debug_hooks.compile_ref
-        y = Fp8LinearFunction.apply(
-            x2d, weight, op._quantizers.compile_ref, fp8.recipe, fp8.fwd_dtype, fp8.bwd_dtype, need_grad, observer
-        )
+        if fp8.block_scaled:
+            y = BlockLinearFunction.apply(x2d, weight, op._quantizers.compile_ref, fp8, need_grad, observer)
+        else:
+            y = Fp8LinearFunction.apply(
+                x2d, weight, op._quantizers.compile_ref, fp8.recipe, fp8.fwd_dtype, fp8.bwd_dtype, need_grad, observer
+            )
     return y.reshape(*lead, op.out_features), []
 
 
@@ -228,8 +232,8 @@ def _linear_reason(op: BasicLinear, fp8: Optional[CompileKey]) -> Optional[str]:
         return "accumulate_into_main_grad adds dW into weight.main_grad outside autograd"
     if isinstance(op.weight, Float8Tensor) or type(op.weight) not in (torch.Tensor, torch.nn.Parameter):
         return f"the weight is a {type(op.weight).__name__} (quantized_model_init or a subclass)"
-    if fp8 is not None and not fp8.per_tensor:
-        return f"recipe {fp8.recipe} (only per-tensor FP8 scaling is traced)"
+    if fp8 is not None and not fp8.traced:
+        return f"recipe {fp8.recipe} (only the per-tensor FP8 and the block-scaled recipes are traced)"
     if fp8 is not None and not HAVE_COMPILE_REFS:
         return "this torch has no opaque objects for custom ops (tp_fuse::fp8_cast needs them)"
     return None

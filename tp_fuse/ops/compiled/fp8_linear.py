@@ -15,10 +15,10 @@ from typing import Any
 import torch
 
 from ...kernels.library import fp8_gemm_op  # noqa: F401  (registers tp_fuse::fp8_gemm)
-from ...quantization.compile_state import CompileRef
-from ...quantization.custom_ops import fp8_cast  # noqa: F401  (registers tp_fuse::fp8_cast)
+from ...quantization.compile_state import BlockLayout, CompileKey, CompileRef
+from ...quantization.custom_ops import block_cast, fp8_cast  # noqa: F401  (registers the tp_fuse:: ops)
 
-__all__ = ["Fp8LinearFunction"]
+__all__ = ["BlockLinearFunction", "Fp8LinearFunction"]
 
 
 class Fp8LinearFunction(torch.autograd.Function):
@@ -80,3 +80,77 @@ class Fp8LinearFunction(torch.autograd.Function):
         if ctx.wgrad:
             dw = fp8.fp8_gemm(dy_t, x_t, dy_sinv, x_sinv, dy.dtype).to(ctx.weight_dtype)
         return dx, dw, None, None, None, None, None, None
+
+
+def _cast_args(layout: BlockLayout) -> tuple:
+    return (layout.recipe_name, layout.block_rows, layout.block_cols, layout.data_dtype, layout.scale_dtype)
+
+
+class BlockLinearFunction(torch.autograd.Function):
+    """``y = x W^T`` under a block-scaled recipe (Float8BlockScaling, MXFP8BlockScaling,
+    Float8RowwiseScaling, NVFP4BlockScaling), differentiable in x and W.
+
+    Shapes as :class:`Fp8LinearFunction`. ``q_r(.)`` / ``q_c(.)`` are the row-wise copy and
+    the column-wise copy (the row-wise cast of the transpose, from high precision) made by
+    ``tp_fuse::block_cast`` with the op's quantizer for the role; each GEMM is
+    ``tp_fuse::block_gemm`` (``a @ b.T`` of two row-wise payloads, blocks along K)::
+
+        forward: y  = q_r(x) @ q_r(W)^T
+        dgrad:   dx = q_r(dy) @ q_c(W)^T         (q_c(W) holds W^T: [K, N])
+        wgrad:   dW = q_c(dy) @ q_c(x)^T          in W's dtype
+
+    -- ``BasicLinear``'s eager block-scaled path (same quantizers, same casts, same GEMM
+    kernel): straight-through quantization. Saved for backward: the column-wise payloads
+    of x and W (data, block scales, NVFP4's amax).
+
+    Args (after ``x``, ``weight``): ``owner`` -- the op's ``OpQuantizers.compile_ref``;
+    ``key`` -- the :class:`CompileKey` traced for (recipe class and per-role layouts);
+    ``need_grad``, ``observer`` -- as :class:`Fp8LinearFunction`.
+    """
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        owner: CompileRef,
+        key: CompileKey,
+        need_grad: bool,
+        observer: CompileRef,
+    ) -> torch.Tensor:
+        ops = torch.ops.tp_fuse
+        lx, lw = key.layout("input"), key.layout("weight")
+        wgrad = need_grad and weight.requires_grad
+        xr_d, xr_s, xr_a, xc_d, xc_s, xc_a = ops.block_cast(
+            x.detach(), owner, "input", key.recipe, *_cast_args(lx), wgrad, observer
+        )
+        wr_d, wr_s, wr_a, wc_d, wc_s, wc_a = ops.block_cast(
+            weight.detach(), owner, "weight", key.recipe, *_cast_args(lw), need_grad, observer
+        )
+        blk_x, blk_w = [lx.block_rows, lx.block_cols], [lw.block_rows, lw.block_cols]
+        y = ops.block_gemm(xr_d, xr_s, xr_a, wr_d, wr_s, wr_a, lx.recipe_name, blk_x, blk_w, lx.e4m3_max, lw.e4m3_max,
+                           x.dtype)
+        ctx.save_for_backward(xc_d, xc_s, xc_a, wc_d, wc_s, wc_a)
+        ctx.owner, ctx.key, ctx.wgrad, ctx.observer = owner, key, wgrad, observer
+        ctx.weight_dtype = weight.dtype
+        return y
+
+    @staticmethod
+    def backward(ctx: Any, dy: torch.Tensor):  # type: ignore[override]
+        ops = torch.ops.tp_fuse
+        xc_d, xc_s, xc_a, wc_d, wc_s, wc_a = ctx.saved_tensors
+        key: CompileKey = ctx.key
+        lx, lw, lg = key.layout("input"), key.layout("weight"), key.layout("grad_output")
+        gr_d, gr_s, gr_a, gc_d, gc_s, gc_a = ops.block_cast(
+            dy.contiguous(), ctx.owner, "grad_output", key.recipe, *_cast_args(lg), ctx.wgrad, ctx.observer
+        )
+        blk = lambda layout: [layout.block_rows, layout.block_cols]  # noqa: E731
+        dx = ops.block_gemm(
+            gr_d, gr_s, gr_a, wc_d, wc_s, wc_a, lg.recipe_name, blk(lg), blk(lw), lg.e4m3_max, lw.e4m3_max, dy.dtype
+        )
+        dw = None
+        if ctx.wgrad:
+            dw = ops.block_gemm(
+                gc_d, gc_s, gc_a, xc_d, xc_s, xc_a, lg.recipe_name, blk(lg), blk(lx), lg.e4m3_max, lx.e4m3_max, dy.dtype
+            ).to(ctx.weight_dtype)
+        return dx, dw, None, None, None, None
