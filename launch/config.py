@@ -219,7 +219,7 @@ class TrainerConfig:
     max_nonfinite_steps: int = 3
     # Activation recompute: none | selective (core attention) | full (every TransformerLayer).
     activation_checkpointing: Literal["none", "selective", "full"] = "none"
-    compile: bool = False  # torch.compile every TransformerLayer (tp-fuse ops stay eager: docs/fsdp.md)
+    compile: bool = False  # torch.compile every TransformerLayer (fusion groups traced, FP8 casts and GEMMs as custom ops: docs/fsdp.md)
     # The peak FLOP/s of one rank that MFU divides by: null = the data sheet of known GPUs or,
     # on CPU, a measurement cached per machine; "remeasure" = measure the CPU peak again.
     peak_flops: Union[float, Literal["remeasure"], None] = None
