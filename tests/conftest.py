@@ -29,6 +29,7 @@ SLOW_MODULES = frozenset({
     "test_compile_layer",
     "test_compile_ops",
     "test_compile_tp",
+    "test_compile_tp_overlap",
     "test_cuda_readiness",
     "test_debug_api",
     "test_documented_commands",

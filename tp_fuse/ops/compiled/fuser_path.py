@@ -21,7 +21,9 @@ import torch
 
 from ...quantization.compile_state import CompileKey, traced_key
 from ...quantization.quantized_tensor import QuantizedTensor
+from ..basic import AllGather, BasicLinear, Bias, ReduceScatter
 from .basic import TRACED_FORWARDS, unsupported_reason
+from .overlap import plan_windows
 
 if TYPE_CHECKING:
     from ..fuser import OperationFuser
@@ -69,8 +71,21 @@ def _traced_forward(
     # As in the eager fuser: ops pick their dtypes (input_dtype), torch.autocast stays off inside.
     no_autocast = torch.autocast(device_type, enabled=False) if autocast_dtype is not None else contextlib.nullcontext()
     x = input_
+    # Overlap windows (high precision): one tp_fuse::ub_linear node each (compiled/overlap.py).
+    windows = {} if fp8 is not None else {start: (n, mode) for start, n, mode in plan_windows(tuple(id(op) for op in fuser.basic_ops))}
+    skip = 0
     with no_autocast:
         for i, op in enumerate(fuser.basic_ops):
+            if skip:
+                skip -= 1
+                produced.append([])
+                continue
+            if i in windows:
+                n, mode = windows[i]
+                x = _overlap_window(fuser.basic_ops[i:i + n], x, mode)
+                produced.append([])
+                skip = n - 1
+                continue
             want = op.input_dtype(autocast_dtype)
             if want is not None and x.dtype != want:
                 x = x.to(want)  # differentiable: the gradient is cast back
@@ -81,6 +96,21 @@ def _traced_forward(
             x, outs = TRACED_FORWARDS[type(op)](op, x, extras, fp8)
             produced.append(outs)
     return _unshared([x, *routing.public_outputs(produced)], (input_, *extra_inputs))
+
+
+def _overlap_window(ops: Sequence[Any], x: torch.Tensor, mode: str) -> torch.Tensor:
+    """``[AllGather, BasicLinear(, Bias)]`` or ``[BasicLinear(, Bias), ReduceScatter]`` as
+    one ``tp_fuse::ub_linear`` call (the eager overlapped algorithm at graph run time)."""
+    linear = next(op for op in ops if isinstance(op, BasicLinear))
+    bias_op = next((op for op in ops if isinstance(op, Bias)), None)
+    comm = next(op for op in ops if isinstance(op, (AllGather, ReduceScatter)))
+    want = linear.input_dtype(_autocast_dtype(x.device.type))
+    if want is not None and x.dtype != want:
+        x = x.to(want)
+    return torch.ops.tp_fuse.ub_linear(
+        x, linear.weight, None if bias_op is None else bias_op.bias,
+        linear._overlap_window.compile_ref, comm.tp_size, mode,
+    )
 
 
 @torch.compiler.disable

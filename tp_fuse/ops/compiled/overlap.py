@@ -1,0 +1,265 @@
+"""Tensor-parallel comm/GEMM overlap windows inside compiled graphs, as custom ops.
+
+The eager fuser replaces ``[AllGather, BasicLinear(, Bias)]`` and ``[BasicLinear(, Bias),
+ReduceScatter]`` with the userbuffers fused ops (``UserbuffersForwardLinear`` /
+``UserbuffersBackwardLinear``: AG+GEMM ring exchange, GEMM+RS pipelined or ring, dgrad +
+reduce-scatter with the wgrad input re-gathered behind it). Traced op by op, such a window
+would become a functional collective followed by a GEMM: correct, but no overlap. Here the
+window is ONE graph node, ``tp_fuse::ub_linear``, whose real implementation runs the eager
+fused op at graph run time (its P2P ring / pipeline over the ``TPOverlap``'s
+``UserBufferPool``), and whose registered autograd formula calls ``tp_fuse::ub_linear_backward``,
+which runs the eager backward window. Dynamo and inductor see opaque ops with fake
+implementations; the overlap inside them is the eager algorithm, not decomposed.
+
+Non-tensor state (the fused ops, their ``OverlapPlan``, process group, pool) is reached
+through a :class:`~tp_fuse.quantization.compile_state.CompileRef` to the BasicLinear's
+:class:`OverlapWindowState` -- the way the FP8 casts reach their quantizers.
+
+Which windows fuse is decided at TRACE time (:func:`plan_windows`, run as plain Python
+through ``torch._dynamo.assume_constant_result``): the fuser's own eager fusion decision for
+high precision. The overlap METHOD is not part of the graph: with ``method: auto`` the
+TPOverlap's tuner measures the candidates at the window's first real run (inside the
+opaque op, at graph run time, exactly as in eager) and afterwards reads its cached choice;
+the graph is the same whichever method wins (the output shapes do not depend on it).
+
+Scope: high precision only (fp32/bf16, no FP8 autocast). Under an FP8 recipe, or for a
+window the eager fuser would not fuse (overlap disabled, ``save_gathered_input``, a
+backward that does not fuse over the same ops), the group is traced op by op as before
+(functional collectives, no overlap: correct, not overlapped; nothing reports it yet).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+from typing import TYPE_CHECKING, Any, Optional
+
+import torch
+
+from ...quantization.compile_state import CompileRef
+from ..basic.all_gather import AllGather
+from ..basic.basic_linear import BasicLinear
+from ..basic.bias import Bias
+from ..basic.reduce_scatter import ReduceScatter
+from ..op import OperationContext
+
+if TYPE_CHECKING:
+    from ..fuser import OperationFuser
+
+__all__ = ["OverlapWindowState", "plan_windows", "ub_linear", "ub_linear_backward"]
+
+
+class OverlapWindowState:
+    """Per-BasicLinear holder of its overlap window for compiled graphs.
+
+    ``window``: ``(forward fused op, backward fused op)`` -- the eager fuser's
+    ``UserbuffersForwardLinear`` / ``UserbuffersBackwardLinear`` over the same basic ops --
+    set when a graph containing the window is traced. ``compile_ref`` names this object in
+    the custom-op calls (a graph input, so one graph could serve several layers).
+    """
+
+    def __init__(self) -> None:
+        self.window: Optional[tuple[Any, Any]] = None
+        self.compile_ref = CompileRef(self)
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        # A copy is another layer: its own ref, and its window is decided when traced.
+        self.window = None
+        self.compile_ref = CompileRef(self)
+
+
+def window_state(linear: BasicLinear) -> OverlapWindowState:
+    state = linear.__dict__.get("_overlap_window")
+    if state is None:
+        raise RuntimeError("BasicLinear without _overlap_window (built by an older tp_fuse?)")
+    return state
+
+
+@torch._dynamo.assume_constant_result
+def plan_windows(op_ids: tuple[int, ...]) -> tuple[tuple[int, int, str], ...]:
+    """``((start, length, mode), ...)`` of the group's overlap windows, decided at trace time.
+
+    Runs as plain Python (not traced): the fuser's eager fusion decision for the autocast
+    state in force (the caller only asks under high precision). A window counts when its
+    forward fused into ``UserbuffersForwardLinear`` and its backward into
+    ``UserbuffersBackwardLinear`` over the same basic ops, and the forward keeps only what
+    the custom op can rebuild (the input and the weight: not ``save_gathered_input``).
+    Records the fused ops in each BasicLinear's :class:`OverlapWindowState`.
+    """
+    from ..fused.userbuffers_backward_linear import UserbuffersBackwardLinear
+    from ..fused.userbuffers_forward_linear import UserbuffersForwardLinear
+    from ..fuser import OperationFuser
+
+    # A fuser of our own over the same ops: the one being traced may exist only in
+    # dynamo's trace (a Sequential builds its fusers at the first call), not as an object.
+    fuser = OperationFuser([_live_op(i) for i in op_ids])
+    fuser.maybe_fuse()
+    backward = {tuple(idx): op for op, idx in fuser.backward_ops if isinstance(op, UserbuffersBackwardLinear)}
+    found = []
+    for op, idx in fuser.forward_ops:
+        if not isinstance(op, UserbuffersForwardLinear) or op.fp8:
+            continue
+        bwd = backward.get(tuple(idx))
+        if bwd is None or (op.mode == "all_gather" and op.plan.overlap.save_gathered_input):
+            continue
+        window_state(op.linear).window = (op, bwd)
+        found.append((idx[0], len(idx), op.mode))
+    return tuple(found)
+
+
+def _live_op(op_id: int) -> Any:
+    """The op whose ``id()`` is ``op_id``. Dynamo passes a constant-result function only
+    constants, not modules, so the traced code passes ``id(op)``; the ops are alive (the
+    group being traced holds them) and the result's type is checked."""
+    from ..op import FusibleOperation
+
+    op = ctypes.cast(op_id, ctypes.py_object).value
+    if not isinstance(op, FusibleOperation):
+        raise RuntimeError(f"plan_windows: id {op_id} is not a live FusibleOperation")
+    return op
+
+
+# ---- the custom ops ---------------------------------------------------------------------
+
+
+def _contexts(fused: Any) -> list[OperationContext]:
+    ctxs = [OperationContext() for _ in fused.basic_ops]
+    for c in ctxs:
+        c.requires_grad, c.dtype = True, None
+    return ctxs
+
+
+def _index(fused: Any, kind: type) -> Optional[int]:
+    return next((i for i, op in enumerate(fused.basic_ops) if isinstance(op, kind)), None)
+
+
+def _same_data(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.data_ptr() == b.data_ptr() and a.shape == b.shape
+
+
+def _check_params(fused: Any, w: torch.Tensor, b: Optional[torch.Tensor]) -> None:
+    # The eager fused op reads the module's parameters; the graph passes them as inputs.
+    # They must be the same tensors, or the op would compute with other numbers than the
+    # graph's autograd thinks (never silently: raise).
+    linear = fused.linear
+    bias_i = _index(fused, Bias)
+    if not _same_data(w, linear.weight):
+        raise RuntimeError("tp_fuse::ub_linear: the weight passed is not the BasicLinear's parameter")
+    if (b is None) != (bias_i is None) or (b is not None and not _same_data(b, fused.basic_ops[bias_i].bias)):
+        raise RuntimeError("tp_fuse::ub_linear: the bias passed is not the window's Bias parameter")
+
+
+@torch.library.custom_op("tp_fuse::ub_linear", mutates_args=())
+def ub_linear(
+    x: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor], window: CompileRef, tp: int, mode: str
+) -> torch.Tensor:
+    """One tensor-parallel linear with its collective overlapped (the eager fused forward).
+
+    ``mode="all_gather"`` (column-parallel, sequence parallel)::
+
+        x [s/tp, ..., in]   W [out/tp, in]   b [out/tp]
+        y [s, ..., out/tp] = all_gather(x) @ W^T + b       (ring exchange: the GEMM of
+                                                            each block overlaps the next
+                                                            block's P2P transfer)
+
+    ``mode="reduce_scatter"`` (row-parallel)::
+
+        x [s, ..., in/tp]   W [out, in/tp]   b [out]
+        y [s/tp, ..., out] = reduce_scatter(x @ W^T + b)   (pipelined chunks or ring)
+
+    ``window``: the BasicLinear's :class:`OverlapWindowState` ref; ``tp``: the TP size.
+    Method (``method: auto``: measured at the first run, then cached) and pool as eager.
+    """
+    fwd, _ = window.target().window
+    _check_params(fwd, w, b)
+    ctxs = _contexts(fwd)
+    n = len(fwd.basic_ops)
+    y, _ = fwd.fuser_forward(ctxs, x, basic_op_extra_inputs=[()] * n, basic_op_kwargs=[{}] * n)
+    saved = ctxs[_index(fwd, BasicLinear)].to_save
+    # What backward rebuilds: this rank's input (as [rows, in]) and the weight itself.
+    if saved is None or not (_same_data(saved[0], x.reshape(-1, x.shape[-1])) and _same_data(saved[1], w)):
+        raise RuntimeError("tp_fuse::ub_linear: the fused forward saved other tensors than (x, W)")
+    if y.untyped_storage().data_ptr() in (x.untyped_storage().data_ptr(), w.untyped_storage().data_ptr()):
+        y = y.clone()  # a custom op's output may not alias its inputs
+    return y
+
+
+@ub_linear.register_fake
+def _ub_linear_fake(x, w, b, window, tp, mode):
+    rows = x.shape[0] * tp if mode == "all_gather" else x.shape[0] // tp
+    return x.new_empty((rows, *x.shape[1:-1], w.shape[0]))
+
+
+@torch.library.custom_op("tp_fuse::ub_linear_backward", mutates_args=())
+def ub_linear_backward(
+    dy: torch.Tensor, x: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor], window: CompileRef, tp: int,
+    mode: str,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Backward of :func:`ub_linear`: the eager ``UserbuffersBackwardLinear`` window.
+
+    ``mode="all_gather"``: ``dy [s, ..., out/tp]``::
+
+        dx [s/tp, ..., in] = reduce_scatter(dy @ W)     (dgrad GEMM overlapped with the
+                                                         reduce-scatter; x re-gathered
+                                                         behind it for wgrad)
+        dW [out/tp, in]    = dy^T @ all_gather(x)
+        db [out/tp]        = sum(dy)
+
+    ``mode="reduce_scatter"``: ``dy [s/tp, ..., out]``::
+
+        dy_full = all_gather(dy)                         (ring exchange with the dgrad GEMM)
+        dx [s, ..., in/tp] = dy_full @ W;  dW = dy_full^T @ x;  db = sum(dy_full)
+
+    Returns ``(dx, dW, db)``; ``db`` is empty (``[0]``) without a bias.
+    """
+    from ..fused.userbuffers_forward_linear import _regather
+
+    fwd, bwd = window.target().window
+    _check_params(bwd, w, b)
+    ctxs = _contexts(bwd)
+    lin_i = _index(bwd, BasicLinear)
+    lin_ctx = ctxs[lin_i]
+    # The context the eager fused forward leaves (see ub_linear: it saved exactly these).
+    lin_ctx.saved_tensors = (x.reshape(-1, x.shape[-1]), w)
+    lin_ctx.fp8 = False
+    if mode == "all_gather":
+        lin_ctx.input_shape = torch.Size((x.shape[0] * tp, *x.shape[1:]))
+        lin_ctx.regather_input = functools.partial(_regather, _comm_group(bwd))
+    else:
+        lin_ctx.input_shape = x.shape
+    n = len(bwd.basic_ops)
+    dx, grads, _ = bwd.fuser_backward(ctxs, dy, basic_op_grad_extra_outputs=[()] * n)
+    dw = grads[lin_i][0]
+    bias_i = _index(bwd, Bias)
+    db = grads[bias_i][0] if bias_i is not None else None
+    dw = torch.zeros_like(w) if dw is None else dw
+    db = dy.new_empty(0) if db is None else db
+    return dx.contiguous(), dw, db
+
+
+def _comm_group(fused: Any):
+    comm = next(op for op in fused.basic_ops if isinstance(op, (AllGather, ReduceScatter)))
+    return comm.process_group
+
+
+@ub_linear_backward.register_fake
+def _ub_linear_backward_fake(dy, x, w, b, window, tp, mode):
+    return torch.empty_like(x), torch.empty_like(w), (torch.empty_like(b) if b is not None else dy.new_empty(0))
+
+
+def _setup_context(ctx: Any, inputs: tuple, output: torch.Tensor) -> None:
+    x, w, b, window, tp, mode = inputs
+    ctx.save_for_backward(x, w, b)
+    ctx.window, ctx.tp, ctx.mode = window, tp, mode
+
+
+def _backward(ctx: Any, dy: torch.Tensor):
+    x, w, b = ctx.saved_tensors
+    dx, dw, db = torch.ops.tp_fuse.ub_linear_backward(dy.contiguous(), x, w, b, ctx.window, ctx.tp, ctx.mode)
+    return dx, dw, (db if b is not None else None), None, None, None
+
+
+ub_linear.register_autograd(_backward, setup_context=_setup_context)
