@@ -83,7 +83,9 @@ def test_non_finite_state_is_never_saved(tmp_path):
                                               r"is not finite .*no earlier checkpoint"):
         train([*SMALL, "fp8=none", "trainer.max_nonfinite_steps=100", "checkpoint.interval=1",
                f"checkpoint.dir={ck}"], str(tmp_path / "run"), model_factory=_inf_weight_factory)
-    assert not [p for p in os.listdir(ck) if p.startswith(("step_", ".tmp-"))]
+    # Nothing was written; the job that created checkpoint.dir removes it again when it
+    # saved nothing (no empty checkpoint dirs), so the dir may be gone altogether.
+    assert not [p for p in (os.listdir(ck) if ck.exists() else []) if p.startswith(("step_", ".tmp-"))]
 
 
 def test_write_failure_names_the_cause(tmp_path, monkeypatch):

@@ -5,7 +5,7 @@ traced forward for the recipe in force (``basic.unsupported_reason``), the group
 op by op -- the same order, dtype casts, extra-tensor routing and output copies as the
 eager fuser, without its autograd function -- and becomes part of the caller's graph: one
 graph for a whole ``TransformerLayer``, forward and backward. Otherwise the group runs
-through the eager fuser behind ``torch.compiler.disable`` (a graph break, as before this
+through the eager fuser behind ``torch.compiler.disable`` (``tp_fuse.graph_breaks``) (a graph break, as before this
 path existed); :func:`trace_plan` says why.
 
 The recipe in force is read from ``compile_state.traced_key()`` (dynamo guards on it), not
@@ -83,12 +83,6 @@ def _traced_forward(
     return _unshared([x, *routing.public_outputs(produced)], (input_, *extra_inputs))
 
 
-@torch.compiler.disable
-def _eager_call(fuser: "OperationFuser", input_: torch.Tensor, extra_inputs: Sequence[torch.Tensor], kwargs: Any):
-    """The eager fuser, reached from compiled code: a graph break."""
-    return fuser._eager_call(input_, *extra_inputs, basic_op_kwargs=kwargs)
-
-
 def compiled_call(
     fuser: "OperationFuser",
     input_: torch.Tensor,
@@ -100,6 +94,9 @@ def compiled_call(
     quantized = any(isinstance(t, QuantizedTensor) for t in (input_, *extra_inputs))
     with_kwargs = basic_op_kwargs is not None and any(basic_op_kwargs)
     if quantized or with_kwargs or trace_plan(fuser, fp8) is not None:
-        return _eager_call(fuser, input_, extra_inputs, basic_op_kwargs)
+        # A graph break. Imported here, while dynamo traces: see tp_fuse/graph_breaks.py.
+        from ...graph_breaks import eager_fuser_call
+
+        return eager_fuser_call(fuser, input_, extra_inputs, basic_op_kwargs)
     outputs = _traced_forward(fuser, input_, extra_inputs, fp8)
     return outputs[0] if fuser.num_extra_outputs == 0 else tuple(outputs)
