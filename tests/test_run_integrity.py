@@ -144,6 +144,8 @@ def _invalid(overrides, match, world_size=1):
     ("optim.weight_decay=-0.1", r"optim\.weight_decay must be >= 0"),
     ("parallel.timeout_s=0", r"parallel\.timeout_s must be a finite number > 0"),
     ("trainer.max_nonfinite_steps=-1", r"trainer\.max_nonfinite_steps must be >= 0"),
+    ("trainer.compile_mode=reduce-overhead", r"trainer\.compile_mode=reduce-overhead needs trainer\.compile=true"),
+    ("trainer.compile_mode=fast", r"trainer\.compile_mode: expected one of 'default' \| 'reduce-overhead'"),
 ])
 def test_optimizer_and_runtime_fields_are_validated(override, match):
     _invalid([override], match)
