@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import copy
 import io
 import json
 import os
@@ -39,6 +40,7 @@ from typing import Callable, Optional
 
 import torch
 import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import tp_fuse
 from tp_fuse import kernels, ops
@@ -142,6 +144,26 @@ RECIPES = {
 }
 
 
+class _OpCounter(TorchDispatchMode):
+    """Counts the aten ops dispatched (autograd's C++ backward ops included)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+def aten_ops(fn: Callable[[], None]) -> int:
+    """aten ops of one call of ``fn``: the per-step op count, which (unlike time) does not
+    depend on the machine's load."""
+    with _OpCounter() as counter:
+        fn()
+    return counter.count
+
+
 def host_table(hidden: int, tokens: int, repeats: int) -> None:
     torch.manual_seed(0)
     seq = ops.Sequential(ops.LayerNorm(hidden), ops.Linear(hidden, 4 * hidden), ops.GELU(),
@@ -149,13 +171,18 @@ def host_table(hidden: int, tokens: int, repeats: int) -> None:
     ref = TorchBlock(seq)
     x = torch.randn(tokens, hidden, requires_grad=True)
     dy = torch.randn(tokens, hidden)
-    variants: dict[str, Callable[[], None]] = {"torch": lambda: ref(x).backward(dy), "tp_fuse fp32": lambda: seq(x).backward(dy)}
+    fp32_seq = copy.deepcopy(seq)
+    variants: dict[str, Callable[[], None]] = {"torch": lambda: ref(x).backward(dy),
+                                               "tp_fuse fp32": lambda: fp32_seq(x).backward(dy)}
     for name, make in RECIPES.items():
-        recipe = make()
+        # One model per recipe: the variants alternate step by step (so that machine noise
+        # hits all alike), and one model switching recipes every step would re-plan and
+        # rebuild its quantizers every step, which no training run does.
+        recipe, model = make(), copy.deepcopy(seq)
 
-        def step(recipe=recipe) -> None:
+        def step(recipe=recipe, model=model) -> None:
             with tp_fuse.autocast(recipe=recipe):
-                y = seq(x)
+                y = model(x)
             y.backward(dy)
 
         variants[f"tp_fuse {name}"] = step
@@ -170,10 +197,10 @@ def host_table(hidden: int, tokens: int, repeats: int) -> None:
             times[name].append(time.perf_counter() - start)
     base = statistics.median(times["torch"])
     print(f"\n2. host time per step, LayerNorm -> Linear -> GELU -> Linear, hidden {hidden}, {tokens} tokens, fwd+bwd")
-    print(f"{'variant':<18} {'median us':>10} {'/ torch':>8}")
+    print(f"{'variant':<18} {'median us':>10} {'/ torch':>8} {'aten ops':>9}")
     for name, ts in times.items():
         med = statistics.median(ts)
-        print(f"{name:<18} {med * 1e6:>10.1f} {med / base:>7.2f}x")
+        print(f"{name:<18} {med * 1e6:>10.1f} {med / base:>7.2f}x {aten_ops(variants[name]):>9}")
 
 
 def gpt_steps(fp8: str, steps: int) -> tuple[float, float, float]:

@@ -220,6 +220,9 @@ class TrainerConfig:
     # Activation recompute: none | selective (core attention) | full (every TransformerLayer).
     activation_checkpointing: Literal["none", "selective", "full"] = "none"
     compile: bool = False  # torch.compile every TransformerLayer (fusion groups traced, FP8 casts and GEMMs as custom ops: docs/fsdp.md)
+    # torch.compile's mode for trainer.compile=true; reduce-overhead records CUDA graphs on a
+    # GPU (the step has no host sync inside the compiled layers; CPU ignores the graphs).
+    compile_mode: Literal["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"] = "default"
     # The peak FLOP/s of one rank that MFU divides by: null = the data sheet of known GPUs or,
     # on CPU, a measurement cached per machine; "remeasure" = measure the CPU peak again.
     peak_flops: Union[float, Literal["remeasure"], None] = None
@@ -553,6 +556,10 @@ def validate(cfg: TrainConfig, world_size: int) -> ParallelLayout:
           f"trainer.micro_batch_size ({tr.micro_batch_size}) * dp ({dp}) = {per_step}")
     _need(-world_size <= tr.fail_rank < world_size,
           f"trainer.fail_rank must be in [-{world_size}, {world_size}), got {tr.fail_rank}")
+    # A mode without compiling would be silently ignored: say so instead.
+    _need(tr.compile or tr.compile_mode == "default",
+          f"trainer.compile_mode={tr.compile_mode} needs trainer.compile=true (it is torch.compile's mode); "
+          f"add trainer.compile=true or drop trainer.compile_mode")
     if tr.exit_at_step is not None:
         _need(1 <= tr.exit_at_step <= tr.max_steps,
               f"trainer.exit_at_step must be in [1, trainer.max_steps={tr.max_steps}], got {tr.exit_at_step}")

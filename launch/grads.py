@@ -83,12 +83,17 @@ def global_grad_norm(
 
 
 @torch.no_grad()
-def clip_grads(params: list[torch.nn.Parameter], total_norm: torch.Tensor, max_norm: float) -> float:
+def clip_grads(params: list[torch.nn.Parameter], total_norm: torch.Tensor, max_norm: float,
+               norm_value: Optional[float] = None) -> float:
     """Scale gradients so that their global norm is at most ``max_norm`` (0: off).
+
+    ``norm_value``: ``float(total_norm)`` when the caller has already read it (the
+    launcher's non-finite guard reads it with the step's other values in one transfer);
+    without it, ``total_norm`` is read here (one host sync).
 
     Returns the coefficient applied (1.0 when no clipping happened).
     """
-    norm = float(total_norm)
+    norm = float(total_norm) if norm_value is None else norm_value
     if max_norm <= 0 or not math.isfinite(norm) or norm <= max_norm:
         return 1.0
     coef = max_norm / (norm + 1e-6)

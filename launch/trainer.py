@@ -281,10 +281,16 @@ class Trainer:
                 t_comm = time.perf_counter() - t_comm
                 norm = global_grad_norm(self.model, topo.tp_group, rt.layout.tp,
                                         self.sharded_dp.shard_group if self.sharded_dp is not None else None)
+                # The DP mean loss (what is logged) before the guard, so that the guard's one
+                # host read returns it too: a NaN/inf on any DP rank makes the mean NaN/inf
+                # (the loss is >= 0: nothing cancels), the same verdict as each rank's own.
+                if rt.layout.dp > 1:
+                    dist.all_reduce(loss, group=topo.dp_group)
+                    loss /= rt.layout.dp
                 health = self.guard.check(step, loss, norm, signals.signum)
                 finite = health.finite
                 if finite:
-                    clip_grads(self.params, norm, cfg.optim.grad_clip)
+                    clip_grads(self.params, norm, cfg.optim.grad_clip, norm_value=health.grad_norm)
                     self.optimizer.step()
                 else:
                     if rt.is_rank0:
@@ -296,11 +302,9 @@ class Trainer:
                 self.state.step = step
                 if self.debug is not None:
                     self.debug.step()
-                # Every step: the progress bar shows it, and TrainResult records the trajectory.
-                if rt.layout.dp > 1:
-                    dist.all_reduce(loss, group=topo.dp_group)
-                    loss /= rt.layout.dp
-                loss_value = float(loss)
+                # Every step: the progress bar shows it, and TrainResult records the trajectory
+                # (read by the guard in its one transfer: no host sync of its own).
+                loss_value = health.loss
                 losses[step] = loss_value
                 self.state.last_loss = loss_value
                 step_time = time.perf_counter() - t0
@@ -311,7 +315,7 @@ class Trainer:
                     metrics = {
                         "loss": loss_value,
                         "lr": lr,
-                        "grad_norm": float(norm),
+                        "grad_norm": health.grad_norm,
                         **perf,  # step_time_s, tokens_per_s, eta_s, mfu (if a peak is known), peak_mem_gib
                         "comm/dp_grad_allreduce_s": t_comm,
                         "consumed_samples": float(self.loader.consumed_samples),
@@ -329,7 +333,7 @@ class Trainer:
                     val = f"  val {metrics['val_loss']:.4f}" if "val_loss" in metrics else ""
                     progress.line(
                         f"step {step:>6}/{tr.max_steps}  loss {loss_value:.4f}{val}  lr {lr:.2e}  "
-                        f"grad_norm {float(norm):.3f}  {perf['step_time_s'] * 1e3:,.0f} ms/step  "
+                        f"grad_norm {health.grad_norm:.3f}  {perf['step_time_s'] * 1e3:,.0f} ms/step  "
                         f"{perf['tokens_per_s']:,.0f} tok/s  "
                         + (f"MFU {perf['mfu']:.1%}  " if "mfu" in perf else "MFU n/a  ")
                         + f"mem {perf['peak_mem_gib']:.2f} GiB  ETA {format_eta(perf['eta_s'])}"

@@ -37,6 +37,7 @@ SLOW_MODULES = frozenset({
     "test_fp8_stats_fused",
     "test_fsdp",
     "test_fsdp_launch",
+    "test_health_syncs",
     "test_gpu_check",
     "test_kernels",
     "test_kernels_interpret",

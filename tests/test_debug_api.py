@@ -91,7 +91,8 @@ def test_layer_with_features_runs_unfused_the_others_fused():
 
 def test_log_tensor_stats_values_and_frequency(data):
     x, g = data
-    stats = ["min", "max", "mean", "std", "l1_norm", "l2_norm", "amax", "dynamic_range"]
+    # "cur_amax" is TE's LogTensorStats name for the tensor's own max |x|.
+    stats = ["min", "max", "mean", "std", "l1_norm", "l2_norm", "amax", "cur_amax", "dynamic_range"]
     model = _linear()
     session = DebugSession(_section(".*", {"LogTensorStats": {
         "tensors": ["activation", "weight", "output", "gradient", "dgrad", "wgrad"], "stats": stats, "freq": 2}}))
@@ -110,7 +111,7 @@ def test_log_tensor_stats_values_and_frequency(data):
         nz = t.abs()[t != 0]
         ref = {
             "min": t.min(), "max": t.max(), "mean": t.mean(), "std": t.std(), "l1_norm": t.abs().sum(),
-            "l2_norm": t.norm(), "amax": t.abs().max(), "dynamic_range": torch.log2(t.abs().max() / nz.min()),
+            "l2_norm": t.norm(), "amax": t.abs().max(), "cur_amax": t.abs().max(), "dynamic_range": torch.log2(t.abs().max() / nz.min()),
         }
         for stat in stats:
             assert rec[f"debug/0.fc1/{name}/{stat}"] == pytest.approx(float(ref[stat]), rel=1e-9, abs=1e-12), (name, stat)

@@ -18,9 +18,10 @@ those calls (they raise) while the code under test runs:
 * the overlap auto-tuner once a GEMM's choice is measured: later look-ups are dictionary
   reads, no agreement all-reduce and no ``.tolist()``.
 
-Outside the step by design, still syncing once per step: the launcher's non-finite guard
+Outside the step by design, one host read per step: the launcher's non-finite guard
 (``launch/health.py``: it decides on the host whether to skip the optimizer step, after
-forward and backward, outside any compiled region) and its loss logging (``float(loss)``).
+forward and backward, outside any compiled region; the loss and gradient norm ride in the
+same read) -- counted in ``test_health_syncs.py``.
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ FP8 entry points ``te.autocast``, ``te.quantized_model_init`` and
 ``te.recipe``, with Transformer Engine's names.
 """
 
-from . import module, ops, recipe
+from . import module, ops, recipe, utils
 from .availability import (
     is_bf16_available,
     is_fp8_available,
@@ -15,6 +15,7 @@ from .availability import (
 )
 from .distributed import checkpoint
 from .ops.explain import explain
+from .utils import get_device_compute_capability
 from .quantization import (
     DType,
     Float8CurrentScalingQuantizer,
@@ -50,6 +51,7 @@ __all__ = [
     "autocast",
     "checkpoint",
     "explain",
+    "get_device_compute_capability",
     "is_bf16_available",
     "is_fp8_available",
     "is_fp8_block_scaling_available",
@@ -59,5 +61,6 @@ __all__ = [
     "ops",
     "quantized_model_init",
     "recipe",
+    "utils",
 ]
 __version__ = "0.1.0"

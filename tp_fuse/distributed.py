@@ -43,7 +43,7 @@ import torch.utils.checkpoint as torch_checkpoint
 from .quantization.autocast import AutocastContext, current_autocast, reenter_autocast
 from .quantization.quantizer import CurrentScalingQuantizer, DelayedScalingQuantizer, OpQuantizers
 
-__all__ = ["checkpoint", "fp8_quantizers"]
+__all__ = ["checkpoint", "checkpoint_eager", "fp8_quantizers"]
 
 # The attributes a current-scaling quantize rebinds (never updates in place).
 _CURRENT_SCALING_STATE = ("scale", "last_amax", "nonfinite_amax_count", "zero_amax_count")
@@ -115,11 +115,28 @@ class _RecomputeState:
                             setattr(q, name, value)
 
 
-# torch.compile: dynamo cannot trace torch.utils.checkpoint with a custom context_fn, so
-# the call is a graph break; compile the function passed in instead (launch does so for
-# full recompute), and its recompute runs the compiled code too.
-@torch.compiler.disable
 def checkpoint(
+    function: Callable[..., Any],
+    *args: Any,
+    **kwargs: Any,
+) -> Any:
+    """``function(*args, **kwargs)`` with its activations recomputed in backward, FP8
+    scales and dropout streams of the first forward replayed: see :func:`checkpoint_eager`
+    for the arguments.
+
+    Under torch.compile this is a graph break (dynamo cannot trace torch.utils.checkpoint
+    with a custom ``context_fn``); compile the function passed in instead (the launcher
+    does so for full recompute), and its recompute runs the compiled code too.
+    """
+    if torch.compiler.is_compiling():
+        # Imported while dynamo traces: see tp_fuse/graph_breaks.py.
+        from .graph_breaks import checkpoint as checkpoint_graph_break
+
+        return checkpoint_graph_break(function, *args, **kwargs)
+    return checkpoint_eager(function, *args, **kwargs)
+
+
+def checkpoint_eager(
     function: Callable[..., Any],
     *args: Any,
     distribute_saved_activations: bool = False,

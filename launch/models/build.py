@@ -183,13 +183,18 @@ def build_model(cfg: TrainConfig, rt: Runtime, factory: Optional[ModelFactory] =
                              f"(set_activation_checkpointing and layers), got {type(model).__name__}")
         model.set_activation_checkpointing(mode)
     if cfg.trainer.compile:
-        compile_layers(model, full_recompute=mode == "full")
+        compile_layers(model, full_recompute=mode == "full", mode=cfg.trainer.compile_mode)
     model.train()
     return model
 
 
-def compile_layers(model: torch.nn.Module, *, full_recompute: bool = False) -> None:
-    """``torch.compile`` every TransformerLayer in place.
+def compile_layers(model: torch.nn.Module, *, full_recompute: bool = False, mode: str = "default") -> None:
+    """``torch.compile`` every TransformerLayer in place, with torch.compile's ``mode``.
+
+    ``mode="reduce-overhead"`` (``trainer.compile_mode``) records each compiled layer as a
+    CUDA graph on a GPU, which cuts the per-kernel launch cost that makes small models
+    host-bound; nothing inside the compiled layers syncs with the host
+    (``tests/test_no_host_sync.py``). On CPU inductor ignores the CUDA-graph part.
 
     tp-fuse's fusion groups (``OperationFuser``) are traced into each layer's graph
     (``tp_fuse/ops/compiled``): fp32/bf16, FP8 delayed/current scaling through the custom
@@ -202,9 +207,9 @@ def compile_layers(model: torch.nn.Module, *, full_recompute: bool = False) -> N
     """
     for layer in model.layers:
         if full_recompute:
-            layer._forward = torch.compile(layer._forward)
+            layer._forward = torch.compile(layer._forward, mode=mode)
         else:
-            layer.compile()
+            layer.compile(mode=mode)
 
 
 def fp8_autocast(recipe: Optional[Recipe], group: Any) -> contextlib.AbstractContextManager:

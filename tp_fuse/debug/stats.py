@@ -93,6 +93,9 @@ TENSOR_STATS: dict[str, tuple[tuple[str, ...], Callable[[dict[str, float]], floa
     "l1_norm": (("l1",), lambda c: c["l1"]),
     "l2_norm": (("sumsq",), lambda c: math.sqrt(c["sumsq"])),
     "amax": (("amax",), lambda c: c["amax"]),
+    # TE's LogTensorStats also names the current tensor's max |x| "cur_amax" (its
+    # "amax" may come from a quantizer's history); here both are this tensor's max |x|.
+    "cur_amax": (("amax",), lambda c: c["amax"]),
     "dynamic_range": (("amax", "min_nonzero_abs"), _dynamic_range),
 }
 

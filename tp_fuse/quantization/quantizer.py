@@ -620,14 +620,13 @@ class CurrentScalingQuantizer(Quantizer):
         over the amax group first), e.g. the amax a norm kernel computed in passing."""
         with torch.no_grad():
             amax = self._reduce(amax)
-            scale = scaling.current_scale(amax, self.fp8_max, self.power_2_scale)
+            scale, nonfinite, zero = scaling.current_scale_and_checks(amax, self.fp8_max, self.power_2_scale)
             # The amax is known: the cast kernel need not compute it again.
             data, data_t, _ = _cast(x.detach(), scale, self.fp8_dtype, transpose=transpose, with_amax=False)
             self.last_amax = amax.clone()
             self.scale = scale
-            nonfinite = scaling.is_nonfinite(amax)
             self.nonfinite_amax_count = self.nonfinite_amax_count.to(x.device) + nonfinite
-            self.zero_amax_count = self.zero_amax_count.to(x.device) + (amax == 0)
+            self.zero_amax_count = self.zero_amax_count.to(x.device) + zero
         return _with_transpose(Float8Tensor(data, torch.reciprocal(scale), x.dtype), data_t)
 
     def stats(self) -> dict[str, float]:

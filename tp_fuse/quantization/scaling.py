@@ -148,16 +148,29 @@ def current_scale(amax: torch.Tensor, fp8_max: float, power_2_scale: bool = Fals
     small that the scale overflows fp32 gives the largest fp32 value. With
     ``power_2_scale`` the result is rounded down to a power of two.
     """
-    amax64 = amax.detach().reshape(()).to(torch.float64)
+    return current_scale_and_checks(amax, fp8_max, power_2_scale)[0]
+
+
+def current_scale_and_checks(
+    amax: torch.Tensor, fp8_max: float, power_2_scale: bool = False
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(scale, nonfinite, zero)`` for an amax (``max |x|``: >= 0, or NaN/inf):
+    :func:`current_scale`, and whether the amax is non-finite / zero (0-d bools), from
+    the same comparisons: this runs at every current-scaling quantize."""
+    amax64 = amax.detach()
+    amax64 = (amax64 if amax64.dim() == 0 else amax64.reshape(())).to(torch.float64)
     # Finite and > 0 in two comparisons (NaN fails both). Unusable amaxes divide to inf,
-    # 0 or NaN, which the where() discards: 8 tensor ops, as this runs per quantize.
-    usable = (amax64 > 0) & (amax64 < math.inf)
+    # 0 or NaN, which the where() discards.
+    finite = amax64 < math.inf
+    positive = amax64 > 0
+    usable = positive & finite
     scale64 = (fp8_max / amax64).clamp(max=_FP32_MAX)
     # Round in float64: rounding to fp32 first could round up onto the next power
     # of two and make the scaled amax exceed fp8_max.
     if power_2_scale:
         scale64 = round_down_to_power_of_2(torch.where(usable, scale64, 1.0))
-    return torch.where(usable, scale64.to(torch.float32), 1.0)
+    scale = torch.where(usable, scale64.to(torch.float32), 1.0)
+    return scale, ~finite, amax64 == 0
 
 
 def nan_to_inf(amax: torch.Tensor) -> torch.Tensor:

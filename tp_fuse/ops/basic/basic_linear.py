@@ -123,10 +123,6 @@ class BasicLinear(QuantizerStateMixin, BasicOperation):
             init_method(weight)
 
         self._quantizers = OpQuantizers(("input", "weight", "grad_output"))
-        # Names this op's tensor-parallel overlap window in compiled graphs (compiled/overlap.py).
-        from ..compiled.overlap import OverlapWindowState
-
-        self._overlap_window = OverlapWindowState()
         recipe = model_init_recipe()
         if recipe is not None:
             quantizer = self._quantizers.get(recipe, None)["weight"]

@@ -5,7 +5,7 @@ traced forward for the recipe in force (``basic.unsupported_reason``), the group
 op by op -- the same order, dtype casts, extra-tensor routing and output copies as the
 eager fuser, without its autograd function -- and becomes part of the caller's graph: one
 graph for a whole ``TransformerLayer``, forward and backward. Otherwise the group runs
-through the eager fuser behind ``torch.compiler.disable`` (a graph break, as before this
+through the eager fuser behind ``torch.compiler.disable`` (``tp_fuse.graph_breaks``) (a graph break, as before this
 path existed); :func:`trace_plan` says why.
 
 The recipe in force is read from ``compile_state.traced_key()`` (dynamo guards on it), not
@@ -23,7 +23,6 @@ from ...quantization.compile_state import CompileKey, traced_key
 from ...quantization.quantized_tensor import QuantizedTensor
 from ..basic import AllGather, BasicLinear, Bias, ReduceScatter
 from .basic import TRACED_FORWARDS, unsupported_reason
-from .overlap import plan_windows
 
 if TYPE_CHECKING:
     from ..fuser import OperationFuser
@@ -72,6 +71,10 @@ def _traced_forward(
     no_autocast = torch.autocast(device_type, enabled=False) if autocast_dtype is not None else contextlib.nullcontext()
     x = input_
     # Overlap windows (high precision): one tp_fuse::ub_linear node each (compiled/overlap.py).
+    # Imported here, while dynamo traces: overlap.py applies a dynamo decorator at import,
+    # and eager programs must not load torch._dynamo (tp_fuse/graph_breaks.py).
+    from .overlap import plan_windows
+
     windows = {} if fp8 is not None else {start: (n, mode) for start, n, mode in plan_windows(tuple(id(op) for op in fuser.basic_ops))}
     skip = 0
     with no_autocast:
@@ -113,12 +116,6 @@ def _overlap_window(ops: Sequence[Any], x: torch.Tensor, mode: str) -> torch.Ten
     )
 
 
-@torch.compiler.disable
-def _eager_call(fuser: "OperationFuser", input_: torch.Tensor, extra_inputs: Sequence[torch.Tensor], kwargs: Any):
-    """The eager fuser, reached from compiled code: a graph break."""
-    return fuser._eager_call(input_, *extra_inputs, basic_op_kwargs=kwargs)
-
-
 def compiled_call(
     fuser: "OperationFuser",
     input_: torch.Tensor,
@@ -130,6 +127,9 @@ def compiled_call(
     quantized = any(isinstance(t, QuantizedTensor) for t in (input_, *extra_inputs))
     with_kwargs = basic_op_kwargs is not None and any(basic_op_kwargs)
     if quantized or with_kwargs or trace_plan(fuser, fp8) is not None:
-        return _eager_call(fuser, input_, extra_inputs, basic_op_kwargs)
+        # A graph break. Imported here, while dynamo traces: see tp_fuse/graph_breaks.py.
+        from ...graph_breaks import eager_fuser_call
+
+        return eager_fuser_call(fuser, input_, extra_inputs, basic_op_kwargs)
     outputs = _traced_forward(fuser, input_, extra_inputs, fp8)
     return outputs[0] if fuser.num_extra_outputs == 0 else tuple(outputs)

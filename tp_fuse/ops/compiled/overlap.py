@@ -72,9 +72,11 @@ class OverlapWindowState:
 
 
 def window_state(linear: BasicLinear) -> OverlapWindowState:
+    """The BasicLinear's window holder, made at its first trace (plan_windows runs as plain
+    Python, not traced): eager programs never build one, nor import this module."""
     state = linear.__dict__.get("_overlap_window")
     if state is None:
-        raise RuntimeError("BasicLinear without _overlap_window (built by an older tp_fuse?)")
+        state = linear.__dict__["_overlap_window"] = OverlapWindowState()
     return state
 
 
