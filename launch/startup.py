@@ -99,6 +99,12 @@ def announce(cfg: TrainConfig, rt: Runtime, model: torch.nn.Module, loader: Batc
         say(f"MFU = tokens/s x {fpt / 1e6:.2f} MFLOP/token / peak; FLOP/token = 6 x GEMM weights "
             "(L x (qkv+proj+fc1+fc2) + vocab x hidden) + 12 x L x hidden x seq_len; "
             f"peak = {peak.source}")
+        if cfg.model.name == "hf":
+            from .models.hf import moe_note
+
+            note = moe_note(cfg.model.path)  # the routed experts: what FLOP/token and the sharding do with them
+            if note:
+                say(note)
         if wandb_line:
             say(wandb_line)
     return StepMeter(tokens_per_step, fpt, peak, cfg.trainer.max_steps, start_step, say if rt.is_rank0 else None)

@@ -157,6 +157,102 @@ def test_torchrun_hf_olmo2_tp2_matches_tp1(tmp_path):
         assert tp2[step] == pytest.approx(tp1[step], rel=1e-4), (step, tp2, tp1)
 
 
+# ---- issue 22: the other built-in families through +model=hf, TP=2 vs TP=1 ----
+
+#: Tiny configs of the families +model=hf takes beyond the first eight: config class, model
+#: class, fields. Each sets the feature that needs the family's own handling so that the
+#: run exercises it: tied embeddings (gemma, cohere, opt, starcoder2), logit soft-capping
+#: (gemma2), parallel attention/MLP blocks (cohere, phi, gptj, stablelm), Granite's
+#: multipliers, Phi's shared q/k LayerNorm (gradient summed over TP by wrap), Mixtral's
+#: routed experts (replicated). Special token ids 0: their defaults lie outside VOCAB.
+_SIZES = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+              max_position_embeddings=64, pad_token_id=0, bos_token_id=0, eos_token_id=0)
+_NEW_FAMILIES = {
+    "gemma": ("GemmaConfig", "GemmaForCausalLM", dict(intermediate_size=64, num_key_value_heads=2, head_dim=8)),
+    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", dict(intermediate_size=64, num_key_value_heads=2, head_dim=8,
+                                                         query_pre_attn_scalar=8, final_logit_softcapping=2.0,
+                                                         attn_logit_softcapping=3.0)),
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM", dict(intermediate_size=48, num_key_value_heads=2,
+                                                            num_local_experts=4, num_experts_per_tok=2)),
+    "granite": ("GraniteConfig", "GraniteForCausalLM", dict(intermediate_size=64, num_key_value_heads=2,
+                                                            embedding_multiplier=2.0, logits_scaling=1.5,
+                                                            residual_multiplier=0.5, attention_multiplier=0.2)),
+    "cohere": ("CohereConfig", "CohereForCausalLM", dict(intermediate_size=64, num_key_value_heads=2,
+                                                         logit_scale=0.5)),
+    "stablelm": ("StableLmConfig", "StableLmForCausalLM", dict(intermediate_size=64, num_key_value_heads=2,
+                                                               use_parallel_residual=True, use_qkv_bias=True)),
+    "starcoder2": ("Starcoder2Config", "Starcoder2ForCausalLM", dict(intermediate_size=64, num_key_value_heads=2)),
+    "phi": ("PhiConfig", "PhiForCausalLM", dict(intermediate_size=64, qk_layernorm=True)),
+    "opt": ("OPTConfig", "OPTForCausalLM", dict(ffn_dim=64, word_embed_proj_dim=32, init_std=0.3)),
+    "gptj": ("GPTJConfig", "GPTJForCausalLM", dict(n_inner=64, rotary_dim=4)),
+}
+
+
+def _family_dir(root, family: str, seed: int) -> str:
+    """A model directory of ``family`` (tiny, random weights in safetensors, BPE tokenizer)."""
+    config_cls, model_cls, fields = _NEW_FAMILIES[family]
+    sizes = dict(_SIZES)
+    if family == "gptj":  # GPT-J's config takes GPT-2's spellings
+        sizes = {**{k: v for k, v in sizes.items() if k not in ("hidden_size", "num_hidden_layers",
+                                                                 "num_attention_heads", "max_position_embeddings")},
+                 "n_embd": 32, "n_layer": 2, "n_head": 4, "n_positions": 64}
+    # initializer_range 0.3: large enough weights that a mis-sharded block changes the loss visibly.
+    cfg = getattr(transformers, config_cls)(**sizes, **{"initializer_range": 0.3, **fields})
+    path = _model_dir(root, weights=False)  # the tokenizer (and a llama config.json, replaced here)
+    torch.manual_seed(seed)
+    getattr(transformers, model_cls)(cfg).save_pretrained(path, safe_serialization=True)
+    return path
+
+
+def test_new_families_sizes_read_as_transformers_reads_them(tmp_path):
+    """Each family's config.json spellings (GPT-J's n_embd, OPT's ffn_dim, Mixtral's experts)
+    give the launcher the sizes transformers builds the model with, class defaults included
+    (save_pretrained leaves out values equal to them: Gemma's tie_word_embeddings=True)."""
+    for family in _NEW_FAMILIES:
+        path = _family_dir(tmp_path / family, family, seed=0)
+        cfg = transformers.AutoConfig.from_pretrained(path)
+        f = hf_module.gpt_fields(path)
+        assert (f["hidden_size"], f["num_heads"], f["num_layers"], f["vocab_size"], f["max_seq_len"]) == \
+            (32, 4, 2, VOCAB, 64), (family, f)
+        assert f["num_query_groups"] == getattr(cfg, "num_key_value_heads", None), (family, f)
+        assert f["tie_embeddings"] == cfg.tie_word_embeddings, (family, f)
+        ffn = {"opt": 64, "gptj": 64, "mixtral": 2 * 48}.get(family, 64)  # Mixtral: the 2 experts a token uses
+        assert f["ffn_hidden_size"] == ffn, (family, f)
+        gated = family in ("gemma", "gemma2", "mixtral", "granite", "cohere", "stablelm")
+        assert f["activation"] == ("swiglu" if gated else "gelu"), (family, f)
+        assert f["position_embedding"] == ("learned" if family == "opt" else "rope"), (family, f)
+    assert hf_module.moe_note(str(tmp_path / "mixtral")).startswith("MoE (mixtral): 4 routed experts per layer, 2 per")
+    assert hf_module.moe_note(str(tmp_path / "gemma")) is None
+    # Mixtral's memory check counts all 4 experts, not the 2 a token uses.
+    f = hf_module.gpt_fields(str(tmp_path / "mixtral"))
+    assert hf_module.parameter_count(f, 8, 4, 2) - hf_module.parameter_count(f, 8) == 2 * 2 * 48 * 32 * 3
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("family", sorted(_NEW_FAMILIES))
+def test_torchrun_hf_family_tp2_matches_tp1(tmp_path, family):
+    """Each family +model=hf accepts beyond the first eight: TP=2 (its built-in plan, start-up
+    verify on) trains as TP=1 does from the same safetensors weights, 3 steps at 1e-4."""
+    model_dir = _family_dir(tmp_path / "model", family, seed=6)
+    args = ["+model=hf", f"model.path={model_dir}", "data.seq_len=32", "trainer.global_batch_size=4",
+            "trainer.micro_batch_size=4", "trainer.max_steps=3", "trainer.log_interval=1", "trainer.val_interval=0",
+            "logger=none", "trainer.progress=false", "optim.warmup_steps=1", "optim.lr=3e-3"]
+    os.makedirs(tmp_path / "run")
+    proc = torchrun([*args, "parallel.tp=2", f"hydra.run.dir={tmp_path / 'run'}"], cwd=str(tmp_path / "run"),
+                    env={"HOME": str(tmp_path / "home")})
+    out = proc.stdout + proc.stderr
+    assert f"plan for model_type '{family}'" in out, out[-3000:]
+    assert "verified: outputs and every gradient match the original" in out, out[-3000:]
+    if family == "mixtral":
+        assert "MoE (mixtral): 4 routed experts per layer, 2 per token" in out, out[-3000:]
+        assert "routed MoE experts: replicated on every TP rank" in out, out[-3000:]
+    tp2 = {m["step"]: m["loss"] for m in read_jsonl(os.path.join(tmp_path / "run", "metrics.jsonl"))}
+    tp1 = train([*args, "parallel.tp=1"], str(tmp_path / "run1")).losses
+    assert sorted(tp2) == [1, 2, 3]
+    for step in (1, 2, 3):  # float32 reduction order only
+        assert tp2[step] == pytest.approx(tp1[step], rel=1e-4), (step, tp2, tp1)
+
+
 def test_sizes_come_from_config_json_and_are_validated(tmp_path):
     model_dir = _model_dir(tmp_path, weights=False)
     cfg = compose(["+model=hf", f"model.path={model_dir}"])

@@ -2,8 +2,9 @@
 
 The directory is untrusted input. Nothing in it runs code:
 
-* ``config.json`` is read as JSON (its ``model_type`` must have a built-in ``wrap`` plan,
-  ``tp_fuse.layers.wrap.hf_plans.FAMILIES``); ``transformers`` builds the model with
+* ``config.json`` is read as JSON (its ``model_type`` must be one of :data:`LAUNCHER_FAMILIES`:
+  families with a built-in ``wrap`` plan, ``tp_fuse.layers.wrap.hf_plans.FAMILIES``, whose
+  config spellings are read here and which are tested TP=2 vs TP=1 through the launcher); ``transformers`` builds the model with
   ``trust_remote_code=False`` and ``local_files_only=True`` (no hub access);
 * weights are loaded only from ``*.safetensors`` (a directory with pickled
   ``pytorch_model.bin`` weights only is refused); without weights the model is randomly
@@ -25,6 +26,7 @@ import glob
 import json
 import os
 import struct
+import warnings
 from collections.abc import Iterator
 from typing import Any, Optional
 
@@ -39,15 +41,33 @@ from tp_fuse.safe_files import open_regular_file, read_regular_file
 from ..tokenizer import FileTokenizer
 
 __all__ = ["read_hf_config", "gpt_fields", "check_weight_files", "parameter_count", "load_tokenizer",
-           "build_hf_model", "CausalLMLoss"]
+           "build_hf_model", "CausalLMLoss", "moe_note"]
 
-# Families with a SwiGLU MLP and RMSNorm (the others: GELU and LayerNorm).
-_SWIGLU_RMSNORM = ("llama", "mistral", "qwen2", "qwen3", "phi3", "olmo2")
-# The families +model=hf takes: gpt_fields reads their config.json spellings (wrap's other
-# built-in families, tp_fuse.layers.wrap.hf_plans.FAMILIES, work through the API).
-# OLMo2's config.json uses the llama spellings; its full-width q/k norms are sharded by its
-# plan (plan style "sharded_norm"), nothing launcher-side differs.
-LAUNCHER_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "olmo2", "gpt_neox", "gpt2")
+#: The families +model=hf takes, and how each one's config.json maps onto the launcher's
+#: sizes (``tp_fuse.layers.GPTConfig``: validation, the FLOP/token of the MFU line, the
+#: checkpoint manifest; the model itself is built by transformers):
+#: ``(ffn width field, gated MLP, normalization, position embedding, bias)``.
+#: A gated MLP (SwiGLU, Gemma's GeGLU) has three FFN matrices, counted as ``"swiglu"``
+#: (only the FLOP/parameter accounting reads it). wrap's other built-in families
+#: (``tp_fuse.layers.wrap.hf_plans.FAMILIES``: bloom, gemma3_text, qwen2_moe, qwen3_moe)
+#: work through the API only: each one here is tested TP=2 vs TP=1 through the launcher
+#: (tests/test_launch_hf.py). OLMo2's full-width q/k norms are sharded by its plan (plan
+#: style "sharded_norm"), nothing launcher-side differs.
+_FORMATS: dict[str, tuple[str, bool, str, str, bool]] = {
+    **{t: ("intermediate_size", True, "RMSNorm", "rope", False)
+       for t in ("llama", "mistral", "qwen2", "qwen3", "phi3", "olmo2", "gemma", "gemma2", "granite", "mixtral")},
+    # Cohere and StableLM: gated MLP with LayerNorm.
+    **{t: ("intermediate_size", True, "LayerNorm", "rope", False) for t in ("cohere", "stablelm")},
+    **{t: ("intermediate_size", False, "LayerNorm", "rope", True) for t in ("gpt_neox", "phi", "starcoder2")},
+    "gpt2": ("n_inner", False, "LayerNorm", "learned", True),
+    "gptj": ("n_inner", False, "LayerNorm", "rope", True),
+    "opt": ("ffn_dim", False, "LayerNorm", "learned", True),
+}
+LAUNCHER_FAMILIES = tuple(_FORMATS)
+#: MoE families +model=hf takes: ``(experts field, experts-per-token field)``. Their plan
+#: keeps the routed experts replicated on every TP rank (the wrap report says so); the
+#: FLOP/token counts the experts one token goes through, the memory check all of them.
+_MOE = {"mixtral": ("num_local_experts", "num_experts_per_tok")}
 
 #: Upper bounds on config.json sizes. Each is far above any published decoder (hidden
 #: 25600, vocabulary 262144, 126 layers, FFN 73728, 128 heads) and far below what
@@ -136,9 +156,11 @@ def _host_memory_bytes() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
-def parameter_count(fields: dict[str, Any], head_dim: int) -> int:
+def parameter_count(fields: dict[str, Any], head_dim: int, experts: int = 1, experts_per_token: int = 1) -> int:
     """The number of parameters of a decoder with these :func:`gpt_fields` (embeddings,
-    output head unless tied, attention and MLP projections; norms and biases are noise)."""
+    output head unless tied, attention and MLP projections; norms and biases are noise).
+    For an MoE model (``experts`` > 1) ``fields["ffn_hidden_size"]`` is the width a token
+    goes through (``experts_per_token`` experts): every one of the ``experts`` is counted."""
     hidden, vocab, layers = fields["hidden_size"], fields["vocab_size"], fields["num_layers"]
     heads = fields["num_heads"]
     kv = fields["num_query_groups"] or heads
@@ -146,19 +168,37 @@ def parameter_count(fields: dict[str, Any], head_dim: int) -> int:
     if fields["position_embedding"] == "learned":
         count += fields["max_seq_len"] * hidden
     attention = hidden * heads * head_dim * 2 + hidden * kv * head_dim * 2  # q, o; k, v
-    mlp = hidden * fields["ffn_hidden_size"] * (3 if fields["activation"] == "swiglu" else 2)
+    ffn = fields["ffn_hidden_size"] // experts_per_token * experts
+    mlp = hidden * ffn * (3 if fields["activation"] == "swiglu" else 2)
     return count + layers * (attention + mlp)
 
 
+def _class_defaults(model_type: str) -> dict[str, Any]:
+    """The family config class's defaults (``transformers.CONFIG_MAPPING``; a default
+    config allocates nothing). ``save_pretrained`` leaves out of config.json every value
+    equal to its class default (Gemma's ``head_dim`` 256, ``tie_word_embeddings`` True for
+    some families and False for others), and transformers builds the model with those
+    defaults: the launcher's sizes must be read the same way."""
+    import transformers
+
+    with warnings.catch_warnings():  # default special-token ids outside the default vocab etc.
+        warnings.simplefilter("ignore")
+        return transformers.CONFIG_MAPPING[model_type]().to_dict()
+
+
 def gpt_fields(path: str) -> dict[str, Any]:
-    """The launcher's model sizes (``tp_fuse.layers.GPTConfig`` fields) read from ``config.json``:
-    they drive validation (``parallel.tp`` vs heads, ``data.seq_len`` vs positions) and the
-    checkpoint manifest; the model itself is built by ``transformers``."""
+    """The launcher's model sizes (``tp_fuse.layers.GPTConfig`` fields) read from ``config.json``
+    (a field it leaves out: the family config class's default, as transformers reads it):
+    they drive validation (``parallel.tp`` vs heads, ``data.seq_len`` vs positions), the
+    FLOP/token of the MFU line and the checkpoint manifest; the model itself is built by
+    ``transformers``."""
     data = read_hf_config(path)
     file = os.path.join(path, "config.json")
+    model_type = data["model_type"]
+    data = {**_class_defaults(model_type), **data}
+    ffn_field, gated, norm, position, bias = _FORMATS[model_type]
     heads = _int_field(data, file, "num_attention_heads", "n_head")
     hidden = _int_field(data, file, "hidden_size", "n_embd")
-    gpt2 = data["model_type"] == "gpt2"
     # Read by transformers and by every wrap plan (tp_fuse.layers.wrap.hf_plans): a negative
     # or zero value (which `or heads` would silently replace) fails after the process group
     # has started, and a count not dividing the heads breaks the query-to-KV-head grouping.
@@ -167,7 +207,18 @@ def gpt_fields(path: str) -> dict[str, Any]:
         if isinstance(kv, bool) or not isinstance(kv, int) or kv <= 0 or heads % kv:
             raise ValueError(f"{file}: num_key_value_heads must be a positive int dividing num_attention_heads "
                              f"({heads}), got {kv!r}")
-    inner = _optional_int_field(data, file, "n_inner") if gpt2 else _int_field(data, file, "intermediate_size")
+    # GPT-2 / GPT-J: n_inner null means 4 x hidden (what their MLPs build).
+    inner = _optional_int_field(data, file, ffn_field) if ffn_field == "n_inner" else _int_field(data, file, ffn_field)
+    inner = inner or 4 * hidden
+    experts = experts_per_token = 1
+    if model_type in _MOE:
+        experts = _int_field(data, file, _MOE[model_type][0])
+        experts_per_token = _int_field(data, file, _MOE[model_type][1])
+        if experts_per_token > experts:
+            raise ValueError(f"{file}: {_MOE[model_type][1]} ({experts_per_token}) is more than "
+                             f"{_MOE[model_type][0]} ({experts})")
+        # FLOP/token: a token goes through experts_per_token experts of width `inner`.
+        inner *= experts_per_token
     fields: dict[str, Any] = {
         "vocab_size": _int_field(data, file, "vocab_size"),
         "max_seq_len": _int_field(data, file, "max_position_embeddings", "n_positions"),
@@ -175,16 +226,16 @@ def gpt_fields(path: str) -> dict[str, Any]:
         "num_layers": _int_field(data, file, "num_hidden_layers", "n_layer"),
         "num_heads": heads,
         "num_query_groups": kv,
-        "ffn_hidden_size": inner or 4 * hidden,
-        "activation": "swiglu" if data["model_type"] in _SWIGLU_RMSNORM else "gelu",
-        "normalization": "RMSNorm" if data["model_type"] in _SWIGLU_RMSNORM else "LayerNorm",
-        "position_embedding": "learned" if gpt2 else "rope",
-        "tie_embeddings": bool(data.get("tie_word_embeddings", gpt2)),
-        "bias": data["model_type"] in ("gpt2", "gpt_neox"),
+        "ffn_hidden_size": inner,
+        "activation": "swiglu" if gated else "gelu",
+        "normalization": norm,
+        "position_embedding": position,
+        "tie_embeddings": bool(data.get("tie_word_embeddings")),
+        "bias": bool(data.get("use_bias", bias)),  # Starcoder2 says so in its config
     }
-    # Qwen3 and others may set head_dim apart from hidden_size / heads.
+    # Qwen3, Gemma and others may set head_dim apart from hidden_size / heads.
     head_dim = _optional_int_field(data, file, "head_dim") or hidden // heads
-    params = parameter_count(fields, head_dim)
+    params = parameter_count(fields, head_dim, experts, experts_per_token)
     need, have = params * _MIN_ITEMSIZE, _host_memory_bytes()
     if need > have:
         raise ValueError(f"{file}: the model has {params:,} parameters, {need / 2**30:,.1f} GiB even in bfloat16, "
@@ -192,6 +243,19 @@ def gpt_fields(path: str) -> dict[str, Any]:
                          f"whole model on the host before sharding it, so it cannot be built here")
     check_weight_files(path)
     return fields
+
+
+def moe_note(path: str) -> Optional[str]:
+    """For an MoE model directory: one line for the start report saying how its FLOP/token
+    and its sharding treat the routed experts; None for a dense model."""
+    data = read_hf_config(path)
+    if data["model_type"] not in _MOE:
+        return None
+    data = {**_class_defaults(data["model_type"]), **data}
+    experts, per_token = (data[name] for name in _MOE[data["model_type"]])
+    return (f"MoE ({data['model_type']}): {experts} routed experts per layer, {per_token} per token; FLOP/token "
+            f"counts the {per_token} a token goes through (ffn = {per_token} x {data['intermediate_size']}), the "
+            f"parameter counts all {experts}; the routed experts are replicated on every TP rank (not sharded)")
 
 
 def _inside(path: str, root: str) -> bool:
