@@ -11,6 +11,12 @@ steps compiled (``fullgraph=True``) vs an eager twin, fp32 -- aot_eager and indu
 nodes, the eager fused forward/backward windows really ran (4 each per step), ``explain``
 reports 0 graph breaks, and fake == real for both ops (shape, dtype, strides; not
 ``torch.library.opcheck``, which clones the weight the op must read live).
+
+``tp_fuse.explain`` names every overlap window's fate under compile (one ``overlap`` line
+per window under ``compile:``): overlapped as ``ub_linear``, or traced without overlap with
+the reason -- FP8 recipe (delayed, current), ``save_gathered_input`` (AG windows only),
+GEMM+AllReduce (no sequence parallelism), overlap disabled -- and agrees with
+``plan_windows``, the compiled path's own decision; explain does not load ``torch._dynamo``.
 """
 
 from __future__ import annotations
@@ -167,3 +173,91 @@ def test_explain_reports_no_graph_break(results) -> None:
 def test_fake_matches_real_overlap_ops(results) -> None:
     for report in results:
         assert isinstance(report["opcheck"], dict) and sum(report["opcheck"].values()) == 4, report["opcheck"]
+
+
+# ---- explain: each overlap window's fate under compile (never silent) ----------------------
+
+EXPLAIN_CASES = ("hp", "fp8-delayed", "fp8-current", "save_gathered_input", "gemm_ar", "disabled")
+
+
+def _explain_main(rank: int, world: int) -> dict:
+    import sys
+
+    import tp_fuse
+    from tp_fuse.layers import TransformerLayer
+    from tp_fuse.ops import Sequential
+    from tp_fuse.overlap.config import OverlapConfig, TPOverlap
+    from tp_fuse.recipe import DelayedScaling, Float8CurrentScaling
+
+    group = dist.group.WORLD
+    kwargs = {
+        "hp": dict(sequence_parallel=True, overlap=TPOverlap()),
+        "save_gathered_input": dict(sequence_parallel=True, overlap=TPOverlap(save_gathered_input=True)),
+        "gemm_ar": dict(sequence_parallel=False, overlap=TPOverlap()),
+        "disabled": dict(sequence_parallel=True, overlap=TPOverlap(OverlapConfig(enabled=False))),
+    }
+    recipes = {"fp8-delayed": DelayedScaling(), "fp8-current": Float8CurrentScaling()}
+    report = {"dynamo_loaded_by_explain": None}
+    had_dynamo = "torch._dynamo" in sys.modules
+    for name in EXPLAIN_CASES:
+        layer = TransformerLayer(HIDDEN, FFN, HEADS, tp_group=group, seed=3, **kwargs.get(name, kwargs["hp"]))
+        if name in recipes:
+            with tp_fuse.autocast(recipe=recipes[name]):
+                ex = tp_fuse.explain(layer)
+        else:
+            ex = tp_fuse.explain(layer)
+        if not had_dynamo and report["dynamo_loaded_by_explain"] is None:  # the first explain
+            report["dynamo_loaded_by_explain"] = "torch._dynamo" in sys.modules
+        windows = [(w.mode, w.overlapped, w.how, w.reason) for w in ex.compile_windows]
+        # What the compiled path itself decides (high precision only: it is not asked under FP8).
+        planned = None
+        if name not in recipes:
+            # Imported after the first explain (it loads torch._dynamo; explain must not).
+            from tp_fuse.ops.compiled.overlap import plan_windows
+
+            planned = sum(len(plan_windows(tuple(id(op) for op in f.basic_ops)))
+                          for m in layer.modules() if isinstance(m, Sequential) for f in m.fusers())
+        report[name] = {"windows": windows, "text": str(ex), "planned": planned}
+    return report
+
+
+@pytest.fixture(scope="module")
+def explained() -> list[dict]:
+    return run_distributed(2, _explain_main, timeout=300)
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("name", EXPLAIN_CASES)
+def test_explain_reports_overlap_windows_under_compile(explained, name: str) -> None:
+    for report in explained:
+        case = report[name]
+        windows, text = case["windows"], case["text"]
+        modes = sorted(m for m, *_ in windows)
+        if name == "gemm_ar":
+            assert modes == ["all_reduce"] * 2, windows  # proj, fc2
+        else:
+            assert modes == ["all_gather"] * 2 + ["reduce_scatter"] * 2, windows  # qkv, fc1 / proj, fc2
+        # Every window is on a "  overlap ..." line under "compile:", overlapped or not.
+        assert text.count("    overlap ") == len(windows), text
+        overlapped = [(m, how) for m, ok, how, _ in windows if ok]
+        not_overlapped = {(m, why) for m, ok, _, why in windows if not ok}
+        if name == "hp":
+            assert overlapped == [(m, "one tp_fuse::ub_linear node") for m, *_ in windows], windows
+            assert "overlap windows as tp_fuse::ub_linear nodes" in text
+        elif name.startswith("fp8"):
+            recipe = "DelayedScaling" if name == "fp8-delayed" else "Float8CurrentScaling"
+            assert not overlapped and all(f"FP8 recipe {recipe}" in why for _, why in not_overlapped), windows
+            assert "NOT overlapped, traced op by op (FP8 casts + functional collective + FP8 GEMM)" in text
+        elif name == "save_gathered_input":
+            assert overlapped == [("reduce_scatter", "one tp_fuse::ub_linear node")] * 2, windows
+            assert {m for m, _ in not_overlapped} == {"all_gather"}, windows
+            assert all(why.startswith("save_gathered_input") for _, why in not_overlapped), windows
+        elif name == "gemm_ar":
+            assert not overlapped and all("GEMM+AllReduce window" in why for _, why in not_overlapped), windows
+        elif name == "disabled":
+            assert not overlapped, windows
+            assert all("overlap disabled by config" in why for _, why in not_overlapped), windows
+        if case["planned"] is not None:  # explain == the compiled path's own decision
+            assert case["planned"] == len(overlapped), (case["planned"], windows)
+    # explain is plain Python: it must not load torch._dynamo (tp_fuse/graph_breaks.py).
+    assert explained[0]["dynamo_loaded_by_explain"] is False, explained[0]["dynamo_loaded_by_explain"]

@@ -5,7 +5,11 @@ lists after fusion and every fusion decision: windows that fused (with what
 the fused op does, e.g. which overlap method a communication fusion uses) and
 windows that were considered and rejected, each with its reason; and, per op
 that calls ``tp_fuse.kernels``, which path each kernel would take (Triton or
-torch, and why), decided by ``kernels.planned_backend`` without running.
+torch, and why), decided by ``kernels.planned_backend`` without running; and what
+``torch.compile`` does with the group (traced, or a graph break and why), with every
+comm/GEMM overlap window's fate there: overlapped (one ``tp_fuse::ub_linear`` node, or the
+eager fuser behind a graph break) or traced op by op without overlap, and why (FP8 recipe,
+GEMM+AllReduce window, ``save_gathered_input``, ...).
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ import torch
 from .. import kernels
 from ..quantization.compile_state import recipe_key
 from .compiled.fuser_path import trace_plan
+from .compiled.overlap_plan import CompileWindow, compile_windows
 from .fusion import FusionRecord
 from .op import FusibleOperation, op_display_name
 
@@ -81,12 +86,20 @@ def _plan_kernels(fuser: "OperationFuser", device: torch.device, dtype: Optional
     return plans
 
 
-def _compile_line(fuser: "OperationFuser", recipe: Any) -> str:
-    """What ``torch.compile`` does with this group under ``recipe`` (see ``ops/compiled``)."""
+def _compile_plan(fuser: "OperationFuser", recipe: Any) -> tuple[str, list[CompileWindow]]:
+    """What ``torch.compile`` does with this group under ``recipe`` (see ``ops/compiled``):
+    the ``compile:`` line, and each comm/GEMM overlap window's fate (overlapped as one
+    ``tp_fuse::ub_linear`` node, or traced without overlap and why) -- the decision the
+    compiled path itself takes (``overlap_plan.compile_windows``)."""
     reason = trace_plan(fuser, recipe_key(recipe))
+    windows = compile_windows(fuser, recipe, reason)
     if reason is None:
-        return "traced into the caller's graph as basic ops (no fused ops: inductor fuses)"
-    return f"graph break, runs the eager fuser: {reason}"
+        line = "traced into the caller's graph as basic ops (no fused ops: inductor fuses)"
+        if any(w.overlapped for w in windows):
+            line = ("traced into the caller's graph as basic ops (inductor fuses), overlap windows as "
+                    "tp_fuse::ub_linear nodes")
+        return line, windows
+    return f"graph break, runs the eager fuser: {reason}", windows
 
 
 def _overlap_auto_lines(fuser: "OperationFuser") -> list[str]:
@@ -118,11 +131,14 @@ class FuserExplanation:
     basis: str = "recipe in force"
     # Under torch.compile with this recipe: traced into the caller's graph, or why not.
     compile: str = ""
+    # Under torch.compile: each comm/GEMM overlap window, overlapped or not and why.
+    compile_windows: list[CompileWindow] = dataclasses.field(default_factory=list)
 
     @classmethod
     def from_fuser(cls, fuser: "OperationFuser", basis: str = "recipe in force") -> "FuserExplanation":
         recipe = fuser._fusion_recipe  # the recipe the fuser's current decisions were made for
         device, dtype, device_label = _kernel_target(fuser)
+        compile_line, windows = _compile_plan(fuser, recipe)
         return cls(
             basic_ops=[op_display_name(op, i) for i, op in enumerate(fuser.basic_ops)],
             forward_ops=_describe_runs(fuser.forward_ops),
@@ -133,7 +149,8 @@ class FuserExplanation:
             kernel_device=device_label,
             overlap_auto=_overlap_auto_lines(fuser),
             basis=basis,
-            compile=_compile_line(fuser, recipe),
+            compile=compile_line,
+            compile_windows=windows,
         )
 
     def kernel_backends(self, kernel: Optional[str] = None) -> set[str]:
@@ -170,6 +187,7 @@ class FuserExplanation:
             lines.extend(f"  {line}" for line in self.overlap_auto)
         if self.compile:
             lines.append(f"compile:  {self.compile}")
+            lines.extend(f"  overlap {w.line()}" for w in self.compile_windows)
         return lines
 
     def __str__(self) -> str:
@@ -205,6 +223,11 @@ class Explanation:
     @property
     def kernels(self) -> list[KernelPlan]:
         return [p for f in self.fusers for p in f.kernels]
+
+    @property
+    def compile_windows(self) -> list[CompileWindow]:
+        """Every overlap window and its fate under ``torch.compile``."""
+        return [w for f in self.fusers for w in f.compile_windows]
 
     def __str__(self) -> str:
         header = f"FP8 recipe: {self.recipe}" if self.recipe else "FP8: off (high precision)"

@@ -24,8 +24,11 @@ the graph is the same whichever method wins (the output shapes do not depend on 
 
 Scope: high precision only (fp32/bf16, no FP8 autocast). Under an FP8 recipe, or for a
 window the eager fuser would not fuse (overlap disabled, ``save_gathered_input``, a
-backward that does not fuse over the same ops), the group is traced op by op as before
-(functional collectives, no overlap: correct, not overlapped; nothing reports it yet).
+backward that does not fuse over the same ops, a GEMM+AllReduce window), the window is
+traced op by op as before (functional collectives: correct, not overlapped).
+``tp_fuse.explain`` says so, window by window, with the reason (``compile:`` lines): the
+decision is :func:`~tp_fuse.ops.compiled.overlap_plan.compile_windows`, shared by
+:func:`plan_windows` and explain.
 """
 
 from __future__ import annotations
@@ -42,6 +45,7 @@ from ..basic.basic_linear import BasicLinear
 from ..basic.bias import Bias
 from ..basic.reduce_scatter import ReduceScatter
 from ..op import OperationContext
+from .overlap_plan import compile_windows
 
 if TYPE_CHECKING:
     from ..fuser import OperationFuser
@@ -91,24 +95,21 @@ def plan_windows(op_ids: tuple[int, ...]) -> tuple[tuple[int, int, str], ...]:
     the custom op can rebuild (the input and the weight: not ``save_gathered_input``).
     Records the fused ops in each BasicLinear's :class:`OverlapWindowState`.
     """
-    from ..fused.userbuffers_backward_linear import UserbuffersBackwardLinear
-    from ..fused.userbuffers_forward_linear import UserbuffersForwardLinear
     from ..fuser import OperationFuser
 
     # A fuser of our own over the same ops: the one being traced may exist only in
     # dynamo's trace (a Sequential builds its fusers at the first call), not as an object.
     fuser = OperationFuser([_live_op(i) for i in op_ids])
     fuser.maybe_fuse()
-    backward = {tuple(idx): op for op, idx in fuser.backward_ops if isinstance(op, UserbuffersBackwardLinear)}
+    # The same decision explain reports (overlap_plan.compile_windows): never one without
+    # the other. Windows it does not overlap are traced op by op, and explain says why.
     found = []
-    for op, idx in fuser.forward_ops:
-        if not isinstance(op, UserbuffersForwardLinear) or op.fp8:
-            continue
-        bwd = backward.get(tuple(idx))
-        if bwd is None or (op.mode == "all_gather" and op.plan.overlap.save_gathered_input):
-            continue
-        window_state(op.linear).window = (op, bwd)
-        found.append((idx[0], len(idx), op.mode))
+    for w in compile_windows(fuser, fuser._fusion_recipe):
+        if w.overlapped:
+            fwd, span = next((op, tuple(idx)) for op, idx in fuser.forward_ops if idx[0] == w.start)
+            bwd = next(op for op, idx in fuser.backward_ops if tuple(idx) == span)
+            window_state(fwd.linear).window = (fwd, bwd)
+            found.append((w.start, w.length, w.mode))
     return tuple(found)
 
 
