@@ -6,11 +6,15 @@ loaded, pickled weights refused, errors naming the file. Directories are written
 
 from __future__ import annotations
 
+import contextlib
 import glob
+import io
 import json
 import math
 import os
 import shutil
+import traceback
+from typing import Any
 
 import pytest
 import torch
@@ -26,6 +30,7 @@ from tp_fuse.launch.data import stdlib_corpus  # noqa: E402
 from tp_fuse.launch.models.hf import build_hf_model, load_tokenizer  # noqa: E402
 from tp_fuse.launch.logging.metrics import read_jsonl  # noqa: E402
 from test_launch_train import torchrun  # noqa: E402
+from dist_utils import run_distributed  # noqa: E402
 
 VOCAB = 320
 
@@ -228,26 +233,56 @@ def test_new_families_sizes_read_as_transformers_reads_them(tmp_path):
     assert hf_module.parameter_count(f, 8, 4, 2) - hf_module.parameter_count(f, 8) == 2 * 2 * 48 * 32 * 3
 
 
-@pytest.mark.multirank
-@pytest.mark.parametrize("family", sorted(_NEW_FAMILIES))
-def test_torchrun_hf_family_tp2_matches_tp1(tmp_path, family):
-    """Each family +model=hf accepts beyond the first eight: TP=2 (its built-in plan, start-up
-    verify on) trains as TP=1 does from the same safetensors weights, 3 steps at 1e-4."""
-    model_dir = _family_dir(tmp_path / "model", family, seed=6)
-    args = ["+model=hf", f"model.path={model_dir}", "data.seq_len=32", "trainer.global_batch_size=4",
+def _family_args(model_dir: str) -> list[str]:
+    return ["+model=hf", f"model.path={model_dir}", "data.seq_len=32", "trainer.global_batch_size=4",
             "trainer.micro_batch_size=4", "trainer.max_steps=3", "trainer.log_interval=1", "trainer.val_interval=0",
             "logger=none", "trainer.progress=false", "optim.warmup_steps=1", "optim.lr=3e-3"]
-    os.makedirs(tmp_path / "run")
-    proc = torchrun([*args, "parallel.tp=2", f"hydra.run.dir={tmp_path / 'run'}"], cwd=str(tmp_path / "run"),
-                    env={"HOME": str(tmp_path / "home")})
-    out = proc.stdout + proc.stderr
+
+
+def _families_tp2(rank: int, world_size: int, root: str) -> dict[str, Any]:
+    """Every family at TP=2 in ONE 2-rank start (a torchrun start per family cost ~15 s
+    each): ``tp_fuse.launch.api.train`` runs the launcher's whole path -- config check,
+    wrap with the family's plan, start-up verify -- inside these ranks."""
+    os.environ.update({"WORLD_SIZE": str(world_size), "RANK": str(rank)})
+    out: dict[str, Any] = {}
+    for family in sorted(_NEW_FAMILIES):
+        printed = io.StringIO()
+        try:
+            with contextlib.redirect_stdout(printed), contextlib.redirect_stderr(printed):
+                losses = train([*_family_args(os.path.join(root, family, "model")), "parallel.tp=2"],
+                               os.path.join(root, family, "run")).losses
+            out[family] = {"losses": losses, "printed": printed.getvalue()}
+        except Exception:  # noqa: BLE001 - reported to the parent, with what it printed
+            out[family] = {"error": traceback.format_exc(), "printed": printed.getvalue()}
+    return out
+
+
+@pytest.fixture(scope="module")
+def families_tp2(tmp_path_factory) -> dict[str, Any]:
+    root = tmp_path_factory.mktemp("hf_families")
+    for family in _NEW_FAMILIES:
+        _family_dir(root / family / "model", family, seed=6)
+    return {"root": root, "ranks": run_distributed(2, _families_tp2, str(root), timeout=900)}
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("family", sorted(_NEW_FAMILIES))
+def test_hf_family_tp2_matches_tp1(families_tp2, family):
+    """Each family +model=hf accepts beyond the first eight: TP=2 (its built-in plan, start-up
+    verify on) trains as TP=1 does from the same safetensors weights, 3 steps at 1e-4."""
+    ranks = [r[family] for r in families_tp2["ranks"]]
+    for rank, r in enumerate(ranks):
+        assert "error" not in r, f"rank {rank}:\n{r['error']}\n{r['printed'][-3000:]}"
+    out = ranks[0]["printed"]
     assert f"plan for model_type '{family}'" in out, out[-3000:]
     assert "verified: outputs and every gradient match the original" in out, out[-3000:]
     if family == "mixtral":
         assert "MoE (mixtral): 4 routed experts per layer, 2 per token" in out, out[-3000:]
         assert "routed MoE experts: replicated on every TP rank" in out, out[-3000:]
-    tp2 = {m["step"]: m["loss"] for m in read_jsonl(os.path.join(tmp_path / "run", "metrics.jsonl"))}
-    tp1 = train([*args, "parallel.tp=1"], str(tmp_path / "run1")).losses
+    tp2 = ranks[0]["losses"]
+    assert ranks[1]["losses"] == tp2  # every rank reports the same (all-reduced) losses
+    root = families_tp2["root"]
+    tp1 = train([*_family_args(str(root / family / "model")), "parallel.tp=1"], str(root / family / "run1")).losses
     assert sorted(tp2) == [1, 2, 3]
     for step in (1, 2, 3):  # float32 reduction order only
         assert tp2[step] == pytest.approx(tp1[step], rel=1e-4), (step, tp2, tp1)
