@@ -5,7 +5,7 @@ FP8 entry points ``te.autocast``, ``te.quantized_model_init`` and
 ``te.recipe``, with Transformer Engine's names.
 """
 
-from . import module, ops, recipe, utils
+from . import constants, module, ops, recipe, utils
 from .availability import (
     is_bf16_available,
     is_fp8_available,

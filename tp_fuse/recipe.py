@@ -9,6 +9,8 @@ so that user code can switch between the two libraries:
   absolute maxima ("amax"), updated once per step after an amax reduction.
 * :class:`Float8CurrentScaling` -- per-tensor scales computed from the tensor
   being quantized, at the moment it is quantized.
+* :class:`CustomRecipe` -- Transformer Engine's per-role quantizer factory; constructible
+  here, refused by ``autocast`` (see its docstring).
 * Block-scaled recipes (:class:`Float8BlockScaling`, :class:`MXFP8BlockScaling`,
   :class:`Float8RowwiseScaling`) and :class:`NVFP4BlockScaling` (FP4 E2M1 data,
   E4M3 block scales plus an FP32 per-tensor scale).
@@ -38,6 +40,7 @@ __all__ = [
     "MXFP8BlockScaling",
     "Float8RowwiseScaling",
     "NVFP4BlockScaling",
+    "CustomRecipe",
 ]
 
 
@@ -142,6 +145,10 @@ class Recipe:
     def float8_current_scaling(self) -> bool:
         """Whether this recipe uses current (just-in-time) scaling."""
         return isinstance(self, Float8CurrentScaling)
+
+    def custom(self) -> bool:
+        """Whether this is a :class:`CustomRecipe` (TE's predicate of the same name)."""
+        return isinstance(self, CustomRecipe)
 
 
 AmaxComputeAlgo = Union[str, Callable[[torch.Tensor], torch.Tensor]]
@@ -519,3 +526,61 @@ class NVFP4BlockScaling(Recipe):
     def fp4_quant_bwd_grad(self) -> QParams:
         return QParams(random_hadamard_transform=not self.disable_rht,
                        stochastic_rounding=not self.disable_stochastic_rounding)
+
+
+_BACKWARD_OVERRIDES = (None, "high_precision", "dequantized")
+
+
+@dataclass
+class CustomRecipe(Recipe):
+    """Transformer Engine's ``CustomRecipe``: quantizers chosen per tensor by a factory.
+
+    TE calls ``qfactory(role)`` once per quantizer slot of a module or op, with a
+    ``QuantizerRole(module_type, tensor_type, name)``, and uses the quantizer (or
+    ``DelayedScalingRequest``) it returns for that tensor, so one op may mix formats
+    (e.g. MXFP8 forward, NVFP4 gradients).
+
+    In tp-fuse the recipe is constructible and compares, copies and pickles like the
+    other recipes (TE code that builds one, or classifies checkpoints by recipe type,
+    runs), but ``autocast`` and ``quantized_model_init`` refuse it with a ValueError:
+    tp-fuse's ops pick their GEMM and cast kernels from the recipe type and assume
+    every operand of a GEMM has that one recipe's format, so per-role quantizers from
+    an arbitrary factory cannot be run correctly. Use the built-in recipes.
+
+    Args:
+        qfactory: callable ``qfactory(role) -> quantizer``. Required (TE raises without
+            one when the recipe is used; here a non-callable is refused at construction).
+        fp8_format: TE reads it for backend selection only; default ``Format.HYBRID``.
+        fp8_dpa, fp8_mha: FP8 attention flags (bools).
+        backward_override: ``None``, ``"high_precision"`` or ``"dequantized"``; default from
+            ``NVTE_BACKWARD_OVERRIDE`` as in TE.
+        quantization_alignment: grouped-op padding alignment, > 0 (default 128).
+    """
+
+    qfactory: Callable[..., Any] = None  # type: ignore[assignment]
+    fp8_format: Format = Format.HYBRID
+    fp8_dpa: bool = False
+    fp8_mha: bool = False
+    backward_override: Optional[str] = field(default_factory=lambda: os.getenv("NVTE_BACKWARD_OVERRIDE", None))
+    quantization_alignment: int = 128
+
+    def __post_init__(self) -> None:
+        # TE makes qfactory a required positional field; the default here only keeps the
+        # dataclass field order (fields after it have defaults), so None is refused.
+        if not callable(self.qfactory):
+            raise ValueError(
+                f"CustomRecipe.qfactory: expected a callable qfactory(role) -> quantizer, got {self.qfactory!r}"
+            )
+        _check_type("CustomRecipe.fp8_format", self.fp8_format, Format, "a Format")
+        for name in ("fp8_dpa", "fp8_mha"):
+            _check_type(f"CustomRecipe.{name}", getattr(self, name), bool, "a bool")
+        if self.backward_override not in _BACKWARD_OVERRIDES:
+            raise ValueError(
+                f"CustomRecipe.backward_override (or NVTE_BACKWARD_OVERRIDE): expected one of "
+                f"{_BACKWARD_OVERRIDES}, got {self.backward_override!r}"
+            )
+        _check_type("CustomRecipe.quantization_alignment", self.quantization_alignment, int, "a positive int")
+        if self.quantization_alignment <= 0:
+            raise ValueError(
+                f"CustomRecipe.quantization_alignment: expected a positive int, got {self.quantization_alignment}"
+            )

@@ -31,7 +31,7 @@ from typing import Optional
 
 import torch.distributed as dist
 
-from ..recipe import DelayedScaling, Recipe
+from ..recipe import CustomRecipe, DelayedScaling, Recipe
 from .amax_reduction import AmaxReductionBuffer, BackwardAmaxTracker
 from .block.quantizer import BlockScalingQuantizer
 from .compile_state import compile_key, set_traced_key
@@ -164,6 +164,14 @@ def _check_args(fn: str, enabled: object, recipe: object) -> None:
     if recipe is not None and not isinstance(recipe, Recipe):
         raise ValueError(
             f"{fn}: recipe: expected a tp_fuse.recipe.Recipe or None, got {type(recipe).__name__}"
+        )
+    if isinstance(recipe, CustomRecipe):
+        # The ops choose GEMM and cast kernels by recipe type and assume one format per
+        # GEMM; a factory's per-role quantizers could mix formats they cannot run.
+        raise ValueError(
+            f"{fn}: recipe: CustomRecipe (per-role quantizers from qfactory) is not supported by "
+            "tp_fuse's ops; expected a built-in recipe (DelayedScaling, Float8CurrentScaling, "
+            "Float8BlockScaling, MXFP8BlockScaling, Float8RowwiseScaling, NVFP4BlockScaling)"
         )
 
 

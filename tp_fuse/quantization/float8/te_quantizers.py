@@ -55,8 +55,9 @@ class Float8Quantizer(_UsageMixin, Quantizer):
     """Per-tensor FP8 with a given scale (Transformer Engine's delayed-scaling quantizer).
 
     Args:
-        scale: fp32 one-element tensor; FP8 = cast(x * scale). Held by reference.
-        amax: fp32 one-element tensor; each cast folds ``max |x|`` into it (max).
+        scale: one-element tensor; FP8 = cast(x * scale). Held by reference. Any dtype
+            constructs (as in TE); casting needs fp32 (ValueError otherwise).
+        amax: one-element tensor; each cast folds ``max |x|`` into it (max); fp32 to cast.
         fp8_dtype: ``DType.kFloat8E4M3`` / ``kFloat8E5M2`` (or the torch dtypes).
         rowwise, columnwise: layouts to produce (see ``set_usage``).
     """
@@ -71,9 +72,13 @@ class Float8Quantizer(_UsageMixin, Quantizer):
         columnwise: bool = True,
     ) -> None:
         dtype = _fp8(fp8_dtype, "Float8Quantizer fp8_dtype")
+        # TE stores scale and amax as given and checks their dtype only when it casts
+        # (its C++ cast refuses a non-fp32 amax). Code that builds a quantizer only to
+        # hand over its fp8_dtype (TE's debug tests pass torch.tensor([1]), int64) must
+        # construct; the dtype is checked in _quantize_impl, as in TE.
         for name, t in (("scale", scale), ("amax", amax)):
-            if not isinstance(t, torch.Tensor) or t.numel() != 1 or t.dtype != torch.float32:
-                raise ValueError(f"Float8Quantizer {name}: expected a one-element fp32 tensor, got {t!r}")
+            if not isinstance(t, torch.Tensor) or t.numel() != 1:
+                raise ValueError(f"Float8Quantizer {name}: expected a one-element tensor, got {t!r}")
         super().__init__(dtype, "input")
         self.scale = scale
         self.amax = amax
@@ -85,6 +90,13 @@ class Float8Quantizer(_UsageMixin, Quantizer):
                                columnwise=self.columnwise_usage)
 
     def _quantize_impl(self, x: torch.Tensor, transpose: bool = False) -> Float8Tensor:
+        for name in ("scale", "amax"):
+            t = getattr(self, name)
+            if t.dtype != torch.float32:
+                raise ValueError(
+                    f"Float8Quantizer {name}: casting needs a one-element fp32 tensor, got dtype {t.dtype} "
+                    f"(e.g. torch.tensor([1.0]) rather than torch.tensor([1]))"
+                )
         with torch.no_grad():
             scale = self.scale.reshape(()).to(device=x.device)
             data, data_t, amax = _cast(x.detach(), scale, self.fp8_dtype, transpose=transpose)
