@@ -94,7 +94,7 @@ def test_run_steps_budget_errors_and_summary(tmp_path):
 
 
 def test_default_steps_fit_in_nine_minutes():
-    assert [s.name for s in gc.STEPS] == ["gpu_tests", "triton_bitexact", "bench_kernels", "gpt_fp8", "tp2"]
+    assert [s.name for s in gc.STEPS] == ["gpu_tests", "triton_bitexact", "bench_kernels", "gpt_fp8", "tp2", "host_profile"]
     assert sum(s.timeout_s for s in gc.STEPS) <= gc.BUDGET_S <= 9 * 60
 
 
@@ -167,3 +167,16 @@ def test_tp2_check_on_cpu():
     report = _load("gpu_check_tp2").run_tp2("cpu", num_layers=1, hidden_size=64, max_seq_len=32, vocab_size=64)
     assert report["ok"], report
     assert report["fp32"]["max_rel_diff"] <= 1e-4 and len(report["fp8_delayed"]["tp2"]) == 3
+
+
+def test_host_profile_on_cpu(tmp_path):
+    """Step 6's script on CPU with a tiny shape: every variant timed and profiled, and the
+    sync counter sees a device-to-host read (the plain torch step has none)."""
+    hp = _load("gpu_host_profile")
+    report = hp.run([(32, 16)], "cpu", torch.float32, repeats=2, top=3)
+    rows = report["shapes"][0]["variants"]
+    assert list(rows) == ["torch", "tp_fuse", "fp8 delayed", "fp8 current", "fp8 block"]
+    for r in rows.values():
+        assert r["wall_us"] >= r["host_us"] > 0 and r["aten_calls"] > 0 and len(r["top_cpu"]) == 3
+    assert rows["torch"]["syncs"] == 0 and rows["torch"]["wall_vs_torch"] == 1.0
+    hp.print_report(report)

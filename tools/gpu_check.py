@@ -16,6 +16,9 @@ One command, under 9 minutes on one GPU, writing ``<out>/gpu_check.json`` and
 5. ``tp2``: ``tools/gpu_check_tp2.py``: TP=2 (NCCL, one GPU per rank) with sequence
    parallelism, overlap and FP8 delayed scaling against TP=1: exercises the CUDA paths of
    the comm/overlap ops. Skipped, with the reason, on a one-GPU machine.
+6. ``host_profile``: ``tools/gpu_host_profile.py``: host time vs device time per step of
+   one block (bf16 torch, tp_fuse, FP8 delayed/current/block), kernels and device syncs
+   per step, the top CPU ops: tells whether FP8 steps are host bound.
 
 Without CUDA it prints one line saying so and exits 0. The orchestration (time budget,
 summary files) is plain Python, tested on CPU by ``tests/test_gpu_check.py``.
@@ -244,12 +247,26 @@ def step_tp2(out_dir: str, timeout_s: float) -> tuple[bool, dict]:
     return proc.returncode == 0 and report["ok"], report
 
 
+def step_host_profile(out_dir: str, timeout_s: float) -> tuple[bool, dict]:
+    path = os.path.join(out_dir, "host_profile.json")
+    proc = _run([sys.executable, os.path.join(REPO, "tools", "gpu_host_profile.py"), "--json", path], timeout_s,
+                os.path.join(out_dir, "host_profile.log"))
+    if proc.returncode != 0:
+        return False, {"returncode": proc.returncode}
+    with open(path) as f:
+        report = json.load(f)
+    return True, {f"{s['hidden']}x{s['tokens']}": {name: {k: r[k] for k in ("host_us", "wall_us", "wall_vs_torch",
+                                                                            "kernels", "syncs")}
+                                                   for name, r in s["variants"].items()} for s in report["shapes"]}
+
+
 STEPS = [
-    Step("gpu_tests", 150, step_gpu_tests),
+    Step("gpu_tests", 130, step_gpu_tests),
     Step("triton_bitexact", 60, step_triton_bitexact),
-    Step("bench_kernels", 150, step_bench_kernels),
-    Step("gpt_fp8", 120, step_gpt_fp8),
+    Step("bench_kernels", 120, step_bench_kernels),
+    Step("gpt_fp8", 110, step_gpt_fp8),
     Step("tp2", 60, step_tp2),
+    Step("host_profile", 60, step_host_profile),
 ]
 
 

@@ -101,6 +101,40 @@ def swizzle_mx_scales(scales: torch.Tensor) -> torch.Tensor:
     return tiles.transpose(2, 3).contiguous().flatten()
 
 
+def blockwise_scale_layout(p: BlockPayload) -> torch.Tensor:
+    """``p``'s fp32 block scales in the layout torch's blockwise ``scaled_mm`` reads (sm90).
+
+    1x128 scales ``[rows, K/128]`` are read outer-dimension-major: the same shape with
+    strides ``(1, rows)``. 128x128 scales ``[rows/128, K/128]`` are read K-major with the K
+    dimension padded to a multiple of 4: shape ``[round_up(K/128, 4), rows/128]``, strides
+    ``(1, round_up(K/128, 4))``; the padding is never read as a real block (zeros).
+    (torch's ``_meta_registrations.py``, ``_scaled_mm_v2``; the first H200 run of a 128x128
+    weight failed with "scale_b must have shape 4 x 8 Float elements, got [8, 2]".)
+    """
+    s = p.scale_inv.to(torch.float32)
+    if p.spec.rows == 1:
+        return s.t().contiguous().t()
+    outer, k_blocks = s.shape
+    padded = torch.zeros(outer, math.ceil(k_blocks / 4) * 4, dtype=torch.float32, device=s.device)
+    padded[:, :k_blocks] = s
+    return padded.t()
+
+
+def blockwise_scaled_mm(
+    a: BlockPayload, b: BlockPayload, out_dtype: torch.dtype, bias: Optional[torch.Tensor] = None
+) -> torch.Tensor:
+    """``a @ b.T`` for Float8BlockScaling operands (1x128 or 128x128 blocks) through torch's
+    blockwise ``F.scaled_mm`` (CUDA sm90; on meta tensors it runs torch's shape checks)."""
+    kinds = {BlockSpec(1, 128): F.ScalingType.BlockWise1x128, BlockSpec(128, 128): F.ScalingType.BlockWise128x128}
+    # cuBLASLt reads row-major A and column-major B; a column-wise copy may be a transposed
+    # view (the CPU cast writes it so), which .contiguous() makes dense (a no-op otherwise).
+    return F.scaled_mm(
+        a.data.contiguous(), b.data.contiguous().t(), blockwise_scale_layout(a), kinds[a.spec],
+        blockwise_scale_layout(b), kinds[b.spec],
+        bias=bias, output_dtype=out_dtype,
+    )
+
+
 def _cuda_block_gemm(
     a: BlockPayload, b: BlockPayload, recipe_name: str, out_dtype: torch.dtype, bias: Optional[torch.Tensor]
 ) -> torch.Tensor:
@@ -112,17 +146,7 @@ def _cuda_block_gemm(
                 f"Float8BlockScaling GEMM on CUDA needs an sm90 GPU (Hopper) for torch's blockwise "
                 f"scaled_mm, got sm{cap[0]}{cap[1]}; run on CPU (exact emulation) instead"
             )
-        kinds = {BlockSpec(1, 128): st.BlockWise1x128, BlockSpec(128, 128): st.BlockWise128x128}
-
-        def scales(p: BlockPayload) -> torch.Tensor:
-            # 1x128 scales are read outer-dimension-major (column-major [rows, K/128]).
-            s = p.scale_inv.to(torch.float32)
-            return s.t().contiguous().t() if p.spec.rows == 1 else s.contiguous()
-
-        return F.scaled_mm(
-            a.data, b.data.t(), scales(a), kinds[a.spec], scales(b), kinds[b.spec],
-            bias=bias, output_dtype=out_dtype,
-        )
+        return blockwise_scaled_mm(a, b, out_dtype, bias)
     if recipe_name == "mxfp8":
         if cap[0] < 10:
             raise ValueError(
