@@ -18,6 +18,7 @@ import torch
 import torch._dynamo
 
 from tp_fuse.launch.api import train
+from tp_fuse.launch.models.build import check_compile_mode
 from tolerances import tols
 
 RUN = [
@@ -81,3 +82,16 @@ def test_reduce_overhead_mode_trains_the_default_gpt_like_eager(tmp_path, monkey
     assert sorted(compiled.losses) == [1, 2, 3]
     for step, loss in eager.losses.items():
         assert abs(compiled.losses[step] - loss) <= tols(torch.float32)["atol"], (step, compiled.losses, eager.losses)
+
+
+@pytest.mark.parametrize("mode", ["reduce-overhead", "max-autotune"])
+def test_cuda_graph_modes_are_refused_on_cuda(mode) -> None:
+    """Regression (H200): the default GPT compiled with ``reduce-overhead`` failed in its
+    first backward (CUDA graph outputs overwritten); the CUDA-graph modes are refused on
+    CUDA with a message naming the working modes, and stay allowed on CPU."""
+    with pytest.raises(ValueError, match=rf"trainer.compile_mode={mode} records CUDA graphs.*compile_mode=default"):
+        check_compile_mode(mode, torch.device("cuda", 0))
+    check_compile_mode(mode, torch.device("cpu"))
+    for ok in ("default", "max-autotune-no-cudagraphs"):
+        check_compile_mode(ok, torch.device("cuda", 0))
+

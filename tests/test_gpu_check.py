@@ -94,7 +94,7 @@ def test_run_steps_budget_errors_and_summary(tmp_path):
 
 
 def test_default_steps_fit_in_nine_minutes():
-    assert [s.name for s in gc.STEPS] == ["gpu_tests", "triton_bitexact", "bench_kernels", "gpt_fp8", "tp2", "host_profile"]
+    assert [s.name for s in gc.STEPS] == ["gpu_tests", "triton_bitexact", "bench_kernels", "gpt_fp8", "tp2", "gpt_compiled", "host_profile"]
     assert sum(s.timeout_s for s in gc.STEPS) <= gc.BUDGET_S <= 9 * 60
 
 

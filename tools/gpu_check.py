@@ -16,7 +16,11 @@ One command, under 9 minutes on one GPU, writing ``<out>/gpu_check.json`` and
 5. ``tp2``: ``tools/gpu_check_tp2.py``: TP=2 (NCCL, one GPU per rank) with sequence
    parallelism, overlap and FP8 delayed scaling against TP=1: exercises the CUDA paths of
    the comm/overlap ops. Skipped, with the reason, on a one-GPU machine.
-6. ``host_profile``: ``tools/gpu_host_profile.py``: host time vs device time per step of
+6. ``gpt_compiled``: the default GPT with ``trainer.compile=true`` (torch.compile's
+   default mode; the CUDA-graph modes are refused on CUDA, see docs/fsdp.md) vs eager, in
+   bf16 and FP8 delayed scaling, 60 steps each: tokens/s ratios to eager bf16 (first
+   logged row, with the compile, left out) and final losses.
+7. ``host_profile``: ``tools/gpu_host_profile.py``: host time vs device time per step of
    one block (bf16 torch, tp_fuse, FP8 delayed/current/block), kernels and device syncs
    per step, the top CPU ops: tells whether FP8 steps are host bound.
 
@@ -247,6 +251,26 @@ def step_tp2(out_dir: str, timeout_s: float) -> tuple[bool, dict]:
     return proc.returncode == 0 and report["ok"], report
 
 
+def step_gpt_compiled(out_dir: str, timeout_s: float) -> tuple[bool, dict]:
+    runs = {}
+    deadline = time.monotonic() + timeout_s
+    variants = (("bf16", "none", False), ("bf16_compiled", "none", True),
+                ("fp8_delayed", "delayed", False), ("fp8_delayed_compiled", "delayed", True))
+    for name, fp8, compiled in variants:
+        run_dir = os.path.join(out_dir, f"compiled_{name}")
+        cmd = [sys.executable, os.path.join(REPO, "launch", "train.py"), "+model=gpt", f"fp8={fp8}",
+               "trainer.max_steps=60", "trainer.log_interval=10", "trainer.val_interval=0", "trainer.dtype=bfloat16",
+               "trainer.device=cuda", "trainer.progress=false", "logger=none", f"hydra.run.dir={run_dir}",
+               f"trainer.compile={str(compiled).lower()}"]
+        proc = _run(cmd, max(1.0, deadline - time.monotonic()), os.path.join(out_dir, f"compiled_{name}.log"))
+        if proc.returncode != 0:
+            return False, {"failed_run": name, "returncode": proc.returncode, **(compare_runs(runs) if runs else {})}
+        runs[name] = read_metrics(run_dir)
+    summary = compare_runs(runs)
+    ok = all(abs(summary[f"{n}_loss_rel_diff"]) < 0.05 for n in runs if n != "bf16")
+    return ok, summary
+
+
 def step_host_profile(out_dir: str, timeout_s: float) -> tuple[bool, dict]:
     path = os.path.join(out_dir, "host_profile.json")
     proc = _run([sys.executable, os.path.join(REPO, "tools", "gpu_host_profile.py"), "--json", path], timeout_s,
@@ -261,12 +285,13 @@ def step_host_profile(out_dir: str, timeout_s: float) -> tuple[bool, dict]:
 
 
 STEPS = [
-    Step("gpu_tests", 130, step_gpu_tests),
-    Step("triton_bitexact", 60, step_triton_bitexact),
-    Step("bench_kernels", 120, step_bench_kernels),
-    Step("gpt_fp8", 110, step_gpt_fp8),
-    Step("tp2", 60, step_tp2),
-    Step("host_profile", 60, step_host_profile),
+    Step("gpu_tests", 120, step_gpu_tests),
+    Step("triton_bitexact", 30, step_triton_bitexact),
+    Step("bench_kernels", 90, step_bench_kernels),
+    Step("gpt_fp8", 80, step_gpt_fp8),
+    Step("tp2", 40, step_tp2),
+    Step("gpt_compiled", 120, step_gpt_compiled),
+    Step("host_profile", 40, step_host_profile),
 ]
 
 
