@@ -20,9 +20,13 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, Optional, Union
 
 import torch
+import yaml
 
 from tp_fuse.layers.config import GPTConfig
+from tp_fuse.layers.wrap.convert import PLAN_STYLES
+from tp_fuse.layers.wrap.hf_plans import FAMILIES
 from tp_fuse.overlap.config import OverlapConfig as TPOverlapConfig
+from tp_fuse.safe_files import read_regular_file
 
 from .models.hf import gpt_fields
 from .tokenizer import check_tokenizer_choice
@@ -466,18 +470,11 @@ def check_plan(plan: Any) -> Union[None, str, dict[str, str]]:
     """``model.plan`` for ``+model=hf``, checked before any process starts: None, the name
     of a built-in plan, or a ``{module glob: style}`` mapping of strings; ValueError
     listing what is available otherwise."""
-    from tp_fuse.layers.wrap.convert import PLAN_STYLES
-    from tp_fuse.layers.wrap.hf_plans import FAMILIES
-
     if plan is None:
         return None
     if isinstance(plan, str) and plan.endswith((".yaml", ".yml")):
         # Hydra's override grammar cannot spell glob keys ("*", "."), so on the command
         # line a mapping comes as a YAML file. Read as data (safe_load), size-bounded.
-        import yaml
-
-        from tp_fuse.safe_files import read_regular_file
-
         try:
             loaded = yaml.safe_load(read_regular_file(plan, 2**20, "model.plan: plan file", follow_symlinks=True))
         except (OSError, ValueError, yaml.YAMLError) as e:

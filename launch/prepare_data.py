@@ -55,6 +55,9 @@ from _tp_fuse_checkout import use_checkout  # noqa: E402
 
 use_checkout()
 
+from rich.console import Console  # noqa: E402
+from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn  # noqa: E402
+
 from tp_fuse.launch.tokenizer import ByteTokenizer, FileTokenizer, Tok, build_tokenizer, resolve_kind  # noqa: E402
 from tp_fuse.safe_files import atomic_writer, describe_kind, open_regular_file, read_regular_file, write_atomic  # noqa: E402
 
@@ -397,9 +400,6 @@ def _progress_bar(total: int, enabled: bool):
     """A rich progress bar over input bytes on stderr (a no-op object when disabled)."""
     if not enabled:
         return contextlib.nullcontext(None)
-    from rich.console import Console
-    from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn
-
     return Progress(TextColumn("tokenizing"), BarColumn(), DownloadColumn(), TimeRemainingColumn(),
                     console=Console(stderr=True), transient=True)
 

@@ -122,20 +122,10 @@ def test_torchrun_hf_qwen3_tp2_matches_tp1(tmp_path):
     gradient summed over TP; without it TP=2 drifted from TP=1 (9.5e-4 after 12 steps) and
     exited 0. The start-up verify (model.verify, default true) is on in the TP=2 run."""
     model_dir = _model_dir(tmp_path / "model", weights=True, seed=4, family="qwen3", initializer_range=0.3)
-    args = ["+model=hf", f"model.path={model_dir}", "data.seq_len=32", "trainer.global_batch_size=4",
-            "trainer.micro_batch_size=4", "trainer.max_steps=12", "trainer.log_interval=1", "trainer.val_interval=0",
-            "logger=none", "trainer.progress=false", "optim.warmup_steps=1", "optim.lr=3e-3"]
-    os.makedirs(tmp_path / "run")
-    proc = torchrun([*args, "parallel.tp=2", f"hydra.run.dir={tmp_path / 'run'}"], cwd=str(tmp_path / "run"),
-                    env={"HOME": str(tmp_path / "home")})
-    out = proc.stdout + proc.stderr
-    assert "q_norm.weight (x2): replicated, used on TP-sharded activations" in out, out[-3000:]
-    assert "verified: outputs and every gradient match the original" in out, out[-3000:]
-    tp2 = {m["step"]: m["loss"] for m in read_jsonl(os.path.join(tmp_path / "run", "metrics.jsonl"))}
-    tp1 = train([*args, "parallel.tp=1"], str(tmp_path / "run1")).losses
-    assert sorted(tp2) == list(range(1, 13))
-    for step in range(1, 13):  # float32 reduction order only
-        assert tp2[step] == pytest.approx(tp1[step], rel=1e-4), (step, tp2, tp1)
+    _torchrun_tp2_matches_tp1(tmp_path, model_dir, [
+        "q_norm.weight (x2): replicated, used on TP-sharded activations",
+        "verified: outputs and every gradient match the original",
+    ])
 
 
 @pytest.mark.multirank
@@ -145,20 +135,27 @@ def test_torchrun_hf_olmo2_tp2_matches_tp1(tmp_path):
     split, mean of squares summed over TP). TP=2 (start-up verify on) matches TP=1 over 12
     steps from the same safetensors weights."""
     model_dir = _model_dir(tmp_path / "model", weights=True, seed=5, family="olmo2", initializer_range=0.3)
-    args = ["+model=hf", f"model.path={model_dir}", "data.seq_len=32", "trainer.global_batch_size=4",
-            "trainer.micro_batch_size=4", "trainer.max_steps=12", "trainer.log_interval=1", "trainer.val_interval=0",
-            "logger=none", "trainer.progress=false", "optim.warmup_steps=1", "optim.lr=3e-3"]
+    _torchrun_tp2_matches_tp1(tmp_path, model_dir, [
+        "plan for model_type 'olmo2'",
+        "sharded norm (weight split with the features, statistics summed over TP)",
+        "verified: outputs and every gradient match the original",
+    ])
+
+
+def _torchrun_tp2_matches_tp1(tmp_path, model_dir: str, expected_lines: list[str], steps: int = 12) -> None:
+    """TP=2 under torchrun (start-up verify on) prints ``expected_lines`` and trains as TP=1
+    does in-process from the same weights: every step's loss at 1e-4 (float32 reduction order)."""
+    args = _family_args(model_dir, steps)
     os.makedirs(tmp_path / "run")
     proc = torchrun([*args, "parallel.tp=2", f"hydra.run.dir={tmp_path / 'run'}"], cwd=str(tmp_path / "run"),
                     env={"HOME": str(tmp_path / "home")})
     out = proc.stdout + proc.stderr
-    assert "plan for model_type 'olmo2'" in out, out[-3000:]
-    assert "sharded norm (weight split with the features, statistics summed over TP)" in out, out[-3000:]
-    assert "verified: outputs and every gradient match the original" in out, out[-3000:]
+    for line in expected_lines:
+        assert line in out, (line, out[-3000:])
     tp2 = {m["step"]: m["loss"] for m in read_jsonl(os.path.join(tmp_path / "run", "metrics.jsonl"))}
     tp1 = train([*args, "parallel.tp=1"], str(tmp_path / "run1")).losses
-    assert sorted(tp2) == list(range(1, 13))
-    for step in range(1, 13):  # float32 reduction order only
+    assert sorted(tp2) == list(range(1, steps + 1))
+    for step in range(1, steps + 1):
         assert tp2[step] == pytest.approx(tp1[step], rel=1e-4), (step, tp2, tp1)
 
 
@@ -233,10 +230,10 @@ def test_new_families_sizes_read_as_transformers_reads_them(tmp_path):
     assert hf_module.parameter_count(f, 8, 4, 2) - hf_module.parameter_count(f, 8) == 2 * 2 * 48 * 32 * 3
 
 
-def _family_args(model_dir: str) -> list[str]:
+def _family_args(model_dir: str, steps: int = 3) -> list[str]:
     return ["+model=hf", f"model.path={model_dir}", "data.seq_len=32", "trainer.global_batch_size=4",
-            "trainer.micro_batch_size=4", "trainer.max_steps=3", "trainer.log_interval=1", "trainer.val_interval=0",
-            "logger=none", "trainer.progress=false", "optim.warmup_steps=1", "optim.lr=3e-3"]
+            "trainer.micro_batch_size=4", f"trainer.max_steps={steps}", "trainer.log_interval=1",
+            "trainer.val_interval=0", "logger=none", "trainer.progress=false", "optim.warmup_steps=1", "optim.lr=3e-3"]
 
 
 def _families_tp2(rank: int, world_size: int, root: str) -> dict[str, Any]:
