@@ -186,7 +186,7 @@ def main() -> None:
             _check_fused(auto, "AG+GEMM auto")
             wire = x
             if fp8:  # what the fused op sends: this rank's FP8 bytes
-                wire = lin.fp8_quantizers()["input"].quantize(x)._data.view(torch.uint8)
+                wire = lin.fp8_quantizers()["input"].quantize(x)._fp8.view(torch.uint8)
             t = _measure(
                 {
                     "gemm": compute_only(fused, x),

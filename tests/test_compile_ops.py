@@ -60,7 +60,7 @@ def test_opcheck_fp8_cast_forward_roles(recipe) -> None:
             data, data_t, scale_inv = torch.ops.tp_fuse.fp8_cast(x, op._quantizers.compile_ref, role, name, E4M3, transpose, NO_REF)
             ref = op._quantizers.get(recipe)[role].quantize(x)
             assert torch.equal(data.view(torch.uint8), ref._data.view(torch.uint8))
-            assert torch.equal(scale_inv, ref._scale_inv)
+            assert torch.equal(scale_inv, ref._sinv)
             if transpose:
                 assert torch.equal(data_t.view(torch.uint8), ref.transpose_data().view(torch.uint8))
 

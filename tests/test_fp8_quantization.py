@@ -145,7 +145,7 @@ def test_transpose_data_is_cached_and_invalidated_by_inplace_update() -> None:
     alias.mul_(0.5)  # in place through an alias: re-quantized into the shared buffers
     t2 = f.transpose_data()
     assert t2 is not t1
-    torch.testing.assert_close(t2.float(), f._data.reshape(6, 4).t().float())
+    torch.testing.assert_close(t2.float(), f._fp8.reshape(6, 4).t().float())
     f._data.copy_(torch.zeros(2, 3, 4))  # a direct write is detected too
     assert (f.transpose_data().float() == 0).all()
 

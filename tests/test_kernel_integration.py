@@ -222,7 +222,7 @@ def test_norm_linear_fusion_in_bf16_is_within_one_fp8_step(norm_cls):
 
     def pack(t):
         if isinstance(t, Float8Tensor) and tuple(t.shape) == (rows, H):  # the GEMM input
-            inputs.append(t._data)
+            inputs.append(t._fp8)
         return t
 
     for fn in (seq, _unfused(ref)):

@@ -141,7 +141,7 @@ def test_quantizing_a_matrix_in_inference_mode(dtype):
         x8 = q(x.to(dtype))
         assert x8.is_inference()
         data_t = x8.transpose_data()
-    assert torch.equal(data_t.float(), x8._data.float().t())
+    assert torch.equal(data_t.float(), x8._fp8.float().t())
     assert_close(x8.dequantize().double(), x, "fp8_e4m3")
 
 

@@ -29,7 +29,7 @@ def test_float8_quantizer_copy_is_shallow() -> None:
     x = _x(0, 8, 16)
     assert torch.equal(c(x)._data.view(torch.uint8), q(x)._data.view(torch.uint8))
     q.scale.fill_(4.0)  # the copy sees writes to the shared scale
-    assert torch.equal(c(x)._scale_inv, torch.tensor(0.25))
+    assert torch.equal(c(x)._scale_inv, torch.tensor([0.25]))  # TE's [1] scale
 
 
 def test_current_scaling_quantizer_copy_keeps_settings() -> None:
@@ -77,10 +77,10 @@ def test_make_empty_then_quantize_(kind: str) -> None:
 def test_quantize_updates_in_place_with_the_tensors_quantizer() -> None:
     q = Float8CurrentScalingQuantizer(DType.kFloat8E4M3, "cpu")
     t = q(_x(4, 8, 16))
-    data, scale_inv = t._data, t._scale_inv
+    data, scale_inv = t._fp8, t._sinv
     y = _x(5, 8, 16, scale=10.0)  # a larger amax: current scaling derives a new scale
     assert t.quantize_(y) is t
-    assert t._data is data and t._scale_inv is scale_inv  # same buffers, new contents
+    assert t._fp8 is data and t._sinv is scale_inv  # same buffers, new contents
     torch.testing.assert_close(t.dequantize(), q.copy()(y).dequantize(), rtol=0, atol=0)
     # A quantized source is dequantized first.
     z = _delayed()(_x(6, 8, 16))
@@ -98,8 +98,46 @@ def test_quantize_noop_flag_and_errors() -> None:
     assert not torch.equal(t.dequantize(), before)
     with pytest.raises(ValueError, match="expected a tensor of shape"):
         t.quantize_(_x(9, 4, 16))
-    bare = Float8Tensor.from_parts(t._data.clone(), torch.ones(()), torch.float32)
+    bare = Float8Tensor.from_parts(t._fp8.clone(), torch.ones(()), torch.float32)
     with pytest.raises(ValueError, match="has no quantizer"):
         bare.quantize_(_x(9, 8, 16))
     with pytest.raises(ValueError, match="shape must not have negative"):
         q.make_empty((-1, 4), device="cpu")
+
+
+def test_float8_tensor_private_attributes_have_te_types() -> None:
+    """TE's ``_data`` (uint8 bytes), ``_scale_inv`` (``[1]`` fp32) and ``_transpose`` (uint8,
+    ``[shape[-1], *shape[:-1]]``), as TE's own tests read them (``test_quantized_tensor.py``:
+    ``assert_close(x_fp8._data, ref.view(torch.uint8))``; 384 of its cases failed when
+    ``_data`` had the FP8 dtype and ``_scale_inv`` was 0-d). Views: writes reach the tensor."""
+    q = Float8CurrentScalingQuantizer(DType.kFloat8E4M3, "cpu")
+    x = _x(7, 2, 3, 16)
+    t = q(x)  # columnwise usage by default: the transpose is cached at cast time
+    assert t._data.dtype == torch.uint8 and t._data.shape == (2, 3, 16)
+    assert torch.equal(t._data, t._fp8.view(torch.uint8)) and t._data.data_ptr() == t._fp8.data_ptr()
+    assert t._scale_inv.shape == (1,) and t._scale_inv.dtype == torch.float32
+    assert t._transpose.dtype == torch.uint8 and t._transpose.shape == (16, 2, 3)
+    assert torch.equal(t._transpose, t._data.reshape(6, 16).t().reshape(16, 2, 3))
+    before = t.dequantize()
+    t._scale_inv.mul_(2.0)  # through the view
+    torch.testing.assert_close(t.dequantize(), before * 2, rtol=0, atol=0)
+    t._data.zero_()  # a write through _data makes the cached transpose stale
+    assert t._transpose is None and not t.dequantize().any()
+    t._data = torch.full((2, 3, 16), 0x38, dtype=torch.uint8)  # e4m3 0x38 = 1.0
+    torch.testing.assert_close(t.dequantize(), torch.full((2, 3, 16), 2.0 * float(t._sinv) / 2.0 * 1.0), rtol=0, atol=0)
+    with pytest.raises(ValueError, match="_scale_inv: expected a one-element fp32 tensor"):
+        t._scale_inv = torch.ones(2)
+    # Fewer than 2 dims: TE's transpose of [n] is [n], of a scalar a scalar.
+    assert q(_x(8, 5))._transpose.shape == (5,) and q(torch.tensor(3.0))._transpose.shape == ()
+    q.set_usage(rowwise=True, columnwise=False)
+    assert q(x)._transpose is None
+
+
+def test_block_tensor_missing_copy_attributes_are_none() -> None:
+    """TE: after ``update_usage(rowwise_usage=False)`` ``_rowwise_data`` is None (an
+    AttributeError before)."""
+    t = MXFP8Quantizer(DType.kFloat8E4M3, rowwise=True, columnwise=True)(_x(9, 64, 64))
+    t.update_usage(rowwise_usage=False, columnwise_usage=True)
+    assert t._rowwise_data is None and t._rowwise_scale_inv is None and t._columnwise_data is not None
+    with pytest.raises(AttributeError):
+        t._no_such_attribute

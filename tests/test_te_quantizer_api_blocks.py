@@ -191,11 +191,11 @@ def test_float8_tensor_te_constructor_transpose_and_errors() -> None:
     with pytest.raises(ValueError, match="shape: expected the data's shape"):
         Float8Tensor(shape=(8, 6), data=data_u8, fp8_dtype=DType.kFloat8E4M3, fp8_scale_inv=torch.ones(1))
     with pytest.raises(ValueError, match="does not match fp8_dtype"):
-        Float8Tensor(data=ref._data, fp8_dtype=DType.kFloat8E5M2, fp8_scale_inv=torch.ones(1))
+        Float8Tensor(data=ref._fp8, fp8_dtype=DType.kFloat8E5M2, fp8_scale_inv=torch.ones(1))
     with pytest.raises(ValueError, match="data_transpose: expected"):
         Float8Tensor(data=data_u8, fp8_dtype=DType.kFloat8E4M3, fp8_scale_inv=torch.ones(1), data_transpose=data_u8)
     with pytest.raises(ValueError, match="got both"):
-        Float8Tensor(ref._data, torch.ones(()), fp8_scale_inv=torch.ones(1))
+        Float8Tensor(ref._fp8, torch.ones(()), fp8_scale_inv=torch.ones(1))
 
 
 def test_float8_tensor_update_usage() -> None:
@@ -203,7 +203,7 @@ def test_float8_tensor_update_usage() -> None:
     t = q(_x(8, 16, 32))
     assert t._transpose_cache is None
     t.update_usage(columnwise_usage=True)
-    assert t._transpose_cache is not None and torch.equal(t._transpose_cache[1], t._data.t())
+    assert t._transpose_cache is not None and torch.equal(t._transpose_cache[1], t._fp8.t())
     t.update_usage(rowwise_usage=False, columnwise_usage=False)
     assert t._transpose_cache is None and t._data is not None
 

@@ -107,7 +107,7 @@ class Fp8StatsCollector:
         if not isinstance(q, Float8Tensor):
             return
         with torch.no_grad():
-            scale = torch.reciprocal(q._scale_inv.to(torch.float32))
+            scale = torch.reciprocal(q._sinv.to(torch.float32))
             dequantized = q.dequantize(torch.float32)
             fp8_max = float(torch.finfo(q.fp8_dtype).max)
             hp_values = hp.dequantize() if isinstance(hp, Float8Tensor) else hp

@@ -155,7 +155,7 @@ class QuantizerStateMixin:
         params = {}
         for name, p in self._parameters.items():  # type: ignore[attr-defined]
             if p is not None and is_fp8_parameter(p) and isinstance(p.quantizer, DelayedScalingQuantizer):
-                params[name] = {"quantizer": _quantizer_state(p.quantizer), "scale_inv": _encode(p._scale_inv, torch.float32)}
+                params[name] = {"quantizer": _quantizer_state(p.quantizer), "scale_inv": _encode(p._sinv, torch.float32)}
         if params:
             state["params"] = params
         if not state:
@@ -223,5 +223,5 @@ class QuantizerStateMixin:
             scale = torch.reciprocal(scale_inv).to(p.master.device)
             data, _, _ = kernels.quantize(p.master, scale, p.fp8_dtype, with_amax=False)
             p._alias.generation += 1
-            p._data.copy_(data)
-            p._scale_inv.copy_(scale_inv)
+            p._fp8.copy_(data)
+            p._sinv.copy_(scale_inv)

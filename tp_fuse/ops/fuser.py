@@ -70,7 +70,7 @@ def _cast(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     dtype (the dtype it dequantizes to and GEMMs write)."""
 
     if isinstance(x, Float8Tensor):
-        return Float8Tensor.from_parts(x._data, x._scale_inv, dtype)
+        return Float8Tensor.from_parts(x._fp8, x._sinv, dtype)
     return x.to(dtype)
 
 

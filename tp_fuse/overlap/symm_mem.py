@@ -181,8 +181,8 @@ def fp8_operands(a_fp8: Any, w_fp8: Any) -> tuple[torch.Tensor, torch.Tensor, to
         a_scale = pa.scale_inv.to(torch.float32).reshape(-1, 1).contiguous()
         b_scale = pw.scale_inv.to(torch.float32).reshape(1, -1).contiguous()
         return pa.data, pw.data.t(), a_scale, b_scale
-    return (a_fp8._data, w_fp8._data.t(), a_fp8._scale_inv.to(torch.float32).reshape(1),
-            w_fp8._scale_inv.to(torch.float32).reshape(1))
+    return (a_fp8._fp8, w_fp8._fp8.t(), a_fp8._sinv.to(torch.float32).reshape(1),
+            w_fp8._sinv.to(torch.float32).reshape(1))
 
 
 @dataclasses.dataclass

@@ -124,7 +124,7 @@ def fp8_cast(
     if observer:
         observer.target().on_quantized(role, x, t, q)
     data_t = t.transpose_data() if transpose else torch.empty(0, dtype=fp8_dtype, device=x.device)
-    return t._data, data_t, t._scale_inv
+    return t._fp8, data_t, t._sinv
 
 
 def _fp8_cast_fake(

@@ -8,8 +8,8 @@ Float8Tensors (bytes + ``_scale_inv``) and validates them.
 ``fp8_gemm(a, b)`` computes ``a @ b.T`` -- the "NT" layout of a linear layer
 (``y = x @ W.T``), which is also what ``_scaled_mm`` wants: ``mat1`` row-major
 and ``mat2`` column-major, i.e. ``b`` row-major ``[N, K]`` and passed as the
-free transpose ``b.t()``. Per-tensor scales: ``scale_a = a._scale_inv``,
-``scale_b = b._scale_inv`` (``_scaled_mm`` multiplies by them, dequantizing).
+free transpose ``b.t()``. Per-tensor scales: ``scale_a = a._sinv``,
+``scale_b = b._sinv`` (``_scaled_mm`` multiplies by them, dequantizing).
 
 The three linear-layer GEMMs map to it as (``x [M, K]``, ``W [N, K]``,
 ``dy [M, N]``)::
@@ -94,5 +94,5 @@ def fp8_gemm(
             raise ValueError(f"fp8_gemm: bias on {bias.device}, operands on {a.device}")
     # The kernel takes a [M, K] and b [N, K] (it makes them contiguous as its GEMM
     # needs) and the dequantization scales; it adds the bias in its epilogue.
-    out, _ = kernels.fp8_gemm(a._data, b._data, a._scale_inv, b._scale_inv, out_dtype, bias=bias)
+    out, _ = kernels.fp8_gemm(a._fp8, b._fp8, a._sinv, b._sinv, out_dtype, bias=bias)
     return out

@@ -82,7 +82,7 @@ def make_fp8_parameter(
             quantizer.quantize(master)
             quantizer.update()
         q = quantizer.quantize(master)
-    fp8 = Float8Tensor(q._data, q._scale_inv, master.dtype, master=master, quantizer=quantizer)
+    fp8 = Float8Tensor(q._fp8, q._sinv, master.dtype, master=master, quantizer=quantizer)
     return torch.nn.Parameter(fp8, requires_grad=requires_grad)
 
 

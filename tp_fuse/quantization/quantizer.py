@@ -77,7 +77,8 @@ def _cast(
     and a 0-d tensor's value is its one element (cast as shape ``[1]``, bytes reshaped back)."""
     if x.dim() == 0:
         data, _, amax = kernels.quantize(x.reshape(1), scale, fp8_dtype, with_amax=with_amax)
-        return data.reshape(()), None, amax
+        # The "transpose" of one element is that element ([cols, rows] = [1, 1]).
+        return data.reshape(()), data.reshape(1, 1) if transpose else None, amax
     return kernels.quantize(x, scale, fp8_dtype, transpose=transpose, with_amax=with_amax)
 
 
@@ -117,7 +118,8 @@ def _with_transpose(t: Float8Tensor, data_t: Optional[torch.Tensor]) -> Float8Te
     otherwise re-read the FP8 data in the wgrad GEMM. The key is the one
     ``transpose_data`` checks, so any later in-place write still invalidates it.
     """
-    key = t.transpose_cache_key() if data_t is not None and t.dim() >= 2 else None
+    # Tensors of fewer than 2 dims keep it too: TE exposes their ``_transpose``.
+    key = t.transpose_cache_key() if data_t is not None else None
     if key is not None:
         t._transpose_cache = (key, data_t)
     return t
@@ -313,8 +315,8 @@ class Quantizer(abc.ABC):
         assert isinstance(dst, Float8Tensor)
         q = self._quantize_impl(src)
         dst._alias.generation += 1  # invalidates dst's (and its aliases') transpose cache
-        dst._data.copy_(q._data)
-        dst._scale_inv.copy_(q._scale_inv)
+        dst._fp8.copy_(q._fp8)
+        dst._sinv.copy_(q._sinv)
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(role={self.role!r}, fp8_dtype={self.fp8_dtype})"

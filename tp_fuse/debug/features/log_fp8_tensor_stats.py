@@ -65,7 +65,7 @@ class LogFp8TensorStats(StatsLoggingFeature):
             return
         if isinstance(q, Float8Tensor):
             dequantized = q.dequantize(torch.float32)
-            scale = torch.reciprocal(q._scale_inv.to(torch.float32))
+            scale = torch.reciprocal(q._sinv.to(torch.float32))
             fp8_max = float(torch.finfo(q.fp8_dtype).max)
         elif quantizer is not None:
             dequantized, scale = simulate_fp8_cast(tensor, quantizer)

@@ -64,6 +64,6 @@ def gather_maybe_fp8(
         # Data bytes and block scales travel together, one collective per quantized copy.
         return block_wire.gather_block_scaled(x, group, gather)
     if isinstance(x, Float8Tensor):
-        data = gather(x._data.contiguous().view(torch.uint8), group).view(x._data.dtype)
-        return Float8Tensor.from_parts(data, x._scale_inv, dtype=x.dtype)
+        data = gather(x._fp8.contiguous().view(torch.uint8), group).view(x._fp8.dtype)
+        return Float8Tensor.from_parts(data, x._sinv, dtype=x.dtype)
     return gather(x.contiguous(), group)

@@ -361,7 +361,7 @@ def fp8_wire(x_fp8: Any, layout: str = "rowwise") -> torch.Tensor:
     """
     if isinstance(x_fp8, BlockScaledTensor):
         return block_wire.rowwise_wire(x_fp8) if layout == "rowwise" else block_wire.columnwise_wire(x_fp8)
-    return x_fp8._data.contiguous().view(torch.uint8)
+    return x_fp8._fp8.contiguous().view(torch.uint8)
 
 
 def fp8_from_wire(data: torch.Tensor, like: Any, layout: str = "rowwise"):
@@ -371,7 +371,7 @@ def fp8_from_wire(data: torch.Tensor, like: Any, layout: str = "rowwise"):
         if layout == "rowwise":
             return block_wire.rowwise_from_wire(data, like)
         return block_wire.columnwise_from_wire(data, like)
-    return Float8Tensor.from_parts(data.view(like._data.dtype), like._scale_inv, dtype=like.dtype)
+    return Float8Tensor.from_parts(data.view(like._fp8.dtype), like._sinv, dtype=like.dtype)
 
 
 # ---- GEMM callables (comm contract: gemm(chunk [rows, ..., K], out [rows, ..., N]) -> out) ----

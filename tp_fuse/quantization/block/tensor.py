@@ -228,12 +228,13 @@ class BlockScaledTensor(QuantizedTensor):
         return names, (self.shape, self.dtype, specs, self.recipe_name, self._quantizer, maxes)
 
     def __getattr__(self, name: str) -> Any:
-        # Flattened attribute names for __tensor_flatten__ (e.g. "_rowwise_data").
+        # Flattened attribute names for __tensor_flatten__ (e.g. "_rowwise_data"), which are
+        # also TE's attribute names: None for a copy the tensor does not hold, as in TE.
         for which in ("_rowwise", "_columnwise"):
             for part in ("data", "scale_inv", "amax"):
-                payload = self.__dict__.get(which)
-                if name == f"{which}_{part}" and payload is not None:
-                    return getattr(payload, part)
+                if name == f"{which}_{part}":
+                    payload = self.__dict__.get(which)
+                    return None if payload is None else getattr(payload, part)
         raise AttributeError(name)
 
     @staticmethod

@@ -46,7 +46,7 @@ class _UsageMixin(UsageMixin):
     def __call__(self, tensor: torch.Tensor) -> Float8Tensor:
         """Quantize ``tensor`` (differentiable, straight-through); the result keeps this
         quantizer (TE: ``quantize_`` and ``copy_`` into it re-quantize with it)."""
-        out = self.quantize(tensor, transpose=self.columnwise_usage and tensor.dim() >= 2)  # type: ignore[attr-defined]
+        out = self.quantize(tensor, transpose=self.columnwise_usage)  # type: ignore[attr-defined]
         out._quantizer = self
         return out
 

@@ -2,8 +2,8 @@
 
 A :class:`Float8Tensor` holds
 
-* ``_data``: a ``torch.float8_e4m3fn`` / ``torch.float8_e5m2`` tensor,
-* ``_scale_inv``: fp32 0-d tensor; the value represented is ``_data * _scale_inv``,
+* ``_fp8``: a ``torch.float8_e4m3fn`` / ``torch.float8_e5m2`` tensor (the bytes),
+* ``_sinv``: fp32 0-d tensor; the value represented is ``_fp8 * _sinv``,
 * a nominal shape and a nominal high-precision ``dtype`` (e.g. float32), which is
   what ``.dtype`` reports and what unsupported ops compute in.
 
@@ -47,8 +47,8 @@ _FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 
 def _dequantize_impl(t: "Float8Tensor", dtype: Optional[torch.dtype] = None) -> torch.Tensor:
-    """``_data * _scale_inv`` as a plain tensor, outside autograd."""
-    out = fp8_to_float(t._data) * t._scale_inv
+    """``_fp8 * _sinv`` as a plain tensor, outside autograd."""
+    out = fp8_to_float(t._fp8) * t._sinv
     return out.to(dtype or t.dtype)
 
 
@@ -67,12 +67,19 @@ class Float8Tensor(QuantizedTensor):
     Transformer Engine's keyword form is accepted too:
     ``Float8Tensor(shape=, dtype=, data=uint8 bytes, fp8_dtype=DType..., fp8_scale_inv=,
     data_transpose=, quantizer=, requires_grad=)``. The uint8 bytes are *viewed* as
-    ``fp8_dtype`` (no copy): ``_data`` then holds the FP8 dtype over the same memory,
-    where TE's ``_data`` stays uint8 (``t._data.view(torch.uint8)`` gives TE's view).
+    ``fp8_dtype`` (no copy).
+
+    Transformer Engine's private attributes, which TE's tests and libraries built on TE
+    read, have TE's types: ``_data`` the bytes as **uint8** ``[*shape]``, ``_scale_inv``
+    a **one-element** ``[1]`` fp32 tensor, ``_transpose`` the transposed bytes as uint8 (or
+    None when no transpose is cached). Each is a *view* of what this class computes with
+    (``_fp8`` in the FP8 dtype, ``_sinv`` 0-d), so in-place writes through them (e.g.
+    ``t._scale_inv.zero_()``) reach the tensor; assigning ``_data`` / ``_scale_inv``
+    replaces the storage (uint8 bytes are viewed as :attr:`fp8_dtype`).
     """
 
-    _data: torch.Tensor
-    _scale_inv: torch.Tensor
+    _fp8: torch.Tensor
+    _sinv: torch.Tensor
     _master: Optional[torch.Tensor]
     _quantizer: Any
     _alias: "_AliasState"
@@ -142,8 +149,8 @@ class Float8Tensor(QuantizedTensor):
             device=data.device,
             requires_grad=requires_grad,
         )
-        self._data = data
-        self._scale_inv = scale_inv if scale_inv.dim() == 0 else scale_inv.reshape(())
+        self._fp8 = data
+        self._sinv = scale_inv if scale_inv.dim() == 0 else scale_inv.reshape(())
         self._master = master
         self._quantizer = quantizer
         self._alias = _alias if _alias is not None else _AliasState()
@@ -155,11 +162,11 @@ class Float8Tensor(QuantizedTensor):
     def _seed_transpose(self, data_t: torch.Tensor) -> None:
         """Use ``data_t`` (TE's ``data_transpose``: ``[shape[-1], prod(shape[:-1])]``) as the
         transpose cache; checked against the shape :meth:`transpose_data` would make."""
-        rows = self._data.shape[:-1].numel() if self.dim() >= 1 else 1
-        expected = (self._data.shape[-1], rows) if self.dim() >= 2 else None
-        if expected is None or tuple(data_t.shape) != expected or data_t.dtype != self._data.dtype:
+        rows = self._fp8.shape[:-1].numel() if self.dim() >= 1 else 1
+        expected = (self._fp8.shape[-1], rows) if self.dim() >= 2 else None
+        if expected is None or tuple(data_t.shape) != expected or data_t.dtype != self._fp8.dtype:
             raise ValueError(
-                f"Float8Tensor data_transpose: expected {self._data.dtype} of shape {expected} (a tensor with "
+                f"Float8Tensor data_transpose: expected {self._fp8.dtype} of shape {expected} (a tensor with "
                 f">= 2 dims), got {data_t.dtype} of shape {tuple(data_t.shape)}"
             )
         key = self.transpose_cache_key()
@@ -170,7 +177,7 @@ class Float8Tensor(QuantizedTensor):
     def from_parts(
         cls, data: torch.Tensor, scale_inv: torch.Tensor, dtype: torch.dtype
     ) -> "Float8Tensor":
-        """Re-wrap FP8 bytes and their scale, e.g. after moving ``_data`` through a
+        """Re-wrap FP8 bytes and their scale, e.g. after moving ``_fp8`` through a
         collective (no master, no quantizer)."""
         return cls(data, scale_inv, dtype)
 
@@ -178,12 +185,48 @@ class Float8Tensor(QuantizedTensor):
     @property
     def fp8_dtype(self) -> torch.dtype:
         """The FP8 dtype of the stored data."""
-        return self._data.dtype
+        return self._fp8.dtype
 
     @property
     def _fp8_dtype(self) -> DType:
         """Transformer Engine's private name: :attr:`fp8_dtype` as a ``DType``."""
-        return te_dtype_of(self._data.dtype)
+        return te_dtype_of(self._fp8.dtype)
+
+    @property
+    def _data(self) -> torch.Tensor:
+        """TE's ``_data``: the FP8 bytes as uint8 (a view of ``_fp8``)."""
+        return self._fp8.view(torch.uint8)
+
+    @_data.setter
+    def _data(self, value: torch.Tensor) -> None:
+        value = _as_fp8(value, self._fp8.dtype, "_data")
+        if value.shape != self._fp8.shape or value.dtype not in _FP8_DTYPES:
+            raise ValueError(f"Float8Tensor._data: expected uint8 or FP8 bytes of shape {tuple(self._fp8.shape)}, "
+                             f"got {value.dtype} of shape {tuple(value.shape)}")
+        self._fp8 = value
+        self._transpose_cache = None
+
+    @property
+    def _scale_inv(self) -> torch.Tensor:
+        """TE's ``_scale_inv``: the dequantization scale as a ``[1]`` fp32 view of ``_sinv``."""
+        return self._sinv.view(1)
+
+    @_scale_inv.setter
+    def _scale_inv(self, value: torch.Tensor) -> None:
+        if not isinstance(value, torch.Tensor) or value.numel() != 1 or value.dtype != torch.float32:
+            raise ValueError(f"Float8Tensor._scale_inv: expected a one-element fp32 tensor, got {value!r}")
+        self._sinv = value.to(self._fp8.device).reshape(())
+
+    @property
+    def _transpose(self) -> Optional[torch.Tensor]:
+        """TE's ``_transpose``: the cached transposed bytes as uint8 in TE's shape
+        ``[shape[-1], *shape[:-1]]`` (our cache holds the same bytes as ``[shape[-1], rows]``),
+        or None (none cached, or stale after a write)."""
+        cache, key = self._transpose_cache, self.transpose_cache_key()
+        if cache is None or key is None or cache[0] != key:
+            return None
+        te_shape = (self.shape[-1], *self.shape[:-1]) if self.dim() else ()
+        return cache[1].view(torch.uint8).view(te_shape)
 
     @property
     def master(self) -> Optional[torch.Tensor]:
@@ -215,13 +258,13 @@ class Float8Tensor(QuantizedTensor):
         Cached: wgrad GEMMs need the column-wise layout of inputs and grads, and
         the same tensor is often transposed once per backward. In-place updates
         through this tensor or any alias (detach/view) invalidate the cache; so
-        does writing ``_data`` directly.
+        does writing ``_fp8`` directly.
         """
         if self.dim() < 2:
             raise ValueError(f"transpose_data: expected a tensor with >= 2 dims, got {self.dim()}")
         key = self.transpose_cache_key()
         if key is None or self._transpose_cache is None or self._transpose_cache[0] != key:
-            flat = self._data.reshape(-1, self._data.shape[-1])
+            flat = self._fp8.reshape(-1, self._fp8.shape[-1])
             transposed = flat.t().contiguous()
             if key is None:
                 return transposed
@@ -232,24 +275,24 @@ class Float8Tensor(QuantizedTensor):
         """What a cached transpose is valid for, or None when it cannot be cached.
 
         Writes made inside __torch_dispatch__ run below the ADInplaceOrView key and do
-        not bump _data's version counter, hence the alias generation as well. Inference
+        not bump _fp8's version counter, hence the alias generation as well. Inference
         tensors (made under ``torch.inference_mode``) have no version counter: their
         transpose is recomputed on every call rather than cached unchecked.
         """
-        if self._data.is_inference():
+        if self._fp8.is_inference():
             return None
-        return (self._alias.generation, self._data._version)
+        return (self._alias.generation, self._fp8._version)
 
     def transpose_fp8(self) -> "Float8Tensor":
         """:meth:`transpose_data` as a Float8Tensor (same scale), e.g. for
         ``fp8_gemm`` in wgrad: ``dW = fp8_gemm(dy.transpose_fp8(), x.transpose_fp8())``."""
-        return Float8Tensor(self.transpose_data(), self._scale_inv, self.dtype)
+        return Float8Tensor(self.transpose_data(), self._sinv, self.dtype)
 
     # Makes this a "traceable" wrapper subclass: nn.Module._apply (module.to(),
     # .double(), .cuda()) then swaps FP8 parameters as a whole instead of
     # overwriting the wrapper's metadata through ``param.data = ...``.
     def __tensor_flatten__(self) -> tuple[list[str], tuple[torch.dtype, Any]]:
-        names = ["_data", "_scale_inv"] + (["_master"] if self._master is not None else [])
+        names = ["_fp8", "_sinv"] + (["_master"] if self._master is not None else [])
         return names, (self.dtype, self._quantizer)
 
     @staticmethod
@@ -258,12 +301,12 @@ class Float8Tensor(QuantizedTensor):
     ) -> "Float8Tensor":
         dtype, quantizer = ctx
         return Float8Tensor(
-            inner["_data"], inner["_scale_inv"], dtype, master=inner.get("_master"), quantizer=quantizer
+            inner["_fp8"], inner["_sinv"], dtype, master=inner.get("_master"), quantizer=quantizer
         )
 
     def __repr__(self, *, tensor_contents: Any = None) -> str:  # noqa: D105
         return (
-            f"Float8Tensor(fp8_dtype={self.fp8_dtype}, scale_inv={self._scale_inv.item():.6g}, "
+            f"Float8Tensor(fp8_dtype={self.fp8_dtype}, scale_inv={self._sinv.item():.6g}, "
             f"dtype={self.dtype}, data={_dequantize_impl(self)!r})"
         )
 
@@ -309,12 +352,12 @@ class Float8Tensor(QuantizedTensor):
             if overwrite and rescale is not None:
                 rescale(value.detach())
             q = self._quantizer.quantize(value.detach())
-            self._data.copy_(q._data)
-            self._scale_inv.copy_(q._scale_inv)
+            self._fp8.copy_(q._fp8)
+            self._sinv.copy_(q._sinv)
             return
         fp8_max = float(torch.finfo(self.fp8_dtype).max)
-        scaled = value.detach().to(torch.float32) / self._scale_inv
-        self._data.copy_(scaled.clamp(-fp8_max, fp8_max).to(self.fp8_dtype))
+        scaled = value.detach().to(torch.float32) / self._sinv
+        self._fp8.copy_(scaled.clamp(-fp8_max, fp8_max).to(self.fp8_dtype))
 
 
 def _as_fp8(data: torch.Tensor, fp8_dtype: Any, what: str) -> torch.Tensor:
@@ -364,8 +407,8 @@ def _inplace(func: Any, args: tuple, kwargs: dict, overwrite: bool = False) -> A
 def _detach(self: Float8Tensor) -> Float8Tensor:
     # Keeps master and quantizer: nn.Parameter(float8_tensor) is built by detach().
     return Float8Tensor(
-        self._data.detach(),
-        self._scale_inv,
+        self._fp8.detach(),
+        self._sinv,
         self.dtype,
         master=self._master,
         quantizer=self._quantizer,
@@ -392,11 +435,11 @@ def _fp8_view(func: Any, args: tuple, kwargs: dict) -> Any:
     preserved: ``f[0].zero_()`` writes into ``f``'s bytes, as on a plain tensor.
     """
     self = args[0]
-    out = func(self._data, *args[1:], **kwargs)
+    out = func(self._fp8, *args[1:], **kwargs)
 
     def wrap(t: Any) -> Any:
         if isinstance(t, torch.Tensor):
-            return Float8Tensor(t, self._scale_inv, self.dtype, _alias=self._alias)
+            return Float8Tensor(t, self._sinv, self.dtype, _alias=self._alias)
         return t
 
     return tree_map(wrap, out)
@@ -404,12 +447,12 @@ def _fp8_view(func: Any, args: tuple, kwargs: dict) -> Any:
 
 def _view(self: Float8Tensor, size: Any) -> Float8Tensor:
     # _unsafe_view is not declared as aliasing but is a view of contiguous data.
-    return Float8Tensor(self._data.view(size), self._scale_inv, self.dtype, _alias=self._alias)
+    return Float8Tensor(self._fp8.view(size), self._sinv, self.dtype, _alias=self._alias)
 
 
 def _clone(self: Float8Tensor, *, memory_format: Any = None) -> Float8Tensor:
-    data = self._data.clone() if memory_format is None else self._data.clone(memory_format=memory_format)
-    return Float8Tensor(data, self._scale_inv.clone(), self.dtype)
+    data = self._fp8.clone() if memory_format is None else self._fp8.clone(memory_format=memory_format)
+    return Float8Tensor(data, self._sinv.clone(), self.dtype)
 
 
 def _copy_(self: Any, src: Any, non_blocking: bool = False) -> Any:
@@ -443,8 +486,8 @@ def _to_copy(self: Float8Tensor, **kwargs: Any) -> torch.Tensor:
             f"FP8 parameter conversion: expected a high-precision float dtype, got {dtype}"
         )
     return Float8Tensor(
-        self._data.to(device),
-        self._scale_inv.to(device),
+        self._fp8.to(device),
+        self._sinv.to(device),
         dtype,
         master=self._master.to(device=device, dtype=dtype),
         quantizer=self._quantizer,
