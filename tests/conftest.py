@@ -32,6 +32,7 @@ SLOW_MODULES = frozenset({
     "test_compile_tp_overlap",
     "test_cuda_readiness",
     "test_debug_api",
+    "test_dist_utils",
     "test_documented_commands",
     "test_fp8_amax_reduction",
     "test_fp8_stats_fused",

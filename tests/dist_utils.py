@@ -26,21 +26,33 @@ Rules of the game:
 * Nothing hangs forever: after ``timeout`` seconds the ranks are killed and a
   ``DistributedTestError`` names the ranks that did not finish. The same
   timeout bounds each collective inside the ranks.
+* A rank that dies without reporting (``os._exit``, a segfault, an abort, the
+  out-of-memory killer's SIGKILL) fails the run at once, not at the timeout: its
+  peers may be blocked on it in a store wait (``new_group``, a mesh) that only the
+  timeout ends. The error names the rank, its exit code or signal, and the end of
+  what it printed.
+* Each rank's stdout and stderr (file descriptors 1 and 2) go to files in the
+  temporary directory, copied to the caller's ``sys.stdout``/``sys.stderr`` when
+  the run ends (pytest shows them with the test); ``faulthandler`` is on in the
+  ranks, so a crash prints the Python stacks there.
 * Each rank uses one intra-op thread (tests share small CI machines).
 """
 
 from __future__ import annotations
 
+import faulthandler
 import gc
 import os
 import pickle
-import queue
 import shutil
+import signal
 import sys
 import tempfile
 import time
 import traceback
 from datetime import timedelta
+from multiprocessing.connection import Connection
+from multiprocessing.connection import wait as wait_for
 from typing import Any, Callable, Optional
 
 import pytest
@@ -51,10 +63,34 @@ __all__ = ["run_distributed", "DistributedTestError"]
 # Time left to the other ranks to report after one has failed (they are usually
 # blocked in a collective with the dead rank and will not finish).
 _GRACE_AFTER_FAILURE_S = 3.0
+# Longest wait between two checks of the deadline (results and deaths wake the loop at once).
+_POLL_S = 0.5
+# How much of a dead rank's output its error message quotes (the whole output is replayed).
+_TAIL_LINES = 40
+_TAIL_CHARS = 6000
 
 
 class DistributedTestError(RuntimeError):
     """A rank raised, crashed, or the run timed out. The message has the details."""
+
+
+def _log_paths(tmpdir: str, rank: int) -> tuple[str, str]:
+    return os.path.join(tmpdir, f"rank{rank}.stdout"), os.path.join(tmpdir, f"rank{rank}.stderr")
+
+
+def _redirect_output(out_path: str, err_path: str) -> None:
+    """Send this process's fds 1 and 2 (Python, C++ and gloo output alike) to files."""
+    for stream in (sys.stdout, sys.stderr):
+        if stream is not None:
+            stream.flush()
+    for fd, path in ((1, out_path), (2, err_path)):
+        target = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        os.dup2(target, fd)
+        os.close(target)
+    if hasattr(sys.stdout, "reconfigure"):
+        # Lines printed just before an os._exit or a crash reach the file.
+        sys.stdout.reconfigure(line_buffering=True)
+    faulthandler.enable(file=sys.stderr, all_threads=True)
 
 
 def _worker(
@@ -64,10 +100,12 @@ def _worker(
     backend: str,
     timeout: float,
     payload: bytes,
-    results: Any,
+    conn: Connection,
+    log_paths: tuple[str, str],
 ) -> None:
     """Entry point of one rank: init the group, run fn, report, tear down."""
     try:
+        _redirect_output(*log_paths)
         import torch
         import torch.distributed as dist
 
@@ -87,15 +125,41 @@ def _worker(
             value = fn(rank, world_size, *args)
         finally:
             dist.destroy_process_group()
-        results.put((rank, "ok", pickle.dumps(value)))
+        conn.send_bytes(pickle.dumps(("ok", pickle.dumps(value))))
     except BaseException:  # noqa: BLE001 - everything must reach the parent
-        results.put((rank, "error", traceback.format_exc()))
+        conn.send_bytes(pickle.dumps(("error", traceback.format_exc())))
     finally:
+        conn.close()
         # Subgroups held in reference cycles would otherwise be freed by the interpreter's
         # final collection, where a gloo worker thread that still needs the GIL aborts the
         # process ("terminate called without an active exception"); see
         # launch/runtime.py:_free_process_groups_before_finalization.
         gc.collect()
+
+
+def _exit_description(exitcode: int) -> str:
+    """``"exited with code 3"`` / ``"was killed by SIGKILL (exit code -9)"``."""
+    if exitcode < 0:
+        try:
+            name = signal.Signals(-exitcode).name
+        except ValueError:
+            name = f"signal {-exitcode}"
+        return f"was killed by {name} (exit code {exitcode})"
+    return f"exited with code {exitcode}"
+
+
+def _read_log(path: str) -> str:
+    try:
+        with open(path, "rb") as f:
+            return f.read().decode(errors="replace")
+    except OSError:
+        return ""
+
+
+def _tail(text: str) -> str:
+    lines = text.rstrip("\n").splitlines()
+    tail = "\n".join(lines[-_TAIL_LINES:])[-_TAIL_CHARS:]
+    return tail if len(tail) == len(text.rstrip("\n")) else "[...]\n" + tail
 
 
 def run_distributed(
@@ -126,47 +190,90 @@ def run_distributed(
     tmpdir = tempfile.mkdtemp(prefix="tp_fuse_dist_")
     init_method = "file://" + os.path.join(tmpdir, "rendezvous")
     ctx = mp.get_context("spawn")
-    results = ctx.Queue()
+    # One pipe per rank: a rank that dies in the middle of a report gives EOF on its own
+    # pipe (a shared queue would leave the reader blocked on the partial message).
+    pipes = [ctx.Pipe(duplex=False) for _ in range(world_size)]
     procs = [
         ctx.Process(
             target=_worker,
-            args=(rank, world_size, init_method, backend, timeout, payload, results),
+            args=(rank, world_size, init_method, backend, timeout, payload, pipes[rank][1],
+                  _log_paths(tmpdir, rank)),
             daemon=True,
         )
         for rank in range(world_size)
     ]
     values: dict[int, Any] = {}
     errors: dict[int, str] = {}
+    dead: dict[int, int] = {}  # rank -> exit code, for ranks that died without reporting
+    outputs: list[tuple[str, str]] = []
     deadline = time.monotonic() + timeout
+
+    def collect(rank: int) -> bool:
+        """Take rank's report if there is one, or note that it died without one. True: done with it."""
+        reader = pipes[rank][0]
+        try:
+            if reader.poll():  # a report, or EOF
+                status, body = pickle.loads(reader.recv_bytes())
+                if status == "ok":
+                    values[rank] = pickle.loads(body)
+                else:
+                    errors[rank] = body
+                return True
+        except (EOFError, OSError):
+            pass  # the pipe closed without a (complete) report
+        # Its pipe closed or its process ended: give the exit a moment to complete.
+        procs[rank].join(timeout=_POLL_S)
+        exitcode = procs[rank].exitcode
+        if exitcode is None:
+            return False
+        dead[rank] = exitcode
+        return True
+
     try:
-        for p in procs:
+        for p, (_, writer) in zip(procs, pipes):
             p.start()
-        while len(values) + len(errors) < world_size:
+            writer.close()  # the rank holds the only write end: EOF when it is gone
+        pending = set(range(world_size))
+        while pending:
             now = time.monotonic()
             if now >= deadline:
                 break
-            try:
-                rank, status, body = results.get(timeout=min(0.2, deadline - now))
-            except queue.Empty:
-                # A rank that died without reporting (segfault, os._exit) never will.
-                for rank, p in enumerate(procs):
-                    reported = rank in values or rank in errors
-                    if not reported and p.exitcode is not None:
-                        errors[rank] = f"rank {rank} exited with code {p.exitcode} without reporting"
-                continue
-            if status == "ok":
-                values[rank] = pickle.loads(body)
-            else:
-                errors[rank] = body
-                deadline = min(deadline, time.monotonic() + _GRACE_AFTER_FAILURE_S)
+            watch = {pipes[r][0]: r for r in pending}
+            watch.update({procs[r].sentinel: r for r in pending})
+            ready = wait_for(list(watch), timeout=min(_POLL_S, deadline - now))
+            for rank in sorted({watch[obj] for obj in ready}):
+                if collect(rank):
+                    pending.discard(rank)
+                    if rank in errors or rank in dead:
+                        deadline = min(deadline, time.monotonic() + _GRACE_AFTER_FAILURE_S)
     finally:
         for p in procs:
             if p.is_alive():
                 p.kill()
         for p in procs:
-            p.join(timeout=5)
-        results.close()
+            if p.pid is not None:  # started
+                p.join(timeout=5)
+        for reader, writer in pipes:
+            reader.close()
+            writer.close()
+        outputs = [tuple(_read_log(path) for path in _log_paths(tmpdir, rank)) for rank in range(world_size)]
         shutil.rmtree(tmpdir, ignore_errors=True)
+        # What the ranks printed, where it went before the ranks wrote to files.
+        for out, err in outputs:
+            if out:
+                sys.stdout.write(out)
+            if err:
+                sys.stderr.write(err)
+        sys.stdout.flush()
+        sys.stderr.flush()
+    for rank, exitcode in dead.items():
+        msg = f"rank {rank} {_exit_description(exitcode)} without reporting a result"
+        if exitcode == -signal.SIGKILL:
+            msg += " (the kernel's out-of-memory killer sends SIGKILL: see dmesg)"
+        for name, text in zip(("stdout", "stderr"), outputs[rank] if outputs else ("", "")):
+            if text.strip():
+                msg += f"\n{name} of rank {rank}:\n{_tail(text)}"
+        errors[rank] = msg
     if errors:
         parts = [f"--- rank {r} ---\n{errors[r]}" for r in sorted(errors)]
         silent = [r for r in range(world_size) if r not in errors and r not in values]
