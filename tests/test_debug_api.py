@@ -197,8 +197,9 @@ def test_fake_quant_feeds_the_gemm_fake_quantized_values(data):
         "gemms_struct": [{"gemm": "fprop", "tensors": ["activation"]}], "quant_format": "FP8E4M3"}})).attach(model)
     y, dx, dw = _run(model, x, g, DelayedScaling())  # FakeQuant turns FP8 off for fprop
     w = next(model.parameters()).detach()
-    scale = 448.0 / float(x.abs().max())
-    xq = (x * scale).clamp(-448, 448).to(torch.float8_e4m3fn).float() / scale
+    scale = torch.tensor(448.0 / float(x.abs().max()), dtype=torch.float32)
+    # Dequantized as TE's quantize/dequantize does it: times 1/scale (fp32).
+    xq = (x * scale).clamp(-448, 448).to(torch.float8_e4m3fn).float() * torch.reciprocal(scale)
     assert torch.equal(y, xq @ w.t())
     assert not torch.equal(y, x @ w.t())
 

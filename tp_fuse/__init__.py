@@ -2,10 +2,12 @@
 
 ``import tp_fuse as te`` gives the operation-fuser API under ``te.ops`` and the
 FP8 entry points ``te.autocast``, ``te.quantized_model_init`` and
-``te.recipe``, with Transformer Engine's names.
+``te.recipe``, with Transformer Engine's names, and TE's module classes ``te.Linear``, ``te.LayerNormLinear``
+and ``te.LayerNormMLP``
+(``tp_fuse.module``).
 """
 
-from . import constants, module, ops, recipe, utils
+from . import constants, cpp_extensions, module, ops, recipe, utils
 from .availability import (
     is_bf16_available,
     is_fp8_available,
@@ -14,6 +16,7 @@ from .availability import (
     is_nvfp4_available,
 )
 from .distributed import checkpoint
+from .module import LayerNormLinear, LayerNormMLP, Linear
 from .ops.explain import explain
 from .utils import get_device_compute_capability
 from .quantization import (
@@ -40,6 +43,9 @@ __all__ = [
     "Float8Quantizer",
     "Float8BlockwiseQTensor",
     "Float8Tensor",
+    "LayerNormLinear",
+    "LayerNormMLP",
+    "Linear",
     "MXFP8Tensor",
     "NVFP4Quantizer",
     "MXFP8Quantizer",
@@ -50,6 +56,7 @@ __all__ = [
     "QuantizerRole",
     "autocast",
     "checkpoint",
+    "cpp_extensions",
     "explain",
     "get_device_compute_capability",
     "is_bf16_available",

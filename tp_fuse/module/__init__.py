@@ -1,9 +1,25 @@
-"""Transformer Engine's ``transformer_engine.pytorch.module`` path, for the names TE users
-reach through it: ``tp_fuse.module.base.initialize_ub`` / ``destroy_ub`` /
-``UserBufferQuantizationMode`` (implemented in ``tp_fuse.overlap.userbuffers_setup``).
-tp_fuse's layers are ``tp_fuse.ops`` and ``tp_fuse.layers``; TE's module classes
-(``te.Linear``, ``te.LayerNormMLP``...) are not here."""
+"""Transformer Engine's ``transformer_engine.pytorch.module``: TE's ``torch.nn.Module``
+layers built on ``tp_fuse.ops``, and the userbuffers setup under TE's module path.
+
+* :class:`Linear` (``te.Linear``): one ``ops.Sequential(BasicLinear, Bias)`` with TE's
+  constructor, parameter names (``weight``, ``bias``), ``forward(inp, is_first_microbatch)``
+  and debug ``name``.
+* :class:`LayerNormLinear` (``te.LayerNormLinear``): norm + Linear, parameters
+  ``layer_norm_weight``/``layer_norm_bias``/``weight``/``bias``.
+* :class:`LayerNormMLP` (``te.LayerNormMLP``): norm, fc1, activation, fc2; parameters
+  ``layer_norm_*``, ``fc1_weight``/``fc1_bias``/``fc2_weight``/``fc2_bias``; debug names
+  ``<name>.fc1`` / ``<name>.fc2``.
+* ``tp_fuse.module.base.initialize_ub`` / ``destroy_ub`` / ``UserBufferQuantizationMode``
+  (implemented in ``tp_fuse.overlap.userbuffers_setup``).
+
+TE arguments tp_fuse does not implement raise ``ValueError`` naming the argument.
+``MultiheadAttention`` and ``TransformerLayer`` are not here (``tp_fuse.layers`` has
+tp_fuse's own transformer layers).
+"""
 
 from . import base
+from .layernorm_linear import LayerNormLinear
+from .layernorm_mlp import LayerNormMLP
+from .linear import Linear
 
-__all__ = ["base"]
+__all__ = ["LayerNormLinear", "LayerNormMLP", "Linear", "base"]

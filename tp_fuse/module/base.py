@@ -14,6 +14,13 @@ from ..overlap.userbuffers_setup import (
     using_cublasmp_backend,
 )
 
+#: TE's FP8 GEMM accumulation choices per GEMM (``use_split_accumulator`` of
+#: ``cpp_extensions.general_gemm``): TE's values. tp_fuse's FP8 GEMMs accumulate in FP32
+#: either way (see ``tp_fuse.cpp_extensions.general_gemm``).
+_2X_ACC_FPROP = False
+_2X_ACC_DGRAD = True
+_2X_ACC_WGRAD = True
+
 __all__ = [
     "UserBufferQuantizationMode",
     "destroy_ub",

@@ -32,7 +32,18 @@ from .quantizer import (
     make_quantizer,
 )
 
+from .scaling import delayed_scale as _delayed_scale
+
 QUANTIZED_TENSOR_TYPES = (Float8Tensor, BlockScaledTensor)
+
+
+def _default_sf_compute(amax: "torch.Tensor", scale: "torch.Tensor", fp8_max: float, margin: int) -> "torch.Tensor":
+    """Transformer Engine's delayed-scaling scale update under its name: ``(fp8_max / amax)
+    / 2**margin`` where amax is finite and > 0, else the old ``scale``; written into
+    ``scale`` (as TE does) and returned. tp_fuse's own function is ``scaling.delayed_scale``."""
+    new = _delayed_scale(amax, scale, fp8_max, margin)
+    scale.copy_(new.reshape(scale.shape).to(scale.dtype))
+    return scale
 
 
 def is_quantized_tensor(t: object) -> bool:

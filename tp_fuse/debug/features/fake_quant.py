@@ -163,4 +163,5 @@ class FakeQuant(DebugFeature):
         x = tensor.detach().to(torch.float32)
         scale = scaling.current_scale(x.abs().amax(), fp8_max) / (2.0 ** int(config.get("margin", 0)))
         q = (x * scale).clamp(-fp8_max, fp8_max).to(dtype)
-        return (q.to(torch.float32) / scale).to(tensor.dtype)
+        # Dequantized as a Float8Tensor is (and TE's quantize/dequantize): times 1/scale.
+        return (q.to(torch.float32) * torch.reciprocal(scale)).to(tensor.dtype)

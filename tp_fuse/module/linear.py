@@ -1,0 +1,164 @@
+"""``Linear``: Transformer Engine's ``transformer_engine.pytorch.Linear`` module on tp_fuse's ops."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, Optional, Union
+
+import torch
+
+from ..ops.basic.basic_linear import BasicLinear
+from ..ops.basic.bias import Bias
+from ..ops.sequential import Sequential
+from ._ops_module import OpsModule, check_common_args, init_fn, refuse_unless, set_megatron_attrs
+
+__all__ = ["Linear"]
+
+
+def linear_ops(cls: str, in_features: int, out_features: int, *, bias: bool, apply_bias: bool,
+               device: Any, dtype: torch.dtype, init: Callable, parallel_mode: Optional[str],
+               tp_group: Any, tp_size: int, sequence_parallel: bool, fuse_wgrad_accumulation: bool,
+               ) -> tuple[list[torch.nn.Module], BasicLinear, Optional[Bias], torch.Tensor]:
+    """The ops of one TE GEMM layer, ``[BasicLinear, Bias?]``; the fuser expands the
+    BasicLinear into its collectives: ``[AllGather?, BasicLinear, Bias?]`` (column) or
+    ``[BasicLinear, AllReduce|ReduceScatter, Bias?]`` (row: the bias after the reduction, as
+    TE's ``Linear`` adds it). Also returns the bias tensor: the Bias op's parameter; with
+    ``return_bias`` a parameter of no op (the caller adds it); without a bias TE's empty tensor."""
+    refuse_unless(cls, "parallel_mode", parallel_mode in (None, "column", "row"), parallel_mode,
+                  "None, 'column' or 'row'")
+    tp_mode = parallel_mode if tp_size > 1 else None
+    linear = BasicLinear(
+        in_features, out_features, device=device, dtype=dtype, init_method=init,
+        accumulate_into_main_grad=fuse_wgrad_accumulation, tensor_parallel_mode=tp_mode,
+        tensor_parallel_group=tp_group if tp_mode is not None else None,
+        sequence_parallel=bool(sequence_parallel) and tp_mode is not None,
+    )
+    ops: list[torch.nn.Module] = [linear]
+    bias_op: Optional[Bias] = None
+    # Column parallel: the bias is sharded with the output; row: full width, after the reduction.
+    size = linear.out_features
+    if apply_bias:
+        bias_op = Bias(size, device=device, dtype=dtype)
+        ops.append(bias_op)
+        bias_tensor: torch.Tensor = bias_op.bias
+    elif bias:
+        bias_tensor = torch.nn.Parameter(torch.zeros(size, device=device, dtype=dtype))
+    else:
+        bias_tensor = torch.empty(0, device=device, dtype=dtype)
+    return ops, linear, bias_op, bias_tensor
+
+
+class Linear(OpsModule):
+    """``y = x W^T + b`` with Transformer Engine's ``Linear`` constructor, parameter names
+    (``weight``, ``bias``) and forward (``forward(inp, is_first_microbatch=None)``); FP8 under
+    ``tp_fuse.autocast`` / ``fp8_autocast``.
+
+    Inside: one ``tp_fuse.ops.Sequential(BasicLinear, Bias?)``, run as
+    ``[AllGather?, BasicLinear, Bias?]`` (column) or ``[BasicLinear, AllReduce|ReduceScatter,
+    Bias?]`` (row) (see :mod:`tp_fuse.module._ops_module` for how TE's parameter names map onto the ops).
+
+    Arguments as in TE: ``in_features``, ``out_features`` (global sizes; ``parallel_mode``
+    ``"column"`` splits ``out_features``, ``"row"`` ``in_features`` over ``tp_group``),
+    ``bias``, ``return_bias`` (``forward`` returns ``(y, bias)`` and adds no bias),
+    ``init_method`` (default ``normal_(0, 0.023)``, TE's), ``get_rng_state_tracker`` /
+    ``rng_tracker_name``, ``params_dtype``, ``device`` (None: torch's default device; TE's
+    default is ``"cuda"``), ``name`` (the debug layer name: the GEMM joins nvdlfw-inspect's
+    debug API under it, as ``ops.BasicLinear``'s ``name`` does), ``tp_group`` / ``tp_size``,
+    ``sequence_parallel`` (with a TP size above 1, as in TE), ``fuse_wgrad_accumulation``
+    (dW into ``weight.main_grad``). Row parallel adds the bias after the reduction (TE's
+    ``Linear``; under sequence parallelism the bias carries ``sequence_parallel=True``).
+
+    Refused (ValueError naming the argument): ``parameters_split``, ``delay_wgrad_compute``,
+    ``symmetric_ar_type``, the ``ub_*`` overlap flags (use ``tp_fuse.ops`` with overlap),
+    ``save_original_input=True``, ``tp_size > 1`` without ``tp_group``, and ``fp8_output`` /
+    ``fp8_grad`` in ``forward``. ``is_first_microbatch`` is accepted: TE caches the first
+    micro-batch's FP8 weight; tp_fuse quantizes it at each call (same values while the weight
+    is unchanged).
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        sequence_parallel: bool = False,
+        fuse_wgrad_accumulation: bool = False,
+        tp_group: Optional[Any] = None,
+        tp_size: int = 1,
+        get_rng_state_tracker: Optional[Callable] = None,
+        rng_tracker_name: Optional[str] = None,
+        init_method: Optional[Callable] = None,
+        bias: bool = True,
+        return_bias: bool = False,
+        params_dtype: Optional[torch.dtype] = None,
+        parallel_mode: Optional[str] = None,
+        parameters_split: Optional[Union[tuple[str, ...], dict[str, int]]] = None,
+        device: Optional[Union[torch.device, str]] = None,
+        ub_overlap_ag: bool = False,
+        ub_overlap_rs: bool = False,
+        ub_overlap_rs_dgrad: bool = False,
+        ub_bulk_dgrad: bool = False,
+        ub_bulk_wgrad: bool = False,
+        ub_name: Optional[str] = None,
+        delay_wgrad_compute: bool = False,
+        symmetric_ar_type: Optional[str] = None,
+        save_original_input: bool = False,
+        name: Optional[str] = None,
+    ) -> None:
+        super().__init__(name)
+        cls = "Linear"
+        tp = check_common_args(
+            cls, sequence_parallel=sequence_parallel, tp_group=tp_group, tp_size=tp_size,
+            get_rng_state_tracker=get_rng_state_tracker, rng_tracker_name=rng_tracker_name,
+            parameters_split=parameters_split, delay_wgrad_compute=delay_wgrad_compute,
+            symmetric_ar_type=symmetric_ar_type, device=device, params_dtype=params_dtype,
+            return_bias=return_bias, bias=bias, fuse_wgrad_accumulation=fuse_wgrad_accumulation,
+            ub=dict(ub_overlap_ag=ub_overlap_ag, ub_overlap_rs=ub_overlap_rs,
+                    ub_overlap_rs_dgrad=ub_overlap_rs_dgrad, ub_bulk_dgrad=ub_bulk_dgrad,
+                    ub_bulk_wgrad=ub_bulk_wgrad),
+        )
+        refuse_unless(cls, "save_original_input", save_original_input is False, save_original_input,
+                      "False: the backward keeps the (quantized) input the GEMM used")
+        dtype = params_dtype or torch.get_default_dtype()
+        self.in_features, self.out_features = in_features, out_features
+        self.use_bias = bias
+        self.return_bias = return_bias
+        self.apply_bias = bias and not return_bias
+        self.parallel_mode = parallel_mode
+        self.tp_group = tp_group
+        self.tp_size = tp
+        self.sequence_parallel = tp > 1 and sequence_parallel
+        self.fuse_wgrad_accumulation = fuse_wgrad_accumulation
+        self.ub_name = ub_name
+        ops, linear, bias_op, bias_tensor = linear_ops(
+            cls, in_features, out_features, bias=bias, apply_bias=self.apply_bias, device=device,
+            dtype=dtype, init=init_fn(init_method, get_rng_state_tracker, rng_tracker_name),
+            parallel_mode=parallel_mode, tp_group=tp_group, tp_size=tp,
+            sequence_parallel=sequence_parallel, fuse_wgrad_accumulation=fuse_wgrad_accumulation,
+        )
+        # TE's Linear: in/out_features are the local sizes after construction.
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        params: dict[str, tuple[torch.nn.Module, str]] = {"weight": (linear, "weight")}
+        if bias_op is not None:
+            params["bias"] = (bias_op, "bias")
+        self._bind(Sequential(*ops), params, {"": linear})
+        if bias_op is None:
+            # return_bias: a parameter the caller adds; no bias: TE's empty tensor attribute.
+            self.bias = bias_tensor
+        parallel = parallel_mode is not None
+        set_megatron_attrs(self.weight, parallel, 1 if parallel_mode == "row" else 0)
+        if isinstance(self.bias, torch.nn.Parameter):
+            if parallel_mode == "row":
+                self.bias.sequence_parallel = self.sequence_parallel
+            else:
+                set_megatron_attrs(self.bias, parallel, 0)
+
+    def forward(self, inp: torch.Tensor, is_first_microbatch: Optional[bool] = None,
+                fp8_output: Optional[bool] = False, fp8_grad: Optional[bool] = False):
+        """``y = inp W^T + b`` (``(y, bias)`` with ``return_bias``). ``fp8_output`` /
+        ``fp8_grad`` (TE's FP8 tensors between modules) are refused."""
+        refuse_unless("Linear.forward", "fp8_output", not fp8_output, fp8_output, "False")
+        refuse_unless("Linear.forward", "fp8_grad", not fp8_grad, fp8_grad, "False")
+        out = self._run(inp, is_first_microbatch)
+        if self.return_bias:
+            return out, self.bias.to(out.dtype)
+        return out
