@@ -539,7 +539,8 @@ def validate(cfg: TrainConfig, world_size: int) -> ParallelLayout:
               f"parallel.tp ({tp}) must divide model.num_query_groups ({gpt.kv_groups}) (num_key_value_heads in "
               f"{cfg.model.path}/config.json): every rank needs whole key/value heads; use a parallel.tp "
               f"that divides {gpt.kv_groups}")
-        dataclasses.replace(gpt, vocab_size=tp).validate(tp)
+        # alibi: Bloom's ALiBi, built by transformers (tp-fuse's own models refuse it).
+        dataclasses.replace(gpt, vocab_size=tp).validate(tp, alibi=True)
     else:
         gpt.validate(tp)  # tp vs heads, query groups, hidden, ffn, vocab -- names the field
 

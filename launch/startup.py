@@ -72,6 +72,18 @@ def _fmt_params(n: int) -> str:
     return short if short == f"{n:,}" else f"{short} (exactly {n:,})"
 
 
+def model_flops_per_token(cfg: TrainConfig) -> float:
+    """The FLOP/token of the MFU line (``flops_per_token``); for ``+model=hf`` with the
+    attention head width the model has (config.json's ``head_dim``: Gemma, Qwen3), which
+    need not be hidden / heads."""
+    head_dim = None
+    if cfg.model.name == "hf":
+        from .models.hf import attention_head_dim
+
+        head_dim = attention_head_dim(cfg.model.path)
+    return flops_per_token(cfg.model.gpt, cfg.seq_len, head_dim)
+
+
 def announce(cfg: TrainConfig, rt: Runtime, model: torch.nn.Module, loader: BatchLoader,
              start_step: int, wandb_line: Optional[str], tokenizer: Any = None) -> StepMeter:
     """Print the start-of-run report on rank 0 (collectives on every rank); the step meter."""
@@ -82,7 +94,7 @@ def announce(cfg: TrainConfig, rt: Runtime, model: torch.nn.Module, loader: Batc
                             user_peak=cfg.trainer.peak_flops,
                             ranks_on_machine=int(os.environ.get("LOCAL_WORLD_SIZE", rt.layout.world_size)),
                             local_rank=int(os.environ.get("LOCAL_RANK", rt.rank)))
-    fpt = flops_per_token(cfg.model.gpt, cfg.seq_len)
+    fpt = model_flops_per_token(cfg)
     tokens_per_step = cfg.trainer.global_batch_size * cfg.seq_len
     if rt.is_rank0:
         print("[tp-fuse] resolved config:\n" + yaml.safe_dump(cfg.to_dict(), sort_keys=False).rstrip(),
@@ -97,7 +109,7 @@ def announce(cfg: TrainConfig, rt: Runtime, model: torch.nn.Module, loader: Batc
             f"(trainer.val_tokens={cfg.trainer.val_tokens}, validation split {loader.data.val.numel():,} tokens), "
             "the same for every layout")
         say(f"MFU = tokens/s x {fpt / 1e6:.2f} MFLOP/token / peak; FLOP/token = 6 x GEMM weights "
-            "(L x (qkv+proj+fc1+fc2) + vocab x hidden) + 12 x L x hidden x seq_len; "
+            "(L x (qkv+proj+fc1+fc2) + vocab x hidden) + 12 x L x heads x head_dim x seq_len; "
             f"peak = {peak.source}")
         if cfg.model.name == "hf":
             from .models.hf import moe_note

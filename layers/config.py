@@ -24,7 +24,10 @@ class GPTConfig:
     ffn_hidden_size: Optional[int] = None  # None: 4 * hidden (GELU) or 8/3 * hidden rounded (SwiGLU)
     activation: Literal["gelu", "swiglu"] = "gelu"
     normalization: Literal["LayerNorm", "RMSNorm"] = "LayerNorm"
-    position_embedding: Literal["learned", "rope"] = "learned"
+    #: ``"alibi"`` (a per-head bias on the attention scores, no position table) describes a
+    #: Hugging Face model built by transformers (``+model=hf``: Bloom); tp-fuse's own models
+    #: implement ``"learned"`` and ``"rope"`` (:meth:`validate` refuses ``"alibi"`` for them).
+    position_embedding: Literal["learned", "rope", "alibi"] = "learned"
     rope_theta: float = 10000.0
     tie_embeddings: bool = True
     bias: bool = True
@@ -49,8 +52,11 @@ class GPTConfig:
             return 64 * ((8 * self.hidden_size // 3 + 63) // 64)
         return 4 * self.hidden_size
 
-    def validate(self, tp_size: int = 1) -> None:
-        """Raise ValueError naming the field for an inconsistent configuration."""
+    def validate(self, tp_size: int = 1, *, alibi: bool = False) -> None:
+        """Raise ValueError naming the field for an inconsistent configuration.
+
+        ``alibi``: accept ``position_embedding="alibi"`` (only for sizes describing a model
+        that transformers builds, ``+model=hf``; tp-fuse's GPT has no ALiBi)."""
         def need(cond: bool, msg: str) -> None:
             if not cond:
                 raise ValueError(msg)
@@ -65,8 +71,11 @@ class GPTConfig:
         need(self.activation in ("gelu", "swiglu"), f"model.activation must be 'gelu' or 'swiglu', got {self.activation!r}")
         need(self.normalization in ("LayerNorm", "RMSNorm"),
              f"model.normalization must be 'LayerNorm' or 'RMSNorm', got {self.normalization!r}")
-        need(self.position_embedding in ("learned", "rope"),
-             f"model.position_embedding must be 'learned' or 'rope', got {self.position_embedding!r}")
+        positions = ("learned", "rope", "alibi") if alibi else ("learned", "rope")
+        need(self.position_embedding in positions,
+             f"model.position_embedding must be 'learned' or 'rope', got {self.position_embedding!r}"
+             + (" (ALiBi is read from a Hugging Face Bloom config.json by +model=hf only)"
+                if self.position_embedding == "alibi" else ""))
         if self.position_embedding == "rope":
             need(self.head_dim % 2 == 0, f"RoPE needs an even head dimension, got {self.head_dim}")
         for name, value in (("num_heads", self.num_heads), ("num_query_groups", self.kv_groups),

@@ -163,10 +163,13 @@ def _torchrun_tp2_matches_tp1(tmp_path, model_dir: str, expected_lines: list[str
 
 #: Tiny configs of the families +model=hf takes beyond the first eight: config class, model
 #: class, fields. Each sets the feature that needs the family's own handling so that the
-#: run exercises it: tied embeddings (gemma, cohere, opt, starcoder2), logit soft-capping
-#: (gemma2), parallel attention/MLP blocks (cohere, phi, gptj, stablelm), Granite's
-#: multipliers, Phi's shared q/k LayerNorm (gradient summed over TP by wrap), Mixtral's
-#: routed experts (replicated). Special token ids 0: their defaults lie outside VOCAB.
+#: run exercises it: tied embeddings (gemma, gemma3_text, cohere, opt, starcoder2, bloom),
+#: logit soft-capping (gemma2), parallel attention/MLP blocks (cohere, phi, gptj, stablelm),
+#: Granite's multipliers, shared q/k norms (phi, gemma3_text, qwen3_moe: gradient summed
+#: over TP by wrap), Gemma3's sliding-window layer (window 8 < data.seq_len 32) beside a
+#: full one, Bloom's ALiBi (sliced per rank by its plan's fix-up), routed experts
+#: (replicated: mixtral, qwen2_moe, qwen3_moe) and Qwen2-MoE's gated shared expert
+#: (sharded). Special token ids 0: their defaults lie outside VOCAB.
 _SIZES = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
               max_position_embeddings=64, pad_token_id=0, bos_token_id=0, eos_token_id=0)
 _NEW_FAMILIES = {
@@ -187,17 +190,31 @@ _NEW_FAMILIES = {
     "phi": ("PhiConfig", "PhiForCausalLM", dict(intermediate_size=64, qk_layernorm=True)),
     "opt": ("OPTConfig", "OPTForCausalLM", dict(ffn_dim=64, word_embed_proj_dim=32, init_std=0.3)),
     "gptj": ("GPTJConfig", "GPTJForCausalLM", dict(n_inner=64, rotary_dim=4)),
+    "gemma3_text": ("Gemma3TextConfig", "Gemma3ForCausalLM", dict(
+        intermediate_size=64, num_key_value_heads=2, head_dim=8, query_pre_attn_scalar=8, sliding_window=8,
+        layer_types=["sliding_attention", "full_attention"])),
+    "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM", dict(
+        intermediate_size=64, num_key_value_heads=2, moe_intermediate_size=32, shared_expert_intermediate_size=64,
+        num_experts=4, num_experts_per_tok=2)),
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", dict(
+        intermediate_size=64, num_key_value_heads=2, moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2)),
+    # No position table (ALiBi): seq_length bounds data.seq_len where config.json gives it.
+    "bloom": ("BloomConfig", "BloomForCausalLM", dict(seq_length=64)),
 }
+#: The FFN width a token goes through: MoE, the experts it is routed to plus any shared expert.
+_FFN = {"opt": 64, "gptj": 64, "mixtral": 2 * 48, "qwen2_moe": 2 * 32 + 64, "qwen3_moe": 2 * 32, "bloom": 4 * 32}
+_GATED = ("gemma", "gemma2", "gemma3_text", "mixtral", "granite", "cohere", "stablelm", "qwen2_moe", "qwen3_moe")
 
 
 def _family_dir(root, family: str, seed: int) -> str:
     """A model directory of ``family`` (tiny, random weights in safetensors, BPE tokenizer)."""
     config_cls, model_cls, fields = _NEW_FAMILIES[family]
     sizes = dict(_SIZES)
-    if family == "gptj":  # GPT-J's config takes GPT-2's spellings
+    if family in ("gptj", "bloom"):  # GPT-2's spellings; Bloom keeps hidden_size and has no position table
         sizes = {**{k: v for k, v in sizes.items() if k not in ("hidden_size", "num_hidden_layers",
                                                                  "num_attention_heads", "max_position_embeddings")},
-                 "n_embd": 32, "n_layer": 2, "n_head": 4, "n_positions": 64}
+                 "n_layer": 2, "n_head": 4,
+                 **({"hidden_size": 32} if family == "bloom" else {"n_embd": 32, "n_positions": 64})}
     # initializer_range 0.3: large enough weights that a mis-sharded block changes the loss visibly.
     cfg = getattr(transformers, config_cls)(**sizes, **{"initializer_range": 0.3, **fields})
     path = _model_dir(root, weights=False)  # the tokenizer (and a llama config.json, replaced here)
@@ -206,10 +223,19 @@ def _family_dir(root, family: str, seed: int) -> str:
     return path
 
 
+def _counted_weights(model: torch.nn.Module) -> int:
+    """What :func:`hf_module.parameter_count` counts: every parameter but norms, biases and
+    MoE routers (the shared expert's sigmoid gate included)."""
+    skip = ("norm", "ln_", ".bias", "mlp.gate.weight", "shared_expert_gate")
+    return sum(p.numel() for n, p in model.named_parameters() if not any(k in n for k in skip))
+
+
 def test_new_families_sizes_read_as_transformers_reads_them(tmp_path):
-    """Each family's config.json spellings (GPT-J's n_embd, OPT's ffn_dim, Mixtral's experts)
-    give the launcher the sizes transformers builds the model with, class defaults included
-    (save_pretrained leaves out values equal to them: Gemma's tie_word_embeddings=True)."""
+    """Each family's config.json spellings (GPT-J's n_embd, OPT's ffn_dim, Bloom's n_head and
+    no position table, the MoE families' experts) give the launcher the sizes transformers
+    builds the model with, class defaults included (save_pretrained leaves out values equal
+    to them: Gemma's tie_word_embeddings=True), and the memory check's parameter count is
+    the model's own (norms, biases and routers aside; every routed expert counted)."""
     for family in _NEW_FAMILIES:
         path = _family_dir(tmp_path / family, family, seed=0)
         cfg = transformers.AutoConfig.from_pretrained(path)
@@ -218,16 +244,69 @@ def test_new_families_sizes_read_as_transformers_reads_them(tmp_path):
             (32, 4, 2, VOCAB, 64), (family, f)
         assert f["num_query_groups"] == getattr(cfg, "num_key_value_heads", None), (family, f)
         assert f["tie_embeddings"] == cfg.tie_word_embeddings, (family, f)
-        ffn = {"opt": 64, "gptj": 64, "mixtral": 2 * 48}.get(family, 64)  # Mixtral: the 2 experts a token uses
-        assert f["ffn_hidden_size"] == ffn, (family, f)
-        gated = family in ("gemma", "gemma2", "mixtral", "granite", "cohere", "stablelm")
-        assert f["activation"] == ("swiglu" if gated else "gelu"), (family, f)
-        assert f["position_embedding"] == ("learned" if family == "opt" else "rope"), (family, f)
+        assert f["ffn_hidden_size"] == _FFN.get(family, 64), (family, f)
+        assert f["activation"] == ("swiglu" if family in _GATED else "gelu"), (family, f)
+        assert f["position_embedding"] == {"opt": "learned", "bloom": "alibi"}.get(family, "rope"), (family, f)
+        model = transformers.AutoModelForCausalLM.from_config(cfg)
+        moe = {"mixtral": (4, 2), "qwen2_moe": (4, 2, 64), "qwen3_moe": (4, 2)}.get(family, ())
+        offset = 2 * 32 if family == "opt" else 0  # OPT's position table has 2 rows beyond max_position_embeddings
+        assert hf_module.parameter_count(f, hf_module.attention_head_dim(path), *moe) + offset == \
+            _counted_weights(model), family
     assert hf_module.moe_note(str(tmp_path / "mixtral")).startswith("MoE (mixtral): 4 routed experts per layer, 2 per")
+    assert hf_module.moe_note(str(tmp_path / "qwen2_moe")).startswith(
+        "MoE (qwen2_moe): 4 routed experts per layer, 2 per token, and a shared expert (width 64); FLOP/token counts "
+        "the 2 a token goes through and the shared expert (ffn = 2 x 32 + 64)")
     assert hf_module.moe_note(str(tmp_path / "gemma")) is None
     # Mixtral's memory check counts all 4 experts, not the 2 a token uses.
     f = hf_module.gpt_fields(str(tmp_path / "mixtral"))
     assert hf_module.parameter_count(f, 8, 4, 2) - hf_module.parameter_count(f, 8) == 2 * 2 * 48 * 32 * 3
+
+    # Published Qwen3-MoE files say num_experts (the class stores num_local_experts, default
+    # 128); old Bloom files say n_embed; a Bloom file without seq_length: BLOOM's 2048.
+    qwen3_moe, bloom = str(tmp_path / "qwen3_moe"), str(tmp_path / "bloom")
+    _edit_config(qwen3_moe, num_local_experts=None, num_experts=6)
+    _edit_config(bloom, hidden_size=None, n_embed=48, seq_length=None)
+    assert transformers.AutoConfig.from_pretrained(qwen3_moe).num_local_experts == 6
+    assert transformers.AutoConfig.from_pretrained(bloom).hidden_size == 48
+    assert hf_module.moe_note(qwen3_moe).startswith("MoE (qwen3_moe): 6 routed experts per layer")
+    f = hf_module.gpt_fields(bloom)
+    assert (f["hidden_size"], f["ffn_hidden_size"], f["max_seq_len"]) == (48, 4 * 48, 2048), f
+    # Dense layers among MoE ones cannot be described by one FFN shape: refused, saying why.
+    qwen2_moe = str(tmp_path / "qwen2_moe")
+    _edit_config(qwen2_moe, mlp_only_layers=[1])
+    with pytest.raises(ValueError, match=r"layers \[1\] are dense MLP layers, not MoE .*through the API"):
+        compose(["+model=hf", f"model.path={qwen2_moe}"])
+    _edit_config(qwen2_moe, mlp_only_layers=[], decoder_sparse_step=2)
+    with pytest.raises(ValueError, match=r"layers \[0\] are dense MLP layers"):
+        hf_module.gpt_fields(qwen2_moe)
+
+
+def test_flops_per_token_uses_config_head_dim(tmp_path):
+    """The MFU line's FLOP/token takes the attention width the model has: Qwen3's head_dim
+    (class default 128 here, where hidden / heads is 8) and Gemma's explicit one; it used
+    hidden / heads for every model. A family whose attention ignores head_dim keeps hidden /
+    heads (GPT-J: a stray head_dim in config.json changes nothing)."""
+    from tp_fuse.launch.logging.report import flops_per_token
+    from tp_fuse.launch.startup import model_flops_per_token
+
+    def expected(cfg, d: int) -> float:
+        g, s = cfg.model.gpt, cfg.seq_len
+        attention = g.hidden_size * (g.num_heads + 2 * g.kv_groups) * d + g.num_heads * d * g.hidden_size
+        mlp = g.hidden_size * g.ffn_size * (3 if g.activation == "swiglu" else 2)
+        return 6.0 * (g.num_layers * (attention + mlp) + g.vocab_size * g.hidden_size) + 12.0 * g.num_layers * \
+            g.num_heads * d * s
+
+    qwen3 = _model_dir(tmp_path / "qwen3", weights=False, family="qwen3")
+    assert transformers.AutoConfig.from_pretrained(qwen3).head_dim == 128
+    cfg = compose(["+model=hf", f"model.path={qwen3}", "data.seq_len=32"])
+    assert model_flops_per_token(cfg) == expected(cfg, 128)
+    assert model_flops_per_token(cfg) > flops_per_token(cfg.model.gpt, 32)  # hidden / heads = 8: too few
+    gptj = _family_dir(tmp_path / "gptj", "gptj", seed=0)
+    _edit_config(gptj, head_dim=64)
+    cfg = compose(["+model=hf", f"model.path={gptj}", "data.seq_len=32"])
+    assert model_flops_per_token(cfg) == expected(cfg, 8) == flops_per_token(cfg.model.gpt, 32)
+    cfg = compose(["+model=gpt"])  # tp-fuse's own models: unchanged
+    assert model_flops_per_token(cfg) == flops_per_token(cfg.model.gpt, cfg.seq_len)
 
 
 def _family_args(model_dir: str, steps: int = 3) -> list[str]:
@@ -273,8 +352,8 @@ def test_hf_family_tp2_matches_tp1(families_tp2, family):
     out = ranks[0]["printed"]
     assert f"plan for model_type '{family}'" in out, out[-3000:]
     assert "verified: outputs and every gradient match the original" in out, out[-3000:]
-    if family == "mixtral":
-        assert "MoE (mixtral): 4 routed experts per layer, 2 per token" in out, out[-3000:]
+    if family in ("mixtral", "qwen2_moe", "qwen3_moe"):
+        assert f"MoE ({family}): 4 routed experts per layer, 2 per token" in out, out[-3000:]
         assert "routed MoE experts: replicated on every TP rank" in out, out[-3000:]
     tp2 = ranks[0]["losses"]
     assert ranks[1]["losses"] == tp2  # every rank reports the same (all-reduced) losses
@@ -296,6 +375,9 @@ def test_sizes_come_from_config_json_and_are_validated(tmp_path):
         validate(compose(["+model=hf", f"model.path={model_dir}", "parallel.sequence_parallel=true"]), 2)
     with pytest.raises(ValueError, match="needs model.path"):
         compose(["+model=hf"])
+    # ALiBi (Bloom's config.json) describes a model transformers builds; tp-fuse's own has none.
+    with pytest.raises(ValueError, match=r"got 'alibi' \(ALiBi is read from a Hugging Face Bloom config.json by "):
+        validate(compose(["+model=gpt", "model.position_embedding=alibi"]), world_size=1)
     with pytest.raises(ValueError, match="model.hidden_size: \\+model=hf takes model.path"):
         compose(["+model=hf", f"model.path={model_dir}", "+model.hidden_size=64"])
     with open(os.path.join(model_dir, "config.json"), "w") as f:

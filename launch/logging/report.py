@@ -4,12 +4,14 @@
 * :func:`flops_per_token` -- the model FLOPs of one training token (forward + backward)::
 
       6 * (L * (qkv + proj + fc1 + fc2) + vocab * hidden)   # weight GEMMs, fwd (2) + bwd (4)
-      + 12 * L * hidden * seq_len                            # attention scores and values
+      + 12 * L * num_heads * head_dim * seq_len              # attention scores and values
 
-  with ``qkv = hidden * (num_heads + 2 * kv_groups) * head_dim``, ``proj = hidden^2``,
-  ``fc1 = hidden * ffn (x2 for SwiGLU)``, ``fc2 = ffn * hidden``; embeddings lookups,
-  norms, biases and activations are not counted and the causal mask is not discounted
-  (the PaLM / Megatron convention).
+  with ``qkv = hidden * (num_heads + 2 * kv_groups) * head_dim``,
+  ``proj = num_heads * head_dim * hidden``, ``fc1 = hidden * ffn (x2 for SwiGLU)``,
+  ``fc2 = ffn * hidden``; ``num_heads * head_dim`` is ``hidden`` except for Hugging Face
+  models whose config.json sets ``head_dim`` apart (Gemma, Qwen3); embeddings lookups,
+  norms, biases and activations are not counted and the causal mask (or a sliding
+  window) is not discounted (the PaLM / Megatron convention).
 * :class:`PeakFlops` -- the peak the MFU divides by (``tp_fuse.launch.logging.peak``: the
   user's ``trainer.peak_flops``, the data sheet of known GPUs, or a cached CPU measurement).
 * :class:`StepMeter` -- step time, tokens/s, MFU, ETA and peak memory for the log line, and
@@ -53,15 +55,18 @@ def count_parameters(model: torch.nn.Module, tp_group: Optional[dist.ProcessGrou
     return sharded + replicated, per_rank
 
 
-def flops_per_token(gpt: GPTConfig, seq_len: int) -> float:
-    """Model FLOPs of one training token (forward + backward); formula in the module docstring."""
+def flops_per_token(gpt: GPTConfig, seq_len: int, head_dim: Optional[int] = None) -> float:
+    """Model FLOPs of one training token (forward + backward); formula in the module docstring.
+    ``head_dim``: the attention head width where it is not ``gpt.head_dim`` (hidden / heads):
+    a Hugging Face config.json's ``head_dim`` (``tp_fuse.launch.models.hf.attention_head_dim``)."""
     h = gpt.hidden_size
-    qkv = h * (gpt.num_heads + 2 * gpt.kv_groups) * gpt.head_dim
-    proj = gpt.num_heads * gpt.head_dim * h
+    d = head_dim or gpt.head_dim
+    qkv = h * (gpt.num_heads + 2 * gpt.kv_groups) * d
+    proj = gpt.num_heads * d * h
     fc1 = h * gpt.ffn_size * (2 if gpt.activation == "swiglu" else 1)
     fc2 = gpt.ffn_size * h
     weights = gpt.num_layers * (qkv + proj + fc1 + fc2) + gpt.vocab_size * h
-    return 6.0 * weights + 12.0 * gpt.num_layers * h * seq_len
+    return 6.0 * weights + 12.0 * gpt.num_layers * gpt.num_heads * d * seq_len
 
 
 def peak_memory_bytes(device: torch.device) -> tuple[int, str]:

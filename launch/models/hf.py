@@ -3,9 +3,10 @@
 The directory is untrusted input. Nothing in it runs code:
 
 * ``config.json`` is read as JSON (its ``model_type`` must be one of :data:`LAUNCHER_FAMILIES`:
-  families with a built-in ``wrap`` plan, ``tp_fuse.layers.wrap.hf_plans.FAMILIES``, whose
-  config spellings are read here and which are tested TP=2 vs TP=1 through the launcher); ``transformers`` builds the model with
-  ``trust_remote_code=False`` and ``local_files_only=True`` (no hub access);
+  every family with a built-in ``wrap`` plan, ``tp_fuse.layers.wrap.hf_plans.FAMILIES``, whose
+  config spellings are read here and which are tested TP=2 vs TP=1 through the launcher);
+  ``transformers`` builds the model with ``trust_remote_code=False`` and
+  ``local_files_only=True`` (no hub access);
 * weights are loaded only from ``*.safetensors`` (a directory with pickled
   ``pytorch_model.bin`` weights only is refused); without weights the model is randomly
   initialized from the run's seed, identically on every rank;
@@ -41,33 +42,52 @@ from tp_fuse.safe_files import open_regular_file, read_regular_file
 from ..tokenizer import FileTokenizer
 
 __all__ = ["read_hf_config", "gpt_fields", "check_weight_files", "parameter_count", "load_tokenizer",
-           "build_hf_model", "CausalLMLoss", "moe_note"]
+           "build_hf_model", "CausalLMLoss", "moe_note", "attention_head_dim"]
 
 #: The families +model=hf takes, and how each one's config.json maps onto the launcher's
 #: sizes (``tp_fuse.layers.GPTConfig``: validation, the FLOP/token of the MFU line, the
 #: checkpoint manifest; the model itself is built by transformers):
 #: ``(ffn width field, gated MLP, normalization, position embedding, bias)``.
 #: A gated MLP (SwiGLU, Gemma's GeGLU) has three FFN matrices, counted as ``"swiglu"``
-#: (only the FLOP/parameter accounting reads it). wrap's other built-in families
-#: (``tp_fuse.layers.wrap.hf_plans.FAMILIES``: bloom, gemma3_text, qwen2_moe, qwen3_moe)
-#: work through the API only: each one here is tested TP=2 vs TP=1 through the launcher
-#: (tests/test_launch_hf.py). OLMo2's full-width q/k norms are sharded by its plan (plan
-#: style "sharded_norm"), nothing launcher-side differs.
-_FORMATS: dict[str, tuple[str, bool, str, str, bool]] = {
+#: (only the FLOP/parameter accounting reads it). The ffn width field None: 4 x hidden
+#: whatever config.json says (Bloom's MLP). For an MoE family the field is one routed
+#: expert's width (:data:`_MOE`). These are every family of ``wrap``'s built-in plans
+#: (``tp_fuse.layers.wrap.hf_plans.FAMILIES``), each tested TP=2 vs TP=1 through the
+#: launcher (tests/test_launch_hf.py). OLMo2's full-width q/k norms are sharded by its plan
+#: (plan style "sharded_norm"), nothing launcher-side differs; Gemma3's sliding-window
+#: layers and q/k norms and Bloom's ALiBi bias (sliced per rank by its plan's fix-up) need
+#: nothing here either.
+_FORMATS: dict[str, tuple[Optional[str], bool, str, str, bool]] = {
     **{t: ("intermediate_size", True, "RMSNorm", "rope", False)
-       for t in ("llama", "mistral", "qwen2", "qwen3", "phi3", "olmo2", "gemma", "gemma2", "granite", "mixtral")},
+       for t in ("llama", "mistral", "qwen2", "qwen3", "phi3", "olmo2", "gemma", "gemma2", "gemma3_text", "granite",
+                 "mixtral")},
+    # Routed experts of width moe_intermediate_size (gated). Qwen2-MoE's q/k/v biases only,
+    # as Qwen2's: no bias in the rest of the model.
+    **{t: ("moe_intermediate_size", True, "RMSNorm", "rope", False) for t in ("qwen2_moe", "qwen3_moe")},
     # Cohere and StableLM: gated MLP with LayerNorm.
     **{t: ("intermediate_size", True, "LayerNorm", "rope", False) for t in ("cohere", "stablelm")},
     **{t: ("intermediate_size", False, "LayerNorm", "rope", True) for t in ("gpt_neox", "phi", "starcoder2")},
     "gpt2": ("n_inner", False, "LayerNorm", "learned", True),
     "gptj": ("n_inner", False, "LayerNorm", "rope", True),
     "opt": ("ffn_dim", False, "LayerNorm", "learned", True),
+    # ALiBi (a per-head bias on the attention scores; no position table), a 4 x hidden MLP
+    # (BloomMLP ignores any n_inner), biases everywhere.
+    "bloom": (None, False, "LayerNorm", "alibi", True),
 }
 LAUNCHER_FAMILIES = tuple(_FORMATS)
-#: MoE families +model=hf takes: ``(experts field, experts-per-token field)``. Their plan
-#: keeps the routed experts replicated on every TP rank (the wrap report says so); the
-#: FLOP/token counts the experts one token goes through, the memory check all of them.
-_MOE = {"mixtral": ("num_local_experts", "num_experts_per_tok")}
+#: MoE families +model=hf takes: ``(experts field, experts-per-token field, shared-expert
+#: width field or None)``. Their plan keeps the routed experts replicated on every TP rank
+#: (the wrap report says so) and shards attention and the shared expert (Qwen2-MoE's, gated
+#: by its own sigmoid); the FLOP/token counts the experts one token goes through plus the
+#: shared expert, the memory check all of the experts.
+_MOE: dict[str, tuple[str, str, Optional[str]]] = {
+    "mixtral": ("num_local_experts", "num_experts_per_tok", None),
+    "qwen2_moe": ("num_experts", "num_experts_per_tok", "shared_expert_intermediate_size"),
+    "qwen3_moe": ("num_local_experts", "num_experts_per_tok", None),
+}
+#: Bloom's config has no position limit (ALiBi extrapolates): ``seq_length`` where
+#: config.json gives one (Megatron-converted checkpoints), else BLOOM's training context.
+_BLOOM_SEQ_LEN = 2048
 
 #: Upper bounds on config.json sizes. Each is far above any published decoder (hidden
 #: 25600, vocabulary 262144, 126 layers, FFN 73728, 128 heads) and far below what
@@ -82,9 +102,12 @@ SIZE_BOUNDS = {
     "max_position_embeddings": 2**24,
     "head_dim": 2**12,
 }
-#: config.json spellings of the same sizes (GPT-2's names) -> the bound's name.
-_ALIASES = {"n_embd": "hidden_size", "n_inner": "intermediate_size", "n_layer": "num_hidden_layers",
-            "n_head": "num_attention_heads", "n_positions": "max_position_embeddings"}
+#: config.json spellings of the same sizes (GPT-2's and Bloom's names, MoE widths) -> the bound's name.
+_ALIASES = {"n_embd": "hidden_size", "n_embed": "hidden_size", "n_inner": "intermediate_size",
+            "ffn_dim": "intermediate_size", "moe_intermediate_size": "intermediate_size",
+            "shared_expert_intermediate_size": "intermediate_size", "n_layer": "num_hidden_layers",
+            "n_head": "num_attention_heads", "n_positions": "max_position_embeddings",
+            "seq_length": "max_position_embeddings"}
 #: The smallest element size the launcher builds a model in (bfloat16): the memory check
 #: refuses only models that cannot fit in any dtype the run could pick.
 _MIN_ITEMSIZE = 2
@@ -156,11 +179,14 @@ def _host_memory_bytes() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
-def parameter_count(fields: dict[str, Any], head_dim: int, experts: int = 1, experts_per_token: int = 1) -> int:
+def parameter_count(fields: dict[str, Any], head_dim: int, experts: int = 1, experts_per_token: int = 1,
+                    shared_ffn: int = 0) -> int:
     """The number of parameters of a decoder with these :func:`gpt_fields` (embeddings,
-    output head unless tied, attention and MLP projections; norms and biases are noise).
-    For an MoE model (``experts`` > 1) ``fields["ffn_hidden_size"]`` is the width a token
-    goes through (``experts_per_token`` experts): every one of the ``experts`` is counted."""
+    output head unless tied, attention and MLP projections; norms, biases and MoE routers
+    are noise). For an MoE model (``experts`` > 1) ``fields["ffn_hidden_size"]`` is the
+    width a token goes through (``experts_per_token`` routed experts, plus a shared expert
+    of width ``shared_ffn`` where the family has one): every one of the ``experts`` is
+    counted, the shared expert once."""
     hidden, vocab, layers = fields["hidden_size"], fields["vocab_size"], fields["num_layers"]
     heads = fields["num_heads"]
     kv = fields["num_query_groups"] or heads
@@ -168,7 +194,7 @@ def parameter_count(fields: dict[str, Any], head_dim: int, experts: int = 1, exp
     if fields["position_embedding"] == "learned":
         count += fields["max_seq_len"] * hidden
     attention = hidden * heads * head_dim * 2 + hidden * kv * head_dim * 2  # q, o; k, v
-    ffn = fields["ffn_hidden_size"] // experts_per_token * experts
+    ffn = (fields["ffn_hidden_size"] - shared_ffn) // experts_per_token * experts + shared_ffn
     mlp = hidden * ffn * (3 if fields["activation"] == "swiglu" else 2)
     return count + layers * (attention + mlp)
 
@@ -186,6 +212,86 @@ def _class_defaults(model_type: str) -> dict[str, Any]:
         return transformers.CONFIG_MAPPING[model_type]().to_dict()
 
 
+def _spellings(model_type: str) -> list[set[str]]:
+    """Groups of config.json keys that transformers reads as one field of this family:
+    its config class's ``attribute_map`` (GPT-2's ``hidden_size`` is ``n_embd``, Qwen3-MoE's
+    and Mixtral's ``num_experts`` is ``num_local_experts``) and Bloom's legacy ``n_embed``."""
+    import transformers
+
+    attribute_map = getattr(transformers.CONFIG_MAPPING[model_type], "attribute_map", None) or {}
+    groups = [{alias, name} for alias, name in attribute_map.items()]
+    if model_type == "bloom":
+        groups.append({"hidden_size", "n_embed"})
+    return groups
+
+
+def _with_class_defaults(data: dict[str, Any]) -> dict[str, Any]:
+    """config.json's fields over its family's class defaults (:func:`_class_defaults`). A
+    field config.json gives under any of its spellings (:func:`_spellings`) replaces the
+    default under all of them: the Qwen3-MoE class stores its expert count as
+    ``num_local_experts`` (default 128) while published config.json files say
+    ``num_experts``, and transformers builds the model with the file's value."""
+    model_type = data["model_type"]
+    defaults = _class_defaults(model_type)
+    for names in _spellings(model_type):
+        if names & data.keys():
+            for name in names:
+                defaults.pop(name, None)
+    return {**defaults, **data}
+
+
+def _names(model_type: str, field: str) -> tuple[str, ...]:
+    """``field`` and its other spellings for this family (:func:`_spellings`)."""
+    return (field, *sorted(n for g in _spellings(model_type) if field in g for n in g if n != field))
+
+
+def _hidden_names(model_type: str) -> tuple[str, ...]:
+    """config.json's spellings of the hidden size, the one transformers uses first (Bloom's
+    legacy ``n_embed`` wins over ``hidden_size``: ``BloomConfig.__post_init__``)."""
+    return ("n_embed", "hidden_size") if model_type == "bloom" else ("hidden_size", "n_embd")
+
+
+#: Families whose attention is hidden_size / num_attention_heads wide whatever config.json's
+#: ``head_dim`` says (their attention modules do not read it); every other family's
+#: attention reads ``config.head_dim`` where it is set (Gemma's 256, Qwen3's 128).
+_FIXED_HEAD_DIM = ("gpt2", "gptj", "opt", "bloom", "gpt_neox", "stablelm")
+
+
+def _head_dim(data: dict[str, Any], file: str, hidden: int, heads: int) -> int:
+    """The attention head width as the family's attention module computes it: config.json's
+    (or the class default's) ``head_dim`` where it reads one, else hidden / heads."""
+    if data["model_type"] in _FIXED_HEAD_DIM:
+        return hidden // heads
+    return _optional_int_field(data, file, "head_dim") or hidden // heads
+
+
+def _moe_sizes(data: dict[str, Any], file: str, layers: int) -> tuple[int, int, int]:
+    """``(routed experts, experts per token, shared-expert width or 0)`` of an MoE family's
+    config.json (class defaults merged in). Every layer must be an MoE layer: Qwen's
+    ``mlp_only_layers`` / ``decoder_sparse_step`` can make some layers dense, which
+    :class:`tp_fuse.layers.GPTConfig`'s one FFN shape for all layers cannot describe."""
+    model_type = data["model_type"]
+    experts_field, per_token_field, shared_field = _MOE[model_type]
+    experts = _int_field(data, file, *_names(model_type, experts_field))
+    per_token = _int_field(data, file, per_token_field)
+    if per_token > experts:
+        raise ValueError(f"{file}: {per_token_field} ({per_token}) is more than {experts_field} ({experts})")
+    shared = _int_field(data, file, shared_field) if shared_field else 0
+    only = data.get("mlp_only_layers") or []
+    step = data.get("decoder_sparse_step", 1)
+    if not isinstance(only, list) or any(isinstance(i, bool) or not isinstance(i, int) for i in only):
+        raise ValueError(f"{file}: mlp_only_layers must be a list of layer indices, got {only!r}")
+    if isinstance(step, bool) or not isinstance(step, int) or step <= 0:
+        raise ValueError(f"{file}: decoder_sparse_step must be a positive int, got {step!r}")
+    dense = [i for i in range(layers) if i in only or (i + 1) % step]
+    if dense:
+        raise ValueError(f"{file}: layers {dense} are dense MLP layers, not MoE (mlp_only_layers={only}, "
+                         f"decoder_sparse_step={step}); +model=hf describes every layer with one FFN shape (its "
+                         f"FLOP/token, parameter count and checks), so it takes {model_type} models that are MoE in "
+                         f"every layer (as the published checkpoints are); train this one through the API (wrap())")
+    return experts, per_token, shared
+
+
 def gpt_fields(path: str) -> dict[str, Any]:
     """The launcher's model sizes (``tp_fuse.layers.GPTConfig`` fields) read from ``config.json``
     (a field it leaves out: the family config class's default, as transformers reads it):
@@ -195,10 +301,11 @@ def gpt_fields(path: str) -> dict[str, Any]:
     data = read_hf_config(path)
     file = os.path.join(path, "config.json")
     model_type = data["model_type"]
-    data = {**_class_defaults(model_type), **data}
+    data = _with_class_defaults(data)
     ffn_field, gated, norm, position, bias = _FORMATS[model_type]
     heads = _int_field(data, file, "num_attention_heads", "n_head")
-    hidden = _int_field(data, file, "hidden_size", "n_embd")
+    hidden = _int_field(data, file, *_hidden_names(model_type))
+    layers = _int_field(data, file, "num_hidden_layers", "n_layer")
     # Read by transformers and by every wrap plan (tp_fuse.layers.wrap.hf_plans): a negative
     # or zero value (which `or heads` would silently replace) fails after the process group
     # has started, and a count not dividing the heads breaks the query-to-KV-head grouping.
@@ -207,23 +314,28 @@ def gpt_fields(path: str) -> dict[str, Any]:
         if isinstance(kv, bool) or not isinstance(kv, int) or kv <= 0 or heads % kv:
             raise ValueError(f"{file}: num_key_value_heads must be a positive int dividing num_attention_heads "
                              f"({heads}), got {kv!r}")
-    # GPT-2 / GPT-J: n_inner null means 4 x hidden (what their MLPs build).
-    inner = _optional_int_field(data, file, ffn_field) if ffn_field == "n_inner" else _int_field(data, file, ffn_field)
-    inner = inner or 4 * hidden
+    if ffn_field is None:  # Bloom: 4 x hidden, whatever config.json says
+        inner = 4 * hidden
+    elif ffn_field == "n_inner":  # GPT-2 / GPT-J: n_inner null means 4 x hidden (what their MLPs build)
+        inner = _optional_int_field(data, file, ffn_field) or 4 * hidden
+    else:
+        inner = _int_field(data, file, ffn_field)
     experts = experts_per_token = 1
+    shared = 0
     if model_type in _MOE:
-        experts = _int_field(data, file, _MOE[model_type][0])
-        experts_per_token = _int_field(data, file, _MOE[model_type][1])
-        if experts_per_token > experts:
-            raise ValueError(f"{file}: {_MOE[model_type][1]} ({experts_per_token}) is more than "
-                             f"{_MOE[model_type][0]} ({experts})")
-        # FLOP/token: a token goes through experts_per_token experts of width `inner`.
-        inner *= experts_per_token
+        experts, experts_per_token, shared = _moe_sizes(data, file, layers)
+        # FLOP/token: a token goes through experts_per_token experts of width `inner`, and
+        # through the shared expert where the family has one (all gated MLPs).
+        inner = inner * experts_per_token + shared
+    if model_type == "bloom":  # ALiBi: no position table bounds the sequence
+        max_seq_len = _optional_int_field(data, file, "seq_length") or _BLOOM_SEQ_LEN
+    else:
+        max_seq_len = _int_field(data, file, "max_position_embeddings", "n_positions")
     fields: dict[str, Any] = {
         "vocab_size": _int_field(data, file, "vocab_size"),
-        "max_seq_len": _int_field(data, file, "max_position_embeddings", "n_positions"),
+        "max_seq_len": max_seq_len,
         "hidden_size": hidden,
-        "num_layers": _int_field(data, file, "num_hidden_layers", "n_layer"),
+        "num_layers": layers,
         "num_heads": heads,
         "num_query_groups": kv,
         "ffn_hidden_size": inner,
@@ -233,9 +345,7 @@ def gpt_fields(path: str) -> dict[str, Any]:
         "tie_embeddings": bool(data.get("tie_word_embeddings")),
         "bias": bool(data.get("use_bias", bias)),  # Starcoder2 says so in its config
     }
-    # Qwen3, Gemma and others may set head_dim apart from hidden_size / heads.
-    head_dim = _optional_int_field(data, file, "head_dim") or hidden // heads
-    params = parameter_count(fields, head_dim, experts, experts_per_token)
+    params = parameter_count(fields, _head_dim(data, file, hidden, heads), experts, experts_per_token, shared)
     need, have = params * _MIN_ITEMSIZE, _host_memory_bytes()
     if need > have:
         raise ValueError(f"{file}: the model has {params:,} parameters, {need / 2**30:,.1f} GiB even in bfloat16, "
@@ -245,17 +355,36 @@ def gpt_fields(path: str) -> dict[str, Any]:
     return fields
 
 
+def attention_head_dim(path: str) -> int:
+    """The attention head width of the model in ``path`` as its attention modules compute
+    it: config.json's ``head_dim`` (or the class default: Gemma 256, Qwen3 128) where the
+    family reads one, else hidden_size / num_attention_heads. ``num_heads x head_dim`` need
+    not be hidden_size (Gemma, Qwen3): the FLOP/token's attention terms use this width."""
+    data = _with_class_defaults(read_hf_config(path))
+    file = os.path.join(path, "config.json")
+    heads = _int_field(data, file, "num_attention_heads", "n_head")
+    hidden = _int_field(data, file, *_hidden_names(data["model_type"]))
+    return _head_dim(data, file, hidden, heads)
+
+
 def moe_note(path: str) -> Optional[str]:
     """For an MoE model directory: one line for the start report saying how its FLOP/token
-    and its sharding treat the routed experts; None for a dense model."""
+    and its sharding treat the routed (and shared) experts; None for a dense model."""
     data = read_hf_config(path)
-    if data["model_type"] not in _MOE:
+    model_type = data["model_type"]
+    if model_type not in _MOE:
         return None
-    data = {**_class_defaults(data["model_type"]), **data}
-    experts, per_token = (data[name] for name in _MOE[data["model_type"]])
-    return (f"MoE ({data['model_type']}): {experts} routed experts per layer, {per_token} per token; FLOP/token "
-            f"counts the {per_token} a token goes through (ffn = {per_token} x {data['intermediate_size']}), the "
-            f"parameter counts all {experts}; the routed experts are replicated on every TP rank (not sharded)")
+    data = _with_class_defaults(data)
+    file = os.path.join(path, "config.json")
+    experts, per_token, shared = _moe_sizes(data, file, _int_field(data, file, "num_hidden_layers"))
+    width = data[_FORMATS[model_type][0]]
+    return (f"MoE ({model_type}): {experts} routed experts per layer, {per_token} per token"
+            + (f", and a shared expert (width {shared})" if shared else "")
+            + f"; FLOP/token counts the {per_token} a token goes through"
+            + (" and the shared expert" if shared else "")
+            + f" (ffn = {per_token} x {width}" + (f" + {shared}" if shared else "")
+            + f"), the parameter count includes all {experts}; the routed experts are replicated on every TP rank "
+            + ("(not sharded), the shared expert is sharded" if shared else "(not sharded)"))
 
 
 def _inside(path: str, root: str) -> bool:
