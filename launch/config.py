@@ -28,7 +28,7 @@ from tp_fuse.layers.wrap.hf_plans import FAMILIES
 from tp_fuse.overlap.config import OverlapConfig as TPOverlapConfig
 from tp_fuse.safe_files import read_regular_file
 
-from .models.hf import gpt_fields
+from .models.hf import gpt_fields, is_plan_object, load_plan_object
 from .tokenizer import check_tokenizer_choice
 from tp_fuse.debug import DebugSession
 
@@ -72,7 +72,9 @@ class ModelConfig:
     #: ``model_type``; a built-in plan's name (``tp_fuse.layers.wrap.hf_plans.FAMILIES``,
     #: e.g. ``llama``); or a ``{module glob: style}`` mapping (styles:
     #: ``tp_fuse.layers.wrap.convert.PLAN_STYLES``), given in a YAML config or, on the command
-    #: line, as the path of a ``.yaml`` file holding it (Hydra overrides cannot spell globs).
+    #: line, as the path of a ``.yaml`` file holding it (Hydra overrides cannot spell globs);
+    #: or ``<module>:<attribute>`` naming such a mapping (whose styles may then also be
+    #: ``FusedColumn`` objects) or a ``plan(config) -> mapping`` function in the user's code.
     #: The model's own family checks and fix-ups still apply (``wrap``'s explicit plans).
     plan: Union[None, str, dict[str, str]] = None
 
@@ -483,11 +485,15 @@ def check_plan(plan: Any) -> Union[None, str, dict[str, str]]:
             raise ValueError(f"model.plan: {plan} must hold a YAML mapping {{module glob: style}}, got "
                              f"{type(loaded).__name__}")
         plan = loaded
+    if is_plan_object(plan):
+        load_plan_object(plan)  # importable, and the attribute a mapping or a callable
+        return plan
     if isinstance(plan, str):
         if plan not in FAMILIES:
             raise ValueError(f"model.plan: no built-in wrap plan named {plan!r}; available: {', '.join(sorted(FAMILIES))} "
                              f"(or a .yaml file holding a mapping {{module glob: style}} with styles "
-                             f"{', '.join(PLAN_STYLES)}; "
+                             f"{', '.join(PLAN_STYLES)}, or <module>:<attribute> naming such a mapping or "
+                             f"a plan(config) function in your Python code; "
                              f"leave it unset for config.json's model_type)")
         return plan
     if isinstance(plan, dict) and plan:
