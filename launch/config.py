@@ -252,6 +252,10 @@ class CheckpointConfig:
     save_final: bool = False
     verify: bool = True
     overwrite: bool = False  # resume=false over another run's checkpoints: delete them (else an error)
+    #: ``+model=hf``: at the end of the run (trained to ``trainer.max_steps``, or a resumed
+    #: checkpoint already there), write the model as a Hugging Face directory
+    #: (``config.json`` + safetensors of the original, unsharded model) at this new path.
+    export_hf: Optional[str] = None
 
 
 @dataclass
@@ -632,6 +636,13 @@ def validate(cfg: TrainConfig, world_size: int) -> ParallelLayout:
         _check_writable_dir("checkpoint.dir", ck.dir)
 
     dp_shard, dp_replicate = _check_dp_split(par, dp)
+    if ck.export_hf is not None:
+        _need(cfg.model.name == "hf", f"checkpoint.export_hf writes a Hugging Face directory: it needs +model=hf "
+                                      f"(model.name is {cfg.model.name!r})")
+        _need(dp_shard == 1, f"checkpoint.export_hf needs parallel.dp_shard=1 (got {dp_shard}): resume the "
+                             f"checkpoint with dp_shard=1 to export it (checkpoints reshard on load)")
+        _need(not os.path.lexists(ck.export_hf), f"checkpoint.export_hf: {ck.export_hf} already exists; "
+                                                 f"expected a new path (an export never writes into an existing one)")
 
     if cfg.overlap.enabled:
         _need(tp > 1, "overlap=on needs parallel.tp > 1 (got tp=1): there is no TP communication to overlap")

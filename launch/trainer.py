@@ -45,7 +45,7 @@ from .grads import allreduce_dp_grads, clip_grads, global_grad_norm
 from .health import NonfiniteGuard, TrainingDivergedError
 from .logging.wandb_logger import WandbLogger
 from .logging.metrics import MetricsSink
-from .models.hf import load_tokenizer
+from .models.hf import export_hf_directory, load_tokenizer
 from .models.build import ModelFactory, build_model, build_recipe, fp8_autocast, fp8_quantizers
 from .optim import build_optimizer, lr_at, set_lr
 from .logging.progress import Progress
@@ -258,6 +258,7 @@ class Trainer:
                       file=sys.stderr, flush=True)
             progress.close()
             self.sink.close(0)
+            self._export_hf(self.start_step)  # e.g. a checkpoint resumed only to be exported
             return TrainResult(self.start_step, self.start_step, {}, {}, rt.run_dir, None, self.state.last_loss)
         signals = StopSignals().install()  # SIGTERM/SIGUSR1/SIGINT: finish the step, save, stop
         t_start = time.perf_counter()
@@ -365,7 +366,25 @@ class Trainer:
             for line in summary_lines(self._summary(last, losses, val_losses, time.perf_counter() - t_start,
                                                     last_ckpt or self.ckpt.latest_of_run(), stopped_by)):
                 print(line, file=sys.stderr, flush=True)
+        if stopped_by is None and last == tr.max_steps:
+            self._export_hf(last)  # after the final checkpoint: a failed export loses no training
+        elif cfg.checkpoint.export_hf is not None and rt.is_rank0:
+            say(f"checkpoint.export_hf: not written, the run stopped at step {last} of {tr.max_steps}")
         return TrainResult(self.start_step, last, losses, val_losses, rt.run_dir, last_ckpt, stopped_by=stopped_by)
+
+    def _export_hf(self, step: int) -> None:
+        """``checkpoint.export_hf``: the trained (or resumed) Hugging Face model as a new
+        ``from_pretrained`` directory, written by the first data-parallel replica's TP
+        group; every rank waits for it."""
+        path = self.cfg.checkpoint.export_hf
+        if path is None:
+            return
+        rt, topo = self.rt, self.rt.topology
+        export_hf_directory(self.model.model, topo.tp_group if rt.layout.tp > 1 else None, topo.dp_rank == 0, path)
+        if rt.dist.world_size > 1:
+            dist.barrier()
+        if rt.is_rank0:
+            say(f"exported the model at step {step} as a Hugging Face directory -> {path}")
 
     def _summary(self, last: int, losses: dict[int, float], val_losses: dict[int, float], wall_s: float,
                  checkpoint: Optional[str], stopped_by: Optional[str]) -> RunSummary:

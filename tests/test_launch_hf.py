@@ -102,7 +102,8 @@ def test_torchrun_hf_phi3_tp2_checkpoint_resumes_at_tp1(tmp_path):
             "trainer.micro_batch_size=4", "trainer.max_steps=4", "trainer.log_interval=1", "trainer.val_interval=0",
             "logger=none", "trainer.progress=false", "optim.warmup_steps=1", "optim.lr=3e-3", "checkpoint.interval=2"]
     os.makedirs(tmp_path / "run")
-    proc = torchrun([*args, "parallel.tp=2", f"checkpoint.dir={tmp_path / 'ck'}", f"hydra.run.dir={tmp_path / 'run'}"],
+    proc = torchrun([*args, "parallel.tp=2", f"checkpoint.dir={tmp_path / 'ck'}", f"hydra.run.dir={tmp_path / 'run'}",
+                     f"checkpoint.export_hf={tmp_path / 'hf_tp2'}"],
                     cwd=str(tmp_path / "run"), env={"HOME": str(tmp_path / "home")})
     assert "plan for model_type 'phi3'" in proc.stdout + proc.stderr
     expected = {m["step"]: m["loss"] for m in read_jsonl(os.path.join(tmp_path / "run", "metrics.jsonl"))}
@@ -114,6 +115,19 @@ def test_torchrun_hf_phi3_tp2_checkpoint_resumes_at_tp1(tmp_path):
     assert result.start_step == 2
     for step in (3, 4):  # TP=1 vs TP=2: float32 reduction order only
         assert result.losses[step] == pytest.approx(expected[step], rel=2e-4), (step, result.losses, expected)
+    # checkpoint.export_hf (issue 22: a Hugging Face directory from a launcher checkpoint):
+    # the TP=2 run exported its step-4 model (gathered) at its end; resuming its step-4
+    # checkpoint at TP=1 only to export gives the same tensors, bit for bit.
+    hf_tp1 = tmp_path / "hf_tp1"
+    again = train([*args, "checkpoint.resume=true", f"checkpoint.dir={tmp_path / 'ck'}", "parallel.tp=1",
+                   f"checkpoint.export_hf={hf_tp1}"], str(tmp_path / "run2"))
+    assert again.start_step == 4 and again.already_complete
+    tp2_sd = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf_tp2").state_dict()
+    tp1_sd = transformers.AutoModelForCausalLM.from_pretrained(hf_tp1).state_dict()
+    assert tp2_sd.keys() == tp1_sd.keys() and all(torch.equal(tp2_sd[k], tp1_sd[k]) for k in tp2_sd)
+    initial = transformers.AutoModelForCausalLM.from_pretrained(model_dir).state_dict()
+    assert not torch.equal(initial["model.layers.0.self_attn.qkv_proj.weight"],
+                           tp2_sd["model.layers.0.self_attn.qkv_proj.weight"])  # trained, and in the fused layout
 
 
 @pytest.mark.multirank
@@ -522,3 +536,22 @@ def test_deeply_nested_config_json_is_a_config_error(tmp_path):
         f.write(b"[" * 50_000 + b"]" * 50_000)
     msg = precheck(["+model=hf", f"model.path={model_dir}"], CONFIG_DIR, 1)
     assert msg is not None and "config.json is JSON nested too deeply" in msg, msg
+
+
+def test_export_hf_is_checked_before_start_and_never_writes_into_an_existing_path(tmp_path):
+    model_dir = _model_dir(tmp_path / "model", weights=False)
+    base = ["+model=hf", f"model.path={model_dir}"]
+    (tmp_path / "taken").mkdir()
+    os.symlink(tmp_path / "taken", tmp_path / "planted")
+    for path in ("taken", "planted"):
+        msg = precheck([*base, f"checkpoint.export_hf={tmp_path / path}"], CONFIG_DIR, 1)
+        assert msg is not None and "already exists; expected a new path" in msg, msg
+    msg = precheck(["+model=gpt", f"checkpoint.export_hf={tmp_path / 'new'}"], CONFIG_DIR, 1)
+    assert msg is not None and "needs +model=hf" in msg, msg
+    msg = precheck([*base, f"checkpoint.export_hf={tmp_path / 'new'}", "parallel.tp=1", "parallel.dp_shard=2"], CONFIG_DIR, 2)
+    assert msg is not None and "needs parallel.dp_shard=1" in msg, msg
+    # A link planted after the check: the export's own mkdir refuses it (one ValueError).
+    with pytest.raises(ValueError, match="cannot create .*planted as a new directory"):
+        hf_module.export_hf_directory(torch.nn.Linear(1, 1), None, True, str(tmp_path / "planted"))
+    assert os.listdir(tmp_path / "taken") == []
+
