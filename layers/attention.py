@@ -38,9 +38,14 @@ class DotProductAttention(torch.nn.Module):
     key/value groups (``n % g == 0``; query head ``i`` uses group ``i // (n/g)``, as
     Megatron-LM's grouped-query attention) -> ``out [s, b, n*d]``.
 
-    Equation: ``out = softmax(q k^T / sqrt(d) + causal_mask) v`` per head, via
+    Equation: ``out = softmax(q k^T / sqrt(d) + mask) v`` per head, via
     ``torch.nn.functional.scaled_dot_product_attention`` (which picks a fused kernel
     where one exists); dropout on the attention probabilities in training.
+
+    The mask, per call: ``causal=True`` (the default; query ``i`` sees keys ``0..i``),
+    ``causal=False`` (no mask), or ``causal=False`` with ``mask``: a boolean tensor
+    broadcastable to ``[b, n, s, s]`` in Transformer Engine's convention (``True`` = that
+    key is masked out). ``tp_fuse.MultiheadAttention`` (TE's) uses the same class.
     """
 
     def __init__(self, attention_dropout: float = 0.0) -> None:
@@ -49,15 +54,23 @@ class DotProductAttention(torch.nn.Module):
             raise ValueError(f"attention_dropout must be in [0, 1), got {attention_dropout}")
         self.attention_dropout = float(attention_dropout)
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = True,
+                mask: Optional[torch.Tensor] = None) -> torch.Tensor:
         s, b, n, d = q.shape
         g = k.shape[2]
+        if mask is not None:
+            if causal:
+                raise ValueError("DotProductAttention: mask is only used with causal=False")
+            if mask.dtype != torch.bool:
+                raise ValueError(f"DotProductAttention: mask must be a bool tensor, got {mask.dtype}")
+            mask = ~mask  # SDPA's boolean mask marks the positions that take part
         # SDPA wants heads before the sequence: [s, b, heads, d] -> [b, heads, s, d].
         q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))
         out = F.scaled_dot_product_attention(
             q, k, v,
+            attn_mask=mask,
             dropout_p=self.attention_dropout if self.training else 0.0,
-            is_causal=True,
+            is_causal=causal,
             enable_gqa=g != n,
         )  # [b, n, s, d]
         return out.permute(2, 0, 1, 3).reshape(s, b, n * d)  # [s, b, n*d]

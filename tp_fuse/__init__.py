@@ -4,7 +4,8 @@
 FP8 entry points ``te.autocast``, ``te.quantized_model_init`` and
 ``te.recipe``, with Transformer Engine's names, and TE's module classes ``te.Linear``, ``te.LayerNormLinear``
 and ``te.LayerNormMLP``
-(``tp_fuse.module``).
+(``tp_fuse.module``), ``te.MultiheadAttention`` (``tp_fuse.attention``) and ``te.TransformerLayer``
+(``tp_fuse.transformer``).
 """
 
 from . import constants, cpp_extensions, module, ops, recipe, utils
@@ -36,6 +37,10 @@ from .quantization import (
     autocast,
     quantized_model_init,
 )
+# Last: they import tp_fuse.layers, which imports the names above.
+from . import attention, transformer
+from .attention import MultiheadAttention
+from .transformer import TransformerLayer
 
 __all__ = [
     "DType",
@@ -47,6 +52,7 @@ __all__ = [
     "LayerNormMLP",
     "Linear",
     "MXFP8Tensor",
+    "MultiheadAttention",
     "NVFP4Quantizer",
     "MXFP8Quantizer",
     "Float8BlockQuantizer",
@@ -54,6 +60,8 @@ __all__ = [
     "QuantizedTensor",
     "Quantizer",
     "QuantizerRole",
+    "TransformerLayer",
+    "attention",
     "autocast",
     "checkpoint",
     "cpp_extensions",
@@ -68,6 +76,7 @@ __all__ = [
     "ops",
     "quantized_model_init",
     "recipe",
+    "transformer",
     "utils",
 ]
 __version__ = "0.1.0"

@@ -13,8 +13,9 @@ layers built on ``tp_fuse.ops``, and the userbuffers setup under TE's module pat
   (implemented in ``tp_fuse.overlap.userbuffers_setup``).
 
 TE arguments tp_fuse does not implement raise ``ValueError`` naming the argument.
-``MultiheadAttention`` and ``TransformerLayer`` are not here (``tp_fuse.layers`` has
-tp_fuse's own transformer layers).
+TE's ``MultiheadAttention`` and ``TransformerLayer``, built on these classes, are
+``tp_fuse.attention.MultiheadAttention`` and ``tp_fuse.transformer.TransformerLayer``
+(``tp_fuse.layers`` has tp_fuse's own transformer layers).
 """
 
 from . import base
