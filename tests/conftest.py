@@ -38,8 +38,8 @@ SLOW_MODULES = frozenset({
     "test_fp8_stats_fused",
     "test_fsdp",
     "test_fsdp_launch",
-    "test_health_syncs",
     "test_gpu_check",
+    "test_health_syncs",
     "test_kernels",
     "test_kernels_interpret",
     "test_launch_block_recipes",
@@ -63,6 +63,8 @@ SLOW_MODULES = frozenset({
     "test_preemption",
     "test_process_exit",
     "test_run_integrity",
+    "test_te_attention_modules",
+    "test_te_modules",
     "test_te_row_parallel_bias",
     "test_te_tensor_parallel",
     "test_te_userbuffers_setup",
@@ -71,8 +73,8 @@ SLOW_MODULES = frozenset({
     "test_wrap",
     "test_wrap_correctness",
     "test_wrap_fused_split",
-    "test_wrap_olmo2",
     "test_wrap_models",
+    "test_wrap_olmo2",
 })
 
 
