@@ -91,6 +91,9 @@ def _redirect_output(out_path: str, err_path: str) -> None:
         # Lines printed just before an os._exit or a crash reach the file.
         sys.stdout.reconfigure(line_buffering=True)
     faulthandler.enable(file=sys.stderr, all_threads=True)
+    # Asked for by the parent before it kills a rank that did not finish in time: where
+    # every thread of a hung rank was waiting ends up in the rank's output.
+    faulthandler.register(signal.SIGUSR1, file=sys.stderr, all_threads=True)
 
 
 def _worker(
@@ -247,7 +250,12 @@ def run_distributed(
                     if rank in errors or rank in dead:
                         deadline = min(deadline, time.monotonic() + _GRACE_AFTER_FAILURE_S)
     finally:
-        for p in procs:
+        hung = [p for p in procs if p.is_alive()]
+        for p in hung:  # their Python stacks first (faulthandler, registered in each rank)
+            os.kill(p.pid, signal.SIGUSR1)
+        if hung:
+            time.sleep(1.0)
+        for p in hung:
             if p.is_alive():
                 p.kill()
         for p in procs:

@@ -89,3 +89,18 @@ def test_what_ranks_print_reaches_the_caller(capfd) -> None:
     out, err = capfd.readouterr()
     assert "stdout of rank 0" in out and "stdout of rank 1" in out, out
     assert "stderr of rank 0" in err and "stderr of rank 1" in err, err
+
+
+def _rank_1_hangs(rank: int, world_size: int) -> int:
+    if rank == 1:
+        time.sleep(600)  # stands for a rank stuck in a collective or a lock
+    return rank
+
+
+def test_a_hung_rank_shows_where_it_waits(capfd) -> None:
+    """At the timeout the parent asks every unfinished rank for its Python stacks
+    (faulthandler on SIGUSR1) before killing it: the next hang says where it waited."""
+    with pytest.raises(DistributedTestError, match=r"ranks \[1\] did not finish within 6"):
+        run_distributed(2, _rank_1_hangs, timeout=6)
+    err = capfd.readouterr().err
+    assert "in _rank_1_hangs" in err, err[-3000:]  # faulthandler's frame line of the sleeping rank
