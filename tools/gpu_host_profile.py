@@ -10,9 +10,10 @@ one process (variants alternate step by step):
   the Python/dispatch work the CPU does for one step. With an idle GPU queue this is
   what a host-bound step costs.
 - ``wall_us``: median time until the step's kernels have finished (``synchronize``).
-- ``kernels``: CUDA kernels launched per step, ``syncs``: device-to-host copies per step
-  (a ``.item()``/``.cpu()`` stalls the queue), and the top CPU ops by self time
-  (``torch.profiler``), for each variant.
+- ``kernels``: CUDA kernels launched per step, ``syncs``: host-device synchronizations
+  per step (a ``.item()``/``.cpu()`` stalls the queue; the count includes the profile's own
+  closing synchronize: plain torch shows 2 on an H200, so compare with its row), and the
+  top CPU ops by self time (``torch.profiler``), for each variant.
 
 A step is host bound when ``host_us`` is close to ``wall_us``. Variants: plain
 ``torch.nn.functional`` in bf16, ``tp_fuse`` without FP8, and FP8 delayed, current and
