@@ -9,10 +9,10 @@ import torch
 
 nvdlfw = pytest.importorskip("nvdlfw_inspect")
 import nvdlfw_inspect.api as debug_api  # noqa: E402
-from nvdlfw_inspect.logging import BaseLogger  # noqa: E402
 
 import tp_fuse as te  # noqa: E402
 import tp_fuse.debug  # noqa: E402
+from debug_logging import start_debug  # noqa: E402
 from tp_fuse.recipe import DelayedScaling, Float8CurrentScaling  # noqa: E402
 
 TE_YAML = """
@@ -42,27 +42,13 @@ disable_fc2:
 """
 
 
-class _Rows(BaseLogger):
-    """A statistics logger recording what nvdlfw-inspect's MetricLogger is given."""
-
-    def __init__(self) -> None:
-        self.rows: dict[tuple[str, int], float] = {}
-
-    def log_scalar(self, name, value, iteration, **kwargs):
-        self.rows[(name, iteration)] = float(value)
-
-
 @pytest.fixture
 def api(tmp_path):
     """initialize(config, feature_dirs=[tp_fuse's]) -> the logger; end_debug afterwards."""
     started = []
 
     def start(config: str, **kwargs):
-        path = tmp_path / "debug.yaml"
-        path.write_text(textwrap.dedent(config))
-        logger = _Rows()
-        debug_api.initialize(config_file=str(path), feature_dirs=[tp_fuse.debug.FEATURE_DIR],
-                             statistics_logger=logger, log_dir=str(tmp_path), **kwargs)
+        logger = start_debug(tmp_path, config, **kwargs)
         started.append(True)
         return logger
 

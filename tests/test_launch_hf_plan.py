@@ -12,7 +12,7 @@ import pytest
 pytest.importorskip("transformers", reason="transformers is not installed (pip install -e .[hf])")
 pytest.importorskip("tokenizers", reason="tokenizers is not installed (pip install -e .[hf])")
 
-from tp_fuse.launch.api import compose  # noqa: E402
+from tp_fuse.launch.api import compose, train  # noqa: E402
 from tp_fuse.launch.config import CONFIG_DIR  # noqa: E402
 from tp_fuse.launch.config_errors import precheck  # noqa: E402
 from tp_fuse.launch.models.hf import resolve_plan  # noqa: E402
@@ -132,8 +132,6 @@ def test_unimportable_plan_module_is_one_error(model_dir) -> None:
 
 
 def test_launcher_trains_with_a_plan_function(model_dir, plan_module, tmp_path) -> None:
-    from tp_fuse.launch.api import train
-
     result = train(["+model=hf", f"model.path={model_dir}", f"model.plan={plan_module}:llama", "data.seq_len=16",
                     "trainer.global_batch_size=2", "trainer.micro_batch_size=2", "trainer.max_steps=2",
                     "trainer.log_interval=1", "trainer.val_interval=0", "logger=none", "trainer.progress=false",

@@ -9,13 +9,14 @@ tensor parallelism on 2 gloo ranks against the TP=1 layer.
 from __future__ import annotations
 
 import math
-import textwrap
 
 import pytest
 import torch
 import torch.nn.functional as F
 
+import nvdlfw_inspect.api as debug_api
 import tp_fuse as te
+from debug_logging import start_debug
 from dist_utils import run_distributed
 
 torch.set_num_threads(1)
@@ -277,24 +278,7 @@ log:
 
 
 def test_debug_names_reach_debug_api(tmp_path):
-    pytest.importorskip("nvdlfw_inspect")
-    import nvdlfw_inspect.api as debug_api
-    from nvdlfw_inspect.logging import BaseLogger
-
-    import tp_fuse.debug
-
-    class Rows(BaseLogger):
-        def __init__(self):
-            self.rows = {}
-
-        def log_scalar(self, name, value, iteration, **kwargs):
-            self.rows[(name, iteration)] = float(value)
-
-    path = tmp_path / "debug.yaml"
-    path.write_text(textwrap.dedent(_LOG_YAML))
-    rows = Rows()
-    debug_api.initialize(config_file=str(path), feature_dirs=[tp_fuse.debug.FEATURE_DIR],
-                         statistics_logger=rows, log_dir=str(tmp_path))
+    rows = start_debug(tmp_path, _LOG_YAML)
     try:
         torch.manual_seed(0)
         layer = te.TransformerLayer(16, 32, 4, name="layer")

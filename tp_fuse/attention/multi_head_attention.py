@@ -14,6 +14,7 @@ from typing import Any, Optional, Union
 
 import torch
 
+from ..distributed import checkpoint
 from ..layers.attention import DotProductAttention
 from ..module._ops_module import check_common_args, refuse_unless
 from ..module.layernorm_linear import LayerNormLinear
@@ -321,8 +322,6 @@ class MultiheadAttention(torch.nn.Module):
         q, k, v = self.split_qkv(mixed)
         causal = "causal" in mask_type
         if checkpoint_core_attention and torch.is_grad_enabled():
-            from ..distributed import checkpoint
-
             context = checkpoint(self._core_attention, q, k, v, causal, mask, modules=[self.core_attention],
                                  get_rng_state_tracker=self.get_rng_state_tracker)
         else:

@@ -24,6 +24,8 @@ import torch
 import torch.distributed as dist
 
 from ..ops.basic._tp import group_size
+from ..ops.basic.layer_norm import LayerNorm
+from ..ops.basic.rmsnorm import RMSNorm
 from ..quantization import active_autocast
 from ..quantization.parameter import is_fp8_parameter
 from ..quantization.quantizer import DelayedScalingQuantizer
@@ -251,9 +253,6 @@ def norm_op(cls: str, normalization: str, size: int, eps: float, zero_centered_g
             dtype: torch.dtype, sequence_parallel: bool) -> tuple[torch.nn.Module, dict[str, tuple[torch.nn.Module, str]]]:
     """TE's ``normalization`` ("LayerNorm" / "RMSNorm") as an op, and its parameters under TE's
     names (``layer_norm_weight``, ``layer_norm_bias``; TE sets ``sequence_parallel`` on them)."""
-    from ..ops.basic.layer_norm import LayerNorm
-    from ..ops.basic.rmsnorm import RMSNorm
-
     if not isinstance(eps, (int, float)) or isinstance(eps, bool) or eps < 0:
         raise ValueError(f"{cls}: eps must be a non-negative float, got {eps!r}")
     if not isinstance(zero_centered_gamma, bool):
