@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import traceback
 from typing import Any
 
 import pytest
@@ -49,28 +48,28 @@ def _runs(rank: int, world_size: int, root: str) -> dict[str, Any]:
     def ck(name: str) -> str:
         return f"checkpoint.dir={os.path.join(root, name, 'ck')}"
 
+    # An exception propagates: run_distributed reports its traceback and stops the other
+    # ranks at once. (Returned as a result, it let this rank exit while the others waited
+    # for it in a collective until the 900 s timeout: the CI hangs of this module.)
     out: dict[str, Any] = {}
-    try:
-        out["fsdp"] = run("fsdp", *FSDP, "checkpoint.interval=5", ck("fsdp"))
-        out["ddp"] = run("ddp", *DDP, "checkpoint.interval=5", ck("ddp"))
-        # Resume from step 5 of the other layout, and of the same one (a copy of that step only).
-        for name, layout, src in (("ddp_from_fsdp", DDP, "fsdp"), ("fsdp_from_ddp", FSDP, "ddp"),
-                                  ("fsdp_from_fsdp", FSDP, "fsdp")):
-            if rank == 0:
-                shutil.copytree(os.path.join(root, src, "ck", "step_00000005"),
-                                os.path.join(root, name, "ck", "step_00000005"))
-            dist.barrier()
-            out[name] = run(name, *layout, "checkpoint.resume=true", ck(name), "checkpoint.save_final=false")
-        fp8 = ["parallel.sequence_parallel=true", "fp8=delayed", "fp8.amax_history_len=4", "trainer.max_steps=6"]
-        out["fp8_fsdp_recompute"] = run("fp8a", *FSDP, *fp8, "trainer.activation_checkpointing=full")
-        out["fp8_ddp"] = run("fp8b", *DDP, *fp8)
-        # The block-scaled and row-wise recipes (issue 12) under FSDP2 as well.
-        for recipe in ("current", "blockwise", "mxfp8", "rowwise"):
-            short = [f"fp8={recipe}", "trainer.max_steps=4"]
-            out[f"{recipe}_fsdp"] = run(f"{recipe}a", *FSDP, *short)
-            out[f"{recipe}_ddp"] = run(f"{recipe}b", *DDP, *short)
-    except Exception:  # noqa: BLE001 - reported to the parent
-        out["error"] = traceback.format_exc()
+    out["fsdp"] = run("fsdp", *FSDP, "checkpoint.interval=5", ck("fsdp"))
+    out["ddp"] = run("ddp", *DDP, "checkpoint.interval=5", ck("ddp"))
+    # Resume from step 5 of the other layout, and of the same one (a copy of that step only).
+    for name, layout, src in (("ddp_from_fsdp", DDP, "fsdp"), ("fsdp_from_ddp", FSDP, "ddp"),
+                              ("fsdp_from_fsdp", FSDP, "fsdp")):
+        if rank == 0:
+            shutil.copytree(os.path.join(root, src, "ck", "step_00000005"),
+                            os.path.join(root, name, "ck", "step_00000005"))
+        dist.barrier()
+        out[name] = run(name, *layout, "checkpoint.resume=true", ck(name), "checkpoint.save_final=false")
+    fp8 = ["parallel.sequence_parallel=true", "fp8=delayed", "fp8.amax_history_len=4", "trainer.max_steps=6"]
+    out["fp8_fsdp_recompute"] = run("fp8a", *FSDP, *fp8, "trainer.activation_checkpointing=full")
+    out["fp8_ddp"] = run("fp8b", *DDP, *fp8)
+    # The block-scaled and row-wise recipes (issue 12) under FSDP2 as well.
+    for recipe in ("current", "blockwise", "mxfp8", "rowwise"):
+        short = [f"fp8={recipe}", "trainer.max_steps=4"]
+        out[f"{recipe}_fsdp"] = run(f"{recipe}a", *FSDP, *short)
+        out[f"{recipe}_ddp"] = run(f"{recipe}b", *DDP, *short)
     out["groups"], out["threads"] = groups, threads
     return out
 
@@ -79,8 +78,6 @@ def _runs(rank: int, world_size: int, root: str) -> dict[str, Any]:
 def runs(tmp_path_factory) -> dict[str, Any]:
     root = str(tmp_path_factory.mktemp("fsdp_launch"))
     results = run_distributed(4, _runs, root, timeout=900)
-    for rank, r in enumerate(results):
-        assert "error" not in r, f"rank {rank}:\n{r['error']}"
     losses = [{k: v for k, v in r.items() if k not in ("groups", "threads")} for r in results]
     assert all(r == losses[0] for r in losses[1:]), "ranks report different losses"
     return results[0]
