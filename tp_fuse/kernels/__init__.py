@@ -25,7 +25,7 @@ from .dispatch import (
     triton_interpreted,
     triton_status,
 )
-from .gemm import fp8_gemm
+from .gemm import fp8_gemm, fp8_gemm_checked, fp8_gemm_emulated, fp8_gemm_reads_views
 from .norms import layernorm_fwd, rmsnorm_fwd
 
 __all__ = [
@@ -35,6 +35,9 @@ __all__ = [
     "dgelu_dbias",
     "dswiglu",
     "fp8_gemm",
+    "fp8_gemm_checked",
+    "fp8_gemm_emulated",
+    "fp8_gemm_reads_views",
     "gelu_fwd",
     "layernorm_fwd",
     "planned_backend",

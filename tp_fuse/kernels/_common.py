@@ -143,11 +143,21 @@ def fp8_cast(
 
 def abs_max(v: torch.Tensor) -> torch.Tensor:
     """fp32 0-d ``max(|v|)``; NaN-propagating; 0 for an empty tensor."""
-    if v.numel() == 0:
+    n = v.numel()
+    if n == 0:
         return torch.zeros((), dtype=torch.float32, device=v.device)
+    if n <= _ABS_MAX_TEMPORARY_NUMEL:
+        # Two ops where the form below takes three: small tensors are bound by op count.
+        return v.abs().amax().float()
     # One read, no full-size |v| temporary; max/maximum propagate NaN.
     lo, hi = torch.aminmax(v)
     return torch.maximum(hi, lo.neg()).float()
+
+
+# Up to this size abs_max computes |v| as a temporary (measured on CPU, torch 2.13, median
+# of 300: 1K elements 2.3 us vs 4.1 us for aminmax's three ops; 16K 4.4 vs 5.0; from about
+# 100K the temporary costs more: 1M 224 us vs 104 us).
+_ABS_MAX_TEMPORARY_NUMEL = 65536
 
 
 def finish_output(

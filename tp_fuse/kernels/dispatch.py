@@ -150,6 +150,12 @@ def record_kernel_paths(log: Optional[KernelPathLog] = None) -> Iterator[KernelP
             _active_logs.remove(log)
 
 
+def logging_active() -> bool:
+    """Whether a ``record_kernel_paths`` block is open (callers skip building a log entry
+    otherwise)."""
+    return bool(_active_logs)
+
+
 def log_call(kernel: str, choice: BackendChoice, variant: str, device: torch.device) -> None:
     """Record one executed call in every active log (no-op when none is active)."""
     if not _active_logs:  # the common case, without taking the lock

@@ -33,6 +33,7 @@ that ran (``cpu-emulation`` / ``scaled_mm``), ``explain`` shows the choice.
 from __future__ import annotations
 
 import os
+import sys
 from typing import Optional
 
 import torch
@@ -40,7 +41,10 @@ import torch
 __all__ = [
     "CPU_FP8_GEMM_ENV",
     "CPU_FP8_GEMM_PATHS",
+    "accumulation_dtype",
     "cpu_fp8_gemm_path",
+    "decode_operand",
+    "emulated_mm_decoded",
     "emulated_scaled_mm",
     "fp8_to_float",
 ]
@@ -50,16 +54,24 @@ CPU_FP8_GEMM_ENV = "TP_FUSE_CPU_FP8_GEMM"
 CPU_FP8_GEMM_PATHS = ("emulate", "scaled_mm")
 _FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 
-# Which decode is faster, by dtype and size (median of 300, one thread, Xeon with
-# AVX512-FP16/AMX, torch 2.13; examples/bench_cpu_speed.py prints the GEMMs using it):
-# e5m2 is a truncated fp16 and torch's cast wins at every size (1M elements: 589 us vs
-# the table's 771 us); e4m3 casts element by element, so the table wins from a few
-# thousand elements (16K: 28 us vs 70 us; 1M: 783 us vs 3889 us) but loses below (1K:
-# 7.8 us vs 5.2 us), where the fixed cost of its four ops dominates.
-_NATIVE_E4M3_MAX_NUMEL = 4096
+# Which decode is faster, by dtype and size (median of 2000, 2 threads, Xeon with
+# AVX512-FP16/AMX, torch 2.13, 2026-11-26; examples/bench_cpu_speed.py prints the GEMMs
+# using it). e5m2 is a truncated fp16 and torch's cast wins at every size (64K elements:
+# 18.5 us; 1M: 262 us). e4m3 casts element by element (64K: 116 us; 1M: 1.9 ms): the cast
+# wins only up to about 1K elements (4.6 us), where the table's five small ops cost more;
+# a 256-entry table of byte values wins up to 16K (4K: 5.1 us vs 15.3 us; 16K: 11 us vs
+# 58 us) but index_select slows down past that (64K: 76 us); a 64K-entry table of byte
+# *pairs* halves the gathers and wins from there (64K: 25 us; 1M: 418 us).
+_NATIVE_E4M3_MAX_NUMEL = 2048
+_PAIR_TABLE_MIN_NUMEL = 32768
+# The pair table is indexed by two bytes read as one native int16.
+_LITTLE_ENDIAN = sys.byteorder == "little"
 
 # (fp8 dtype, device) -> fp32 [256] table of every byte's value. A few KiB; built once.
 _TABLES: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
+# (fp8 dtype, device) -> [65536] int64: the two fp32 values of every byte pair (in memory
+# order), packed. 512 KiB; built once, on first use by a large e4m3 operand.
+_PAIR_TABLES: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
 
 
 def _table(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -67,23 +79,40 @@ def _table(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     table = _TABLES.get(key)
     if table is None:
         codes = torch.arange(256, dtype=torch.uint8, device=device)
-        table = _TABLES[key] = codes.view(dtype).to(torch.float32)
+        with torch.inference_mode(False):
+            table = _TABLES[key] = codes.view(dtype).to(torch.float32)
+    return table
+
+
+def _pair_table(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    key = (dtype, device)
+    table = _PAIR_TABLES.get(key)
+    if table is None:
+        # The byte pair of int16 code k is its first two bytes in memory (little endian).
+        pairs = torch.arange(65536, dtype=torch.int32, device=device).view(torch.uint8).view(-1, 4)[:, :2]
+        with torch.inference_mode(False):
+            table = _PAIR_TABLES[key] = _table(dtype, device)[pairs.long()].contiguous().view(torch.int64).view(-1)
     return table
 
 
 def fp8_to_float(data: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """``data.to(dtype)`` for float8_e4m3fn / float8_e5m2 ``data`` of any shape, bit-exact.
 
-    A table lookup of the 256 byte values (see module doc); the result is contiguous.
-    Other dtypes are converted with ``.to``.
+    torch's cast where it is the fast one, else a table lookup of the byte values (see
+    the sizes above); the result is contiguous. Other dtypes are converted with ``.to``.
     """
     if data.dtype not in _FP8_DTYPES:
         return data.to(dtype)
-    if data.dtype == torch.float8_e5m2 or data.numel() <= _NATIVE_E4M3_MAX_NUMEL:
+    n = data.numel()
+    if data.dtype == torch.float8_e5m2 or n <= _NATIVE_E4M3_MAX_NUMEL:
         # torch's own cast is exact too, and the faster one here (see _NATIVE_E4M3_MAX_NUMEL).
         return data.to(dtype).contiguous()
-    flat = data.contiguous().view(torch.uint8).reshape(-1).to(torch.int32)
-    out = _table(data.dtype, data.device).index_select(0, flat).view(data.shape)
+    codes = data.contiguous().view(torch.uint8).reshape(-1)
+    if n >= _PAIR_TABLE_MIN_NUMEL and n % 2 == 0 and codes.storage_offset() % 2 == 0 and _LITTLE_ENDIAN:
+        pairs = codes.view(torch.int16).to(torch.int32).bitwise_and_(0xFFFF)  # the int16 read unsigned
+        out = _pair_table(data.dtype, data.device).index_select(0, pairs).view(torch.float32).view(data.shape)
+    else:
+        out = _table(data.dtype, data.device).index_select(0, codes.to(torch.int32)).view(data.shape)
     return out if dtype == torch.float32 else out.to(dtype)
 
 
@@ -95,7 +124,10 @@ def cpu_fp8_gemm_path() -> str:
     return path
 
 
-def _decode_operand(mat: torch.Tensor, acc_dtype: torch.dtype) -> torch.Tensor:
+def decode_operand(mat: torch.Tensor, acc_dtype: torch.dtype) -> torch.Tensor:
+    """The values of FP8 GEMM operand ``mat`` (unscaled) in ``acc_dtype`` (fp32, or float64
+    for a float64 output), in a layout ``torch.mm`` reads without a copy: torch's cast
+    keeps ``mat``'s strides; the table decodes in storage order."""
     if mat.dtype == torch.float8_e5m2 or mat.numel() <= _NATIVE_E4M3_MAX_NUMEL:
         # torch's cast (the faster one here, see _NATIVE_E4M3_MAX_NUMEL) keeps the
         # operand's layout, and torch.mm reads either: one op, no transposes.
@@ -130,8 +162,29 @@ def emulated_scaled_mm(
     ``out = round_out_dtype((decode(mat1) @ decode(mat2)) * scale_a * scale_b + bias)`` with
     fp32 accumulation (fp64 for a float64 output); the products are exact.
     """
-    acc_dtype = torch.float64 if out_dtype == torch.float64 else torch.float32
-    out = torch.mm(_decode_operand(mat1, acc_dtype), _decode_operand(mat2, acc_dtype))
+    acc_dtype = accumulation_dtype(out_dtype)
+    return emulated_mm_decoded(decode_operand(mat1, acc_dtype), decode_operand(mat2, acc_dtype),
+                               scale_a, scale_b, out_dtype, bias)
+
+
+def accumulation_dtype(out_dtype: torch.dtype) -> torch.dtype:
+    """The emulation's accumulation dtype: float64 for a float64 output, else fp32."""
+    return torch.float64 if out_dtype == torch.float64 else torch.float32
+
+
+def emulated_mm_decoded(
+    mat1: torch.Tensor,
+    mat2: torch.Tensor,
+    scale_a: torch.Tensor,
+    scale_b: torch.Tensor,
+    out_dtype: torch.dtype,
+    bias: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """:func:`emulated_scaled_mm` for operands already decoded (:func:`decode_operand`,
+    ``[M, K]`` and ``[K, N]`` in :func:`accumulation_dtype`): callers that use one
+    operand in several GEMMs (a weight in fprop and dgrad) decode it once."""
+    acc_dtype = mat1.dtype
+    out = torch.mm(mat1, mat2)
     out.mul_(scale_a if scale_a.dtype == acc_dtype else scale_a.to(acc_dtype))
     out.mul_(scale_b if scale_b.dtype == acc_dtype else scale_b.to(acc_dtype))
     if bias is not None:

@@ -31,9 +31,9 @@ from ._common import (
     triton_dtype_issue,
 )
 from .cuda_rules import cuda_semantics, scaled_mm
-from .fp8_emulation import cpu_fp8_gemm_path
+from .fp8_emulation import cpu_fp8_gemm_path, emulated_mm_decoded
 
-__all__ = ["fp8_gemm"]
+__all__ = ["fp8_gemm", "fp8_gemm_checked", "fp8_gemm_emulated", "fp8_gemm_reads_views"]
 
 
 def fp8_gemm(
@@ -75,6 +75,18 @@ def fp8_gemm(
 
     Returns ``(out, pre_gelu_out)``.
     """
+    _check_fp8_gemm_args(a, b, scale_a, scale_b, out_dtype, bias)
+    return fp8_gemm_checked(a, b, scale_a, scale_b, out_dtype, bias=bias, gelu=gelu, backend=backend)
+
+
+def _check_fp8_gemm_args(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    scale_a: torch.Tensor,
+    scale_b: torch.Tensor,
+    out_dtype: torch.dtype,
+    bias: Optional[torch.Tensor],
+) -> None:
     for name, t in (("a", a), ("b", b)):
         if not isinstance(t, torch.Tensor) or t.dtype not in FP8_MAX or t.dim() != 2:
             got = f"{t.dtype} tensor of shape {tuple(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
@@ -89,6 +101,23 @@ def fp8_gemm(
         raise ValueError(f"out_dtype: expected one of {TORCH_FLOAT_DTYPES}, got {out_dtype}")
     if bias is not None:
         check_vector("bias", bias, b.shape[0], a.device)
+
+
+def fp8_gemm_checked(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    scale_a: torch.Tensor,
+    scale_b: torch.Tensor,
+    out_dtype: torch.dtype,
+    *,
+    bias: Optional[torch.Tensor] = None,
+    gelu: bool = False,
+    backend: Optional[str] = None,
+) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """:func:`fp8_gemm` for callers that have validated its arguments already (the
+    Float8Tensor GEMM, whose operands are FP8 bytes with 0-d fp32 scales by
+    construction): the same dispatch, kernels and logging, without checking twice on
+    the hot path."""
     dtype_issue = triton_dtype_issue(out_dtype, None if bias is None else bias.dtype)
     choice = dispatch.select_fp8_gemm_backend(a.device, backend, triton_unsupported=dtype_issue)
     if not choice.runnable:
@@ -103,6 +132,34 @@ def fp8_gemm(
         out, pre, variant = gemm_triton.fp8_gemm_triton(a, b, scale_a, scale_b, out_dtype, bias, gelu)
     dispatch.log_call("fp8_gemm", choice, variant, a.device)
     return out, pre
+
+
+def fp8_gemm_emulated(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    scale_a: torch.Tensor,
+    scale_b: torch.Tensor,
+    out_dtype: torch.dtype,
+    *,
+    bias: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """:func:`fp8_gemm`'s CPU emulation (``fp8_gemm_reads_views``) for callers holding the
+    operands decoded (``fp8_emulation.decode_operand``; ``a [M, K]``, ``b [N, K]``, any
+    layout, in ``accumulation_dtype(out_dtype)``): the Float8Tensor GEMM, which decodes a
+    weight once for its fprop and dgrad GEMMs. Same result and kernel log as
+    :func:`fp8_gemm` with the FP8 operands (variant ``cpu-emulation``), no GELU epilogue."""
+    out = emulated_mm_decoded(a, b.t(), scale_a, scale_b, out_dtype, bias)
+    if dispatch.logging_active():
+        dispatch.log_call("fp8_gemm", dispatch.select_fp8_gemm_backend(a.device), "cpu-emulation", a.device)
+    return out
+
+
+def fp8_gemm_reads_views(device: torch.device) -> bool:
+    """Whether :func:`fp8_gemm` on ``device`` reads transposed operands (column-major
+    views of row-major FP8 bytes) as fast as K-major ones: the CPU emulation, outside
+    strict-CUDA mode. Callers then pass ``t()`` views where a GPU needs transposed FP8
+    bytes (``Float8Tensor.transpose_fp8``), and the quantizers need not write them."""
+    return device.type == "cpu" and not strict_cuda_enabled() and cpu_fp8_gemm_path() == "emulate"
 
 
 def _fp8_gemm_torch(
@@ -123,10 +180,11 @@ def _fp8_gemm_torch(
     cuda = cuda_semantics(a.device)
     gemm_dtype = torch.float32 if cuda and out_dtype == torch.float64 else out_dtype
     fused_bias = bias is not None and (not cuda or out_dtype in (torch.bfloat16, torch.float16))
-    if not strict_cuda_enabled():
+    if cpu_path != "emulate" and not strict_cuda_enabled():
         # Make the operands K-major as the GEMM wants (a copy if they are not). Strict mode
         # skips this so that its layout check sees what callers pass: a transposed FP8 view
-        # here costs a full transpose copy on every call on a GPU.
+        # here costs a full transpose copy on every call on a GPU. The CPU emulation reads
+        # any layout (its decode keeps the operand's strides; torch.mm takes either).
         a, b = a.contiguous(), b.contiguous()
     pre = scaled_mm(
         a,

@@ -33,7 +33,13 @@ from tp_fuse.comm.nccl_rules import check_collective
 
 from . import scaling
 from .block.quantizer import BlockScalingQuantizer
-from .quantizer import CurrentScalingQuantizer, DelayedScalingQuantizer, Quantizer, update_delayed_quantizers
+from .quantizer import (
+    CurrentScalingQuantizer,
+    DelayedScalingQuantizer,
+    Quantizer,
+    no_grad_if_enabled,
+    update_delayed_quantizers,
+)
 
 __all__ = ["AmaxReductionBuffer", "BackwardAmaxTracker"]
 
@@ -75,12 +81,15 @@ class AmaxReductionBuffer:
             return False
         return dist.get_world_size(self.group) > 1
 
-    @torch.no_grad()
     def reduce_and_update(self) -> None:
         """One all-reduce(MAX) over all registered slots, then update them all.
 
         Empties the buffer, ready for the next step.
         """
+        with no_grad_if_enabled():
+            self._reduce_and_update()
+
+    def _reduce_and_update(self) -> None:
         quantizers = list(self._slots.values())
         self._slots.clear()
         if not quantizers:

@@ -26,6 +26,7 @@ from typing import Optional
 import torch
 
 from .. import kernels
+from ..kernels.fp8_emulation import accumulation_dtype
 from .block.gemm import block_gemm
 from .block.tensor import BlockScaledTensor
 from .float8.tensor import Float8Tensor
@@ -94,5 +95,11 @@ def fp8_gemm(
             raise ValueError(f"fp8_gemm: bias on {bias.device}, operands on {a.device}")
     # The kernel takes a [M, K] and b [N, K] (it makes them contiguous as its GEMM
     # needs) and the dequantization scales; it adds the bias in its epilogue.
-    out, _ = kernels.fp8_gemm(a._fp8, b._fp8, a._sinv, b._sinv, out_dtype, bias=bias)
+    if kernels.fp8_gemm_reads_views(a.device):
+        # The CPU emulation: decoded operands, kept where the caller asked (a weight's
+        # decode serves its fprop and dgrad GEMMs).
+        acc = accumulation_dtype(out_dtype)
+        return kernels.fp8_gemm_emulated(a.decoded(acc), b.decoded(acc), a._sinv, b._sinv, out_dtype, bias=bias)
+    # Float8Tensor guarantees FP8 bytes and 0-d fp32 scales; the rest was checked above.
+    out, _ = kernels.fp8_gemm_checked(a._fp8, b._fp8, a._sinv, b._sinv, out_dtype, bias=bias)
     return out

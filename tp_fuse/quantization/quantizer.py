@@ -24,6 +24,7 @@ and :meth:`Quantizer.quantize_with_amax` are the hooks for that.
 from __future__ import annotations
 
 import abc
+import contextlib
 import copy
 import math
 from collections.abc import Iterable, Sequence
@@ -58,6 +59,16 @@ __all__ = [
 _FP32_MAX = float(torch.finfo(torch.float32).max)
 
 
+def no_grad_if_enabled() -> contextlib.AbstractContextManager:
+    """``torch.no_grad()``, or nothing when grad mode is off already: inside the fuser's
+    autograd functions (every quantize of a training step) entering and leaving
+    ``no_grad`` would cost about 1.4 us per call for nothing."""
+    return torch.no_grad() if torch.is_grad_enabled() else _NULL_CONTEXT
+
+
+_NULL_CONTEXT = contextlib.nullcontext()
+
+
 def is_backward_role(role: str) -> bool:
     """Whether ``role`` names a gradient (backward FP8 dtype)."""
     return role.startswith("grad")
@@ -67,7 +78,7 @@ def _amax(x: torch.Tensor) -> torch.Tensor:
     """amax(|x|) as a 0-d fp32 tensor; 0 for an empty tensor; NaN propagates."""
     if x.numel() == 0:
         return torch.zeros((), dtype=torch.float32, device=x.device)
-    return x.detach().abs().amax().to(torch.float32)
+    return (x.detach() if x.requires_grad else x).abs().amax().to(torch.float32)
 
 
 def _cast(
@@ -180,6 +191,11 @@ class Quantizer(abc.ABC):
     # Recipe quantizers make both copies; TE-named ones override these per instance.
     rowwise_usage: bool = True
     columnwise_usage: bool = True
+    #: Whether the column-wise operand of a GEMM is the row-wise bytes transposed (one
+    #: scale for the whole tensor), so that a GEMM reading any layout
+    #: (``kernels.fp8_gemm_reads_views``) can take a transposed view instead of
+    #: transposed bytes. Block scaling scales the columns with their own scales: False.
+    transposes_by_view: bool = True
 
     def __init__(self, fp8_dtype: torch.dtype, role: str) -> None:
         self.fp8_dtype = fp8_dtype
@@ -355,9 +371,10 @@ class DelayedScalingQuantizer(Quantizer):
             self.nonfinite_amax_count = torch.zeros((), dtype=torch.int64, device=device)
 
     def _quantize_impl(self, x: torch.Tensor, transpose: bool = False) -> Float8Tensor:
-        with torch.no_grad():
+        with no_grad_if_enabled():
             self._to_device(x.device)
-            data, data_t, amax = _cast(x.detach(), self.scale, self.fp8_dtype, transpose=transpose)
+            # (no detach: nothing is recorded under no_grad)
+            data, data_t, amax = _cast(x, self.scale, self.fp8_dtype, transpose=transpose)
         return self.from_producer(data, amax, x.dtype, data_t)
 
     def producer_scale(self, device: torch.device) -> torch.Tensor:
@@ -373,13 +390,13 @@ class DelayedScalingQuantizer(Quantizer):
         ``amax`` is max |x| of the high-precision values (folded into
         ``amax_history[0]`` as ``quantize`` does); ``data_t`` optional transposed bytes.
         """
-        with torch.no_grad():
+        with no_grad_if_enabled():
             self._to_device(data.device)
-            slot = self.amax_history[0]
+            slot = self.current_amax
             torch.maximum(slot, amax, out=slot)  # in place: two ops where indexing takes four
             # A new tensor: later scale updates must not change this tensor's value.
             scale_inv = torch.reciprocal(self.scale)
-        return _with_transpose(Float8Tensor(data, scale_inv, dtype), data_t)
+        return _with_transpose(Float8Tensor.wrap_checked(data, scale_inv, dtype), data_t)
 
     def _to_device(self, device: torch.device) -> None:
         # State follows the data on first use (modules may be moved after init).
@@ -422,8 +439,15 @@ class DelayedScalingQuantizer(Quantizer):
 
     @property
     def current_amax(self) -> torch.Tensor:
-        """This step's amax slot (``amax_history[0]``), a view."""
-        return self.amax_history[0]
+        """This step's amax slot (``amax_history[0]``), a view (made once per history
+        tensor: indexing is an op on every quantize otherwise)."""
+        hist = self.amax_history
+        cached = self.__dict__.get("_slot")
+        # data_ptr: a copied quantizer (deepcopy, unpickling) must not write to a slot that
+        # no longer shares its history's storage.
+        if cached is None or cached[0] is not hist or cached[1].data_ptr() != hist.data_ptr():
+            cached = self._slot = (hist, hist[0])
+        return cached[1]
 
     @torch.no_grad()
     def update(self) -> None:
@@ -496,6 +520,7 @@ class _SharedDelayedState:
         self.fp8_max = torch.tensor([q.fp8_max for q in qs], dtype=torch.float64, device=device)
         self.any_margin = any(q.margin != 0 for q in qs)
         self.pow2_margin = torch.tensor([2.0 ** q.margin for q in qs], dtype=torch.float64, device=device)
+        self.current = self.hist[:, 0]  # a view: this step's slots
 
     def serves(self, qs: list[DelayedScalingQuantizer]) -> bool:
         """Whether ``qs`` are exactly this state's quantizers, still bound to its rows."""
@@ -515,7 +540,6 @@ class _SharedDelayedState:
         return cls(qs, device)
 
 
-@torch.no_grad()
 def update_delayed_quantizers(quantizers: list[DelayedScalingQuantizer]) -> None:
     """``q.update()`` for every quantizer, as a few batched tensor ops instead of ~20 per quantizer.
 
@@ -528,6 +552,11 @@ def update_delayed_quantizers(quantizers: list[DelayedScalingQuantizer]) -> None
     (Transformer Engine does it in one fused kernel over all of them), so its cost is
     per-step host time.
     """
+    with no_grad_if_enabled():
+        _update_delayed_quantizers(quantizers)
+
+
+def _update_delayed_quantizers(quantizers: list[DelayedScalingQuantizer]) -> None:
     groups: dict[tuple, list[DelayedScalingQuantizer]] = {}
     for q in quantizers:
         if _batchable(q):
@@ -539,8 +568,7 @@ def update_delayed_quantizers(quantizers: list[DelayedScalingQuantizer]) -> None
             qs[0].update()
             continue
         st = _SharedDelayedState.of(qs, device)
-        hist = st.hist  # [n, L], slot 0 = this step
-        current = hist[:, 0]
+        hist, current = st.hist, st.current  # [n, L], slot 0 = this step; [n] view of slot 0
         # finite <=> |x| < inf (NaN compares false): two cheap ops where torch.isfinite
         # is a composite of four on CPU; this runs twice per step.
         bad_current = ~(current.abs() < math.inf)
@@ -558,15 +586,16 @@ def update_delayed_quantizers(quantizers: list[DelayedScalingQuantizer]) -> None
         # amax > 0, else the previous scale; clamped to the fp32 range.
         amax64 = amax.to(torch.float64)
         usable = amax64 > 0
-        new = st.fp8_max / torch.where(usable, amax64, 1.0)
+        new = st.fp8_max / amax64  # inf where amax is 0: discarded by the where() below
         if st.any_margin:  # dividing by 2**0 = 1 is exact: skipped
             new = new / st.pow2_margin
-        st.scale.copy_(torch.where(usable, new.clamp_(max=_FP32_MAX), st.scale.to(torch.float64)))
+        # (where promotes the fp32 scale to float64 exactly; copy_ rounds the new one once)
+        st.scale.copy_(torch.where(usable, new.clamp_(max=_FP32_MAX), st.scale))
         st.count.add_(bad_current)
         st.last_amax.copy_(amax)
         # scaling.roll_amax_history on every row: shift left by one, zero the new slot 0.
         hist.copy_(torch.roll(hist, -1, 1))
-        hist[:, 0] = 0.0
+        current.zero_()
 
 
 class CurrentScalingQuantizer(Quantizer):
@@ -615,21 +644,26 @@ class CurrentScalingQuantizer(Quantizer):
         return amax.reshape(())
 
     def _quantize_impl(self, x: torch.Tensor, transpose: bool = False) -> Float8Tensor:
-        return self.quantize_with_amax(x, _amax(x), transpose=transpose)
+        return self._quantize_with_own_amax(x, _amax(x), transpose)
 
     def quantize_with_amax(self, x: torch.Tensor, amax: torch.Tensor, *, transpose: bool = False) -> Float8Tensor:
         """Quantize with the scale from ``amax`` = this rank's max |x| (all-reduced
         over the amax group first), e.g. the amax a norm kernel computed in passing."""
-        with torch.no_grad():
+        # ``last_amax`` keeps the value: a copy, since the caller may reuse its tensor.
+        return self._quantize_with_own_amax(x, amax.detach().clone(), transpose)
+
+    def _quantize_with_own_amax(self, x: torch.Tensor, amax: torch.Tensor, transpose: bool) -> Float8Tensor:
+        """:meth:`quantize_with_amax` with an ``amax`` tensor nobody else holds."""
+        with no_grad_if_enabled():
             amax = self._reduce(amax)
             scale, nonfinite, zero = scaling.current_scale_and_checks(amax, self.fp8_max, self.power_2_scale)
             # The amax is known: the cast kernel need not compute it again.
-            data, data_t, _ = _cast(x.detach(), scale, self.fp8_dtype, transpose=transpose, with_amax=False)
-            self.last_amax = amax.clone()
+            data, data_t, _ = _cast(x, scale, self.fp8_dtype, transpose=transpose, with_amax=False)
+            self.last_amax = amax
             self.scale = scale
             self.nonfinite_amax_count = self.nonfinite_amax_count.to(x.device) + nonfinite
             self.zero_amax_count = self.zero_amax_count.to(x.device) + zero
-        return _with_transpose(Float8Tensor(data, torch.reciprocal(scale), x.dtype), data_t)
+        return _with_transpose(Float8Tensor.wrap_checked(data, torch.reciprocal(scale), x.dtype), data_t)
 
     def stats(self) -> dict[str, float]:
         return {

@@ -157,7 +157,7 @@ def current_scale_and_checks(
     """``(scale, nonfinite, zero)`` for an amax (``max |x|``: >= 0, or NaN/inf):
     :func:`current_scale`, and whether the amax is non-finite / zero (0-d bools), from
     the same comparisons: this runs at every current-scaling quantize."""
-    amax64 = amax.detach()
+    amax64 = amax.detach() if amax.requires_grad else amax
     amax64 = (amax64 if amax64.dim() == 0 else amax64.reshape(())).to(torch.float64)
     # Finite and > 0 in two comparisons (NaN fails both). Unusable amaxes divide to inf,
     # 0 or NaN, which the where() discards.
@@ -169,8 +169,21 @@ def current_scale_and_checks(
     # of two and make the scaled amax exceed fp8_max.
     if power_2_scale:
         scale64 = round_down_to_power_of_2(torch.where(usable, scale64, 1.0))
-    scale = torch.where(usable, scale64.to(torch.float32), 1.0)
+    scale = torch.where(usable, scale64.to(torch.float32), _one(amax64.device))
     return scale, ~finite, amax64 == 0
+
+
+# fp32 1.0 per device, for the where() above: a Python scalar there is one more op
+# (a scalar tensor made per call), and this runs at every current-scaling quantize.
+_ONES: dict[torch.device, torch.Tensor] = {}
+
+
+def _one(device: torch.device) -> torch.Tensor:
+    one = _ONES.get(device)
+    if one is None:
+        with torch.inference_mode(False):
+            one = _ONES[device] = torch.ones((), dtype=torch.float32, device=device)
+    return one
 
 
 def nan_to_inf(amax: torch.Tensor) -> torch.Tensor:

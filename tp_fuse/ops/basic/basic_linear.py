@@ -10,6 +10,7 @@ import torch
 
 from tp_fuse.comm import all_reduce
 
+from ...kernels import fp8_gemm_reads_views
 from ...kernels._common import as_rows, as_shape
 from ...quantization import (
     Float8Tensor,
@@ -270,10 +271,13 @@ class BasicLinear(QuantizerStateMixin, BasicOperation):
         state = active_autocast()
         assert state is not None
         qs = self._quantizers.get(state.recipe, state.amax_reduction_group)
+        # The backward GEMMs read transposed views where the GEMM takes any layout (the CPU
+        # emulation): then no transposed bytes are written here.
+        ctx.fp8_views = views = qs["input"].transposes_by_view and fp8_gemm_reads_views(x2d.device)
         if is_quantized_tensor(x2d):
             x_fp8 = x2d
         else:
-            x_fp8 = qs["input"].quantize(x2d, transpose=ctx.requires_grad and self.weight.requires_grad)
+            x_fp8 = qs["input"].quantize(x2d, transpose=ctx.requires_grad and self.weight.requires_grad and not views)
             state.track_forward(qs["input"])
             if self.debug_hooks is not None:
                 self.debug_hooks.on_quantized("input", x2d, x_fp8, qs["input"])
@@ -286,7 +290,11 @@ class BasicLinear(QuantizerStateMixin, BasicOperation):
             if weight.quantizer is not None:
                 state.track_forward(weight.quantizer)
         else:
-            w_fp8 = qs["weight"].quantize(weight.detach(), transpose=ctx.requires_grad)
+            # Inside the fuser's forward grad mode is off: no detach (an op) needed there.
+            w = weight.detach() if torch.is_grad_enabled() else weight
+            w_fp8 = qs["weight"].quantize(w, transpose=ctx.requires_grad and not views)
+            if views and ctx.requires_grad:
+                w_fp8.keep_decoded()  # decoded once for the fprop and dgrad GEMMs
             state.track_forward(qs["weight"])
             if self.debug_hooks is not None:
                 self.debug_hooks.on_quantized("weight", weight, w_fp8, qs["weight"])
@@ -411,13 +419,16 @@ class BasicLinear(QuantizerStateMixin, BasicOperation):
             acc = grad_input_accumulate.reshape(-1, self.in_features)
         if self._context_fp8(ctx):
 
-            dy_fp8, fresh = ctx.grad_quantizer.quantize_or_pass(dy2d, transpose=self.weight.requires_grad)
+            views = getattr(ctx, "fp8_views", False)
+            dy_fp8, fresh = ctx.grad_quantizer.quantize_or_pass(
+                dy2d, transpose=self.weight.requires_grad and not views
+            )
             if fresh:
                 ctx.grad_tracker.track(ctx.grad_quantizer)
             if fresh and self.debug_hooks is not None:
                 self.debug_hooks.on_quantized("grad_output", dy2d, dy_fp8, ctx.grad_quantizer)
             # dx[M, in] = dy[M, out] @ W[out, in]: _scaled_mm wants b as [in, out].
-            dx = fp8_gemm(dy_fp8, w_saved.transpose_fp8(), out_dtype=dy.dtype)
+            dx = fp8_gemm(dy_fp8, _transposed(w_saved, views), out_dtype=dy.dtype)
             if acc is not None:
                 dx = torch.add(acc, dx, alpha=alpha)
             elif alpha != 1.0:
@@ -426,7 +437,7 @@ class BasicLinear(QuantizerStateMixin, BasicOperation):
             if self.weight.requires_grad:
                 x_saved = self.input_for_wgrad(ctx, x_saved)
                 # dW[out, in] = dy^T[out, M] @ x[M, in]
-                dw = fp8_gemm(dy_fp8.transpose_fp8(), x_saved.transpose_fp8(), out_dtype=dy.dtype)
+                dw = fp8_gemm(_transposed(dy_fp8, views), _transposed(x_saved, views), out_dtype=dy.dtype)
                 if alpha != 1.0:
                     dw = dw.mul_(alpha)
         else:
@@ -493,6 +504,12 @@ class BasicLinear(QuantizerStateMixin, BasicOperation):
     def op_backward(self, ctx: OperationContext, grad_output: torch.Tensor):
         dx, dw = self.backward_gemm(ctx, grad_output)
         return dx, (dw,)
+
+
+def _transposed(t: Any, view: bool) -> Any:
+    """A backward GEMM's transposed operand: a view of ``t``'s bytes when ``view`` (the
+    GEMM reads any layout and ``t`` is per-tensor FP8), else its K-major transposed copy."""
+    return t.transposed_view() if view and isinstance(t, Float8Tensor) else t.transpose_fp8()
 
 
 def _accumulate_in_place(residual: torch.Tensor, y2d: torch.Tensor, alpha: float) -> torch.Tensor:

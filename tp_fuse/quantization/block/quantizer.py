@@ -101,6 +101,7 @@ class BlockScalingQuantizer(Quantizer):
             "triton" (see ``tp_fuse.kernels.dispatch``); settable.
     """
 
+    transposes_by_view = False  # the column-wise copy has its own block scales
     needs_amax_reduction = False
 
     def __init__(self, recipe: BlockRecipe, role: str) -> None:

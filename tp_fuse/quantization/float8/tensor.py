@@ -35,7 +35,7 @@ from typing import Any, Optional
 import torch
 from torch.utils._pytree import tree_map
 
-from ...kernels.fp8_emulation import fp8_to_float
+from ...kernels.fp8_emulation import decode_operand, fp8_to_float
 from ..quantized_tensor import QuantizedTensor, write_back_in_place
 from ..te_dtype import DType, as_torch_dtype, te_dtype_of
 
@@ -84,6 +84,9 @@ class Float8Tensor(QuantizedTensor):
     _quantizer: Any
     _alias: "_AliasState"
     _transpose_cache: Optional[tuple[tuple[int, int], torch.Tensor]]
+    # (the _fp8 it decodes, transpose_cache_key() then, dtype, values): see decoded().
+    _decoded_cache: Optional[tuple[torch.Tensor, tuple[int, int], torch.dtype, torch.Tensor]] = None
+    _keep_decoded: bool = False
 
     # Wrapper subclasses must not let the default __torch_function__ re-wrap
     # plain results as Float8Tensor (they would have no FP8 data).
@@ -140,6 +143,25 @@ class Float8Tensor(QuantizedTensor):
                 f"Float8Tensor master: expected shape {tuple(data.shape)} dtype {dtype}, "
                 f"got shape {tuple(master.shape)} dtype {master.dtype}"
             )
+        self = cls.wrap_checked(data, scale_inv if scale_inv.dim() == 0 else scale_inv.reshape(()), dtype,
+                                requires_grad=requires_grad)
+        self._master = master
+        self._quantizer = quantizer
+        if _alias is not None:
+            self._alias = _alias
+        if data_transpose is not None:
+            self._seed_transpose(_as_fp8(data_transpose, fp8_dtype, "data_transpose"))
+        return self
+
+    @classmethod
+    def wrap_checked(
+        cls, data: torch.Tensor, scale_inv: torch.Tensor, dtype: torch.dtype, *, requires_grad: bool = False
+    ) -> "Float8Tensor":
+        """The constructor without its argument checks, for callers whose arguments are
+        valid by construction (the quantizers' casts, transposed views of an existing
+        Float8Tensor): ``data`` FP8 bytes, ``scale_inv`` a 0-d fp32 tensor on ``data``'s
+        device, ``dtype`` a high-precision float dtype. Each FP8 GEMM operand is wrapped
+        on the hot path; the checks cost about as much as the wrapping."""
         self = torch.Tensor._make_wrapper_subclass(
             cls,
             data.shape,
@@ -150,13 +172,11 @@ class Float8Tensor(QuantizedTensor):
             requires_grad=requires_grad,
         )
         self._fp8 = data
-        self._sinv = scale_inv if scale_inv.dim() == 0 else scale_inv.reshape(())
-        self._master = master
-        self._quantizer = quantizer
-        self._alias = _alias if _alias is not None else _AliasState()
+        self._sinv = scale_inv
+        self._master = None
+        self._quantizer = None
+        self._alias = _AliasState()
         self._transpose_cache = None
-        if data_transpose is not None:
-            self._seed_transpose(_as_fp8(data_transpose, fp8_dtype, "data_transpose"))
         return self
 
     def _seed_transpose(self, data_t: torch.Tensor) -> None:
@@ -286,7 +306,53 @@ class Float8Tensor(QuantizedTensor):
     def transpose_fp8(self) -> "Float8Tensor":
         """:meth:`transpose_data` as a Float8Tensor (same scale), e.g. for
         ``fp8_gemm`` in wgrad: ``dW = fp8_gemm(dy.transpose_fp8(), x.transpose_fp8())``."""
-        return Float8Tensor(self.transpose_data(), self._sinv, self.dtype)
+        return Float8Tensor.wrap_checked(self.transpose_data(), self._sinv, self.dtype)
+
+    def transposed_view(self) -> "Float8Tensor":
+        """The transpose of the 2-D view ``[prod(shape[:-1]), shape[-1]]`` as a column-major
+        *view* of this tensor's bytes (same scale), for GEMMs that read any layout
+        (``kernels.fp8_gemm_reads_views``): no copy, where :meth:`transpose_fp8` makes
+        the K-major bytes a GPU GEMM needs. An alias: writes through either invalidate
+        both's caches; a kept :meth:`decoded` result is shared (transposed)."""
+        if self.dim() < 2:
+            raise ValueError(f"transposed_view: expected a tensor with >= 2 dims, got {self.dim()}")
+        data = self._fp8 if self._fp8.dim() == 2 else self._fp8.reshape(-1, self._fp8.shape[-1])
+        view = Float8Tensor.wrap_checked(data.t(), self._sinv, self.dtype)
+        view._alias = self._alias
+        kept = self._valid_decoded()
+        if kept is not None:
+            kept2d = kept if kept.dim() == 2 else kept.reshape(-1, kept.shape[-1])
+            view._keep_decoded = True
+            view._decoded_cache = (view._fp8, view.transpose_cache_key(), kept.dtype, kept2d.t())
+        return view
+
+    def decoded(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The bytes' values, unscaled, in ``dtype`` (fp32, or float64 for float64 GEMM
+        outputs): the CPU emulated GEMM's operand (``fp8_emulation.decode_operand``, exact,
+        in ``_fp8``'s layout). After :meth:`keep_decoded` the result is kept for later
+        calls until a write changes the bytes."""
+        kept = self._valid_decoded()
+        if kept is not None and kept.dtype == dtype:
+            return kept
+        out = decode_operand(self._fp8, dtype)
+        if self._keep_decoded:
+            key = self.transpose_cache_key()
+            if key is not None:
+                self._decoded_cache = (self._fp8, key, dtype, out)
+        return out
+
+    def keep_decoded(self) -> None:
+        """Keep :meth:`decoded`'s result for later GEMMs: a weight is read by its fprop and
+        dgrad GEMMs, and decoding FP8 costs more than the GEMM at small sizes. Holds 4
+        (fp32) bytes per element while this tensor lives."""
+        self._keep_decoded = True
+
+    def _valid_decoded(self) -> Optional[torch.Tensor]:
+        cache = self._decoded_cache
+        if cache is None or cache[0] is not self._fp8:  # ``_data`` assigned: other bytes
+            return None
+        key = self.transpose_cache_key()
+        return cache[3] if key is not None and cache[1] == key else None
 
     # Makes this a "traceable" wrapper subclass: nn.Module._apply (module.to(),
     # .double(), .cuda()) then swaps FP8 parameters as a whole instead of
