@@ -32,8 +32,11 @@ train: install
 	$(PYTHON) -m torch.distributed.run --nproc-per-node=$(NPROC) --rdzv-backend=c10d --rdzv-endpoint=localhost:0 \
 		launch/train.py +model=gpt $(ARGS)
 
+# Two workers (pytest-xdist), each running whole modules (--dist loadfile: a module's
+# process groups start once): the suite is mostly process start-up and waiting, which
+# two workers overlap.
 test: install
-	$(PYTHON) -m pytest -q tests
+	$(PYTHON) -m pytest -q -n 2 --dist loadfile tests
 
 # Leaves out the modules that start processes or compile (tests/conftest.py: SLOW_MODULES).
 test-quick: install

@@ -34,6 +34,9 @@ from tp_fuse.launch.data import stdlib_corpus
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DOCS = ["README.md", "docs/launcher-tour.md", "docs/launcher.md", "docs/debug.md", "docs/scale-out.md"]
+# The blocks of these docs run in test_documented_commands_more.py: the two modules take
+# about as long, and make test's two pytest-xdist workers (whole modules each) share them.
+MORE_DOCS = ("docs/launcher.md", "docs/debug.md", "docs/scale-out.md")
 SCALE = 50
 STEP_KEYS = ("trainer.max_steps", "trainer.exit_at_step", "trainer.fail_at_step", "checkpoint.interval",
              "trainer.log_interval", "trainer.val_interval")
@@ -119,14 +122,18 @@ def _prepare(cmd: str, cwd: str) -> list[str]:
     return argv[: i + 1] + _scale(argv[i + 1 :])
 
 
-def _cases():
-    seen: set[str] = set()  # a command documented twice runs once
+def cases(docs) -> list:
+    """One case per block of ``docs`` with runnable commands. A command documented twice
+    runs once (in the first block of DOCS' order that has it), whichever module asks."""
+    seen: set[str] = set()
+    out = []
     for doc in DOCS:
         for b, cmds in enumerate(_blocks(doc)):
             runnable = [c for c in cmds if _skip_reason(c) is None and c not in seen]
             seen.update(runnable)
-            if runnable:
-                yield pytest.param(runnable, id=f"{os.path.basename(doc).split('.')[0]}_{b}")
+            if runnable and doc in docs:
+                out.append(pytest.param(runnable, id=f"{os.path.basename(doc).split('.')[0]}_{b}"))
+    return out
 
 
 def test_the_extraction_finds_the_documented_commands():
@@ -140,8 +147,13 @@ def test_the_extraction_finds_the_documented_commands():
 
 @pytest.mark.slow
 @pytest.mark.multirank
-@pytest.mark.parametrize("commands", list(_cases()))
+@pytest.mark.parametrize("commands", cases([d for d in DOCS if d not in MORE_DOCS]))
 def test_documented_commands_run_as_written(commands, tmp_path):
+    run_block(commands, tmp_path)
+
+
+def run_block(commands: list[str], tmp_path) -> None:
+    """Run one block's commands in order in ``tmp_path`` (see the module doc)."""
     # As from a clone: relative paths such as configs/debug/example_features.yaml resolve.
     os.symlink(os.path.join(ROOT, "configs"), tmp_path / "configs")
     corpus = stdlib_corpus()

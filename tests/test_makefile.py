@@ -54,7 +54,7 @@ def test_install_once_then_offline(project):
     assert len(pips) == 1, first  # torch imports: only the project itself is installed
     # setuptools>=68 is present: the editable build must not fetch it (works offline).
     assert "--no-build-isolation" in pips[0] and '-e .[test]' in pips[0]
-    assert first[-1] == "-m pytest -q tests"
+    assert first[-1] == "-m pytest -q -n 2 --dist loadfile tests"
     # Every later call: no pip at all.
     for target in ("test", "train", "install"):
         assert _pip_calls(make(target)) == [], target

@@ -423,6 +423,8 @@ class BasicLinear(QuantizerStateMixin, BasicOperation):
             dy_fp8, fresh = ctx.grad_quantizer.quantize_or_pass(
                 dy2d, transpose=self.weight.requires_grad and not views
             )
+            if fresh and views and self.weight.requires_grad:
+                dy_fp8.keep_decoded()  # ours, transient: decoded once for the dgrad and wgrad GEMMs
             if fresh:
                 ctx.grad_tracker.track(ctx.grad_quantizer)
             if fresh and self.debug_hooks is not None:
