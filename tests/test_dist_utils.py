@@ -100,7 +100,9 @@ def _rank_1_hangs(rank: int, world_size: int) -> int:
 def test_a_hung_rank_shows_where_it_waits(capfd) -> None:
     """At the timeout the parent asks every unfinished rank for its Python stacks
     (faulthandler on SIGUSR1) before killing it: the next hang says where it waited."""
+    start = time.monotonic()
     with pytest.raises(DistributedTestError, match=r"ranks \[1\] did not finish within 6"):
         run_distributed(2, _rank_1_hangs, timeout=6)
+    assert time.monotonic() - start < 30  # the timeout ends the run: no hang
     err = capfd.readouterr().err
     assert "in _rank_1_hangs" in err, err[-3000:]  # faulthandler's frame line of the sleeping rank

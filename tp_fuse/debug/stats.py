@@ -210,25 +210,36 @@ def fp8_components(
     fp8_max: float,
     names: set[str],
 ) -> dict[str, torch.Tensor]:
-    """Components comparing ``x`` with its FP8 round trip ``dequantized`` (scale ``scale``)."""
-    x64 = _f64(x.detach())
-    d64 = _f64(dequantized.detach())
-    scale64 = _f64(scale.detach().reshape(()))
+    """Components comparing ``x`` with its FP8 round trip ``dequantized`` (scale ``scale``).
+
+    Computed in the cast's own compute dtype (fp32; float64 for float64 inputs), with no
+    full-size float64 copies (this runs on whole activations at every log step): the
+    overflow test is the cast's ``|x * scale| > fp8_max`` in that dtype, and ``d - x`` is
+    exact there wherever ``d`` is within a factor 2 of ``x`` (Sterbenz) or 0 -- every
+    element the cast did not saturate -- so the squared error, summed in float64, matches a
+    float64 reference to its rounding.
+    """
+    cdtype = torch.float64 if torch.float64 in (x.dtype, dequantized.dtype) else torch.float32
+    xc = x.detach().to(cdtype)
+    dc = dequantized.detach().to(cdtype)
     out: dict[str, torch.Tensor] = {}
     if "numel" in names:
-        out["numel"] = torch.tensor(float(x64.numel()), dtype=torch.float64, device=x64.device)
+        out["numel"] = torch.tensor(float(xc.numel()), dtype=torch.float64, device=xc.device)
     if "underflows" in names:
-        out["underflows"] = ((x64 != 0) & (d64 == 0)).sum().to(torch.float64)
+        out["underflows"] = ((xc != 0) & (dc == 0)).sum().to(torch.float64)
     if "overflows" in names:
-        out["overflows"] = ((x64.abs() * scale64) > fp8_max).sum().to(torch.float64)
+        scale_c = scale.detach().reshape(()).to(cdtype)
+        out["overflows"] = ((xc.abs() * scale_c) > fp8_max).sum().to(torch.float64)
     if "sqerr" in names:
-        out["sqerr"] = (d64 - x64).square().sum()
+        diff = (dc - xc).reshape(-1).to(torch.float64)
+        out["sqerr"] = torch.dot(diff, diff)
+    scale64 = _f64(scale.detach().reshape(()))
     if "scale_inv_min" in names:
         out["scale_inv_min"] = 1.0 / scale64
     if "scale_inv_max" in names:
         out["scale_inv_max"] = 1.0 / scale64
     if "amax" in names:
-        out["amax"] = x64.abs().amax() if x64.numel() else torch.zeros((), dtype=torch.float64)
+        out["amax"] = xc.abs().amax().to(torch.float64) if xc.numel() else torch.zeros((), dtype=torch.float64)
     return out
 
 
