@@ -26,12 +26,13 @@ from typing import Optional
 import torch
 
 from .. import kernels
+from ..kernels._common import as_rows
 from ..kernels.fp8_emulation import accumulation_dtype
 from .block.gemm import block_gemm
 from .block.tensor import BlockScaledTensor
 from .float8.tensor import Float8Tensor
 
-__all__ = ["fp8_gemm"]
+__all__ = ["fp8_gemm", "fp8_gemm_of_views"]
 
 _FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 _OUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
@@ -103,3 +104,35 @@ def fp8_gemm(
     # Float8Tensor guarantees FP8 bytes and 0-d fp32 scales; the rest was checked above.
     out, _ = kernels.fp8_gemm_checked(a._fp8, b._fp8, a._sinv, b._sinv, out_dtype, bias=bias)
     return out
+
+
+def fp8_gemm_of_views(
+    a: Float8Tensor,
+    b: Float8Tensor,
+    out_dtype: torch.dtype,
+    *,
+    transpose_a: bool = False,
+    transpose_b: bool = False,
+) -> torch.Tensor:
+    """``op(a) @ op(b).T`` on a GEMM that reads any layout (the CPU emulation:
+    ``kernels.fp8_gemm_reads_views``), where ``op`` is the transpose of the 2-D view
+    ``[prod(shape[:-1]), shape[-1]]`` when asked: the linear layer's backward GEMMs
+    without a Float8Tensor wrapper per transposed operand::
+
+        dgrad: dx = fp8_gemm_of_views(dy, W, transpose_b=True)                    # dy @ W
+        wgrad: dW = fp8_gemm_of_views(dy, x, transpose_a=True, transpose_b=True)  # dy^T @ x
+
+    Bit-identical to ``fp8_gemm(a.transposed_view(), ...)`` (the same decoded values,
+    transposed as views, and the same GEMM and epilogue); decodes kept by
+    ``Float8Tensor.keep_decoded`` are used. ``a``, ``b``: per-tensor Float8Tensors (the
+    caller checks; block-scaled tensors keep their own column-wise copies).
+    """
+    assert isinstance(a, Float8Tensor) and isinstance(b, Float8Tensor)
+    assert kernels.fp8_gemm_reads_views(a.device) and a.device == b.device
+    acc = accumulation_dtype(out_dtype)
+    da = as_rows(a.decoded(acc), a.shape[-1])
+    db = as_rows(b.decoded(acc), b.shape[-1])
+    da = da.t() if transpose_a else da
+    db = db.t() if transpose_b else db
+    assert da.shape[1] == db.shape[1], f"fp8_gemm_of_views: K of {tuple(da.shape)} and {tuple(db.shape)}"
+    return kernels.fp8_gemm_emulated(da, db, a._sinv, b._sinv, out_dtype)
