@@ -7,15 +7,16 @@ runs the eager ``UserbuffersForwardLinear`` (ring-exchange AG+GEMM, pipelined/ri
 over the TPOverlap's pool) and its autograd formula ``tp_fuse::ub_linear_backward`` runs
 the eager ``UserbuffersBackwardLinear``. Checked on 2 gloo ranks (one process start): 2 SGD
 steps compiled (``fullgraph=True``) vs an eager twin, fp32 -- aot_eager and inductor, and
-``method: auto`` (measured at the first run inside the op); the graph holds 4 ub_linear
-nodes, the eager fused forward/backward windows really ran (4 each per step), ``explain``
+``method: auto`` (measured at the first run inside the op); without sequence parallelism the
+``[BasicLinear, Bias, AllReduce]`` windows (proj, fc2: GEMM+AllReduce, backward without
+comm) are ub_linear nodes too (2 per layer); the graph holds 4 ub_linear nodes, the eager fused forward/backward windows really ran (4 each per step), ``explain``
 reports 0 graph breaks, and fake == real for both ops (shape, dtype, strides; not
 ``torch.library.opcheck``, which clones the weight the op must read live).
 
 ``tp_fuse.explain`` names every overlap window's fate under compile (one ``overlap`` line
 per window under ``compile:``): overlapped as ``ub_linear``, or traced without overlap with
 the reason -- FP8 recipe (delayed, current), ``save_gathered_input`` (AG windows only),
-GEMM+AllReduce (no sequence parallelism), overlap disabled -- and agrees with
+overlap disabled -- and agrees with
 ``plan_windows``, the compiled path's own decision; explain does not load ``torch._dynamo``.
 """
 
@@ -28,7 +29,9 @@ import torch.distributed as dist
 from dist_utils import run_distributed
 
 SEQ, BATCH, HIDDEN, FFN, HEADS = 8, 2, 32, 64, 2
-CASES = [("aot_eager", "default"), ("inductor", "default"), ("aot_eager", "auto")]
+# (backend, overlap): "gemm_ar" is TP without sequence parallelism, whose proj and fc2 are
+# GEMM+AllReduce windows (UserbuffersForwardLinearAllReduce; the backward has no comm).
+CASES = [("aot_eager", "default"), ("inductor", "default"), ("aot_eager", "auto"), ("aot_eager", "gemm_ar")]
 
 
 def _overlap(kind: str):
@@ -39,12 +42,13 @@ def _overlap(kind: str):
     return TPOverlap()
 
 
-def _steps(layer, rank: int, tp: int) -> list[torch.Tensor]:
+def _steps(layer, rank: int, tp: int, sequence_parallel: bool = True) -> list[torch.Tensor]:
     opt = torch.optim.SGD(layer.parameters(), lr=0.1)
     out = []
     for step in range(2):
-        gen = torch.Generator().manual_seed(100 * step + rank)
-        x = torch.randn(SEQ // tp, BATCH, HIDDEN, generator=gen).requires_grad_()
+        # Without sequence parallelism every rank holds the whole (same) sequence.
+        gen = torch.Generator().manual_seed(100 * step + (rank if sequence_parallel else 0))
+        x = torch.randn(SEQ // tp if sequence_parallel else SEQ, BATCH, HIDDEN, generator=gen).requires_grad_()
         y = layer(x)
         (y ** 2).mean().backward()
         opt.step()
@@ -57,28 +61,34 @@ def _rank_main(rank: int, world: int) -> dict:
     import torch._dynamo
 
     from tp_fuse.layers import TransformerLayer
+    from tp_fuse.ops.compiled.overlap import BackwardOpChain
     from tp_fuse.ops.fused.userbuffers_backward_linear import UserbuffersBackwardLinear
     from tp_fuse.ops.fused.userbuffers_forward_linear import UserbuffersForwardLinear
+    from tp_fuse.ops.fused.userbuffers_forward_linear_all_reduce import UserbuffersForwardLinearAllReduce
 
     calls = {"fwd": 0, "bwd": 0}
-    orig_f, orig_b = UserbuffersForwardLinear.fuser_forward, UserbuffersBackwardLinear.fuser_backward
 
-    def count_f(self, *a, **k):
-        calls["fwd"] += 1
-        return orig_f(self, *a, **k)
+    def counting(cls, name, key):
+        orig = getattr(cls, name)
 
-    def count_b(self, *a, **k):
-        calls["bwd"] += 1
-        return orig_b(self, *a, **k)
+        def count(self, *a, **k):
+            calls[key] += 1
+            return orig(self, *a, **k)
 
-    UserbuffersForwardLinear.fuser_forward, UserbuffersBackwardLinear.fuser_backward = count_f, count_b
+        setattr(cls, name, count)
+
+    counting(UserbuffersForwardLinear, "fuser_forward", "fwd")
+    counting(UserbuffersForwardLinearAllReduce, "fuser_forward", "fwd")
+    counting(UserbuffersBackwardLinear, "fuser_backward", "bwd")
+    counting(BackwardOpChain, "fuser_backward", "bwd")
     group = dist.group.WORLD
     report = {}
     for backend, kind in CASES:
         name = f"{backend}-{kind}"
         torch._dynamo.reset()
         ov = _overlap(kind)
-        eager, twin = (TransformerLayer(HIDDEN, FFN, HEADS, tp_group=group, sequence_parallel=True, seed=3,
+        sp = kind != "gemm_ar"
+        eager, twin = (TransformerLayer(HIDDEN, FFN, HEADS, tp_group=group, sequence_parallel=sp, seed=3,
                                         overlap=ov) for _ in range(2))
         graphs = []
 
@@ -89,9 +99,9 @@ def _rank_main(rank: int, world: int) -> dict:
 
         compiled = torch.compile(twin, backend=recording, fullgraph=True)
         torch._dynamo.utils.counters.clear()
-        ref = _steps(eager, rank, world)
+        ref = _steps(eager, rank, world, sp)
         calls.update(fwd=0, bwd=0)
-        got = _steps(compiled, rank, world)
+        got = _steps(compiled, rank, world, sp)
         compiled_calls = dict(calls)
         diffs = [float((a - b).abs().max()) for a, b in zip(ref, got)]
         diffs += [float((p - q).abs().max()) for p, q in zip(eager.parameters(), twin.parameters())]
@@ -103,6 +113,10 @@ def _rank_main(rank: int, world: int) -> dict:
     layer = TransformerLayer(HIDDEN, FFN, HEADS, tp_group=group, sequence_parallel=True, seed=3)
     ex = torch._dynamo.explain(layer)(torch.randn(SEQ // world, BATCH, HIDDEN))
     report["explain"] = {"breaks": ex.graph_break_count, "graphs": ex.graph_count}
+    torch._dynamo.reset()
+    layer_ar = TransformerLayer(HIDDEN, FFN, HEADS, tp_group=group, sequence_parallel=False, seed=3)
+    ex = torch._dynamo.explain(layer_ar)(torch.randn(SEQ, BATCH, HIDDEN))
+    report["explain_gemm_ar"] = {"breaks": ex.graph_break_count, "graphs": ex.graph_count}
     # opcheck: fake == real (shapes, dtypes, strides), autograd registration (not test_schema:
     # it passes cloned weights, which the op refuses -- it must read the live parameters). Both
     # ranks run the same checks in the same order (the real implementation communicates).
@@ -112,7 +126,8 @@ def _rank_main(rank: int, world: int) -> dict:
 
     checks = {}
     try:
-        fusers = [f for m in layer.modules() if isinstance(m, Sequential) for f in m.fusers()]
+        fusers = [f for lay in (layer, layer_ar) for m in lay.modules() if isinstance(m, Sequential)
+                  for f in m.fusers()]
         for fuser in fusers:
             for start, n, mode in plan_windows(tuple(id(op) for op in fuser.basic_ops)):
                 from tp_fuse.ops import BasicLinear, Bias
@@ -157,22 +172,24 @@ def test_compiled_overlap_layer_matches_eager(results, name: str) -> None:
         if name.startswith("aot_eager"):
             assert case["max_diff"] <= 1e-6, (rank, case)
         assert not case["breaks"] and case["graphs"] == 1, (rank, case)
-        assert case["ub_nodes"] == 4, (rank, case)  # qkv, proj, fc1, fc2
-        # 2 steps x 4 windows through the eager fused ops, forward and backward
+        windows = 2 if name.endswith("gemm_ar") else 4  # proj, fc2 (+ qkv, fc1 with SP)
+        assert case["ub_nodes"] == windows, (rank, case)
+        # 2 steps x the windows through the eager fused ops, forward and backward
         # (method: auto measures more calls on the first step).
-        assert case["calls"]["fwd"] >= 8 and case["calls"]["bwd"] >= 8, (rank, case)
+        assert case["calls"]["fwd"] >= 2 * windows and case["calls"]["bwd"] >= 2 * windows, (rank, case)
 
 
 @pytest.mark.multirank
 def test_explain_reports_no_graph_break(results) -> None:
     for report in results:
         assert report["explain"] == {"breaks": 0, "graphs": 1}, report["explain"]
+        assert report["explain_gemm_ar"] == {"breaks": 0, "graphs": 1}, report["explain_gemm_ar"]
 
 
 @pytest.mark.multirank
 def test_fake_matches_real_overlap_ops(results) -> None:
     for report in results:
-        assert isinstance(report["opcheck"], dict) and sum(report["opcheck"].values()) == 4, report["opcheck"]
+        assert report["opcheck"] == {"all_gather": 2, "reduce_scatter": 2, "all_reduce": 2}, report["opcheck"]
 
 
 # ---- explain: each overlap window's fate under compile (never silent) ----------------------
@@ -253,7 +270,7 @@ def test_explain_reports_overlap_windows_under_compile(explained, name: str) -> 
             assert {m for m, _ in not_overlapped} == {"all_gather"}, windows
             assert all(why.startswith("save_gathered_input") for _, why in not_overlapped), windows
         elif name == "gemm_ar":
-            assert not overlapped and all("GEMM+AllReduce window" in why for _, why in not_overlapped), windows
+            assert overlapped == [("all_reduce", "one tp_fuse::ub_linear node")] * 2, windows
         elif name == "disabled":
             assert not overlapped, windows
             assert all("overlap disabled by config" in why for _, why in not_overlapped), windows

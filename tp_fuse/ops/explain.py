@@ -9,7 +9,7 @@ torch, and why), decided by ``kernels.planned_backend`` without running; and wha
 ``torch.compile`` does with the group (traced, or a graph break and why), with every
 comm/GEMM overlap window's fate there: overlapped (one ``tp_fuse::ub_linear`` node, or the
 eager fuser behind a graph break) or traced op by op without overlap, and why (FP8 recipe,
-GEMM+AllReduce window, ``save_gathered_input``, ...).
+``save_gathered_input``, ...).
 """
 
 from __future__ import annotations

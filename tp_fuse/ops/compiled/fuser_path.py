@@ -21,7 +21,7 @@ import torch
 
 from ...quantization.compile_state import CompileKey, traced_key
 from ...quantization.quantized_tensor import QuantizedTensor
-from ..basic import AllGather, BasicLinear, Bias, ReduceScatter
+from ..basic import AllGather, AllReduce, BasicLinear, Bias, ReduceScatter
 from .basic import TRACED_FORWARDS, unsupported_reason
 
 if TYPE_CHECKING:
@@ -102,11 +102,12 @@ def _traced_forward(
 
 
 def _overlap_window(ops: Sequence[Any], x: torch.Tensor, mode: str) -> torch.Tensor:
-    """``[AllGather, BasicLinear(, Bias)]`` or ``[BasicLinear(, Bias), ReduceScatter]`` as
-    one ``tp_fuse::ub_linear`` call (the eager overlapped algorithm at graph run time)."""
+    """``[AllGather, BasicLinear(, Bias)]``, ``[BasicLinear(, Bias), ReduceScatter]`` or
+    ``[BasicLinear(, Bias), AllReduce]`` as one ``tp_fuse::ub_linear`` call (the eager
+    overlapped algorithm at graph run time)."""
     linear = next(op for op in ops if isinstance(op, BasicLinear))
     bias_op = next((op for op in ops if isinstance(op, Bias)), None)
-    comm = next(op for op in ops if isinstance(op, (AllGather, ReduceScatter)))
+    comm = next(op for op in ops if isinstance(op, (AllGather, ReduceScatter, AllReduce)))
     want = linear.input_dtype(_autocast_dtype(x.device.type))
     if want is not None and x.dtype != want:
         x = x.to(want)

@@ -3,7 +3,9 @@
 The eager fuser replaces ``[AllGather, BasicLinear(, Bias)]`` and ``[BasicLinear(, Bias),
 ReduceScatter]`` with the userbuffers fused ops (``UserbuffersForwardLinear`` /
 ``UserbuffersBackwardLinear``: AG+GEMM ring exchange, GEMM+RS pipelined or ring, dgrad +
-reduce-scatter with the wgrad input re-gathered behind it). Traced op by op, such a window
+reduce-scatter with the wgrad input re-gathered behind it), and ``[BasicLinear(, Bias),
+AllReduce]`` with ``UserbuffersForwardLinearAllReduce`` (GEMM+AR pipelined by chunks; its
+backward has no communication and stays the basic ops'). Traced op by op, such a window
 would become a functional collective followed by a GEMM: correct, but no overlap. Here the
 window is ONE graph node, ``tp_fuse::ub_linear``, whose real implementation runs the eager
 fused op at graph run time (its P2P ring / pipeline over the ``TPOverlap``'s
@@ -24,7 +26,7 @@ the graph is the same whichever method wins (the output shapes do not depend on 
 
 Scope: high precision only (fp32/bf16, no FP8 autocast). Under an FP8 recipe, or for a
 window the eager fuser would not fuse (overlap disabled, ``save_gathered_input``, a
-backward that does not fuse over the same ops, a GEMM+AllReduce window), the window is
+backward that does not fuse over the same ops or reaches outside the window), the window is
 traced op by op as before (functional collectives: correct, not overlapped).
 ``tp_fuse.explain`` says so, window by window, with the reason (``compile:`` lines): the
 decision is :func:`~tp_fuse.ops.compiled.overlap_plan.compile_windows`, shared by
@@ -50,7 +52,7 @@ from .overlap_plan import compile_windows
 if TYPE_CHECKING:
     from ..fuser import OperationFuser
 
-__all__ = ["OverlapWindowState", "plan_windows", "ub_linear", "ub_linear_backward"]
+__all__ = ["BackwardOpChain", "OverlapWindowState", "plan_windows", "ub_linear", "ub_linear_backward"]
 
 
 class OverlapWindowState:
@@ -107,10 +109,51 @@ def plan_windows(op_ids: tuple[int, ...]) -> tuple[tuple[int, int, str], ...]:
     for w in compile_windows(fuser, fuser._fusion_recipe):
         if w.overlapped:
             fwd, span = next((op, tuple(idx)) for op, idx in fuser.forward_ops if idx[0] == w.start)
-            bwd = next(op for op, idx in fuser.backward_ops if tuple(idx) == span)
-            window_state(fwd.linear).window = (fwd, bwd)
+            if w.mode == "all_reduce":
+                # No fused backward op: the eager backward ops inside the window (compile_windows
+                # checked that none reaches outside it), in the fuser's order.
+                linear = fwd.basic_ops[0]
+                bwd: Any = BackwardOpChain(
+                    list(fwd.basic_ops),
+                    [(op, tuple(i - span[0] for i in idx)) for op, idx in fuser.backward_ops if idx[0] in span],
+                )
+            else:
+                bwd = next(op for op, idx in fuser.backward_ops if tuple(idx) == span)
+                linear = fwd.linear
+            window_state(linear).window = (fwd, bwd)
             found.append((w.start, w.length, w.mode))
     return tuple(found)
+
+
+class BackwardOpChain:
+    """The eager backward ops of a window that has no fused backward op, as one.
+
+    The GEMM+AllReduce window ``[BasicLinear(, Bias), AllReduce]``: the all-reduce's
+    backward is the identity and the linear's needs no communication, so the eager fuser
+    runs the window's backward as its ordinary backward ops (``ops``: each with the indices
+    of its basic ops within the window), which this runs in the fuser's (reverse) order
+    with the fuser's bookkeeping: ``dx`` flows from op to op, parameter gradients are
+    collected per basic op.
+    """
+
+    def __init__(self, basic_ops: list[Any], ops: list[tuple[Any, tuple[int, ...]]]) -> None:
+        assert sorted(i for _, idx in ops for i in idx) == list(range(len(basic_ops))), "ops must cover the window"
+        self.basic_ops = basic_ops
+        self.ops = ops
+        self.linear = next(op for op in basic_ops if isinstance(op, BasicLinear))
+
+    def fuser_backward(
+        self, ctxs: list[OperationContext], dy: torch.Tensor, *, basic_op_grad_extra_outputs: list[tuple]
+    ) -> tuple[Optional[torch.Tensor], list[list[Optional[torch.Tensor]]], list[tuple]]:
+        grads: list[list[Optional[torch.Tensor]]] = [[] for _ in self.basic_ops]
+        dx: Optional[torch.Tensor] = dy
+        for op, idx in reversed(self.ops):
+            dx, op_grads, _ = op.fuser_backward(
+                [ctxs[i] for i in idx], dx, basic_op_grad_extra_outputs=[basic_op_grad_extra_outputs[i] for i in idx]
+            )
+            for i, g in zip(idx, op_grads):
+                grads[i] = list(g)
+        return dx, grads, [() for _ in self.basic_ops]
 
 
 def _live_op(op_id: int) -> Any:
@@ -147,7 +190,7 @@ def _check_params(fused: Any, w: torch.Tensor, b: Optional[torch.Tensor]) -> Non
     # The eager fused op reads the module's parameters; the graph passes them as inputs.
     # They must be the same tensors, or the op would compute with other numbers than the
     # graph's autograd thinks (never silently: raise).
-    linear = fused.linear
+    linear = fused.basic_ops[_index(fused, BasicLinear)]
     bias_i = _index(fused, Bias)
     if not _same_data(w, linear.weight):
         raise RuntimeError("tp_fuse::ub_linear: the weight passed is not the BasicLinear's parameter")
@@ -173,6 +216,12 @@ def ub_linear(
         x [s, ..., in/tp]   W [out, in/tp]   b [out]
         y [s/tp, ..., out] = reduce_scatter(x @ W^T + b)   (pipelined chunks or ring)
 
+    ``mode="all_reduce"`` (row-parallel without sequence parallelism)::
+
+        x [s, ..., in/tp]   W [out, in/tp]   b [out]
+        y [s, ..., out]    = all_reduce(x @ W^T + b)       (pipelined chunks; b on every
+                                                            rank before the sum, as eager)
+
     ``window``: the BasicLinear's :class:`OverlapWindowState` ref; ``tp``: the TP size.
     Method (``method: auto``: measured at the first run, then cached) and pool as eager.
     """
@@ -192,7 +241,7 @@ def ub_linear(
 
 @ub_linear.register_fake
 def _ub_linear_fake(x, w, b, window, tp, mode):
-    rows = x.shape[0] * tp if mode == "all_gather" else x.shape[0] // tp
+    rows = {"all_gather": x.shape[0] * tp, "reduce_scatter": x.shape[0] // tp}.get(mode, x.shape[0])
     return x.new_empty((rows, *x.shape[1:-1], w.shape[0]))
 
 
@@ -215,6 +264,11 @@ def ub_linear_backward(
 
         dy_full = all_gather(dy)                         (ring exchange with the dgrad GEMM)
         dx [s, ..., in/tp] = dy_full @ W;  dW = dy_full^T @ x;  db = sum(dy_full)
+
+    ``mode="all_reduce"``: ``dy [s, ..., out]`` (the all-reduce's backward is the identity;
+    the window's eager backward ops, :class:`BackwardOpChain`, no communication)::
+
+        dx [s, ..., in/tp] = dy @ W;  dW = dy^T @ x;  db = sum(dy)
 
     Returns ``(dx, dW, db)``; ``db`` is empty (``[0]``) without a bias.
     """

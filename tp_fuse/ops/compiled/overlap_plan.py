@@ -82,7 +82,9 @@ def compile_windows(
     node exactly when (the conditions ``overlap.plan_windows`` applies): its forward fused
     into a high-precision ``UserbuffersForwardLinear``, its backward into a
     ``UserbuffersBackwardLinear`` over the same basic ops, and the forward saves only what
-    the custom op's backward can rebuild (not ``save_gathered_input``).
+    the custom op's backward can rebuild (not ``save_gathered_input``); or its forward fused
+    into a high-precision ``UserbuffersForwardLinearAllReduce`` and no backward op reaches
+    outside the window (the all-reduce's backward is the identity: no overlap to keep).
     """
     from ..fused.userbuffers_backward_linear import UserbuffersBackwardLinear
     from ..fused.userbuffers_forward_linear import UserbuffersForwardLinear
@@ -117,12 +119,19 @@ def compile_windows(
             out.append(window(True, "eager fuser behind a graph break", f"the group is not traced ({graph_break})"))
             continue
         traced = "traced op by op (functional collective + GEMM)"
-        if isinstance(fop, UserbuffersForwardLinearAllReduce):
-            out.append(window(False, traced, "GEMM+AllReduce window: no compiled custom op for it (ub_linear "
-                                             "covers AG+GEMM and GEMM+RS only)"))
-        elif fop.fp8:
+        if fop.fp8:
             out.append(window(False, "traced op by op (FP8 casts + functional collective + FP8 GEMM)",
                               f"FP8 recipe {recipe_name}: tp_fuse::ub_linear is high precision only"))
+        elif isinstance(fop, UserbuffersForwardLinearAllReduce):
+            straddling = [op for op, ix in fuser.backward_ops
+                          if set(ix) & set(idx) and not set(ix) <= set(idx)]
+            if straddling:
+                out.append(window(False, traced, "its backward fuses with ops outside the window ("
+                                  + ", ".join(type(op).__name__ for op in straddling) + ")"))
+            else:
+                out.append(window(True, "one tp_fuse::ub_linear node",
+                                  "the eager GEMM+AllReduce forward runs inside it at graph run time; its "
+                                  "backward (no communication) runs the eager backward ops of the same basic ops"))
         elif idx not in backward:
             why = _record_reason(fuser, "backward", ("fuse_userbuffers_backward_linear",),
                                  op_display_name(ops[start], start))
