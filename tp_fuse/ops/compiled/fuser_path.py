@@ -23,6 +23,7 @@ from ...quantization.compile_state import CompileKey, traced_key
 from ...quantization.quantized_tensor import QuantizedTensor
 from ..basic import AllGather, AllReduce, BasicLinear, Bias, ReduceScatter
 from .basic import TRACED_FORWARDS, unsupported_reason
+from .overlap_plan import structural_windows
 
 if TYPE_CHECKING:
     from ..fuser import OperationFuser
@@ -70,12 +71,17 @@ def _traced_forward(
     # As in the eager fuser: ops pick their dtypes (input_dtype), torch.autocast stays off inside.
     no_autocast = torch.autocast(device_type, enabled=False) if autocast_dtype is not None else contextlib.nullcontext()
     x = input_
-    # Overlap windows (high precision): one tp_fuse::ub_linear node each (compiled/overlap.py).
+    # Overlap windows (high precision and per-tensor FP8): one tp_fuse::ub_linear(_fp8) node each (compiled/overlap.py).
     # Imported here, while dynamo traces: overlap.py applies a dynamo decorator at import,
     # and eager programs must not load torch._dynamo (tp_fuse/graph_breaks.py).
     from .overlap import plan_windows
 
-    windows = {} if fp8 is not None else {start: (n, mode) for start, n, mode in plan_windows(tuple(id(op) for op in fuser.basic_ops))}
+    # Asked only for groups with a comm op next to a GEMM: plan_windows takes the ops' ids,
+    # which specializes the graph on them (one graph per layer); groups without a window (a
+    # layer without tensor parallelism) keep one graph for all layers.
+    windows = {}
+    if (fp8 is None or fp8.per_tensor) and structural_windows(fuser.basic_ops):
+        windows = {start: (n, mode) for start, n, mode in plan_windows(tuple(id(op) for op in fuser.basic_ops))}
     skip = 0
     with no_autocast:
         for i, op in enumerate(fuser.basic_ops):
@@ -85,7 +91,7 @@ def _traced_forward(
                 continue
             if i in windows:
                 n, mode = windows[i]
-                x = _overlap_window(fuser.basic_ops[i:i + n], x, mode)
+                x = _overlap_window(fuser.basic_ops[i:i + n], x, mode, fp8)
                 produced.append([])
                 skip = n - 1
                 continue
@@ -101,20 +107,22 @@ def _traced_forward(
     return _unshared([x, *routing.public_outputs(produced)], (input_, *extra_inputs))
 
 
-def _overlap_window(ops: Sequence[Any], x: torch.Tensor, mode: str) -> torch.Tensor:
+def _overlap_window(ops: Sequence[Any], x: torch.Tensor, mode: str, fp8: Optional[CompileKey]) -> torch.Tensor:
     """``[AllGather, BasicLinear(, Bias)]``, ``[BasicLinear(, Bias), ReduceScatter]`` or
     ``[BasicLinear(, Bias), AllReduce]`` as one ``tp_fuse::ub_linear`` call (the eager
-    overlapped algorithm at graph run time)."""
+    overlapped algorithm at graph run time); ``tp_fuse::ub_linear_fp8`` under a per-tensor
+    FP8 recipe (``fp8``: the key traced for)."""
     linear = next(op for op in ops if isinstance(op, BasicLinear))
     bias_op = next((op for op in ops if isinstance(op, Bias)), None)
     comm = next(op for op in ops if isinstance(op, (AllGather, ReduceScatter, AllReduce)))
     want = linear.input_dtype(_autocast_dtype(x.device.type))
     if want is not None and x.dtype != want:
         x = x.to(want)
-    return torch.ops.tp_fuse.ub_linear(
-        x, linear.weight, None if bias_op is None else bias_op.bias,
-        linear._overlap_window.compile_ref, comm.tp_size, mode,
-    )
+    args = (x, linear.weight, None if bias_op is None else bias_op.bias, linear._overlap_window.compile_ref,
+            comm.tp_size, mode)
+    if fp8 is None:
+        return torch.ops.tp_fuse.ub_linear(*args)
+    return torch.ops.tp_fuse.ub_linear_fp8(*args, fp8.recipe, fp8.fwd_dtype)[0]
 
 
 def compiled_call(

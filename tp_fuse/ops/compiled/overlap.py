@@ -37,11 +37,13 @@ from __future__ import annotations
 
 import ctypes
 import functools
-from typing import TYPE_CHECKING, Any, Optional
+import weakref
+from typing import TYPE_CHECKING, Any, NamedTuple, Optional, Sequence
 
 import torch
 
-from ...quantization.compile_state import CompileRef
+from ...quantization import Float8Tensor, active_autocast
+from ...quantization.compile_state import CompileRef, compile_key, raise_key_mismatch
 from ..basic.all_gather import AllGather
 from ..basic.basic_linear import BasicLinear
 from ..basic.bias import Bias
@@ -52,7 +54,10 @@ from .overlap_plan import compile_windows
 if TYPE_CHECKING:
     from ..fuser import OperationFuser
 
-__all__ = ["BackwardOpChain", "OverlapWindowState", "plan_windows", "ub_linear", "ub_linear_backward"]
+__all__ = [
+    "BackwardOpChain", "OverlapWindowState", "plan_windows", "ub_linear", "ub_linear_backward", "ub_linear_fp8",
+    "ub_linear_fp8_backward",
+]
 
 
 class OverlapWindowState:
@@ -198,6 +203,68 @@ def _check_params(fused: Any, w: torch.Tensor, b: Optional[torch.Tensor]) -> Non
         raise RuntimeError("tp_fuse::ub_linear: the bias passed is not the window's Bias parameter")
 
 
+def _window_forward(window: CompileRef, x: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor],
+                    where: str) -> tuple[torch.Tensor, OperationContext]:
+    """Run the window's eager fused forward; ``(y, the BasicLinear's context)``."""
+    fwd, _ = window.target().window
+    _check_params(fwd, w, b)
+    ctxs = _contexts(fwd)
+    n = len(fwd.basic_ops)
+    y, _ = fwd.fuser_forward(ctxs, x, basic_op_extra_inputs=[()] * n, basic_op_kwargs=[{}] * n)
+    lin_ctx = ctxs[_index(fwd, BasicLinear)]
+    if lin_ctx.to_save is None:
+        raise RuntimeError(f"{where}: the fused forward saved nothing for backward")
+    return y, lin_ctx
+
+
+def _window_backward(
+    window: CompileRef, dy: torch.Tensor, saved: tuple[Any, Any], x_shape: Sequence[int], w: torch.Tensor,
+    b: Optional[torch.Tensor], tp: int, mode: str, fp8: Optional["_Fp8Binding"] = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Run the window's eager backward from the context its forward leaves: ``saved`` =
+    (this rank's input as ``[rows, in]``, the weight), as plain or FP8 tensors."""
+    from ..fused.userbuffers_forward_linear import _regather
+
+    _, bwd = window.target().window
+    _check_params(bwd, w, b)
+    ctxs = _contexts(bwd)
+    lin_i = _index(bwd, BasicLinear)
+    lin_ctx = ctxs[lin_i]
+    # The context the eager fused forward leaves (ub_linear checked it saved exactly these).
+    lin_ctx.saved_tensors = tuple(saved)
+    lin_ctx.fp8 = fp8 is not None
+    if fp8 is not None:
+        lin_ctx.grad_quantizer, lin_ctx.grad_tracker = fp8.grad_quantizer, fp8.grad_tracker
+    if mode == "all_gather":
+        lin_ctx.input_shape = torch.Size((x_shape[0] * tp, *x_shape[1:]))
+        lin_ctx.regather_input = functools.partial(_regather, _comm_group(bwd))
+    else:
+        lin_ctx.input_shape = torch.Size(x_shape)
+    n = len(bwd.basic_ops)
+    dx, grads, _ = bwd.fuser_backward(ctxs, dy, basic_op_grad_extra_outputs=[()] * n)
+    dw = grads[lin_i][0]
+    bias_i = _index(bwd, Bias)
+    db = grads[bias_i][0] if bias_i is not None else None
+    dw = torch.zeros_like(w) if dw is None else dw
+    db = dy.new_empty(0) if db is None else db
+    return dx.contiguous(), dw, db
+
+
+def _unaliased(outputs: Sequence[torch.Tensor], inputs: Sequence[Optional[torch.Tensor]]) -> list[torch.Tensor]:
+    """``outputs`` with a copy of each that shares storage with an input or an earlier
+    output (a custom op's outputs may alias neither)."""
+    seen = {t.untyped_storage().data_ptr() for t in inputs if t is not None}
+    out = []
+    for t in outputs:
+        ptr = t.untyped_storage().data_ptr()
+        if ptr in seen:
+            t = t.clone()
+            ptr = t.untyped_storage().data_ptr()
+        seen.add(ptr)
+        out.append(t)
+    return out
+
+
 @torch.library.custom_op("tp_fuse::ub_linear", mutates_args=())
 def ub_linear(
     x: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor], window: CompileRef, tp: int, mode: str
@@ -225,18 +292,13 @@ def ub_linear(
     ``window``: the BasicLinear's :class:`OverlapWindowState` ref; ``tp``: the TP size.
     Method (``method: auto``: measured at the first run, then cached) and pool as eager.
     """
-    fwd, _ = window.target().window
-    _check_params(fwd, w, b)
-    ctxs = _contexts(fwd)
-    n = len(fwd.basic_ops)
-    y, _ = fwd.fuser_forward(ctxs, x, basic_op_extra_inputs=[()] * n, basic_op_kwargs=[{}] * n)
-    saved = ctxs[_index(fwd, BasicLinear)].to_save
+    y, lin_ctx = _window_forward(window, x, w, b, "tp_fuse::ub_linear")
+    saved = lin_ctx.to_save
     # What backward rebuilds: this rank's input (as [rows, in]) and the weight itself.
-    if saved is None or not (_same_data(saved[0], x.reshape(-1, x.shape[-1])) and _same_data(saved[1], w)):
-        raise RuntimeError("tp_fuse::ub_linear: the fused forward saved other tensors than (x, W)")
-    if y.untyped_storage().data_ptr() in (x.untyped_storage().data_ptr(), w.untyped_storage().data_ptr()):
-        y = y.clone()  # a custom op's output may not alias its inputs
-    return y
+    if lin_ctx.fp8 or not (_same_data(saved[0], x.reshape(-1, x.shape[-1])) and _same_data(saved[1], w)):
+        raise RuntimeError("tp_fuse::ub_linear: the fused forward saved other tensors than (x, W) "
+                           "(FP8 under a graph traced for high precision?)")
+    return _unaliased([y], [x, w, b])[0]
 
 
 @ub_linear.register_fake
@@ -272,34 +334,7 @@ def ub_linear_backward(
 
     Returns ``(dx, dW, db)``; ``db`` is empty (``[0]``) without a bias.
     """
-    from ..fused.userbuffers_forward_linear import _regather
-
-    fwd, bwd = window.target().window
-    _check_params(bwd, w, b)
-    ctxs = _contexts(bwd)
-    lin_i = _index(bwd, BasicLinear)
-    lin_ctx = ctxs[lin_i]
-    # The context the eager fused forward leaves (see ub_linear: it saved exactly these).
-    lin_ctx.saved_tensors = (x.reshape(-1, x.shape[-1]), w)
-    lin_ctx.fp8 = False
-    if mode == "all_gather":
-        lin_ctx.input_shape = torch.Size((x.shape[0] * tp, *x.shape[1:]))
-        lin_ctx.regather_input = functools.partial(_regather, _comm_group(bwd))
-    else:
-        lin_ctx.input_shape = x.shape
-    n = len(bwd.basic_ops)
-    dx, grads, _ = bwd.fuser_backward(ctxs, dy, basic_op_grad_extra_outputs=[()] * n)
-    dw = grads[lin_i][0]
-    bias_i = _index(bwd, Bias)
-    db = grads[bias_i][0] if bias_i is not None else None
-    dw = torch.zeros_like(w) if dw is None else dw
-    db = dy.new_empty(0) if db is None else db
-    return dx.contiguous(), dw, db
-
-
-def _comm_group(fused: Any):
-    comm = next(op for op in fused.basic_ops if isinstance(op, (AllGather, ReduceScatter)))
-    return comm.process_group
+    return _window_backward(window, dy, (x.reshape(-1, x.shape[-1]), w), x.shape, w, b, tp, mode)
 
 
 @ub_linear_backward.register_fake
@@ -320,3 +355,104 @@ def _backward(ctx: Any, dy: torch.Tensor):
 
 
 ub_linear.register_autograd(_backward, setup_context=_setup_context)
+
+
+# ---- FP8 (per-tensor recipes: DelayedScaling, Float8CurrentScaling) -------------------------
+
+
+class _Fp8Binding(NamedTuple):
+    """What the eager fused forward leaves in the BasicLinear's context for the backward's
+    gradient cast: the op's grad_output quantizer and the backward amax tracker."""
+
+    grad_quantizer: Any
+    grad_tracker: Any
+
+
+# Per OverlapWindowState, the binding of its last FP8 forward, for the backward that follows
+# (eager ops keep it in their autograd context; the same rule as tp_fuse::fp8_cast's).
+_FP8_BACKWARD: "weakref.WeakKeyDictionary[OverlapWindowState, _Fp8Binding]" = weakref.WeakKeyDictionary()
+
+
+@torch.library.custom_op("tp_fuse::ub_linear_fp8", mutates_args=())
+def ub_linear_fp8(
+    x: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor], window: CompileRef, tp: int, mode: str,
+    recipe: str, fwd_dtype: torch.dtype,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`ub_linear` under a per-tensor FP8 recipe: the eager fused forward with FP8 GEMMs
+    (its FP8 all-gather of the input for ``all_gather``), run at graph run time under the
+    autocast in force, which must be the one traced for (``recipe``, ``fwd_dtype``).
+
+    Returns ``(y, x_data, x_scale_inv, w_data, w_scale_inv)``: ``y`` as :func:`ub_linear`'s,
+    then the FP8 operands the backward reads -- this rank's input as ``[rows, in]`` FP8
+    bytes (``fwd_dtype``, contiguous) and the weight's ``[out, in]``, each with its 0-d fp32
+    ``scale_inv``: value = bytes * scale_inv. The quantizers' state is updated as in eager
+    mode (the casts join the step's amax reduction); the gradient quantizer and tracker are
+    bound for the backward that follows (the last forward of this window binds them).
+    """
+    owner = window.target()
+    actual = compile_key(active_autocast())
+    if actual is None or actual.recipe != recipe or actual.fwd_dtype != fwd_dtype:
+        raise_key_mismatch(f"{recipe} with forward dtype {fwd_dtype}", actual, "tp_fuse::ub_linear_fp8")
+    y, lin_ctx = _window_forward(window, x, w, b, "tp_fuse::ub_linear_fp8")
+    x_q, w_q = lin_ctx.to_save
+    if not (lin_ctx.fp8 and isinstance(x_q, Float8Tensor) and isinstance(w_q, Float8Tensor)):
+        raise RuntimeError("tp_fuse::ub_linear_fp8: the fused forward did not save per-tensor FP8 operands")
+    _FP8_BACKWARD[owner] = _Fp8Binding(lin_ctx.grad_quantizer, lin_ctx.grad_tracker)
+    outputs = [y, x_q._fp8.contiguous(), x_q._sinv, w_q._fp8.contiguous(), w_q._sinv]
+    return tuple(_unaliased(outputs, [x, w, b]))
+
+
+@ub_linear_fp8.register_fake
+def _ub_linear_fp8_fake(x, w, b, window, tp, mode, recipe, fwd_dtype):
+    cols = x.shape[-1]
+    rows = x.numel() // cols
+    scalar = x.new_empty((), dtype=torch.float32)
+    return (_ub_linear_fake(x, w, b, window, tp, mode), x.new_empty((rows, cols), dtype=fwd_dtype), scalar,
+            w.new_empty(w.shape, dtype=fwd_dtype), torch.empty_like(scalar))
+
+
+@torch.library.custom_op("tp_fuse::ub_linear_fp8_backward", mutates_args=())
+def ub_linear_fp8_backward(
+    dy: torch.Tensor, x_data: torch.Tensor, x_scale_inv: torch.Tensor, w_data: torch.Tensor,
+    w_scale_inv: torch.Tensor, x_shape: list[int], w: torch.Tensor, b: Optional[torch.Tensor],
+    window: CompileRef, tp: int, mode: str,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Backward of :func:`ub_linear_fp8`: :func:`ub_linear_backward`'s equations with the
+    eager FP8 backward (``dy`` cast by the bound gradient quantizer, FP8 GEMMs), on the FP8
+    operands the forward returned (``x_shape``: the forward input's shape). ``(dx, dW, db)``."""
+    binding = _FP8_BACKWARD.get(window.target())
+    if binding is None:
+        raise RuntimeError("tp_fuse::ub_linear_fp8_backward: no FP8 forward of this window ran before its backward")
+    saved = (Float8Tensor.wrap_checked(x_data, x_scale_inv, dy.dtype),
+             Float8Tensor.wrap_checked(w_data, w_scale_inv, w.dtype))
+    return _window_backward(window, dy, saved, x_shape, w, b, tp, mode, fp8=binding)
+
+
+@ub_linear_fp8_backward.register_fake
+def _ub_linear_fp8_backward_fake(dy, x_data, x_scale_inv, w_data, w_scale_inv, x_shape, w, b, window, tp, mode):
+    return (dy.new_empty(x_shape), torch.empty_like(w),
+            (torch.empty_like(b) if b is not None else dy.new_empty(0)))
+
+
+def _setup_context_fp8(ctx: Any, inputs: tuple, output: tuple) -> None:
+    x, w, b, window, tp, mode, _, _ = inputs
+    _, x_data, x_sinv, w_data, w_sinv = output
+    ctx.mark_non_differentiable(x_data, x_sinv, w_data, w_sinv)
+    ctx.save_for_backward(x_data, x_sinv, w_data, w_sinv, w, b)
+    ctx.x_shape, ctx.window, ctx.tp, ctx.mode = list(x.shape), window, tp, mode
+
+
+def _backward_fp8(ctx: Any, dy: torch.Tensor, *unused: Any):
+    x_data, x_sinv, w_data, w_sinv, w, b = ctx.saved_tensors
+    dx, dw, db = torch.ops.tp_fuse.ub_linear_fp8_backward(
+        dy.contiguous(), x_data, x_sinv, w_data, w_sinv, ctx.x_shape, w, b, ctx.window, ctx.tp, ctx.mode
+    )
+    return dx, dw, (db if b is not None else None), None, None, None, None, None
+
+
+ub_linear_fp8.register_autograd(_backward_fp8, setup_context=_setup_context_fp8)
+
+
+def _comm_group(fused: Any):
+    comm = next(op for op in fused.basic_ops if isinstance(op, (AllGather, ReduceScatter)))
+    return comm.process_group

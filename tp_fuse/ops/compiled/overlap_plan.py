@@ -9,8 +9,9 @@ A *window* is a communication next to a GEMM in the group's basic ops:
 ``[AllGather, BasicLinear(, Bias)]`` (mode ``all_gather``), ``[BasicLinear(, Bias),
 ReduceScatter]`` (``reduce_scatter``) or ``[BasicLinear(, Bias), AllReduce]``
 (``all_reduce``). Under compile each is either ONE ``tp_fuse::ub_linear`` node (the eager
-overlapped algorithm at graph run time) or traced op by op -- a functional collective and a
-GEMM, correct but not overlapped -- and then :attr:`CompileWindow.reason` says why.
+overlapped algorithm at graph run time; ``ub_linear_fp8`` under a per-tensor FP8 recipe) or
+traced op by op -- a functional collective and a GEMM, correct but not overlapped -- and
+then :attr:`CompileWindow.reason` says why.
 """
 
 from __future__ import annotations
@@ -24,11 +25,12 @@ from ..basic.basic_linear import BasicLinear
 from ..basic.bias import Bias
 from ..basic.reduce_scatter import ReduceScatter
 from ..op import op_display_name
+from ...quantization.compile_state import recipe_key
 
 if TYPE_CHECKING:
     from ..fuser import OperationFuser
 
-__all__ = ["CompileWindow", "compile_windows"]
+__all__ = ["CompileWindow", "compile_windows", "structural_windows"]
 
 @dataclasses.dataclass(frozen=True)
 class CompileWindow:
@@ -47,7 +49,7 @@ class CompileWindow:
         return f"{self.ops} ({self.mode}): {state}, {self.how}: {self.reason}"
 
 
-def _structural_windows(ops: list[Any]) -> list[tuple[int, int, str]]:
+def structural_windows(ops: list[Any]) -> list[tuple[int, int, str]]:
     """``(start, length, mode)`` of every comm-next-to-GEMM window in the basic ops."""
     found = []
     for i, op in enumerate(ops):
@@ -80,10 +82,11 @@ def compile_windows(
     precision). ``graph_break``: why the group is not traced (``fuser_path.trace_plan``), or
     None when it is traced into the caller's graph. A traced window is one ``ub_linear``
     node exactly when (the conditions ``overlap.plan_windows`` applies): its forward fused
-    into a high-precision ``UserbuffersForwardLinear``, its backward into a
+    into a ``UserbuffersForwardLinear`` (high precision, or a per-tensor FP8 recipe:
+    ``ub_linear_fp8``), its backward into a
     ``UserbuffersBackwardLinear`` over the same basic ops, and the forward saves only what
     the custom op's backward can rebuild (not ``save_gathered_input``); or its forward fused
-    into a high-precision ``UserbuffersForwardLinearAllReduce`` and no backward op reaches
+    into a ``UserbuffersForwardLinearAllReduce`` and no backward op reaches
     outside the window (the all-reduce's backward is the identity: no overlap to keep).
     """
     from ..fused.userbuffers_backward_linear import UserbuffersBackwardLinear
@@ -95,7 +98,7 @@ def compile_windows(
     backward = {tuple(idx): op for op, idx in fuser.backward_ops if isinstance(op, UserbuffersBackwardLinear)}
     recipe_name = type(recipe).__name__ if recipe is not None else None
     out = []
-    for start, n, mode in _structural_windows(ops):
+    for start, n, mode in structural_windows(ops):
         fop, idx = forward.get(start, (None, ()))
         if isinstance(fop, (UserbuffersForwardLinear, UserbuffersForwardLinearAllReduce)):
             n = len(idx)  # the fused op's span (a mismatched Bias stays outside it)
@@ -119,9 +122,11 @@ def compile_windows(
             out.append(window(True, "eager fuser behind a graph break", f"the group is not traced ({graph_break})"))
             continue
         traced = "traced op by op (functional collective + GEMM)"
-        if fop.fp8:
+        node = "one tp_fuse::ub_linear_fp8 node" if fop.fp8 else "one tp_fuse::ub_linear node"
+        if fop.fp8 and not recipe_key(recipe).per_tensor:
             out.append(window(False, "traced op by op (FP8 casts + functional collective + FP8 GEMM)",
-                              f"FP8 recipe {recipe_name}: tp_fuse::ub_linear is high precision only"))
+                              f"FP8 recipe {recipe_name}: tp_fuse::ub_linear_fp8 carries per-tensor FP8 operands "
+                              "only (DelayedScaling, Float8CurrentScaling)"))
         elif isinstance(fop, UserbuffersForwardLinearAllReduce):
             straddling = [op for op, ix in fuser.backward_ops
                           if set(ix) & set(idx) and not set(ix) <= set(idx)]
@@ -129,7 +134,7 @@ def compile_windows(
                 out.append(window(False, traced, "its backward fuses with ops outside the window ("
                                   + ", ".join(type(op).__name__ for op in straddling) + ")"))
             else:
-                out.append(window(True, "one tp_fuse::ub_linear node",
+                out.append(window(True, node,
                                   "the eager GEMM+AllReduce forward runs inside it at graph run time; its "
                                   "backward (no communication) runs the eager backward ops of the same basic ops"))
         elif idx not in backward:
@@ -141,6 +146,5 @@ def compile_windows(
             out.append(window(False, traced, "save_gathered_input: the forward keeps the gathered input, which "
                                              "ub_linear's backward does not rebuild"))
         else:
-            out.append(window(True, "one tp_fuse::ub_linear node",
-                              "the eager userbuffers forward/backward run inside it at graph run time"))
+            out.append(window(True, node, "the eager userbuffers forward/backward run inside it at graph run time"))
     return out
