@@ -33,7 +33,8 @@ SEQ, BATCH, HIDDEN, FFN, HEADS = 8, 2, 32, 64, 2
 # GEMM+AllReduce windows (UserbuffersForwardLinearAllReduce; the backward has no comm).
 # "fp8-*": the same SP layer under a per-tensor FP8 recipe (tp_fuse::ub_linear_fp8 nodes).
 CASES = [("aot_eager", "default"), ("inductor", "default"), ("aot_eager", "auto"), ("aot_eager", "gemm_ar"),
-         ("aot_eager", "fp8-delayed"), ("aot_eager", "fp8-current"), ("inductor", "fp8-delayed")]
+         ("aot_eager", "fp8-delayed"), ("aot_eager", "fp8-current"), ("inductor", "fp8-delayed"),
+         ("aot_eager", "fp8-delayed-gemm_ar")]
 
 
 def _overlap(kind: str):
@@ -47,7 +48,9 @@ def _overlap(kind: str):
 def _recipe(kind: str):
     from tp_fuse.recipe import DelayedScaling, Float8CurrentScaling
 
-    return {"fp8-delayed": DelayedScaling, "fp8-current": Float8CurrentScaling}[kind]() if kind.startswith("fp8") else None
+    if not kind.startswith("fp8"):
+        return None
+    return DelayedScaling() if kind.startswith("fp8-delayed") else Float8CurrentScaling()
 
 
 def _steps(layer, rank: int, tp: int, sequence_parallel: bool = True, recipe=None) -> list[torch.Tensor]:
@@ -103,7 +106,7 @@ def _rank_main(rank: int, world: int) -> dict:
         name = f"{backend}-{kind}"
         torch._dynamo.reset()
         ov = _overlap(kind)
-        sp = kind != "gemm_ar"
+        sp = not kind.endswith("gemm_ar")
         eager, twin = (TransformerLayer(HIDDEN, FFN, HEADS, tp_group=group, sequence_parallel=sp, seed=3,
                                         overlap=ov) for _ in range(2))
         graphs = []
@@ -152,12 +155,16 @@ def _rank_main(rank: int, world: int) -> dict:
 
     from tp_fuse.ops import Sequential
 
+    import tp_fuse
+    from tp_fuse.recipe import DelayedScaling
+
     checks = {}
     try:
         fusers = [f for lay in (layer, layer_ar) for m in lay.modules() if isinstance(m, Sequential)
                   for f in m.fusers()]
         for fuser in fusers:
-            for start, n, mode in plan_windows(tuple(id(op) for op in fuser.basic_ops)):
+            windows = plan_windows(tuple(id(op) for op in fuser.basic_ops))
+            for start, n, mode in windows:
                 from tp_fuse.ops import BasicLinear, Bias
                 ops = fuser.basic_ops[start:start + n]
                 lin = next(o for o in ops if isinstance(o, BasicLinear))
@@ -168,10 +175,10 @@ def _rank_main(rank: int, world: int) -> dict:
                 args = (x, lin.weight, None if bias is None else bias.bias, lin._overlap_window.compile_ref, world, mode)
                 # Not torch.library.opcheck: it passes cloned weights, which the op refuses
                 # (it must read the live parameters). Fake vs real directly instead.
-                from tp_fuse.ops.compiled.overlap import _ub_linear_backward_fake, _ub_linear_fake
+                from tp_fuse.ops.compiled.overlap import _ub_linear_backward_fake, ub_linear_fake
 
                 y = torch.ops.tp_fuse.ub_linear(*args)
-                fy = _ub_linear_fake(*args)
+                fy = ub_linear_fake(*args)
                 dy = torch.randn_like(y)
                 real_b = torch.ops.tp_fuse.ub_linear_backward(dy, x.detach(), *args[1:])
                 fake_b = _ub_linear_backward_fake(dy, x.detach(), *args[1:])
@@ -180,6 +187,33 @@ def _rank_main(rank: int, world: int) -> dict:
                 gx, = torch.autograd.grad(y, x, dy)  # the registered autograd formula
                 assert torch.equal(gx, real_b[0]), mode
                 checks[mode] = checks.get(mode, 0) + 1
+            # The FP8 ops, under delayed scaling: the fused ops are recipe-independent objects.
+            from tp_fuse.ops.compiled.overlap_fp8 import _ub_linear_fp8_backward_fake, _ub_linear_fp8_fake
+
+            for start, n, mode in windows:
+                ops = fuser.basic_ops[start:start + n]
+                lin = next(o for o in ops if isinstance(o, BasicLinear))
+                bias = next((o for o in ops if isinstance(o, Bias)), None)
+                rows = SEQ // world if mode == "all_gather" else SEQ
+                x = torch.randn(rows, BATCH, lin.in_features, generator=torch.Generator().manual_seed(7),
+                                requires_grad=True)
+                args = (x, lin.weight, None if bias is None else bias.bias, lin._overlap_window.compile_ref,
+                        world, mode, "DelayedScaling", torch.float8_e4m3fn)
+                with tp_fuse.autocast(recipe=DelayedScaling(), amax_reduction_group=group):
+                    real = torch.ops.tp_fuse.ub_linear_fp8(*args)
+                    fake = _ub_linear_fp8_fake(*args)
+                dy = torch.randn_like(real[0])
+                bargs = (dy, *(t.detach() for t in real[1:]), list(x.shape), *args[1:6])
+                fake_b = _ub_linear_fp8_backward_fake(*bargs)
+                # The backward op runs inside a backward pass (its gradient cast queues the
+                # end-of-backward amax reduction): through the registered autograd formula.
+                wrt = [t for t in args[:3] if t is not None]
+                real_b = torch.autograd.grad(real[0], wrt, dy)
+                if bias is None:
+                    fake_b = fake_b[:2]
+                for r, f in zip((*real, *real_b), (*fake, *fake_b)):
+                    assert (r.shape, r.dtype, r.stride()) == (f.shape, f.dtype, f.stride()), (mode, r.shape, f.shape)
+                checks["fp8_" + mode] = checks.get("fp8_" + mode, 0) + 1
         report["opcheck"] = checks
     except Exception as e:  # reported, the test fails on it
         report["opcheck"] = f"{type(e).__name__}: {e}"
@@ -220,7 +254,8 @@ def test_explain_reports_no_graph_break(results) -> None:
 @pytest.mark.multirank
 def test_fake_matches_real_overlap_ops(results) -> None:
     for report in results:
-        assert report["opcheck"] == {"all_gather": 2, "reduce_scatter": 2, "all_reduce": 2}, report["opcheck"]
+        assert report["opcheck"] == {"all_gather": 2, "reduce_scatter": 2, "all_reduce": 2, "fp8_all_gather": 2,
+                                     "fp8_reduce_scatter": 2, "fp8_all_reduce": 2}, report["opcheck"]
 
 
 # ---- explain: each overlap window's fate under compile (never silent) ----------------------

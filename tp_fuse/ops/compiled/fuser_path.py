@@ -74,6 +74,7 @@ def _traced_forward(
     # Overlap windows (high precision and per-tensor FP8): one tp_fuse::ub_linear(_fp8) node each (compiled/overlap.py).
     # Imported here, while dynamo traces: overlap.py applies a dynamo decorator at import,
     # and eager programs must not load torch._dynamo (tp_fuse/graph_breaks.py).
+    from . import overlap_fp8  # noqa: F401  (registers tp_fuse::ub_linear_fp8)
     from .overlap import plan_windows
 
     # Asked only for groups with a comm op next to a GEMM: plan_windows takes the ops' ids,

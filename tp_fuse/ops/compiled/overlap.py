@@ -24,11 +24,12 @@ TPOverlap's tuner measures the candidates at the window's first real run (inside
 opaque op, at graph run time, exactly as in eager) and afterwards reads its cached choice;
 the graph is the same whichever method wins (the output shapes do not depend on it).
 
-Scope: high precision only (fp32/bf16, no FP8 autocast). Under an FP8 recipe, or for a
-window the eager fuser would not fuse (overlap disabled, ``save_gathered_input``, a
-backward that does not fuse over the same ops or reaches outside the window), the window is
-traced op by op as before (functional collectives: correct, not overlapped).
-``tp_fuse.explain`` says so, window by window, with the reason (``compile:`` lines): the
+Scope: high precision here; under a per-tensor FP8 recipe the window is one
+``tp_fuse::ub_linear_fp8`` node instead (``overlap_fp8.py``: the same eager fused ops with
+FP8 GEMMs). Under a block-scaled recipe, or for a window the eager fuser would not fuse
+(overlap disabled, ``save_gathered_input``, a backward that does not fuse over the same
+ops or reaches outside the window), the window is traced op by op as before (functional
+collectives: correct, not overlapped). ``tp_fuse.explain`` says so, window by window, with the reason (``compile:`` lines): the
 decision is :func:`~tp_fuse.ops.compiled.overlap_plan.compile_windows`, shared by
 :func:`plan_windows` and explain.
 """
@@ -37,13 +38,11 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import weakref
-from typing import TYPE_CHECKING, Any, NamedTuple, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Optional, Sequence
 
 import torch
 
-from ...quantization import Float8Tensor, active_autocast
-from ...quantization.compile_state import CompileRef, compile_key, raise_key_mismatch
+from ...quantization.compile_state import CompileRef
 from ..basic.all_gather import AllGather
 from ..basic.basic_linear import BasicLinear
 from ..basic.bias import Bias
@@ -55,8 +54,8 @@ if TYPE_CHECKING:
     from ..fuser import OperationFuser
 
 __all__ = [
-    "BackwardOpChain", "OverlapWindowState", "plan_windows", "ub_linear", "ub_linear_backward", "ub_linear_fp8",
-    "ub_linear_fp8_backward",
+    "BackwardOpChain", "OverlapWindowState", "plan_windows", "ub_linear", "ub_linear_backward", "unaliased",
+    "window_backward", "window_forward",
 ]
 
 
@@ -203,7 +202,7 @@ def _check_params(fused: Any, w: torch.Tensor, b: Optional[torch.Tensor]) -> Non
         raise RuntimeError("tp_fuse::ub_linear: the bias passed is not the window's Bias parameter")
 
 
-def _window_forward(window: CompileRef, x: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor],
+def window_forward(window: CompileRef, x: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor],
                     where: str) -> tuple[torch.Tensor, OperationContext]:
     """Run the window's eager fused forward; ``(y, the BasicLinear's context)``."""
     fwd, _ = window.target().window
@@ -217,12 +216,13 @@ def _window_forward(window: CompileRef, x: torch.Tensor, w: torch.Tensor, b: Opt
     return y, lin_ctx
 
 
-def _window_backward(
+def window_backward(
     window: CompileRef, dy: torch.Tensor, saved: tuple[Any, Any], x_shape: Sequence[int], w: torch.Tensor,
-    b: Optional[torch.Tensor], tp: int, mode: str, fp8: Optional["_Fp8Binding"] = None,
+    b: Optional[torch.Tensor], tp: int, mode: str, fp8: Any = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Run the window's eager backward from the context its forward leaves: ``saved`` =
-    (this rank's input as ``[rows, in]``, the weight), as plain or FP8 tensors."""
+    (this rank's input as ``[rows, in]``, the weight), as plain or FP8 tensors; ``fp8``: the
+    FP8 forward's ``(grad_quantizer, grad_tracker)`` binding (``overlap_fp8``), else None."""
     from ..fused.userbuffers_forward_linear import _regather
 
     _, bwd = window.target().window
@@ -250,7 +250,7 @@ def _window_backward(
     return dx.contiguous(), dw, db
 
 
-def _unaliased(outputs: Sequence[torch.Tensor], inputs: Sequence[Optional[torch.Tensor]]) -> list[torch.Tensor]:
+def unaliased(outputs: Sequence[torch.Tensor], inputs: Sequence[Optional[torch.Tensor]]) -> list[torch.Tensor]:
     """``outputs`` with a copy of each that shares storage with an input or an earlier
     output (a custom op's outputs may alias neither)."""
     seen = {t.untyped_storage().data_ptr() for t in inputs if t is not None}
@@ -292,17 +292,17 @@ def ub_linear(
     ``window``: the BasicLinear's :class:`OverlapWindowState` ref; ``tp``: the TP size.
     Method (``method: auto``: measured at the first run, then cached) and pool as eager.
     """
-    y, lin_ctx = _window_forward(window, x, w, b, "tp_fuse::ub_linear")
+    y, lin_ctx = window_forward(window, x, w, b, "tp_fuse::ub_linear")
     saved = lin_ctx.to_save
     # What backward rebuilds: this rank's input (as [rows, in]) and the weight itself.
     if lin_ctx.fp8 or not (_same_data(saved[0], x.reshape(-1, x.shape[-1])) and _same_data(saved[1], w)):
         raise RuntimeError("tp_fuse::ub_linear: the fused forward saved other tensors than (x, W) "
                            "(FP8 under a graph traced for high precision?)")
-    return _unaliased([y], [x, w, b])[0]
+    return unaliased([y], [x, w, b])[0]
 
 
 @ub_linear.register_fake
-def _ub_linear_fake(x, w, b, window, tp, mode):
+def ub_linear_fake(x, w, b, window, tp, mode):
     rows = {"all_gather": x.shape[0] * tp, "reduce_scatter": x.shape[0] // tp}.get(mode, x.shape[0])
     return x.new_empty((rows, *x.shape[1:-1], w.shape[0]))
 
@@ -334,7 +334,7 @@ def ub_linear_backward(
 
     Returns ``(dx, dW, db)``; ``db`` is empty (``[0]``) without a bias.
     """
-    return _window_backward(window, dy, (x.reshape(-1, x.shape[-1]), w), x.shape, w, b, tp, mode)
+    return window_backward(window, dy, (x.reshape(-1, x.shape[-1]), w), x.shape, w, b, tp, mode)
 
 
 @ub_linear_backward.register_fake
@@ -355,102 +355,6 @@ def _backward(ctx: Any, dy: torch.Tensor):
 
 
 ub_linear.register_autograd(_backward, setup_context=_setup_context)
-
-
-# ---- FP8 (per-tensor recipes: DelayedScaling, Float8CurrentScaling) -------------------------
-
-
-class _Fp8Binding(NamedTuple):
-    """What the eager fused forward leaves in the BasicLinear's context for the backward's
-    gradient cast: the op's grad_output quantizer and the backward amax tracker."""
-
-    grad_quantizer: Any
-    grad_tracker: Any
-
-
-# Per OverlapWindowState, the binding of its last FP8 forward, for the backward that follows
-# (eager ops keep it in their autograd context; the same rule as tp_fuse::fp8_cast's).
-_FP8_BACKWARD: "weakref.WeakKeyDictionary[OverlapWindowState, _Fp8Binding]" = weakref.WeakKeyDictionary()
-
-
-@torch.library.custom_op("tp_fuse::ub_linear_fp8", mutates_args=())
-def ub_linear_fp8(
-    x: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor], window: CompileRef, tp: int, mode: str,
-    recipe: str, fwd_dtype: torch.dtype,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """:func:`ub_linear` under a per-tensor FP8 recipe: the eager fused forward with FP8 GEMMs
-    (its FP8 all-gather of the input for ``all_gather``), run at graph run time under the
-    autocast in force, which must be the one traced for (``recipe``, ``fwd_dtype``).
-
-    Returns ``(y, x_data, x_scale_inv, w_data, w_scale_inv)``: ``y`` as :func:`ub_linear`'s,
-    then the FP8 operands the backward reads -- this rank's input as ``[rows, in]`` FP8
-    bytes (``fwd_dtype``, contiguous) and the weight's ``[out, in]``, each with its 0-d fp32
-    ``scale_inv``: value = bytes * scale_inv. The quantizers' state is updated as in eager
-    mode (the casts join the step's amax reduction); the gradient quantizer and tracker are
-    bound for the backward that follows (the last forward of this window binds them).
-    """
-    owner = window.target()
-    actual = compile_key(active_autocast())
-    if actual is None or actual.recipe != recipe or actual.fwd_dtype != fwd_dtype:
-        raise_key_mismatch(f"{recipe} with forward dtype {fwd_dtype}", actual, "tp_fuse::ub_linear_fp8")
-    y, lin_ctx = _window_forward(window, x, w, b, "tp_fuse::ub_linear_fp8")
-    x_q, w_q = lin_ctx.to_save
-    if not (lin_ctx.fp8 and isinstance(x_q, Float8Tensor) and isinstance(w_q, Float8Tensor)):
-        raise RuntimeError("tp_fuse::ub_linear_fp8: the fused forward did not save per-tensor FP8 operands")
-    _FP8_BACKWARD[owner] = _Fp8Binding(lin_ctx.grad_quantizer, lin_ctx.grad_tracker)
-    outputs = [y, x_q._fp8.contiguous(), x_q._sinv, w_q._fp8.contiguous(), w_q._sinv]
-    return tuple(_unaliased(outputs, [x, w, b]))
-
-
-@ub_linear_fp8.register_fake
-def _ub_linear_fp8_fake(x, w, b, window, tp, mode, recipe, fwd_dtype):
-    cols = x.shape[-1]
-    rows = x.numel() // cols
-    scalar = x.new_empty((), dtype=torch.float32)
-    return (_ub_linear_fake(x, w, b, window, tp, mode), x.new_empty((rows, cols), dtype=fwd_dtype), scalar,
-            w.new_empty(w.shape, dtype=fwd_dtype), torch.empty_like(scalar))
-
-
-@torch.library.custom_op("tp_fuse::ub_linear_fp8_backward", mutates_args=())
-def ub_linear_fp8_backward(
-    dy: torch.Tensor, x_data: torch.Tensor, x_scale_inv: torch.Tensor, w_data: torch.Tensor,
-    w_scale_inv: torch.Tensor, x_shape: list[int], w: torch.Tensor, b: Optional[torch.Tensor],
-    window: CompileRef, tp: int, mode: str,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Backward of :func:`ub_linear_fp8`: :func:`ub_linear_backward`'s equations with the
-    eager FP8 backward (``dy`` cast by the bound gradient quantizer, FP8 GEMMs), on the FP8
-    operands the forward returned (``x_shape``: the forward input's shape). ``(dx, dW, db)``."""
-    binding = _FP8_BACKWARD.get(window.target())
-    if binding is None:
-        raise RuntimeError("tp_fuse::ub_linear_fp8_backward: no FP8 forward of this window ran before its backward")
-    saved = (Float8Tensor.wrap_checked(x_data, x_scale_inv, dy.dtype),
-             Float8Tensor.wrap_checked(w_data, w_scale_inv, w.dtype))
-    return _window_backward(window, dy, saved, x_shape, w, b, tp, mode, fp8=binding)
-
-
-@ub_linear_fp8_backward.register_fake
-def _ub_linear_fp8_backward_fake(dy, x_data, x_scale_inv, w_data, w_scale_inv, x_shape, w, b, window, tp, mode):
-    return (dy.new_empty(x_shape), torch.empty_like(w),
-            (torch.empty_like(b) if b is not None else dy.new_empty(0)))
-
-
-def _setup_context_fp8(ctx: Any, inputs: tuple, output: tuple) -> None:
-    x, w, b, window, tp, mode, _, _ = inputs
-    _, x_data, x_sinv, w_data, w_sinv = output
-    ctx.mark_non_differentiable(x_data, x_sinv, w_data, w_sinv)
-    ctx.save_for_backward(x_data, x_sinv, w_data, w_sinv, w, b)
-    ctx.x_shape, ctx.window, ctx.tp, ctx.mode = list(x.shape), window, tp, mode
-
-
-def _backward_fp8(ctx: Any, dy: torch.Tensor, *unused: Any):
-    x_data, x_sinv, w_data, w_sinv, w, b = ctx.saved_tensors
-    dx, dw, db = torch.ops.tp_fuse.ub_linear_fp8_backward(
-        dy.contiguous(), x_data, x_sinv, w_data, w_sinv, ctx.x_shape, w, b, ctx.window, ctx.tp, ctx.mode
-    )
-    return dx, dw, (db if b is not None else None), None, None, None, None, None
-
-
-ub_linear_fp8.register_autograd(_backward_fp8, setup_context=_setup_context_fp8)
 
 
 def _comm_group(fused: Any):
