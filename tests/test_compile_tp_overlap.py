@@ -140,6 +140,7 @@ def _rank_main(rank: int, world: int) -> dict:
         report[name] = {"max_diff": max(diffs), "breaks": list(torch._dynamo.utils.counters["graph_break"]),
                         "state_diff": state_diff,
                         "graphs": len(graphs), "ub_nodes": nodes, "calls": compiled_calls}
+    report["many_layers"] = _many_layers(group)
     torch._dynamo.reset()
     layer = TransformerLayer(HIDDEN, FFN, HEADS, tp_group=group, sequence_parallel=True, seed=3)
     ex = torch._dynamo.explain(layer)(torch.randn(SEQ // world, BATCH, HIDDEN))
@@ -220,6 +221,42 @@ def _rank_main(rank: int, world: int) -> dict:
     return report
 
 
+MANY = 9  # > torch._dynamo.config.recompile_limit's default (8)
+
+
+def _many_layers(group) -> dict:
+    """The launcher's compile_layers on MANY tensor-parallel layers with an overlap window
+    each ([AllGather, BasicLinear, Bias]): each layer is its own graph (the window plan is
+    decided per layer), and every one of them must be compiled -- past dynamo's recompile
+    limit the rest would run eagerly, with a warning only."""
+    import torch._dynamo
+
+    from tp_fuse.launch.models.build import compile_layers
+    from tp_fuse.ops import Linear, Sequential
+
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    limit = torch._dynamo.config.recompile_limit
+    model = torch.nn.Module()
+    model.layers = torch.nn.ModuleList(
+        Sequential(Linear(HIDDEN, 2 * HIDDEN, tensor_parallel_mode="column", tensor_parallel_group=group,
+                          sequence_parallel=True))
+        for _ in range(MANY)
+    )
+    try:
+        compile_layers(model)
+        x = torch.randn(SEQ // 2, HIDDEN, generator=torch.Generator().manual_seed(5), requires_grad=True)
+        y = x
+        for layer in model.layers:
+            y = layer(y)[: SEQ // 2] * 0.5  # [SEQ, 2H / tp] -> this rank's rows of [SEQ, H] again
+        y.sum().backward()
+        counters = torch._dynamo.utils.counters
+        return {"graphs": counters["stats"]["unique_graphs"], "limit_hits": dict(counters["recompile_limit"]),
+                "limit": torch._dynamo.config.recompile_limit}
+    finally:
+        torch._dynamo.config.recompile_limit = limit
+
+
 @pytest.fixture(scope="module")
 def results() -> list[dict]:
     return run_distributed(2, _rank_main, timeout=900)
@@ -242,6 +279,14 @@ def test_compiled_overlap_layer_matches_eager(results, name: str) -> None:
         # 2 steps x the windows through the eager fused ops, forward and backward
         # (method: auto measures more calls on the first step).
         assert case["calls"]["fwd"] >= 2 * windows and case["calls"]["bwd"] >= 2 * windows, (rank, case)
+
+
+@pytest.mark.multirank
+def test_launcher_compiles_every_layer_past_the_recompile_limit(results) -> None:
+    for report in results:
+        case = report["many_layers"]
+        assert case["graphs"] == MANY and not case["limit_hits"], case
+        assert case["limit"] >= 2 * MANY + 8, case
 
 
 @pytest.mark.multirank

@@ -224,12 +224,24 @@ def compile_layers(model: torch.nn.Module, *, full_recompute: bool = False, mode
     tp-fuse's fusion groups (``OperationFuser``) are traced into each layer's graph
     (``tp_fuse/ops/compiled``): fp32/bf16, FP8 delayed/current scaling through the custom
     ops ``tp_fuse::fp8_cast`` / ``tp_fuse::fp8_gemm``, the block-scaled recipes and NVFP4
-    through ``tp_fuse::block_cast`` / ``tp_fuse::block_gemm``; the layers share one graph.
-    Groups the traced path does not handle (debug features, FP8 parameters...) run eagerly
-    behind a graph break (docs/fsdp.md). ``tp_fuse.checkpoint`` is
+    through ``tp_fuse::block_cast`` / ``tp_fuse::block_gemm``; without tensor parallelism
+    the layers share one graph. Groups the traced path does not handle (debug features, FP8
+    parameters...) run eagerly behind a graph break (docs/fsdp.md). ``tp_fuse.checkpoint`` is
     a graph break too, so under full recompute the layer body inside it is what gets
     compiled (the recompute then reruns the compiled code).
+
+    Layers with tensor-parallel comm/GEMM windows compile one graph each (the window plan is
+    decided per layer while tracing: ``tp_fuse/ops/compiled/overlap.py``). torch.compile
+    keeps one cache per code object -- every layer's ``forward`` -- with
+    ``torch._dynamo.config.recompile_limit`` entries (8): past it, dynamo would run the
+    remaining layers eagerly (a warning, and the speed of eager). The limit is raised to
+    fit the model's layers (twice: a last batch of another size may recompile each layer).
     """
+    needed = 2 * len(model.layers) + 8
+    if torch._dynamo.config.recompile_limit < needed:
+        torch._dynamo.config.recompile_limit = needed
+    if torch._dynamo.config.accumulated_recompile_limit < needed:
+        torch._dynamo.config.accumulated_recompile_limit = needed
     for layer in model.layers:
         if full_recompute:
             layer._forward = torch.compile(layer._forward, mode=mode)

@@ -243,12 +243,14 @@ class OperationFuser:
     order.
     """
 
-    def __init__(self, ops: Sequence[FusibleOperation]) -> None:
+    def __init__(self, ops: Sequence[FusibleOperation], *, expand: bool = True) -> None:
+        # expand=False: ``ops`` are another fuser's ``basic_ops``, already expanded (a
+        # BasicLinear with tensor_parallel_mode would add its collectives a second time).
         basic_ops: list[BasicOperation] = []
         for op in ops:
             if not isinstance(op, FusibleOperation):
                 raise ValueError(f"OperationFuser expects FusibleOperations, got {type(op).__name__}")
-            basic_ops.extend(op.expanded_ops())
+            basic_ops.extend(op.expanded_ops() if expand else op.basic_op_list)
         if not basic_ops:
             raise ValueError("OperationFuser needs at least one operation")
         self.basic_ops: list[BasicOperation] = basic_ops

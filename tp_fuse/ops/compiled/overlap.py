@@ -105,7 +105,7 @@ def plan_windows(op_ids: tuple[int, ...]) -> tuple[tuple[int, int, str], ...]:
 
     # A fuser of our own over the same ops: the one being traced may exist only in
     # dynamo's trace (a Sequential builds its fusers at the first call), not as an object.
-    fuser = OperationFuser([_live_op(i) for i in op_ids])
+    fuser = OperationFuser([_live_op(i) for i in op_ids], expand=False)
     fuser.maybe_fuse()
     # The same decision explain reports (overlap_plan.compile_windows): never one without
     # the other. Windows it does not overlap are traced op by op, and explain says why.
