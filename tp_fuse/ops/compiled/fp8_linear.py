@@ -14,11 +14,13 @@ from typing import Any
 
 import torch
 
+from ...kernels import fp8_gemm_reads_views
+from ...kernels.fp8_emulation import accumulation_dtype
 from ...kernels.library import fp8_gemm_op  # noqa: F401  (registers tp_fuse::fp8_gemm)
 from ...quantization.compile_state import BlockLayout, CompileKey, CompileRef
 from ...quantization.custom_ops import block_cast, fp8_cast  # noqa: F401  (registers the tp_fuse:: ops)
 
-__all__ = ["BlockLinearFunction", "Fp8LinearFunction"]
+__all__ = ["BlockLinearFunction", "Fp8LinearFunction", "emulated_gemm"]
 
 
 class Fp8LinearFunction(torch.autograd.Function):
@@ -60,12 +62,22 @@ class Fp8LinearFunction(torch.autograd.Function):
     ) -> torch.Tensor:
         fp8 = torch.ops.tp_fuse
         wgrad = need_grad and weight.requires_grad
-        x_data, x_t, x_sinv = fp8.fp8_cast(x.detach(), owner, "input", recipe, fwd_dtype, wgrad, observer)
-        w_data, w_t, w_sinv = fp8.fp8_cast(weight.detach(), owner, "weight", recipe, fwd_dtype, need_grad, observer)
-        y = fp8.fp8_gemm(x_data, w_data, x_sinv, w_sinv, x.dtype)
+        # The CPU emulation (a trace-time constant): the GEMMs are traced as their exact
+        # emulation, which reads any layout -- no transposed bytes are cast, the backward
+        # reads t() views, and the compiler sees the decodes and the scale epilogues.
+        in_graph = fp8_gemm_reads_views(x.device)
+        x_data, x_t, x_sinv = fp8.fp8_cast(x.detach(), owner, "input", recipe, fwd_dtype, wgrad and not in_graph,
+                                           observer)
+        w_data, w_t, w_sinv = fp8.fp8_cast(weight.detach(), owner, "weight", recipe, fwd_dtype,
+                                           need_grad and not in_graph, observer)
+        if in_graph:
+            y = emulated_gemm(x_data, w_data, x_sinv, w_sinv, x.dtype)
+            x_t, w_t = x_data.t(), w_data.t()
+        else:
+            y = fp8.fp8_gemm(x_data, w_data, x_sinv, w_sinv, x.dtype)
         ctx.save_for_backward(x_t, x_sinv, w_t, w_sinv)
         ctx.owner, ctx.recipe, ctx.bwd_dtype, ctx.wgrad, ctx.observer = owner, recipe, bwd_dtype, wgrad, observer
-        ctx.weight_dtype = weight.dtype
+        ctx.weight_dtype, ctx.in_graph = weight.dtype, in_graph
         return y
 
     @staticmethod
@@ -73,13 +85,34 @@ class Fp8LinearFunction(torch.autograd.Function):
         fp8 = torch.ops.tp_fuse
         x_t, x_sinv, w_t, w_sinv = ctx.saved_tensors
         dy_data, dy_t, dy_sinv = fp8.fp8_cast(
-            dy.contiguous(), ctx.owner, "grad_output", ctx.recipe, ctx.bwd_dtype, ctx.wgrad, ctx.observer
+            dy.contiguous(), ctx.owner, "grad_output", ctx.recipe, ctx.bwd_dtype, ctx.wgrad and not ctx.in_graph,
+            ctx.observer
         )
-        dx = fp8.fp8_gemm(dy_data, w_t, dy_sinv, w_sinv, dy.dtype)
+        gemm = emulated_gemm if ctx.in_graph else fp8.fp8_gemm
+        if ctx.in_graph:
+            dy_t = dy_data.t()
+        dx = gemm(dy_data, w_t, dy_sinv, w_sinv, dy.dtype)
         dw = None
         if ctx.wgrad:
-            dw = fp8.fp8_gemm(dy_t, x_t, dy_sinv, x_sinv, dy.dtype).to(ctx.weight_dtype)
+            dw = gemm(dy_t, x_t, dy_sinv, x_sinv, dy.dtype).to(ctx.weight_dtype)
         return dx, dw, None, None, None, None, None, None
+
+
+def emulated_gemm(
+    a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor, out_dtype: torch.dtype
+) -> torch.Tensor:
+    """``tp_fuse::fp8_gemm``'s CPU emulation as traceable ops: ``(a @ b.T) * scale_a *
+    scale_b`` in ``out_dtype`` from FP8 ``a [M, K]`` and ``b [N, K]`` of any layout.
+
+    The same operations as ``kernels.fp8_emulation.emulated_mm_decoded`` (exact decodes --
+    every FP8 value is exact in fp32 --, one matmul in the accumulation dtype, the scales
+    multiplied in that order), so compiled == eager; traced, the compiler fuses the decodes
+    and the epilogue around the matmul instead of running an opaque op per GEMM.
+    """
+    acc = accumulation_dtype(out_dtype)
+    out = torch.mm(a.to(acc), b.to(acc).t())
+    out = out * scale_a.to(acc) * scale_b.to(acc)
+    return out if out_dtype == acc else out.to(out_dtype)
 
 
 def _cast_args(layout: BlockLayout) -> tuple:
