@@ -115,6 +115,12 @@ class Trainer:
         # parallel.dp_shard > 1: FSDP2 over the DP ranks (HSDP with dp_replicate > 1).
         self.sharded_dp = make_sharded_dp(rt.layout, rt.device.type) if rt.layout.fsdp else None
         self.model = build_model(cfg, rt, model_factory, say if rt.is_rank0 else None, self.sharded_dp)
+        self.compile_stats = None
+        if cfg.trainer.compile:
+            # Imported only when compiling (it loads torch._dynamo; eager runs do not).
+            from .logging.compile_stats import CompileStats
+
+            self.compile_stats = CompileStats.start()  # the layers compile at their first call
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self._sp_params = sequence_parallel_params(self.model) if self.sharded_dp is not None else []
         self.optimizer = build_optimizer(self.model, cfg.optim)
@@ -401,4 +407,5 @@ class Trainer:
             peak_mem_gib=mem / 2**30, mem_what=mem_what, run_dir=self.rt.run_dir, checkpoint=checkpoint,
             checkpoint_hint=f"checkpoint.interval={ck.interval}, checkpoint.save_final={str(ck.save_final).lower()}",
             wandb=self.wandb.summary_line() if self.wandb is not None else None, stopped_by=stopped_by,
+            compile=self.compile_stats.line() if self.compile_stats is not None else None,
         )

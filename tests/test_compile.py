@@ -12,6 +12,7 @@ the gradients near FP8's smallest value differently.
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
@@ -29,17 +30,22 @@ RUN = [
 
 
 @pytest.mark.parametrize("fp8,recompute", [("none", "none"), ("delayed", "none"), ("delayed", "full")])
-def test_compiled_layers_train_like_eager(tmp_path, fp8: str, recompute: str) -> None:
+def test_compiled_layers_train_like_eager(tmp_path, capsys, fp8: str, recompute: str) -> None:
     """``recompute=full``: the compiled layer body runs again inside tp_fuse.checkpoint's
-    recompute, whose FP8 scale replay acts on the quantizers the compiled casts use."""
+    recompute, whose FP8 scale replay acts on the quantizers the compiled casts use. The
+    run summary reports the run's graphs, graph breaks and compile time."""
     args = [*RUN, f"fp8={fp8}", f"trainer.activation_checkpointing={recompute}"]
     eager = train(args, str(tmp_path / "eager"))
+    assert "torch.compile" not in "".join(capsys.readouterr())  # only compiled runs report it
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
     compiled = train([*args, "trainer.compile=true"], str(tmp_path / "compiled"))
     counters = torch._dynamo.utils.counters
     assert counters["stats"]["unique_graphs"] > 0, "nothing was compiled"
     assert not counters["graph_break"], dict(counters["graph_break"])  # the fusion groups are traced
+    summary = "".join(capsys.readouterr())
+    report = re.search(r"torch\.compile +(\d+) graphs?, 0 graph breaks, ([0-9.]+) s compiling", summary)
+    assert report and int(report[1]) == counters["stats"]["unique_graphs"] and float(report[2]) > 0, report
     assert sorted(compiled.losses) == [1, 2]
     for step, loss in eager.losses.items():
         assert abs(compiled.losses[step] - loss) <= tols(torch.float32)["atol"], (step, compiled.losses, eager.losses)

@@ -28,7 +28,8 @@ class RunSummary:
 
     ``totals`` is :meth:`tp_fuse.launch.logging.report.StepMeter.totals`; ``mfu_note``
     says why MFU is missing (peak unknown or proven wrong), ``peak_source`` the peak and
-    where it came from (:attr:`tp_fuse.launch.logging.peak.PeakFlops.short`); ``wandb`` is the W&B line (None: ``logger=none``).
+    where it came from (:attr:`tp_fuse.launch.logging.peak.PeakFlops.short`); ``wandb`` is the W&B line (None: ``logger=none``);
+    ``compile`` the torch.compile line (None: not compiled).
     """
 
     start_step: int
@@ -47,6 +48,7 @@ class RunSummary:
     checkpoint_hint: str
     wandb: Optional[str]
     stopped_by: Optional[str] = None
+    compile: Optional[str] = None  # trainer.compile=true: graphs, breaks, compile time (compile_stats)
 
 
 def _row(label: str, text: str) -> str:
@@ -79,6 +81,8 @@ def summary_lines(s: RunSummary) -> list[str]:
         lines.append(_row("MFU", f"{t['mfu']:.1%} of a peak of {s.peak_source}"))
     else:
         lines.append(_row("MFU", f"n/a ({s.mfu_note or 'no step timed'})"))
+    if s.compile is not None:
+        lines.append(_row("torch.compile", s.compile))
     lines.append(_row("peak memory", f"{s.peak_mem_gib:.2f} GiB ({s.mem_what}, rank 0)"))
     lines.append(_row("run dir", s.run_dir))
     lines.append(_row("last checkpoint", s.checkpoint or f"none ({s.checkpoint_hint})"))
