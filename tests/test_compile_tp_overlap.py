@@ -83,7 +83,7 @@ def _rank_main(rank: int, world: int) -> dict:
     import torch._dynamo
 
     from tp_fuse.layers import TransformerLayer
-    from tp_fuse.ops import BasicLinear
+    from tp_fuse.ops import BasicLinear, Bias
     from tp_fuse.ops.compiled.overlap import BackwardOpChain
     from tp_fuse.ops.fused.userbuffers_backward_linear import UserbuffersBackwardLinear
     from tp_fuse.ops.fused.userbuffers_forward_linear import UserbuffersForwardLinear
@@ -174,7 +174,6 @@ def _rank_main(rank: int, world: int) -> dict:
         for fuser in fusers:
             windows = plan_windows(tuple(id(op) for op in fuser.basic_ops))
             for start, n, mode in windows:
-                from tp_fuse.ops import BasicLinear, Bias
                 ops = fuser.basic_ops[start:start + n]
                 lin = next(o for o in ops if isinstance(o, BasicLinear))
                 bias = next((o for o in ops if isinstance(o, Bias)), None)
