@@ -29,9 +29,10 @@ Scope: high precision here; under a per-tensor FP8 recipe the window is one
 FP8 GEMMs). Under a block-scaled recipe, or for a window the eager fuser would not fuse
 (overlap disabled, ``save_gathered_input``, a backward that does not fuse over the same
 ops or reaches outside the window), the window is traced op by op as before (functional
-collectives: correct, not overlapped). ``tp_fuse.explain`` says so, window by window, with the reason (``compile:`` lines): the
-decision is :func:`~tp_fuse.ops.compiled.overlap_plan.compile_windows`, shared by
-:func:`plan_windows` and explain.
+collectives: correct, not overlapped). ``tp_fuse.explain`` says so, window by window, with
+the reason (``compile:`` lines): the decision is
+:func:`~tp_fuse.ops.compiled.overlap_plan.compile_windows`, shared by :func:`plan_windows`
+and explain.
 """
 
 from __future__ import annotations
@@ -62,14 +63,18 @@ __all__ = [
 class OverlapWindowState:
     """Per-BasicLinear holder of its overlap window for compiled graphs.
 
-    ``window``: ``(forward fused op, backward fused op)`` -- the eager fuser's
-    ``UserbuffersForwardLinear`` / ``UserbuffersBackwardLinear`` over the same basic ops --
-    set when a graph containing the window is traced. ``compile_ref`` names this object in
-    the custom-op calls (a graph input, so one graph could serve several layers).
+    ``window``: ``(forward fused op, backward)`` -- the eager fuser's
+    ``UserbuffersForwardLinear`` / ``UserbuffersBackwardLinear`` over the same basic ops, or
+    ``UserbuffersForwardLinearAllReduce`` and the window's :class:`BackwardOpChain` -- set
+    when a graph containing the window is traced. ``fp8_backward``: what the last FP8
+    forward of the window bound for its backward (``overlap_fp8``), else None.
+    ``compile_ref`` names this object in the custom-op calls (a graph input, so one graph
+    could serve several layers).
     """
 
     def __init__(self) -> None:
         self.window: Optional[tuple[Any, Any]] = None
+        self.fp8_backward: Optional[Any] = None
         self.compile_ref = CompileRef(self)
 
     def __getstate__(self) -> dict[str, Any]:
@@ -78,6 +83,7 @@ class OverlapWindowState:
     def __setstate__(self, state: dict[str, Any]) -> None:
         # A copy is another layer: its own ref, and its window is decided when traced.
         self.window = None
+        self.fp8_backward = None
         self.compile_ref = CompileRef(self)
 
 

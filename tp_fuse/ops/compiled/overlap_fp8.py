@@ -16,14 +16,13 @@ eager's order, so compiled == eager bit for bit under ``aot_eager`` (tested on 2
 
 from __future__ import annotations
 
-import weakref
 from typing import Any, NamedTuple, Optional
 
 import torch
 
 from ...quantization import Float8Tensor, active_autocast
 from ...quantization.compile_state import CompileRef, compile_key, raise_key_mismatch
-from .overlap import OverlapWindowState, ub_linear_fake, unaliased, window_backward, window_forward
+from .overlap import ub_linear_fake, unaliased, window_backward, window_forward
 
 __all__ = ["ub_linear_fp8", "ub_linear_fp8_backward"]
 
@@ -34,11 +33,6 @@ class _Fp8Binding(NamedTuple):
 
     grad_quantizer: Any
     grad_tracker: Any
-
-
-# Per OverlapWindowState, the binding of its last FP8 forward, for the backward that follows
-# (eager ops keep it in their autograd context; the same rule as tp_fuse::fp8_cast's).
-_FP8_BACKWARD: "weakref.WeakKeyDictionary[OverlapWindowState, _Fp8Binding]" = weakref.WeakKeyDictionary()
 
 
 @torch.library.custom_op("tp_fuse::ub_linear_fp8", mutates_args=())
@@ -65,7 +59,9 @@ def ub_linear_fp8(
     x_q, w_q = lin_ctx.to_save
     if not (lin_ctx.fp8 and isinstance(x_q, Float8Tensor) and isinstance(w_q, Float8Tensor)):
         raise RuntimeError("tp_fuse::ub_linear_fp8: the fused forward did not save per-tensor FP8 operands")
-    _FP8_BACKWARD[owner] = _Fp8Binding(lin_ctx.grad_quantizer, lin_ctx.grad_tracker)
+    # Bound on the window's state for the backward that follows (eager ops keep it in their
+    # autograd context; the same rule as tp_fuse::fp8_cast's).
+    owner.fp8_backward = _Fp8Binding(lin_ctx.grad_quantizer, lin_ctx.grad_tracker)
     outputs = [y, x_q._fp8.contiguous(), x_q._sinv, w_q._fp8.contiguous(), w_q._sinv]
     return tuple(unaliased(outputs, [x, w, b]))
 
@@ -88,7 +84,7 @@ def ub_linear_fp8_backward(
     """Backward of :func:`ub_linear_fp8`: :func:`ub_linear_backward`'s equations with the
     eager FP8 backward (``dy`` cast by the bound gradient quantizer, FP8 GEMMs), on the FP8
     operands the forward returned (``x_shape``: the forward input's shape). ``(dx, dW, db)``."""
-    binding = _FP8_BACKWARD.get(window.target())
+    binding = window.target().fp8_backward
     if binding is None:
         raise RuntimeError("tp_fuse::ub_linear_fp8_backward: no FP8 forward of this window ran before its backward")
     saved = (Float8Tensor.wrap_checked(x_data, x_scale_inv, dy.dtype),
