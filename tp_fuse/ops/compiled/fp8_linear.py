@@ -40,6 +40,9 @@ class Fp8LinearFunction(torch.autograd.Function):
     Quantization is not differentiated (straight-through), as in every FP8 recipe and in
     ``BasicLinear``'s eager path, whose numbers these are: same quantizers, same casts, same
     GEMM kernel. Saved for backward: the transposed FP8 bytes of x and W and their scales.
+    On CPU (the exact emulation, ``kernels.fp8_gemm_reads_views``) each GEMM is
+    :func:`emulated_gemm`'s traceable ops instead of ``tp_fuse::fp8_gemm``, and the casts
+    write no transposes: the backward reads ``t()`` views of the row-wise bytes.
 
     Args (after ``x``, ``weight``): ``owner`` -- the op's ``OpQuantizers.compile_ref``;
     ``recipe`` / ``fwd_dtype`` / ``bwd_dtype`` -- the ``CompileKey`` it was traced for;
