@@ -22,9 +22,8 @@ import statistics
 import time
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
-from bench_cpu_speed import machine  # examples/: the same machine line
+from bench_cpu_speed import _OpCounter, machine  # examples/: the same machine line and op counter
 
 HIDDEN, TOKENS, HISTORY = 64, 16, 16
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
@@ -111,16 +110,6 @@ class TorchStep:
     def __call__(self) -> None:
         h = torch.nn.functional.gelu(self.fc1(self.ln(self.x)), approximate="tanh")
         self.fc2(h).backward(self.dy)
-
-
-class _OpCounter(TorchDispatchMode):
-    def __init__(self) -> None:
-        super().__init__()
-        self.count = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.count += 1
-        return func(*args, **(kwargs or {}))
 
 
 def main() -> None:

@@ -167,6 +167,14 @@ def _rank_main(rank: int, world: int) -> dict:
     import tp_fuse
     from tp_fuse.recipe import DelayedScaling
 
+    def window_args(ops, mode: str) -> tuple:
+        """(x, W, b, window ref, tp, mode) of a ub_linear call for a window's basic ops."""
+        lin = next(o for o in ops if isinstance(o, BasicLinear))
+        bias = next((o for o in ops if isinstance(o, Bias)), None)
+        rows = SEQ // world if mode == "all_gather" else SEQ
+        x = torch.randn(rows, BATCH, lin.in_features, generator=torch.Generator().manual_seed(7), requires_grad=True)
+        return (x, lin.weight, None if bias is None else bias.bias, lin._overlap_window.compile_ref, world, mode)
+
     checks = {}
     try:
         fusers = [f for lay in (layer, layer_ar) for m in lay.modules() if isinstance(m, Sequential)
@@ -174,13 +182,8 @@ def _rank_main(rank: int, world: int) -> dict:
         for fuser in fusers:
             windows = plan_windows(tuple(id(op) for op in fuser.basic_ops))
             for start, n, mode in windows:
-                ops = fuser.basic_ops[start:start + n]
-                lin = next(o for o in ops if isinstance(o, BasicLinear))
-                bias = next((o for o in ops if isinstance(o, Bias)), None)
-                rows = SEQ // world if mode == "all_gather" else SEQ
-                x = torch.randn(rows, BATCH, lin.in_features, generator=torch.Generator().manual_seed(7),
-                                requires_grad=True)
-                args = (x, lin.weight, None if bias is None else bias.bias, lin._overlap_window.compile_ref, world, mode)
+                args = window_args(fuser.basic_ops[start:start + n], mode)
+                x = args[0]
                 # Not torch.library.opcheck: it passes cloned weights, which the op refuses
                 # (it must read the live parameters). Fake vs real directly instead.
                 from tp_fuse.ops.compiled.overlap import _ub_linear_backward_fake, ub_linear_fake
@@ -199,14 +202,8 @@ def _rank_main(rank: int, world: int) -> dict:
             from tp_fuse.ops.compiled.overlap_fp8 import _ub_linear_fp8_backward_fake, _ub_linear_fp8_fake
 
             for start, n, mode in windows:
-                ops = fuser.basic_ops[start:start + n]
-                lin = next(o for o in ops if isinstance(o, BasicLinear))
-                bias = next((o for o in ops if isinstance(o, Bias)), None)
-                rows = SEQ // world if mode == "all_gather" else SEQ
-                x = torch.randn(rows, BATCH, lin.in_features, generator=torch.Generator().manual_seed(7),
-                                requires_grad=True)
-                args = (x, lin.weight, None if bias is None else bias.bias, lin._overlap_window.compile_ref,
-                        world, mode, "DelayedScaling", torch.float8_e4m3fn)
+                args = (*window_args(fuser.basic_ops[start:start + n], mode), "DelayedScaling", torch.float8_e4m3fn)
+                x, bias = args[0], args[2]
                 with tp_fuse.autocast(recipe=DelayedScaling(), amax_reduction_group=group):
                     real = torch.ops.tp_fuse.ub_linear_fp8(*args)
                     fake = _ub_linear_fp8_fake(*args)

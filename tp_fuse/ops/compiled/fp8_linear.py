@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from ...kernels import fp8_gemm_reads_views
-from ...kernels.fp8_emulation import accumulation_dtype
+from ...kernels.fp8_emulation import accumulation_dtype, emulated_mm_decoded
 from ...kernels.library import fp8_gemm_op  # noqa: F401  (registers tp_fuse::fp8_gemm)
 from ...quantization.compile_state import BlockLayout, CompileKey, CompileRef
 from ...quantization.custom_ops import block_cast, fp8_cast  # noqa: F401  (registers the tp_fuse:: ops)
@@ -107,15 +107,13 @@ def emulated_gemm(
     """``tp_fuse::fp8_gemm``'s CPU emulation as traceable ops: ``(a @ b.T) * scale_a *
     scale_b`` in ``out_dtype`` from FP8 ``a [M, K]`` and ``b [N, K]`` of any layout.
 
-    The same operations as ``kernels.fp8_emulation.emulated_mm_decoded`` (exact decodes --
-    every FP8 value is exact in fp32 --, one matmul in the accumulation dtype, the scales
-    multiplied in that order), so compiled == eager; traced, the compiler fuses the decodes
-    and the epilogue around the matmul instead of running an opaque op per GEMM.
+    Exact decodes (every FP8 value is exact in fp32) into the emulation's own matmul and
+    epilogue, ``kernels.fp8_emulation.emulated_mm_decoded``, so compiled == eager; traced,
+    the compiler fuses the decodes and the epilogue around the matmul instead of running an
+    opaque op per GEMM.
     """
     acc = accumulation_dtype(out_dtype)
-    out = torch.mm(a.to(acc), b.to(acc).t())
-    out = out * scale_a.to(acc) * scale_b.to(acc)
-    return out if out_dtype == acc else out.to(out_dtype)
+    return emulated_mm_decoded(a.to(acc), b.to(acc).t(), scale_a, scale_b, out_dtype)
 
 
 def _cast_args(layout: BlockLayout) -> tuple:
