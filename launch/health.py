@@ -152,11 +152,16 @@ class NonfiniteGuard:
         self.in_a_row = self.in_a_row + 1 if reasons else 0
         return StepHealth(not reasons, reasons, self.in_a_row, total_now, int(values[3]), values[4], values[5])
 
-    def stop_if_diverged(self, step: int, health: StepHealth, last_checkpoint: Optional[str]) -> None:
-        """Raise :class:`TrainingDivergedError` once the policy's limit is passed."""
+    def stop_if_diverged(self, step: int, health: StepHealth, last_checkpoint: Callable[[], Optional[str]]) -> None:
+        """Raise :class:`TrainingDivergedError` once the policy's limit is passed.
+
+        ``last_checkpoint`` is asked only then (it lists the checkpoint directory: no file
+        system work on the steps that are fine, and none while another rank cleans up).
+        """
         if health.in_a_row <= self.max_nonfinite_steps:
             return
-        where = f"the last good checkpoint is {last_checkpoint}" if last_checkpoint else "no checkpoint was saved"
+        last = last_checkpoint()
+        where = f"the last good checkpoint is {last}" if last else "no checkpoint was saved"
         raise TrainingDivergedError(
             f"training diverged: step {step} makes {health.in_a_row} non-finite steps in a row "
             f"({'; '.join(health.reasons)}), more than trainer.max_nonfinite_steps={self.max_nonfinite_steps}; "

@@ -346,7 +346,7 @@ class Trainer:
                         + f"mem {perf['peak_mem_gib']:.2f} GiB  ETA {format_eta(perf['eta_s'])}"
                     )
                 # After logging (the failing step is in the logs), before any save.
-                self.guard.stop_if_diverged(step, health, last_ckpt or self.ckpt.latest_of_run())
+                self.guard.stop_if_diverged(step, health, lambda: last_ckpt or self.ckpt.latest_of_run())
                 ck = cfg.checkpoint
                 # All ranks agreed on the signal in the health all-reduce: stop at the same step.
                 stopping = bool(health.stop_signal) and step < last_step

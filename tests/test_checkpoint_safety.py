@@ -314,3 +314,29 @@ def test_a_distcp_link_is_never_opened_by_dcp(saved, tmp_path, monkeypatch):
     monkeypatch.setattr(manager_mod, "verify_files", lambda *a, **k: None)
     with pytest.raises(CheckpointError, match=rf"checkpoint data file .*{name} is a symbolic link; refusing to follow"):
         _resume(ck, tmp_path)
+
+
+def test_a_checkpoint_directory_that_goes_while_listing_lists_nothing(tmp_path, monkeypatch):
+    """Rank 0 removes an empty checkpoint directory at the end of a run while other ranks
+    finish their last step; a listing that saw the directory and then lost it must not
+    raise (a CI run failed a TP=2 launcher test on rank 1 with FileNotFoundError)."""
+    gone = str(tmp_path / "checkpoints")
+    real_isdir = os.path.isdir
+    monkeypatch.setattr(os.path, "isdir", lambda p: p == gone or real_isdir(p))  # "it was there"
+    assert list_step_dirs(gone) == []
+
+
+def test_training_does_not_look_for_checkpoints_on_healthy_steps(tmp_path, monkeypatch):
+    """The non-finite guard names the last good checkpoint only when it stops the run: no
+    directory listing per step (it ran on every rank at every step before)."""
+    calls = []
+    real = manager_mod.CheckpointManager.latest_of_run
+
+    def counted(self):
+        calls.append(1)
+        return real(self)
+
+    monkeypatch.setattr(manager_mod.CheckpointManager, "latest_of_run", counted)
+    result = train([*COMMON, "trainer.max_steps=3", "fp8=none"], str(tmp_path / "run"))
+    assert sorted(result.losses) == [1, 2, 3]
+    assert len(calls) == 1, calls  # the end-of-run summary's "last checkpoint" line only

@@ -60,10 +60,14 @@ class StartDecision:
 
 def list_step_dirs(root: str) -> list[tuple[int, str, bool]]:
     """``(step, path, complete)`` for every ``step_XXXXXXXX`` directory, oldest first."""
-    if not os.path.isdir(root):
+    try:
+        names = os.listdir(root)
+    except (FileNotFoundError, NotADirectoryError):
+        # No directory, or one that went between a check and the listing (rank 0 removes an
+        # empty checkpoint directory at the end of a run while other ranks finish theirs).
         return []
     out = []
-    for name in os.listdir(root):
+    for name in names:
         m = STEP_DIR.fullmatch(name)
         path = os.path.join(root, name)
         if m and os.path.isdir(path):
