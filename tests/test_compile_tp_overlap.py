@@ -361,7 +361,8 @@ def _explain_main(rank: int, world: int) -> dict:
 
 @pytest.fixture(scope="module")
 def explained() -> list[dict]:
-    return run_distributed(2, _explain_main, timeout=300)
+    # Fresh interpreters: the test checks that explain does not import torch._dynamo.
+    return run_distributed(2, _explain_main, timeout=300, fresh=True)
 
 
 @pytest.mark.multirank

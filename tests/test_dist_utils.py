@@ -106,3 +106,26 @@ def test_a_hung_rank_shows_where_it_waits(capfd) -> None:
     assert time.monotonic() - start < 30  # the timeout ends the run: no hang
     err = capfd.readouterr().err
     assert "in _rank_1_hangs" in err, err[-3000:]  # faulthandler's frame line of the sleeping rank
+
+
+def _start_facts(rank: int, world_size: int) -> dict:
+    return {
+        "env": os.environ.get("TP_FUSE_TEST_DIST_VALUE"),
+        # The process the rank was forked from: the forkserver, unless fresh=True.
+        "parent_threads": len(os.listdir(f"/proc/{os.getppid()}/task")),
+    }
+
+
+@pytest.mark.parametrize("fresh", [False, True], ids=["forkserver", "fresh"])
+def test_ranks_see_the_callers_environment_and_fork_from_a_single_thread(fresh, monkeypatch, capfd) -> None:
+    for value in ("first", "second"):  # the server started with the first value
+        monkeypatch.setenv("TP_FUSE_TEST_DIST_VALUE", value)
+        facts = run_distributed(2, _start_facts, fresh=fresh)
+        assert [f["env"] for f in facts] == [value, value]
+    if not fresh:
+        # Forking a process that holds threads (OpenMP, gloo) leaves the child's copies
+        # of their locks held: the server must still be single-threaded.
+        assert [f["parent_threads"] for f in facts] == [1, 1], facts
+    # A run whose ranks reported is not treated as hung: no faulthandler stacks (the old
+    # helper sent SIGUSR1 to every rank still exiting and waited a second for it).
+    assert "most recent call first" not in capfd.readouterr().err
