@@ -141,6 +141,11 @@ def _worker(
             timeout=timedelta(seconds=timeout),
         )
         try:
+            # init_process_group has no barrier: a rank whose fn needs no collective
+            # could tear its group down while a peer is still connecting to it, and the
+            # peer failed with gloo's "Connection closed by peer" (seen with forked
+            # ranks, which start within milliseconds of each other).
+            dist.barrier()
             value = fn(rank, world_size, *args)
         finally:
             dist.destroy_process_group()
