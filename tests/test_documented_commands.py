@@ -4,9 +4,10 @@ Commands are read from the ```bash blocks; the commands of one block run in orde
 directory (a checkpoint sequence is one block). What the test changes, and only that:
 
 * step counts are divided by ``SCALE`` (``trainer.max_steps``, ``exit_at_step``,
-  ``fail_at_step``, ``checkpoint.interval``, ``log_interval``, ``val_interval``; a command
-  without ``trainer.max_steps`` gets the default 300 / SCALE) and validation is shortened
-  (``trainer.val_tokens``);
+  ``fail_at_step``, ``checkpoint.interval``, ``log_interval``, ``val_interval``), a run is
+  at most ``MAX_STEPS`` steps long (``DEFAULT_STEPS`` for a command without
+  ``trainer.max_steps``: the suite's time is the commands' start-up and steps) and
+  validation is shortened (``trainer.val_tokens``);
 * torchrun's rendezvous port comes from the environment (``PET_MASTER_PORT``, a free port:
   tests never use a fixed one), W&B runs with ``WANDB_MODE=disabled``, ``make`` targets use a
   stamp directory that says "installed" (no pip) and a run directory under the test's;
@@ -38,6 +39,8 @@ DOCS = ["README.md", "docs/launcher-tour.md", "docs/launcher.md", "docs/debug.md
 # about as long, and make test's two pytest-xdist workers (whole modules each) share them.
 MORE_DOCS = ("docs/launcher.md", "docs/debug.md", "docs/scale-out.md")
 SCALE = 50
+DEFAULT_STEPS = 4  # a command without trainer.max_steps (the launcher's default is 300)
+MAX_STEPS = 6  # trainer.max_steps=1000 would be 20 steps
 STEP_KEYS = ("trainer.max_steps", "trainer.exit_at_step", "trainer.fail_at_step", "checkpoint.interval",
              "trainer.log_interval", "trainer.val_interval")
 EXTRA = ["trainer.val_tokens=2048", "trainer.progress=false"]
@@ -87,11 +90,13 @@ def _scale(args: list[str]) -> list[str]:
     for a in args:
         key, _, value = a.partition("=")
         if key in STEP_KEYS and value.isdigit():
-            a = f"{key}={max(1, round(int(value) / SCALE))}"
-            has_max |= key == "trainer.max_steps"
+            steps = max(1, round(int(value) / SCALE))
+            if key == "trainer.max_steps":
+                steps, has_max = min(steps, MAX_STEPS), True
+            a = f"{key}={steps}"
         out.append(a)
     if not has_max:
-        out.append(f"trainer.max_steps={300 // SCALE}")
+        out.append(f"trainer.max_steps={DEFAULT_STEPS}")
     return out + EXTRA
 
 
