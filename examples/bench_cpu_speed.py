@@ -106,7 +106,7 @@ def gemm_table(tokens: int, repeats: int) -> None:
     warm_x, warm_w = torch.randn(tokens, h), torch.randn(4 * h, h)
     for _ in range(20):
         warm_x @ warm_w.t()
-    print(f"\n1. FP8 GEMM [M,K] x [N,K]^T -> fp32, as a multiple of the fp32 matmul (ms: fp32 matmul)")
+    print("\n1. FP8 GEMM [M,K] x [N,K]^T -> fp32, as a multiple of the fp32 matmul (ms: fp32 matmul)")
     print(f"{'GEMM':<10} {'M,N,K':<15} {'pair':<11} {'fp32 ms':>8} {'tp_fuse':>8} {'_scaled_mm':>11} {'oneDNN off':>11}")
     for name, (m, n, k) in shapes.items():
         torch.manual_seed(0)
@@ -169,6 +169,21 @@ def aten_ops(fn: Callable[[], None]) -> int:
     return counter.count
 
 
+def alternate(variants: dict[str, Callable[[], None]], repeats: int, warmup: int) -> dict[str, list[float]]:
+    """Seconds of each call of each variant, ``repeats`` rounds after ``warmup``, the
+    variants alternating (A, B, A, B, ...) so that load changes hit them alike."""
+    for fn in variants.values():
+        for _ in range(warmup):
+            fn()
+    times: dict[str, list[float]] = {k: [] for k in variants}
+    for _ in range(repeats):
+        for name, fn in variants.items():
+            start = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - start)
+    return times
+
+
 def host_table(hidden: int, tokens: int, repeats: int) -> None:
     torch.manual_seed(0)
     seq = ops.Sequential(ops.LayerNorm(hidden), ops.Linear(hidden, 4 * hidden), ops.GELU(),
@@ -191,15 +206,7 @@ def host_table(hidden: int, tokens: int, repeats: int) -> None:
             y.backward(dy)
 
         variants[f"tp_fuse {name}"] = step
-    times: dict[str, list[float]] = {k: [] for k in variants}
-    for fn in variants.values():  # warm-up: first-call planning, quantizer creation
-        for _ in range(3):
-            fn()
-    for _ in range(repeats):
-        for name, fn in variants.items():
-            start = time.perf_counter()
-            fn()
-            times[name].append(time.perf_counter() - start)
+    times = alternate(variants, repeats, warmup=3)  # warm-up: first-call planning, quantizer creation
     base = statistics.median(times["torch"])
     print(f"\n2. host time per step, LayerNorm -> Linear -> GELU -> Linear, hidden {hidden}, {tokens} tokens, fwd+bwd")
     print(f"{'variant':<18} {'median us':>10} {'/ torch':>8} {'aten ops':>9}")

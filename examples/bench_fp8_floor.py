@@ -19,11 +19,10 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import time
 
 import torch
 
-from bench_cpu_speed import _OpCounter, machine  # examples/: the same machine line and op counter
+from bench_cpu_speed import alternate, aten_ops, machine  # examples/: the same machine line, timing and op count
 
 HIDDEN, TOKENS, HISTORY = 64, 16, 16
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
@@ -118,22 +117,12 @@ def main() -> None:
     args = parser.parse_args()
     print(machine())
     variants = {"plain torch fp32": TorchStep(), "FP8 delayed floor": FloorStep()}
-    times: dict[str, list[float]] = {name: [] for name in variants}
-    for _ in range(20):
-        for step in variants.values():
-            step()
-    for _ in range(args.steps):  # alternating, so that load changes hit both alike
-        for name, step in variants.items():
-            start = time.perf_counter()
-            step()
-            times[name].append(time.perf_counter() - start)
+    times = alternate(variants, args.steps, warmup=20)
     base = statistics.median(times["plain torch fp32"])
     print(f"{'variant':<20} {'median us':>10} {'/ torch':>8} {'aten ops':>9}")
     for name, step in variants.items():
-        with _OpCounter() as counter:
-            step()
         med = statistics.median(times[name])
-        print(f"{name:<20} {med * 1e6:10.1f} {med / base:7.2f}x {counter.count:9d}")
+        print(f"{name:<20} {med * 1e6:10.1f} {med / base:7.2f}x {aten_ops(step):9d}")
     print(f"load average at the end: {os.getloadavg()[0]:.1f}")
 
 
