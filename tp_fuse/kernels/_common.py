@@ -199,22 +199,42 @@ def gelu_torch(x: torch.Tensor) -> torch.Tensor:
 DGELU_ATEN_MIN_X = -3.0
 
 
-def dgelu_grad_torch(grad: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    """``grad * gelu'(x)`` as a new tensor; ``grad`` and ``x`` in the same compute dtype.
+def dgelu_grad_torch(grad: torch.Tensor, x: torch.Tensor, *, overwrite_grad: bool = False) -> torch.Tensor:
+    """``grad * gelu'(x)``; ``grad`` and ``x`` in the same compute dtype.
 
-    aten's fused ``gelu_backward`` (one pass, one allocation: the fast CPU path) where it
-    is accurate, and the elements with ``x < DGELU_ATEN_MIN_X`` -- a sliver of a normal
+    aten's fused ``gelu_backward`` (one pass: the fast CPU path) where it is accurate,
+    and the elements with ``x < DGELU_ATEN_MIN_X`` -- a sliver of a normal
     pre-activation distribution -- recomputed with :func:`dgelu_torch`, which keeps
     relative accuracy in the tail (the Triton kernel's accuracy everywhere).
+
+    ``overwrite_grad=True``: the result is written into ``grad``'s buffer (contiguous,
+    not overlapping ``x``, owned by the caller) instead of a new tensor.
     """
-    dx = torch.ops.aten.gelu_backward(grad, x, approximate="tanh")
-    # Usually no element is in the tail: one reduction, no mask. (NaN makes the
-    # comparison false and takes the mask path, which then fixes the real tail.)
-    # A device sync off CPU; the CUDA fast path is Triton.
-    if x.numel() and not bool(x.amin() >= DGELU_ATEN_MIN_X):
-        idx = (x < DGELU_ATEN_MIN_X).nonzero(as_tuple=True)
-        dx[idx] = dgelu_torch(x[idx]).mul_(grad[idx])
+    if overwrite_grad:
+        tail = _dgelu_tail(grad, x)  # reads grad before the overwrite
+        dx = torch.ops.aten.gelu_backward.grad_input(grad, x, approximate="tanh", grad_input=grad)
+    else:
+        dx = torch.ops.aten.gelu_backward(grad, x, approximate="tanh")
+        # After the pass over x: x is in cache then (the check rereads all of it).
+        tail = _dgelu_tail(grad, x)
+    if tail is not None:
+        idx, grad_tail = tail
+        dx[idx] = dgelu_torch(x[idx]).mul_(grad_tail)
     return dx
+
+
+def _dgelu_tail(grad: torch.Tensor, x: torch.Tensor) -> Optional[tuple[tuple[torch.Tensor, ...], torch.Tensor]]:
+    """The indices of the elements aten's ``gelu_backward`` gets wrong and ``grad`` there
+    (a copy), or None when there are none.
+
+    Usually no element is in the tail: one reduction, no mask. (NaN makes the comparison
+    false and takes the mask path, which then fixes the real tail.) A device sync off
+    CPU; the CUDA fast path is Triton.
+    """
+    if not x.numel() or bool(x.amin() >= DGELU_ATEN_MIN_X):
+        return None
+    idx = (x < DGELU_ATEN_MIN_X).nonzero(as_tuple=True)
+    return idx, grad[idx]
 
 
 def dgelu_torch(x: torch.Tensor) -> torch.Tensor:

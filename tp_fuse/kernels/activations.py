@@ -121,6 +121,7 @@ def dgelu_dbias(
     backend: Optional[str] = None,
     with_amax: bool = True,
     with_dbias: bool = True,
+    overwrite_grad: bool = False,
 ) -> tuple[torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor]]:
     """GELU backward fused with the bias gradient of the GEMM that produced ``x``.
 
@@ -137,6 +138,8 @@ def dgelu_dbias(
 
     ``dx32 = grad * gelu'(x)``. Returns ``(dx, dbias, amax)``; ``dbias`` is None with
     ``with_dbias=False`` (a GELU without a bias before it: the torch path skips the sum).
+    ``overwrite_grad=True``: ``grad`` is the caller's to lose; the torch path may write
+    ``dx`` into its buffer (saving a full-size allocation) and return it.
     """
     check_float("grad", grad)
     check_float("x", x)
@@ -148,7 +151,9 @@ def dgelu_dbias(
     if choice.backend == "torch":
         cdtype = compute_dtype(grad.dtype)
         wide = torch.promote_types(cdtype, compute_dtype(x.dtype))  # float64 if either is
-        dx32 = dgelu_grad_torch(rows_2d(grad).to(wide), rows_2d(x).to(wide))  # [rows, n], owned
+        g_rows, xw = rows_2d(grad), rows_2d(x).to(wide)
+        g = g_rows.to(wide)  # a copy when converted: then ours to overwrite
+        dx32 = dgelu_grad_torch(g, xw, overwrite_grad=_may_overwrite(g, g is not g_rows or overwrite_grad, xw))
         if dx32.dtype != cdtype:
             dx32 = dx32.to(cdtype)
         # dbias as Bias.bias_grad computes it from the dx it would receive: the
@@ -168,6 +173,15 @@ def dgelu_dbias(
         dbias = dbias if with_dbias else None
     dispatch.log_call("dgelu_dbias", choice, variant, x.device)
     return dx, dbias, amax if with_amax else None
+
+
+def _may_overwrite(grad: torch.Tensor, ours: bool, x: torch.Tensor) -> bool:
+    """Whether the GELU backward may write into ``grad``: it is ours to lose (a
+    conversion copy, or the caller said so), contiguous, apart from ``x``, and the write
+    is invisible to autograd (no graph is being recorded through it)."""
+    if not ours or not grad.is_contiguous() or grad.untyped_storage().data_ptr() == x.untyped_storage().data_ptr():
+        return False
+    return not (torch.is_grad_enabled() and (grad.requires_grad or x.requires_grad))
 
 
 def dswiglu(

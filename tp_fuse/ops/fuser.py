@@ -199,15 +199,33 @@ class _OperationFuserAutogradFunction(torch.autograd.Function):
         no_autocast = _no_torch_autocast(device_type, _autocast_dtype(device_type))
         channels = fuser.has_extra_tensors
         params_per_op = fuser.params_per_op
+        # Whether dx is a buffer this backward allocated and nobody else references: an
+        # op may then write its own gradient into it (OperationContext.grad_output_owned).
+        # Not the incoming grad_output (the caller's dy, or another node's), and only
+        # after a basic op that vouches for its result; never under create_graph (the
+        # buffer may be in the graph being recorded). Why: CPU speed. Plain torch's
+        # autograd frees fc2's saved activation before GELU's backward, which reuses that
+        # warm buffer; this group frees its saved tensors only at its end, so GELU's
+        # fresh [512, 1024] gradient came from memory glibc had returned to the OS and
+        # was page-faulted in: 1.03 ms in the step against plain torch's 0.62 ms
+        # (examples/bench_fuser_overhead.py; with MALLOC_TRIM_THRESHOLD_ and
+        # MALLOC_MMAP_THRESHOLD_ set high both took 0.55 ms), most of the gap there.
+        owned = False
         for op, idxs in reversed(fuser.backward_ops):
             if channels:
                 routing.add_channel_grads(idxs, grad_extra_per_op, channel_grads)
+            first_ctx = basic_op_ctxs[idxs[0]]
+            basic_op_ctxs[idxs[-1]].grad_output_owned = owned
+            first_ctx.grad_input_fresh = False
             with no_autocast:
                 dx, fused_grad_params, fused_grad_extra_inputs = op.fuser_backward(
                     [basic_op_ctxs[i] for i in idxs],
                     dx,
                     basic_op_grad_extra_outputs=[tuple(grad_extra_per_op[i]) for i in idxs],
                 )
+            # A fused op returns what its own code makes of its basic ops' results: only a
+            # basic op's word counts.
+            owned = len(idxs) == 1 and first_ctx.grad_input_fresh and not torch.is_grad_enabled()
             back = cast_from[idxs[0]]
             if back is not None and dx is not None and dx.dtype != back:
                 dx = _cast(dx, back)

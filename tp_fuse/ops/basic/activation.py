@@ -118,12 +118,22 @@ class GELU(_ActivationOperation):
         y, _ = kernels.gelu_fwd(x if x.dim() else x.reshape(1), with_amax=False)
         return as_shape(y, x.shape), (x,)
 
+    def activation_backward(self, ctx: OperationContext, grad_output: torch.Tensor) -> torch.Tensor:
+        # dx may go into grad_output's buffer when the fuser says this backward owns it.
+        (x,) = (maybe_dequantize(t) for t in ctx.saved_tensors)
+        return self._dgelu(x, maybe_dequantize(grad_output), ctx.grad_output_owned)
+
     def _activation_backward(self, saved: tuple[torch.Tensor, ...], dy: torch.Tensor) -> torch.Tensor:
         (x,) = saved
+        return self._dgelu(x, dy, False)
+
+    @staticmethod
+    def _dgelu(x: torch.Tensor, dy: torch.Tensor, overwrite_dy: bool) -> torch.Tensor:
+        shape = x.shape
         if not x.dim():
             x, dy = x.reshape(1), dy.reshape(1)
-        dx, _, _ = kernels.dgelu_dbias(dy, x, with_amax=False, with_dbias=False)
-        return as_shape(dx, saved[0].shape)
+        dx, _, _ = kernels.dgelu_dbias(dy, x, with_amax=False, with_dbias=False, overwrite_grad=overwrite_dy)
+        return as_shape(dx, shape)
 
 
 class ReLU(_ActivationOperation):

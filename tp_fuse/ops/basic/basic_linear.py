@@ -460,6 +460,8 @@ class BasicLinear(QuantizerStateMixin, BasicOperation):
         # dx has x's shape: the leading dims are dy's (a context filled by a third-party
         # fused op may not record ``input_shape``).
         input_shape = getattr(ctx, "input_shape", None) or (*dy.shape[:-1], self.in_features)
+        # dx is this GEMM's output (or its all-reduce), referenced nowhere else.
+        ctx.grad_input_fresh = True
         return self.reduce_dgrad(as_shape(dx, input_shape)), self.finish_wgrad(dw)
 
     @staticmethod

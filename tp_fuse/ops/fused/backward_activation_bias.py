@@ -65,7 +65,8 @@ class BackwardActivationBias(FusedOperation):
         if isinstance(activation, GELU):
             (x,) = basic_op_ctxs[1].saved_tensors
             # cache_quantized_input keeps x in FP8: the kernel reads high precision.
-            dz, db, _ = kernels.dgelu_dbias(maybe_dequantize(grad_output), maybe_dequantize(x), with_amax=False)
+            dz, db, _ = kernels.dgelu_dbias(maybe_dequantize(grad_output), maybe_dequantize(x), with_amax=False,
+                                            overwrite_grad=basic_op_ctxs[1].grad_output_owned)
             db = db.to(bias_op.bias.dtype) if bias_op.bias.requires_grad else None
         else:
             dz = activation.activation_backward(basic_op_ctxs[1], grad_output)
