@@ -8,9 +8,12 @@ from __future__ import annotations
 
 import os
 import socket
+import threading
+import weakref
 
 import pytest
 
+from tp_fuse.kernels import fp8_emulation
 from tp_fuse.launch.config import LoggerConfig
 from tp_fuse.launch.logging.wandb_logger import WandbLogger
 from tp_fuse.launch.logging.wandb_safe import run_id_for
@@ -80,3 +83,18 @@ def test_run_id_file_is_checked(tmp_path):
         f.write("../../etc\n")
     with pytest.raises(ValueError, match=r"wandb/run_id: expected a W&B run id"):
         run_id_for(run_dir)
+
+
+def test_wandb_threads_are_declared_matmul_free(wandb_env, monkeypatch):
+    """W&B starts a thread even with WANDB_MODE=disabled; undeclared, it would keep every
+    CPU FP8 GEMM of the default run off the AMX-BF16 units (fp8_emulation.emulation_units)."""
+    monkeypatch.setenv("WANDB_MODE", "disabled")
+    monkeypatch.setattr(fp8_emulation, "_MATMUL_FREE_THREADS", weakref.WeakSet())
+    before = set(threading.enumerate())
+    fp8_emulation.declare_matmul_free_threads(before)  # the test runner's own threads
+    run_dir = str(wandb_env / "run")
+    os.makedirs(run_dir)
+    logger = WandbLogger(LoggerConfig(), run_dir, {})
+    assert set(threading.enumerate()) - before, "expected W&B to start a thread (else this test checks nothing)"
+    assert fp8_emulation._other_threads_matmul_free()
+    logger.finish()

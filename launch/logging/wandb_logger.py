@@ -17,7 +17,10 @@ from __future__ import annotations
 import netrc
 import os
 import sys
+import threading
 from typing import Any, Optional
+
+from tp_fuse.kernels.fp8_emulation import declare_matmul_free_threads
 
 from ..config import LoggerConfig
 from .wandb_safe import init_with_fallback, run_id_for, sync_hint
@@ -74,7 +77,11 @@ class WandbLogger:
             resume="allow",
         )
         self.requested_mode = resolve_mode(cfg.mode)
+        before = set(threading.enumerate())
         self.run, self.mode = init_with_fallback(wandb, self.requested_mode, init_kwargs, settings, cfg.init_timeout_s)
+        # W&B's own threads (one even with WANDB_MODE=disabled) move data, never run a
+        # matmul: they need not keep the CPU FP8 GEMMs off the AMX-BF16 units.
+        declare_matmul_free_threads(set(threading.enumerate()) - before)
         self._failed = False
         self.run.define_metric("trainer/step")
         self.run.define_metric("*", step_metric="trainer/step")

@@ -139,13 +139,16 @@ def scaled_mm(
     bias: Optional[torch.Tensor] = None,
     *,
     cpu_path: Optional[str] = None,
+    cpu_units: Optional[str] = None,
 ) -> torch.Tensor:
     """``torch._scaled_mm(mat1, mat2, scale_a, scale_b, bias=bias, out_dtype=out_dtype)``,
     after checking CUDA's rules in strict mode (``TP_FUSE_STRICT_CUDA=1``); on CPU the
     exact emulation (``fp8_emulation.emulated_scaled_mm``) unless
     ``TP_FUSE_CPU_FP8_GEMM=scaled_mm``, which then writes a float64 output as the fp32
     GEMM widened (oneDNN's CPU kernel refuses float64). ``cpu_path``: that variable's
-    value when the caller has already read it (``cpu_fp8_gemm_path()``), else read here.
+    value when the caller has already read it (``cpu_fp8_gemm_path()``), else read here;
+    ``cpu_units``: the emulation's GEMM units (``fp8_emulation.emulation_units``) when the
+    caller has chosen them.
 
     Shapes: ``mat1 [M, K]`` row-major, ``mat2 [K, N]`` column-major, ``out [M, N]``.
     """
@@ -156,7 +159,7 @@ def scaled_mm(
                                        + "; ".join(issues))
     if mat1.device.type == "cpu":
         if (cpu_path or cpu_fp8_gemm_path()) == "emulate":
-            return emulated_scaled_mm(mat1, mat2, scale_a, scale_b, out_dtype, bias)
+            return emulated_scaled_mm(mat1, mat2, scale_a, scale_b, out_dtype, bias, units=cpu_units)
         if out_dtype == torch.float64:
             out = torch._scaled_mm(mat1, mat2, scale_a=scale_a, scale_b=scale_b, bias=bias, out_dtype=torch.float32)
             return out.to(torch.float64)

@@ -37,7 +37,7 @@ from typing import Iterator, Optional
 
 import torch
 
-from .fp8_emulation import CPU_FP8_GEMM_ENV, cpu_fp8_gemm_path
+from .fp8_emulation import CPU_FP8_GEMM_ENV, CPU_FP8_GEMM_UNITS_ENV, cpu_fp8_gemm_path, cpu_has_amx_bf16
 from ._common import triton_dtype_issue
 
 __all__ = [
@@ -293,14 +293,20 @@ def select_fp8_gemm_backend(
 
 
 def _cpu_fp8_gemm_reason() -> str:
-    return _cpu_fp8_gemm_reason_for(cpu_fp8_gemm_path())
+    return _cpu_fp8_gemm_reason_for(cpu_fp8_gemm_path(), os.environ.get(CPU_FP8_GEMM_UNITS_ENV, ""))
 
 
 @functools.lru_cache(maxsize=None)
-def _cpu_fp8_gemm_reason_for(path: str) -> str:
+def _cpu_fp8_gemm_reason_for(path: str, units: str) -> str:
     if path == "emulate":
+        if units == "fp32" or not cpu_has_amx_bf16():
+            gemm = "fp32 GEMM"
+        else:
+            gemm = (f"fp32-accumulating GEMM on the CPU's AMX-BF16 units from 2^23 multiply-adds while no "
+                    f"other Python thread could run a matmul (FP8 values are exact in bf16; "
+                    f"{CPU_FP8_GEMM_UNITS_ENV}=fp32 keeps the fp32 units)")
         return (
-            "inputs on cpu: exact emulation of torch._scaled_mm (FP8 decoded by table, fp32 GEMM, scales in "
+            f"inputs on cpu: exact emulation of torch._scaled_mm (FP8 decoded by table, {gemm}, scales in "
             f"the epilogue), fast on every CPU (cuBLASLt and Triton run on CUDA); {CPU_FP8_GEMM_ENV}=scaled_mm "
             "runs torch's CPU kernel instead"
         )

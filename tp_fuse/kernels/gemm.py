@@ -31,7 +31,7 @@ from ._common import (
     triton_dtype_issue,
 )
 from .cuda_rules import cuda_semantics, scaled_mm
-from .fp8_emulation import cpu_fp8_gemm_path, emulated_mm_decoded
+from .fp8_emulation import accumulation_dtype, cpu_fp8_gemm_path, emulated_mm_decoded, emulation_units
 
 __all__ = ["fp8_gemm", "fp8_gemm_checked", "fp8_gemm_emulated", "fp8_gemm_reads_views"]
 
@@ -124,8 +124,11 @@ def fp8_gemm_checked(
         raise RuntimeError(f"fp8_gemm: {choice.reason}")
     if choice.backend == "torch":
         cpu_path = cpu_fp8_gemm_path() if a.device.type == "cpu" else None  # one environment read per call
-        out, pre = _fp8_gemm_torch(a, b, scale_a, scale_b, out_dtype, bias, gelu, cpu_path)
-        variant = "cpu-emulation" if cpu_path == "emulate" else "scaled_mm"
+        units = None
+        if cpu_path == "emulate":
+            units = emulation_units(a.shape[0], b.shape[0], a.shape[1], accumulation_dtype(out_dtype), a, b)
+        out, pre = _fp8_gemm_torch(a, b, scale_a, scale_b, out_dtype, bias, gelu, cpu_path, units)
+        variant = emulation_variant(units) if cpu_path == "emulate" else "scaled_mm"
     else:
         from . import gemm_triton
 
@@ -147,11 +150,18 @@ def fp8_gemm_emulated(
     operands decoded (``fp8_emulation.decode_operand``; ``a [M, K]``, ``b [N, K]``, any
     layout, in ``accumulation_dtype(out_dtype)``): the Float8Tensor GEMM, which decodes a
     weight once for its fprop and dgrad GEMMs. Same result and kernel log as
-    :func:`fp8_gemm` with the FP8 operands (variant ``cpu-emulation``), no GELU epilogue."""
-    out = emulated_mm_decoded(a, b.t(), scale_a, scale_b, out_dtype, bias)
+    :func:`fp8_gemm` with the FP8 operands (variant ``cpu-emulation`` or
+    ``cpu-emulation-amx-bf16``), no GELU epilogue."""
+    units = emulation_units(a.shape[0], b.shape[0], a.shape[1], a.dtype, a, b)
+    out = emulated_mm_decoded(a, b.t(), scale_a, scale_b, out_dtype, bias, units=units)
     if dispatch.logging_active():
-        dispatch.log_call("fp8_gemm", dispatch.select_fp8_gemm_backend(a.device), "cpu-emulation", a.device)
+        dispatch.log_call("fp8_gemm", dispatch.select_fp8_gemm_backend(a.device), emulation_variant(units), a.device)
     return out
+
+
+def emulation_variant(units: str) -> str:
+    """The kernel-log variant of the CPU emulation on ``units`` (``emulation_units``)."""
+    return "cpu-emulation" if units == "fp32" else "cpu-emulation-" + units
 
 
 def fp8_gemm_reads_views(device: torch.device) -> bool:
@@ -171,6 +181,7 @@ def _fp8_gemm_torch(
     bias: Optional[torch.Tensor],
     gelu: bool,
     cpu_path: Optional[str] = None,
+    cpu_units: Optional[str] = None,
 ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     # _scaled_mm wants a row-major and the second operand column-major: b [N, K]
     # row-major viewed as b.T [K, N] is exactly that.
@@ -194,6 +205,7 @@ def _fp8_gemm_torch(
         gemm_dtype,
         bias=(bias if not cuda else bias.to(out_dtype)) if fused_bias else None,
         cpu_path=cpu_path,
+        cpu_units=cpu_units,
     )
     if gemm_dtype != out_dtype:
         pre = pre.to(out_dtype)
