@@ -150,7 +150,8 @@ def dgelu_dbias(
     )
     if choice.backend == "torch":
         cdtype = compute_dtype(grad.dtype)
-        wide = torch.promote_types(cdtype, compute_dtype(x.dtype))  # float64 if either is
+        # float64 if either is (torch.promote_types is an op call)
+        wide = torch.float64 if torch.float64 in (cdtype, x.dtype) else torch.float32
         g_rows, xw = rows_2d(grad), rows_2d(x).to(wide)
         g = g_rows.to(wide)  # a copy when converted: then ours to overwrite
         dx32 = dgelu_grad_torch(g, xw, overwrite_grad=_may_overwrite(g, g is not g_rows or overwrite_grad, xw))

@@ -31,22 +31,23 @@ class OperationContext:
     fuser's autograd ctx so that autograd's in-place modification checks apply.
     """
 
-    def __init__(self) -> None:
-        self.to_save: Optional[tuple[Optional[torch.Tensor], ...]] = None
-        self.saved_tensors: tuple[Optional[torch.Tensor], ...] = ()
-        # Whether any gradient is needed from this op's backward.
-        self.requires_grad: bool = True
-        # torch.autocast's dtype when the fuser was called inside torch.autocast, else
-        # None (Transformer Engine's ctx.dtype); ops then compute in their own dtype.
-        self.dtype: Optional[torch.dtype] = None
-        # Set by the fuser before this op's backward: whether the gradient it receives
-        # was allocated by the previous op's backward in the same fuser and is referenced
-        # nowhere else, so the op may write its result into that buffer (on CPU a fresh
-        # full-size buffer costs page faults; see OperationFuser's backward).
-        self.grad_output_owned: bool = False
-        # Set by an op's backward when the input gradient it returns is a tensor it just
-        # allocated and keeps no reference to (a GEMM's output): the next op may own it.
-        self.grad_input_fresh: bool = False
+    # Defaults as class attributes (immutable values): the fuser makes one context per
+    # basic op per call, and an empty __init__ is the cheapest. Assigning shadows them.
+    to_save: Optional[tuple[Optional[torch.Tensor], ...]] = None
+    saved_tensors: tuple[Optional[torch.Tensor], ...] = ()
+    # Whether any gradient is needed from this op's backward.
+    requires_grad: bool = True
+    # torch.autocast's dtype when the fuser was called inside torch.autocast, else
+    # None (Transformer Engine's ctx.dtype); ops then compute in their own dtype.
+    dtype: Optional[torch.dtype] = None
+    # Set by the fuser before this op's backward: whether the gradient it receives
+    # was allocated by the previous op's backward in the same fuser and is referenced
+    # nowhere else, so the op may write its result into that buffer (on CPU a fresh
+    # full-size buffer costs page faults; see OperationFuser's backward).
+    grad_output_owned: bool = False
+    # Set by an op's backward when the input gradient it returns is a tensor it just
+    # allocated and keeps no reference to (a GEMM's output): the next op may own it.
+    grad_input_fresh: bool = False
 
     def save_for_backward(self, *tensors: Optional[torch.Tensor]) -> None:
         self.to_save = tensors

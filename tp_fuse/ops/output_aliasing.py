@@ -36,6 +36,13 @@ def outputs_safe_for_inplace(outputs: list[torch.Tensor], inputs: Sequence[Any])
       an in-place op change the caller's input, or the other output, behind autograd's
       back (values of the other consumers would change, their gradients would not).
     """
+    if len(outputs) == 1:
+        # The common case, without the id sets: one output, a fresh tensor or a view of one.
+        out = outputs[0]
+        root = out._base if out._is_view() else out
+        if not any(t is out or t is root or (t._is_view() and (t._base is out or t._base is root))
+                   for t in inputs if isinstance(t, torch.Tensor)):
+            return [out.detach() if out._is_view() else out]
     taken = set()
     for t in inputs:
         if isinstance(t, torch.Tensor):

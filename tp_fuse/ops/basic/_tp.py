@@ -11,7 +11,7 @@ import torch.distributed as dist
 from tp_fuse.comm import ShapeAgreement
 
 from ...overlap.config import TPOverlap
-from ..op import BasicOperation, require
+from ..op import BasicOperation
 
 
 def group_size(group: Optional[dist.ProcessGroup]) -> int:
@@ -25,12 +25,12 @@ def group_size(group: Optional[dist.ProcessGroup]) -> int:
 
 def check_first_dim_divisible(op_name: str, x: torch.Tensor, size: int) -> None:
     """Local shape check done before any communication (so every rank raises)."""
-    require(x.dim() >= 1, f"{op_name}: expected a tensor with a sequence dimension, got a scalar")
-    require(
-        x.shape[0] % size == 0,
-        f"{op_name}: first (sequence) dimension {x.shape[0]} is not divisible by the "
-        f"tensor-parallel size {size}",
-    )
+    # (messages formatted on failure only: this runs on every call)
+    if x.dim() < 1:
+        raise ValueError(f"{op_name}: expected a tensor with a sequence dimension, got a scalar")
+    if x.shape[0] % size:
+        raise ValueError(f"{op_name}: first (sequence) dimension {x.shape[0]} is not divisible by the "
+                         f"tensor-parallel size {size}")
 
 
 class TPCommOperation(BasicOperation):

@@ -7,7 +7,7 @@ from typing import Any, Optional
 import torch
 
 from ...kernels._common import as_rows
-from ..op import BasicOperation, OperationContext, require
+from ..op import BasicOperation, OperationContext
 from ._checks import check_tensor, compute_dtype, maybe_dequantize, param_dtype
 from ._tp import group_size
 
@@ -88,11 +88,11 @@ class Bias(BasicOperation):
         ``Bias`` would. ``dtype`` is not checked: the bias is cast to the input's
         dtype (under ``torch.autocast`` they differ).
         """
-        require(
-            len(shape) >= 1 and shape[-1] == self.size,
-            f"Bias: expected last dimension {self.size}, got input of shape {tuple(shape)}",
-        )
-        require(device == self.bias.device, f"Bias: input on {device}, bias on {self.bias.device}")
+        # (messages formatted on failure only: this runs on every call)
+        if not (len(shape) >= 1 and shape[-1] == self.size):
+            raise ValueError(f"Bias: expected last dimension {self.size}, got input of shape {tuple(shape)}")
+        if device != self.bias.device:
+            raise ValueError(f"Bias: input on {device}, bias on {self.bias.device}")
 
     def check_input(self, x: torch.Tensor) -> None:
         check_tensor("Bias", x)
