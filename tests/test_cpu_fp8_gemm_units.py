@@ -31,7 +31,7 @@ from tp_fuse.kernels.fp8_emulation import (
 )
 
 needs_amx = pytest.mark.skipif(not cpu_has_amx_bf16(), reason="needs a CPU with AMX-BF16 (lscpu: amx_bf16)")
-BIG = (256, 128, 256)  # M, K, N: 2^23 multiply-adds, the smallest GEMM the bf16 units take
+BIG = (256, 128, 256)  # M, K, N: 2^23 multiply-adds, twice the smallest GEMM the bf16 units take
 FLAG = torch.backends.mkldnn.matmul
 
 

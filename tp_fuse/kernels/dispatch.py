@@ -302,7 +302,7 @@ def _cpu_fp8_gemm_reason_for(path: str, units: str) -> str:
         if units == "fp32" or not cpu_has_amx_bf16():
             gemm = "fp32 GEMM"
         else:
-            gemm = (f"fp32-accumulating GEMM on the CPU's AMX-BF16 units from 2^23 multiply-adds while no "
+            gemm = (f"fp32-accumulating GEMM on the CPU's AMX-BF16 units from 2^22 multiply-adds while no "
                     f"other Python thread could run a matmul (FP8 values are exact in bf16; "
                     f"{CPU_FP8_GEMM_UNITS_ENV}=fp32 keeps the fp32 units)")
         return (

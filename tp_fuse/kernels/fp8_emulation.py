@@ -25,10 +25,12 @@ The emulation is exact up to fp32 summation order, by construction:
 AMX-BF16 oneDNN runs an fp32 GEMM on its bf16 units when asked
 (``torch.backends.mkldnn.matmul.fp32_precision = "bf16"``): the inputs are rounded to bf16
 -- exact here -- and the products accumulate in fp32 into an fp32 output. So the GEMM of
-decoded FP8 values runs there, 2.4x-3.7x faster than the fp32 GEMM from 2^23 multiply-adds
+decoded FP8 values runs there, 1.6x-3.7x faster than the fp32 GEMM from 2^22 multiply-adds
 (``mm`` of decoded e4m3 values, median of 0.3 s, Xeon with AMX, torch 2.13: [2048,128] x
-[128,512] 400 us vs 1369 us; [256,128] x [128,256] 39 us vs 92 us); below that oneDNN's
-~20 us per call costs more than it saves ([16,64] x [64,256]: 23 us vs 7 us). The flag
+[128,512] 400 us vs 1369 us; [256,64] x [64,256] 31 us vs 50 us; [128,256] x [256,128]
+with the first operand a transposed view, as in a wgrad GEMM, 32 us vs 49 us); at 2^21
+they break even, below oneDNN's ~20 us per call costs more than it saves ([16,64] x
+[64,256]: 23 us vs 7 us). The flag
 is process-wide, so it is set only around this one ``torch.mm`` and only when nothing
 else can run a matmul meanwhile: no other Python thread but those declared matmul-free
 (:func:`declare_matmul_free_threads`: the launcher declares W&B's), no dispatch or
@@ -85,9 +87,9 @@ _UNITS_CHOICES = ("auto", "fp32", "bf16")
 # Threads their starters declared matmul-free (weak: an ended thread drops out).
 # Process-wide, as the flag it guards is.
 _MATMUL_FREE_THREADS: "weakref.WeakSet[threading.Thread]" = weakref.WeakSet()
-# From this many multiply-adds the bf16 units win (module doc; 2^22 was 0.6x for [256,64]
-# x [64,256] but 1.7x for the transposed-operand layout of a wgrad GEMM).
-_BF16_UNITS_MIN_MACS = 1 << 23
+# From this many multiply-adds the bf16 units win in both operand layouts (module doc:
+# 0.61x-0.64x the fp32 GEMM's time at 2^22, 0.89x-0.98x at 2^21).
+_BF16_UNITS_MIN_MACS = 1 << 22
 _FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 # Which decode is faster, by dtype and size (median of 2000, 2 threads, Xeon with
