@@ -3,7 +3,8 @@
 Every FP8 value is exact in bf16, so oneDNN's fp32 GEMM run on bf16 units
 (``torch.backends.mkldnn.matmul.fp32_precision = "bf16"``) is still an fp32 accumulation
 of exact products: the result must meet the same summation-order bound as the fp32 GEMM
-(``test_cpu_fp8_gemm._check_against_float64``). The flag is process-wide, so these tests
+(``test_cpu_fp8_gemm._check_against_float64``); the same for NVFP4's e2m1 x E4M3-scale
+values. The flag is process-wide, so these tests
 also pin when it must NOT be used (another Python thread not declared matmul-free, a
 dispatch mode, float64, small GEMMs, ``TP_FUSE_CPU_FP8_GEMM_UNITS=fp32``) and that it is
 always restored. The threads already alive in a test process (pytest-xdist's) are declared
@@ -29,6 +30,9 @@ from tp_fuse.kernels.fp8_emulation import (
     emulated_scaled_mm,
     emulation_units,
 )
+from tp_fuse.quantization import NVFP4Quantizer
+from tp_fuse.quantization.block.gemm import emulated_block_gemm
+from tp_fuse.quantization.nvfp4.scaling import block_decode_values, gemm_alpha
 
 needs_amx = pytest.mark.skipif(not cpu_has_amx_bf16(), reason="needs a CPU with AMX-BF16 (lscpu: amx_bf16)")
 BIG = (256, 128, 256)  # M, K, N: 2^23 multiply-adds, twice the smallest GEMM the bf16 units take
@@ -143,3 +147,20 @@ def test_cpus_without_amx_use_the_fp32_units(monkeypatch):
     monkeypatch.setattr(kernels.fp8_emulation, "cpu_has_amx_bf16", lambda: False)
     m, k, n = BIG
     assert emulation_units(m, n, k, torch.float32, torch.zeros(m, k), torch.zeros(k, n)) == "fp32"
+
+
+@needs_amx
+def test_nvfp4_gemm_on_bf16_units_meets_the_fp32_summation_bound(mm_precision):
+    """NVFP4's emulated GEMM multiplies e2m1 x E4M3-block-scale values: exact in bf16 too."""
+    g = torch.Generator().manual_seed(3)
+    m, k, n = BIG
+    a = NVFP4Quantizer()(torch.randn(m, k, generator=g))._rowwise
+    b = NVFP4Quantizer()(torch.randn(n, k, generator=g))._rowwise
+    out = emulated_block_gemm(a, b, torch.float32)
+    assert mm_precision == ["bf16"]
+    va = block_decode_values(a.data, a.scale_inv, a.spec).double()
+    vb = block_decode_values(b.data, b.scale_inv, b.spec).double()
+    alpha = gemm_alpha(a.amax, b.amax).double()
+    expected = (va @ vb.t()) * alpha
+    bound = (va.abs() @ vb.abs().t()) * alpha * (k * 2.0**-24 + 2.0**-24) + 1e-30
+    assert bool(((out.double() - expected).abs() <= bound).all())

@@ -74,6 +74,7 @@ __all__ = [
     "emulated_mm_decoded",
     "emulated_scaled_mm",
     "emulation_units",
+    "exact_values_mm",
     "fp8_to_float",
 ]
 
@@ -183,7 +184,7 @@ def emulation_units(m: int, n: int, k: int, acc_dtype: torch.dtype, *operands: t
     # The precision flag is process-wide: another thread's matmul, or Python that a mode or
     # a tensor subclass runs inside this one, would run on bf16 units too.
     if torch._C._len_torch_dispatch_stack() or torch._C._is_torch_function_mode_enabled() \
-            or any(type(t) is not torch.Tensor for t in operands):
+            or any(type(t) is not torch.Tensor or t.device.type != "cpu" for t in operands):
         return "fp32"
     if units == "auto" and threading.active_count() != 1 and not _other_threads_matmul_free():
         return "fp32"
@@ -202,6 +203,12 @@ def declare_matmul_free_threads(threads: Iterable[threading.Thread]) -> None:
 def _other_threads_matmul_free() -> bool:
     current = threading.current_thread()
     return all(t is current or t in _MATMUL_FREE_THREADS for t in threading.enumerate())
+
+
+def exact_values_mm(mat1: torch.Tensor, mat2: torch.Tensor) -> torch.Tensor:
+    """``torch.mm(mat1, mat2)`` of fp32 operands every value of which is exact in bf16 (FP8
+    values; FP4 values times FP8 block scales), on the units :func:`emulation_units` picks."""
+    return _mm(mat1, mat2, emulation_units(mat1.shape[0], mat2.shape[1], mat1.shape[1], mat1.dtype, mat1, mat2))
 
 
 def _mm(mat1: torch.Tensor, mat2: torch.Tensor, units: str) -> torch.Tensor:

@@ -18,7 +18,8 @@ Backends:
   scales (sm100). Other GPUs raise a ValueError naming the requirement. This path is
   written against torch's API but untested here (CI has no GPU).
 * **NVFP4**: the emulation multiplies the exact products ``e2m1 * e4m3_block_scale`` of
-  both operands in one fp32 GEMM and applies the global ``alpha = amax_a * amax_b /
+  both operands in one fp32-accumulating GEMM (on CPUs with AMX-BF16 on the bf16 units,
+  where these values are exact too: ``kernels.fp8_emulation.exact_values_mm``) and applies the global ``alpha = amax_a * amax_b /
   (6*6*448*448)`` to the result (what the FP4 tensor cores do with their alpha). On CUDA
   ``torch.nn.functional.scaled_mm`` with ``[BlockWise1x16, TensorWise]`` scales (swizzled
   E4M3 block scales plus the fp32 global scale) on sm100+; other GPUs raise. Untested here.
@@ -33,6 +34,7 @@ import torch
 import torch.nn.functional as F
 
 from ...kernels import cuda_rules
+from ...kernels.fp8_emulation import exact_values_mm
 from .scaling import BlockSpec
 from .tensor import BlockPayload, BlockScaledTensor
 from ..nvfp4.scaling import block_decode_values, gemm_alpha
@@ -74,7 +76,12 @@ def emulated_block_gemm(
     """
     if a.is_fp4 or b.is_fp4:
         assert a.is_fp4 and b.is_fp4 and a.amax is not None and b.amax is not None
-        out = block_decode_values(a.data, a.scale_inv, a.spec) @ block_decode_values(b.data, b.scale_inv, b.spec).t()
+        va = block_decode_values(a.data, a.scale_inv, a.spec)
+        vb = block_decode_values(b.data, b.scale_inv, b.spec).t()
+        # e2m1 x E4M3 block scale: at most 6 significant bits, exact in bf16 too (the CPU's
+        # AMX-BF16 units may take the GEMM: kernels.fp8_emulation).
+        exact_in_bf16 = a.scale_inv.dtype == b.scale_inv.dtype == torch.float8_e4m3fn
+        out = exact_values_mm(va, vb) if exact_in_bf16 else va @ vb
         out = out * gemm_alpha(a.amax, b.amax, a.e4m3_max, b.e4m3_max)
         if bias is not None:
             out = out + bias.to(torch.float32)
