@@ -164,3 +164,23 @@ def test_nvfp4_gemm_on_bf16_units_meets_the_fp32_summation_bound(mm_precision):
     expected = (va @ vb.t()) * alpha
     bound = (va.abs() @ vb.abs().t()) * alpha * (k * 2.0**-24 + 2.0**-24) + 1e-30
     assert bool(((out.double() - expected).abs() <= bound).all())
+
+
+@needs_amx
+def test_concurrent_gemms_leave_the_flag_as_they_found_it():
+    """With TP_FUSE_CPU_FP8_GEMM_UNITS=bf16 several threads may run FP8 GEMMs at once: a
+    thread restoring the flag it saw another set would leave it set for every later fp32
+    matmul of the process. The set/restore pairs must not interleave."""
+    before = FLAG.fp32_precision
+    a, b = torch.randn(512, 256), torch.randn(256, 512)
+
+    def gemms():
+        for _ in range(40):
+            fp8_emulation._mm(a, b, "amx-bf16")
+
+    threads = [threading.Thread(target=gemms) for _ in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert FLAG.fp32_precision == before

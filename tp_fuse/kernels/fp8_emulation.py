@@ -30,9 +30,9 @@ decoded FP8 values runs there, 1.6x-3.7x faster than the fp32 GEMM from 2^22 mul
 [128,512] 400 us vs 1369 us; [256,64] x [64,256] 31 us vs 50 us; [128,256] x [256,128]
 with the first operand a transposed view, as in a wgrad GEMM, 32 us vs 49 us); at 2^21
 they break even, below oneDNN's ~20 us per call costs more than it saves ([16,64] x
-[64,256]: 23 us vs 7 us). The flag
-is process-wide, so it is set only around this one ``torch.mm`` and only when nothing
-else can run a matmul meanwhile: no other Python thread but those declared matmul-free
+[64,256]: 23 us vs 7 us). The flag is process-wide, so it is set only around this one
+``torch.mm`` (under a lock: two threads' set and restore never interleave) and only when
+nothing else can run a matmul meanwhile: no other Python thread but those declared matmul-free
 (:func:`declare_matmul_free_threads`: the launcher declares W&B's), no dispatch or
 function mode (which could run Python inside the call), plain tensors, not while
 compiling (the compiled graph runs the fp32 GEMM). ``TP_FUSE_CPU_FP8_GEMM_UNITS``:
@@ -88,6 +88,8 @@ _UNITS_CHOICES = ("auto", "fp32", "bf16")
 # Threads their starters declared matmul-free (weak: an ended thread drops out).
 # Process-wide, as the flag it guards is.
 _MATMUL_FREE_THREADS: "weakref.WeakSet[threading.Thread]" = weakref.WeakSet()
+# Held while the flag is set (_mm).
+_FLAG_LOCK = threading.Lock()
 # From this many multiply-adds the bf16 units win in both operand layouts (module doc:
 # 0.61x-0.64x the fp32 GEMM's time at 2^22, 0.89x-0.98x at 2^21).
 _BF16_UNITS_MIN_MACS = 1 << 22
@@ -216,12 +218,15 @@ def _mm(mat1: torch.Tensor, mat2: torch.Tensor, units: str) -> torch.Tensor:
     if units == "fp32":
         return torch.mm(mat1, mat2)
     matmul = torch.backends.mkldnn.matmul
-    previous = matmul.fp32_precision
-    matmul.fp32_precision = "bf16"
-    try:
-        return torch.mm(mat1, mat2)
-    finally:
-        matmul.fp32_precision = previous
+    # Without the lock, a thread restoring the flag it saw set by another (units "bf16" with
+    # several GEMM threads) would leave it set for good.
+    with _FLAG_LOCK:
+        previous = matmul.fp32_precision
+        matmul.fp32_precision = "bf16"
+        try:
+            return torch.mm(mat1, mat2)
+        finally:
+            matmul.fp32_precision = previous
 
 
 def decode_operand(mat: torch.Tensor, acc_dtype: torch.dtype) -> torch.Tensor:
