@@ -45,6 +45,13 @@ def upcast(t: torch.Tensor) -> torch.Tensor:
     return t if t.dtype == cdtype else t.to(cdtype)
 
 
+def as_dtype(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``t.to(dtype)`` without the call when ``t`` has that dtype already: a no-op ``.to``
+    still goes through argument parsing and the dispatcher (~0.8 us on CPU, against 0.07
+    for the comparison), and the eager step makes a dozen such calls."""
+    return t if t.dtype == dtype else t.to(dtype)
+
+
 def triton_dtype_issue(*dtypes: Optional[torch.dtype]) -> Optional[str]:
     """Why the Triton kernels cannot take these dtypes (float64), or None."""
     if torch.float64 in dtypes:
@@ -173,7 +180,8 @@ def finish_output(
     # Elementwise ops keep the input's strides; outputs are contiguous like Triton's.
     if fp8_dtype is not None:
         return fp8_cast(v, scale, fp8_dtype, overwrite=True).contiguous(), amax
-    return v.to(out_dtype).contiguous(), amax
+    v = as_dtype(v, out_dtype)
+    return (v if v.is_contiguous() else v.contiguous()), amax
 
 
 # GELU (tanh approximation) in the form both backends evaluate. Transformer Engine's

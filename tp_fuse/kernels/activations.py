@@ -42,6 +42,7 @@ import torch.nn.functional as F
 
 from . import dispatch
 from ._common import (
+    as_dtype,
     as_shape,
     abs_max,
     check_float,
@@ -152,15 +153,15 @@ def dgelu_dbias(
         cdtype = compute_dtype(grad.dtype)
         # float64 if either is (torch.promote_types is an op call)
         wide = torch.float64 if torch.float64 in (cdtype, x.dtype) else torch.float32
-        g_rows, xw = rows_2d(grad), rows_2d(x).to(wide)
-        g = g_rows.to(wide)  # a copy when converted: then ours to overwrite
+        g_rows, xw = rows_2d(grad), as_dtype(rows_2d(x), wide)
+        g = as_dtype(g_rows, wide)  # a copy when converted: then ours to overwrite
         dx32 = dgelu_grad_torch(g, xw, overwrite_grad=_may_overwrite(g, g is not g_rows or overwrite_grad, xw))
         if dx32.dtype != cdtype:
-            dx32 = dx32.to(cdtype)
+            dx32 = as_dtype(dx32, cdtype)
         # dbias as Bias.bias_grad computes it from the dx it would receive: the
         # high-precision dx (rounded to grad.dtype), summed in the compute dtype.
-        dx_hp = dx32.to(grad.dtype)
-        dbias = dx_hp.sum(dim=0, dtype=cdtype).to(grad.dtype) if with_dbias else None
+        dx_hp = as_dtype(dx32, grad.dtype)
+        dbias = as_dtype(dx_hp.sum(dim=0, dtype=cdtype), grad.dtype) if with_dbias else None
         if fp8_dtype is None:
             dx, amax = dx_hp.contiguous(), abs_max(dx32) if with_amax else None
         else:

@@ -221,7 +221,7 @@ def select_backend(
     # path even with the interpreter on (a testing tool). Decided before triton_status()
     # so that CPU-only use never pays for importing triton.
     if backend is None and device.type != "cuda":
-        return BackendChoice("torch", f"inputs on {device.type}; Triton kernels are for CUDA")
+        return _non_cuda_choice(device.type)
     ok, detail = triton_status()
     runnable = device.type == "cuda" or triton_interpreted()
     if backend == "triton":
@@ -240,6 +240,12 @@ def select_backend(
     if triton_unsupported is not None:
         return BackendChoice("torch", triton_unsupported)
     return BackendChoice("triton", f"CUDA inputs and {detail}")
+
+
+@functools.lru_cache(maxsize=None)
+def _non_cuda_choice(device_type: str) -> BackendChoice:
+    # One immutable choice per device type: made per kernel call, it cost ~2 us per call.
+    return BackendChoice("torch", f"inputs on {device_type}; Triton kernels are for CUDA")
 
 
 def cuda_capability(device: torch.device) -> tuple[int, int]:

@@ -6,7 +6,7 @@ from typing import Any, Optional
 
 import torch
 
-from ...kernels._common import as_rows
+from ...kernels._common import as_dtype, as_rows
 from ..op import BasicOperation, OperationContext
 from ._checks import check_tensor, compute_dtype, maybe_dequantize, param_dtype
 from ._tp import group_size
@@ -107,7 +107,7 @@ class Bias(BasicOperation):
             return None
         dy2d = as_rows(dy, self.size)
         # Accumulate wide: a bf16 sum over many rows would lose the small terms.
-        return dy2d.sum(dim=0, dtype=compute_dtype(dy.dtype)).to(self.bias.dtype)
+        return as_dtype(dy2d.sum(dim=0, dtype=compute_dtype(dy.dtype)), self.bias.dtype)
 
     # ---- basic-op interface ----------------------------------------------
 

@@ -8,7 +8,7 @@ from typing import Any, Optional
 import torch
 
 from ... import kernels
-from ...kernels._common import as_shape
+from ...kernels._common import as_dtype, as_shape
 from ..op import OperationContext
 from ._norm import NormBase
 
@@ -80,7 +80,7 @@ class LayerNorm(NormBase):
         # "mixed type" path), CUDA's only with parameters in the input dtype ("expected
         # scalar type BFloat16 but found Float" otherwise; seen on an H200, torch 2.11).
         param_dtype = cdtype if x2d.device.type == "cpu" else x2d.dtype
-        gamma = self._gamma(cdtype).to(param_dtype)
+        gamma = as_dtype(self._gamma(cdtype), param_dtype)
         # dx from aten; the parameter gradients are sums over all rows, which aten's
         # CPU kernel accumulates in the input dtype (fp16/bf16: errors of the order of
         # the sum itself), so they are summed here in the compute dtype (fp32).
@@ -89,13 +89,13 @@ class LayerNorm(NormBase):
         # zero-centered gamma g = 1 + w, dL/dw = dL/dg: the same sums.
         exact_params = x2d.dtype == cdtype
         dx, dgamma, dbeta = torch.ops.aten.native_layer_norm_backward(
-            dy, x2d, [self.hidden], mean, rstd, gamma, as_shape(self.bias, (self.hidden,)).to(param_dtype),
+            dy, x2d, [self.hidden], mean, rstd, gamma, as_dtype(as_shape(self.bias, (self.hidden,)), param_dtype),
             [True, exact_params and self.weight.requires_grad, exact_params and self.bias.requires_grad],
         )
         if exact_params:
             return as_shape(dx, grad_output.shape), (
-                None if dgamma is None else as_shape(dgamma.to(self.weight.dtype), self.normalized_shape),
-                None if dbeta is None else as_shape(dbeta.to(self.bias.dtype), self.normalized_shape),
+                None if dgamma is None else as_shape(as_dtype(dgamma, self.weight.dtype), self.normalized_shape),
+                None if dbeta is None else as_shape(as_dtype(dbeta, self.bias.dtype), self.normalized_shape),
             )
         dy_c = dy.to(cdtype)  # no copy when the input is fp32/fp64
         dweight = dbias = None
