@@ -21,7 +21,7 @@ import torch
 from tp_fuse import kernels, ops
 from tp_fuse.kernels import dispatch
 from tp_fuse.kernels.cuda_rules import scaled_mm
-from tp_fuse.kernels.fp8_emulation import CPU_FP8_GEMM_ENV, emulated_scaled_mm, fp8_to_float
+from tp_fuse.kernels.fp8_emulation import CPU_FP8_GEMM_ENV, decode_operand, emulated_scaled_mm, fp8_to_float
 from tp_fuse.quantization import autocast
 from tp_fuse.recipe import DelayedScaling, Float8CurrentScaling, Float8RowwiseScaling
 
@@ -52,7 +52,7 @@ def _check_against_float64(out, a, b, sa, sb, bias=None):
 
 
 @pytest.mark.parametrize("dtype", [E4M3, E5M2])
-@pytest.mark.parametrize("repeat", [1, 40], ids=["small", "large"])  # both sides of the table/.to size rule
+@pytest.mark.parametrize("repeat", [1, 40, 160], ids=["small", "large", "larger"])  # every side of the size rules
 def test_decode_is_bit_exact_for_every_byte(dtype, repeat):
     codes = torch.arange(256, dtype=torch.uint8).repeat(repeat).view(dtype)
     got, want = fp8_to_float(codes.view(16 * repeat, 16)), codes.to(torch.float32).view(16 * repeat, 16)
@@ -62,6 +62,19 @@ def test_decode_is_bit_exact_for_every_byte(dtype, repeat):
     assert torch.equal(got[ok].view(torch.int32), want[ok].view(torch.int32))  # signed zeros too
     # Non-contiguous views decode to the same values.
     assert torch.equal(fp8_to_float(codes.view(16 * repeat, 16).t()).nan_to_num(), want.t().nan_to_num())
+
+
+@pytest.mark.parametrize("dtype", [E4M3, E5M2])
+@pytest.mark.parametrize("acc", [torch.float32, torch.float64])
+def test_large_operands_decode_bit_exact_in_their_layout(dtype, acc):
+    """decode_operand above the size rules (e4m3: byte-pair table; e5m2: the fp16 shift),
+    row-major and as a transposed view: torch's own cast's values, the view's strides."""
+    codes = torch.arange(256, dtype=torch.uint8).repeat(160).view(dtype).view(256, 160)
+    for mat in (codes, codes.t()):
+        got, want = decode_operand(mat, acc), mat.to(acc)
+        assert got.shape == want.shape and got.stride() == want.stride()
+        assert torch.equal(got.isnan(), want.isnan())
+        assert torch.equal(got.nan_to_num(), want.nan_to_num()) and torch.equal(got.signbit(), want.signbit())
 
 
 @pytest.mark.parametrize("pair", PAIRS, ids=lambda p: "x".join(str(d)[-6:] for d in p) if isinstance(p, tuple) else p)
