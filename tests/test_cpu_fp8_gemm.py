@@ -52,7 +52,7 @@ def _check_against_float64(out, a, b, sa, sb, bias=None):
 
 
 @pytest.mark.parametrize("dtype", [E4M3, E5M2])
-@pytest.mark.parametrize("repeat", [1, 40, 160], ids=["small", "large", "larger"])  # every side of the size rules
+@pytest.mark.parametrize("repeat", [1, 40], ids=["small", "large"])  # both sides of the table/.to size rule
 def test_decode_is_bit_exact_for_every_byte(dtype, repeat):
     codes = torch.arange(256, dtype=torch.uint8).repeat(repeat).view(dtype)
     got, want = fp8_to_float(codes.view(16 * repeat, 16)), codes.to(torch.float32).view(16 * repeat, 16)
@@ -67,8 +67,8 @@ def test_decode_is_bit_exact_for_every_byte(dtype, repeat):
 @pytest.mark.parametrize("dtype", [E4M3, E5M2])
 @pytest.mark.parametrize("acc", [torch.float32, torch.float64])
 def test_large_operands_decode_bit_exact_in_their_layout(dtype, acc):
-    """decode_operand above the size rules (e4m3: byte-pair table; e5m2: the fp16 shift),
-    row-major and as a transposed view: torch's own cast's values, the view's strides."""
+    """decode_operand above the table size rules, row-major and as a transposed view:
+    torch's own cast's values (signed zeros included), in the view's strides."""
     codes = torch.arange(256, dtype=torch.uint8).repeat(160).view(dtype).view(256, 160)
     for mat in (codes, codes.t()):
         got, want = decode_operand(mat, acc), mat.to(acc)

@@ -105,11 +105,6 @@ _FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 # *pairs* halves the gathers and wins from there (64K: 25 us; 1M: 418 us).
 _NATIVE_E4M3_MAX_NUMEL = 2048
 _PAIR_TABLE_MIN_NUMEL = 32768
-# e5m2 from 32K elements: its byte is the high byte of the fp16 with the same value, so
-# shifting it into an int16 and reading that as fp16 decodes it with three vectorized
-# passes (all 256 codes exact, NaN and inf included) where torch's cast converts element by
-# element: 32K 13.7 us vs 19.7 us, 256K 69 us vs 151 us, 1M 419 us vs 559 us (16K: even).
-_E5M2_SHIFT_MIN_NUMEL = 32768
 # The pair table is indexed by two bytes read as one native int16.
 _LITTLE_ENDIAN = sys.byteorder == "little"
 
@@ -150,8 +145,6 @@ def fp8_to_float(data: torch.Tensor, dtype: torch.dtype = torch.float32) -> torc
     if data.dtype not in _FP8_DTYPES:
         return data.to(dtype)
     n = data.numel()
-    if data.dtype == torch.float8_e5m2 and n >= _E5M2_SHIFT_MIN_NUMEL:
-        return _e5m2_by_shift(data, dtype).contiguous()
     if data.dtype == torch.float8_e5m2 or n <= _NATIVE_E4M3_MAX_NUMEL:
         # torch's own cast is exact too, and the faster one here (see _NATIVE_E4M3_MAX_NUMEL).
         return data.to(dtype).contiguous()
@@ -162,12 +155,6 @@ def fp8_to_float(data: torch.Tensor, dtype: torch.dtype = torch.float32) -> torc
     else:
         out = _table(data.dtype, data.device).index_select(0, codes.to(torch.int32)).view(data.shape)
     return out if dtype == torch.float32 else out.to(dtype)
-
-
-def _e5m2_by_shift(data: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """e5m2 ``data`` (any layout) in ``dtype`` via the fp16 whose high byte it is."""
-    as_fp16 = data.view(torch.uint8).to(torch.int16).bitwise_left_shift_(8).view(torch.float16)
-    return as_fp16.to(dtype)
 
 
 def cpu_fp8_gemm_path() -> str:
@@ -246,8 +233,6 @@ def decode_operand(mat: torch.Tensor, acc_dtype: torch.dtype) -> torch.Tensor:
     """The values of FP8 GEMM operand ``mat`` (unscaled) in ``acc_dtype`` (fp32, or float64
     for a float64 output), in a layout ``torch.mm`` reads without a copy: torch's cast
     keeps ``mat``'s strides; the table decodes in storage order."""
-    if mat.dtype == torch.float8_e5m2 and mat.numel() >= _E5M2_SHIFT_MIN_NUMEL:
-        return _e5m2_by_shift(mat, acc_dtype)  # elementwise: keeps the layout too
     if mat.dtype == torch.float8_e5m2 or mat.numel() <= _NATIVE_E4M3_MAX_NUMEL:
         # torch's cast (the faster one here, see _NATIVE_E4M3_MAX_NUMEL) keeps the
         # operand's layout, and torch.mm reads either: one op, no transposes.
