@@ -57,14 +57,17 @@ def _reference_grads(model: te.ops.Sequential, x: torch.Tensor, dy: torch.Tensor
     return [x64.grad, w1.grad, b1.grad, w2.grad]
 
 
+def _x_dy() -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.randn(TOKENS, H, requires_grad=True), torch.randn(TOKENS, H)
+
+
 def _grads(model: te.ops.Sequential, x: torch.Tensor) -> list[torch.Tensor]:
     return [x.grad, *(p.grad for p in model.parameters())]
 
 
 def test_gelu_backward_writes_into_the_dgrad_it_owns() -> None:
     model = _linear_gelu_linear()
-    x = torch.randn(TOKENS, H, requires_grad=True)
-    dy = torch.randn(TOKENS, H)
+    x, dy = _x_dy()
     pre = F.linear(x.detach(), model[0].weight, model[1].bias)
     assert (pre < DGELU_ATEN_MIN_X).any() and (pre >= DGELU_ATEN_MIN_X).any()
     y = model(x)
@@ -87,8 +90,7 @@ def test_gradients_gelu_does_not_own_are_not_written(ops) -> None:
     """The caller's dy, and a gradient a non-vouching op (Bias returns its dy itself)
     passed on, are read only: the result goes to a new buffer."""
     model = te.ops.Sequential(*ops())
-    x = torch.randn(TOKENS, H, requires_grad=True)
-    dy = torch.randn(TOKENS, H)
+    x, dy = _x_dy()
     dy_before = dy.clone()
     y = model(x)
     with _OpLog() as log:
@@ -99,8 +101,7 @@ def test_gradients_gelu_does_not_own_are_not_written(ops) -> None:
 
 def test_retained_graph_gives_the_same_gradients_twice() -> None:
     model = _linear_gelu_linear()
-    x = torch.randn(TOKENS, H, requires_grad=True)
-    dy = torch.randn(TOKENS, H)
+    x, dy = _x_dy()
     y = model(x)
     y.backward(dy, retain_graph=True)
     first = [g.clone() for g in _grads(model, x)]
@@ -114,8 +115,7 @@ def test_retained_graph_gives_the_same_gradients_twice() -> None:
 def test_create_graph_records_no_write() -> None:
     """Under ``create_graph`` the dgrad may be part of the graph being recorded."""
     model = _linear_gelu_linear()
-    x = torch.randn(TOKENS, H, requires_grad=True)
-    dy = torch.randn(TOKENS, H)
+    x, dy = _x_dy()
     y = model(x)
     with _OpLog() as log:
         grads = torch.autograd.grad(y, [x, *model.parameters()], dy, create_graph=True)

@@ -294,9 +294,7 @@ def emulated_mm_decoded(
     ``[M, K]`` and ``[K, N]`` in :func:`accumulation_dtype`): callers that use one
     operand in several GEMMs (a weight in fprop and dgrad) decode it once."""
     acc_dtype = mat1.dtype
-    if units is None:
-        units = emulation_units(mat1.shape[0], mat2.shape[1], mat1.shape[1], acc_dtype, mat1, mat2)
-    out = _mm(mat1, mat2, units)
+    out = exact_values_mm(mat1, mat2) if units is None else _mm(mat1, mat2, units)
     out.mul_(scale_a if scale_a.dtype == acc_dtype else scale_a.to(acc_dtype))
     out.mul_(scale_b if scale_b.dtype == acc_dtype else scale_b.to(acc_dtype))
     if bias is not None:
