@@ -45,6 +45,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .dispatch import cuda_capability
+
 try:
     INTERPRETED = bool(triton.knobs.runtime.interpret)
 except AttributeError:  # older triton without the knobs module
@@ -63,7 +65,7 @@ def emulate_conversions(device: torch.device) -> bool:
     """Whether kernels on ``device`` must emulate float conversions (see module doc)."""
     if INTERPRETED:
         return True
-    return torch.cuda.get_device_capability(device) < (8, 9)
+    return cuda_capability(device) < (8, 9)
 
 
 def variant(name: str, emulated: bool) -> str:

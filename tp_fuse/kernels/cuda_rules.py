@@ -40,6 +40,7 @@ import torch
 from tp_fuse.strict import STRICT_ENV, CudaConformanceError, strict_cuda_enabled
 
 from .fp8_emulation import cpu_fp8_gemm_path, emulated_scaled_mm
+from .launch_count import one_launch
 
 __all__ = ["SCALED_MM_OUT_DTYPES", "cuda_semantics", "scaled_mm", "scaled_mm_violations"]
 
@@ -159,7 +160,9 @@ def scaled_mm(
                                        + "; ".join(issues))
     if mat1.device.type == "cpu":
         if (cpu_path or cpu_fp8_gemm_path()) == "emulate":
-            return emulated_scaled_mm(mat1, mat2, scale_a, scale_b, out_dtype, bias, units=cpu_units)
+            # Counted as the one cuBLASLt launch it stands for (launch_count).
+            with one_launch("cuda._scaled_mm"):
+                return emulated_scaled_mm(mat1, mat2, scale_a, scale_b, out_dtype, bias, units=cpu_units)
         if out_dtype == torch.float64:
             out = torch._scaled_mm(mat1, mat2, scale_a=scale_a, scale_b=scale_b, bias=bias, out_dtype=torch.float32)
             return out.to(torch.float64)

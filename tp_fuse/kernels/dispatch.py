@@ -37,6 +37,8 @@ from typing import Iterator, Optional
 
 import torch
 
+from tp_fuse.strict import simulating_cuda
+
 from .fp8_emulation import CPU_FP8_GEMM_ENV, CPU_FP8_GEMM_UNITS_ENV, cpu_fp8_gemm_path, cpu_has_amx_bf16
 from ._common import triton_dtype_issue
 
@@ -52,6 +54,7 @@ __all__ = [
     "record_kernel_paths",
     "select_backend",
     "triton_interpreted",
+    "takes_cuda_path",
     "triton_status",
 ]
 
@@ -150,6 +153,16 @@ def record_kernel_paths(log: Optional[KernelPathLog] = None) -> Iterator[KernelP
             _active_logs.remove(log)
 
 
+_SIMULATED_CUDA = simulating_cuda()
+
+
+def takes_cuda_path(device: torch.device) -> bool:
+    """Whether tensors on ``device`` take tp_fuse's CUDA branches: CUDA tensors, and CPU
+    tensors in a process that simulates CUDA to count its launches
+    (``TP_FUSE_SIMULATE_CUDA=1``, :mod:`tp_fuse.kernels.launch_count`)."""
+    return device.type == "cuda" or (_SIMULATED_CUDA and device.type == "cpu")
+
+
 def logging_active() -> bool:
     """Whether a ``record_kernel_paths`` block is open (callers skip building a log entry
     otherwise)."""
@@ -220,7 +233,7 @@ def select_backend(
     # Auto on CPU: the Triton kernels exist for GPUs; the torch reference is the fast CPU
     # path even with the interpreter on (a testing tool). Decided before triton_status()
     # so that CPU-only use never pays for importing triton.
-    if backend is None and device.type != "cuda":
+    if backend is None and not takes_cuda_path(device):
         return _non_cuda_choice(device.type)
     ok, detail = triton_status()
     runnable = device.type == "cuda" or triton_interpreted()
@@ -250,8 +263,17 @@ def _non_cuda_choice(device_type: str) -> BackendChoice:
 
 def cuda_capability(device: torch.device) -> tuple[int, int]:
     """``(major, minor)`` compute capability of a CUDA device (tests replace this function
-    to decide for a GPU they do not have)."""
-    return tuple(torch.cuda.get_device_capability(device))
+    to decide for a GPU they do not have; a simulated CUDA device is an H100/H200, sm_90)."""
+    if device.type != "cuda":
+        assert _SIMULATED_CUDA, f"cuda_capability of a {device.type} device"
+        return (9, 0)
+    return _capability(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@functools.lru_cache(maxsize=None)
+def _capability(index: int) -> tuple[int, int]:
+    # A device's capability never changes: queried once per device, not per kernel call.
+    return tuple(torch.cuda.get_device_capability(index))
 
 
 def select_fp8_gemm_backend(
@@ -268,7 +290,7 @@ def select_fp8_gemm_backend(
     its reason names the way out (the Triton GEMM, which emulates FP8 there). Explicit
     ``backend`` and non-CUDA devices follow :func:`select_backend`.
     """
-    if backend is not None or device.type != "cuda":
+    if backend is not None or not takes_cuda_path(device):
         choice = select_backend("fp8_gemm", device, backend, triton_unsupported=triton_unsupported)
         if choice.backend == "torch" and backend is None:
             if device.type == "cpu":
