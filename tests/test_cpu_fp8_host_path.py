@@ -141,9 +141,12 @@ class _OpCounter(TorchDispatchMode):
 # aten ops per training step of examples/bench_cpu_speed.py's block (hidden 64, 16 tokens),
 # measured with torch 2.13: 158 delayed, 202 current (212 and 253 before the views and the
 # kept weight decode; 165 and 209 before the backward GEMMs read the decoded operands
-# without transposed Float8Tensor views). A bound, not a timing: an accidental extra cast
-# or copy per GEMM shows up here on any machine.
-MAX_OPS = {"delayed": 162, "current": 206}
+# without transposed Float8Tensor views). Delayed: 165 since each cast allocates the
+# tensor's scale_inv for the cast kernel to write (one allocation, which on CUDA replaces a
+# reciprocal kernel); current: 213 since the quantizer's state is written in place (copies
+# into static buffers, which CUDA graphs need, where the state was rebound to new tensors). A bound, not a timing: an accidental extra cast or copy per GEMM
+# shows up here on any machine. The CUDA path's launches: test_launch_budget.py.
+MAX_OPS = {"delayed": 166, "current": 214}
 
 
 @pytest.mark.parametrize("name,recipe", [("delayed", DelayedScaling), ("current", Float8CurrentScaling)])

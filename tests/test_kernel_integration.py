@@ -83,6 +83,8 @@ def test_ops_take_the_torch_path_on_cpu_and_explain_plans_it(recipe):
     expected = {"layernorm_fwd", "gelu_fwd", "dgelu_dbias", "rmsnorm_fwd", "swiglu_fwd", "dswiglu"}
     if recipe is not None:
         expected |= {"quantize", "fp8_gemm"}
+    if isinstance(recipe, DelayedScaling):
+        expected.add("delayed_scale_update")  # one per direction, for every quantizer
     assert ran == expected, log
     assert set(log.backends()) == {"torch"}
     assert all("cpu" in c.device and "CUDA" in c.reason for c in log.calls)
@@ -320,7 +322,8 @@ def test_basic_linear_fp8_gemms_go_through_the_kernels():
         with autocast(recipe=DelayedScaling()):
             y = linear(x)
         y.sum().backward()
-    # fprop, dgrad, wgrad GEMMs; input, weight and grad_output casts.
-    assert log.counts() == {("fp8_gemm", "torch"): 3, ("quantize", "torch"): 3}
+    # fprop, dgrad, wgrad GEMMs; input, weight and grad_output casts; the forward and
+    # backward scale updates.
+    assert log.counts() == {("fp8_gemm", "torch"): 3, ("quantize", "torch"): 3, ("delayed_scale_update", "torch"): 2}
     assert_close(y, x.double() @ linear.weight.double().t(), key="fp8_hybrid")
     assert_close(x.grad, torch.ones(4, FFN, dtype=torch.float64) @ linear.weight.double(), key="fp8_hybrid")

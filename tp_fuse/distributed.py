@@ -45,7 +45,7 @@ from .quantization.quantizer import CurrentScalingQuantizer, DelayedScalingQuant
 
 __all__ = ["checkpoint", "checkpoint_eager", "fp8_quantizers"]
 
-# The attributes a current-scaling quantize rebinds (never updates in place).
+# The state a current-scaling quantize writes in place (its buffers are never rebound).
 _CURRENT_SCALING_STATE = ("scale", "last_amax", "nonfinite_amax_count", "zero_amax_count")
 
 
@@ -94,7 +94,7 @@ class _RecomputeState:
                     live.append((q, (q.scale.clone(), q.amax_history[0].clone())))
                     q.scale.copy_(self.scales[id(q)])
                 elif isinstance(q, CurrentScalingQuantizer):
-                    live.append((q, tuple(getattr(q, a) for a in _CURRENT_SCALING_STATE)))
+                    live.append((q, tuple(getattr(q, a).clone() for a in _CURRENT_SCALING_STATE)))
         rng_live = None
         if self.rng_tracker is not None:
             rng_live = self.rng_tracker.get_states()
@@ -112,7 +112,7 @@ class _RecomputeState:
                         q.amax_history[0] = saved[1]
                     else:
                         for name, value in zip(_CURRENT_SCALING_STATE, saved):
-                            setattr(q, name, value)
+                            getattr(q, name).copy_(value)
 
 
 def checkpoint(

@@ -14,7 +14,7 @@ entry point ``tp_fuse.quantization.nvfp4.cast.quantize_nvfp4_layout``.
 """
 
 from .activations import dgelu_dbias, dswiglu, gelu_fwd, swiglu_fwd
-from .cast import quantize
+from .cast import amax_of, quantize, quantize_current_scaling
 from .dispatch import (
     BackendChoice,
     KernelCall,
@@ -27,11 +27,14 @@ from .dispatch import (
 )
 from .gemm import fp8_gemm, fp8_gemm_checked, fp8_gemm_emulated, fp8_gemm_reads_views
 from .norms import layernorm_fwd, rmsnorm_fwd
+from .scale_update import delayed_scale_update
 
 __all__ = [
     "BackendChoice",
     "KernelCall",
     "KernelPathLog",
+    "amax_of",
+    "delayed_scale_update",
     "dgelu_dbias",
     "dswiglu",
     "fp8_gemm",
@@ -42,6 +45,7 @@ __all__ = [
     "layernorm_fwd",
     "planned_backend",
     "quantize",
+    "quantize_current_scaling",
     "rmsnorm_fwd",
     "record_kernel_paths",
     "select_backend",

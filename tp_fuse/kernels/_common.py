@@ -22,6 +22,8 @@ casts of the same fp32 values are bit-identical.
 
 from __future__ import annotations
 
+import math
+
 from collections.abc import Sequence
 from typing import Optional
 
@@ -145,6 +147,82 @@ def fp8_cast(
     # torch's .to(float8) is not saturating (e4m3: >= 464 becomes NaN; e5m2: overflow
     # becomes inf), hence the clamp; clamp keeps NaN as NaN.
     return t.clamp_(-fp8_max, fp8_max).to(fp8_dtype)
+
+
+def check_fold_outputs(
+    device: torch.device, scale: Optional[torch.Tensor], amax_out: Optional[torch.Tensor],
+    scale_inv_out: Optional[torch.Tensor],
+) -> None:
+    """Validate a producer kernel's ``amax_out`` / ``scale_inv_out`` (``cast.quantize``'s
+    meaning); ``scale_inv_out`` needs the ``scale`` it inverts."""
+    if amax_out is not None:
+        check_scale("amax_out", amax_out, device)
+    if scale_inv_out is not None:
+        if scale is None:
+            raise ValueError("scale_inv_out: only with a scale (an FP8 output) to invert")
+        check_scale("scale_inv_out", scale_inv_out, device)
+
+
+def fold_outputs(
+    amax: Optional[torch.Tensor], scale: Optional[torch.Tensor], amax_out: Optional[torch.Tensor],
+    scale_inv_out: Optional[torch.Tensor],
+) -> Optional[torch.Tensor]:
+    """The torch path's ``amax_out`` / ``scale_inv_out``: ``amax`` maxed into ``amax_out``
+    (returned instead), ``1 / scale`` written into ``scale_inv_out`` -- what the Triton
+    kernels do in their own launch."""
+    if amax_out is not None:
+        amax = torch.maximum(amax_out, amax, out=amax_out)
+    if scale_inv_out is not None:
+        torch.reciprocal(scale, out=scale_inv_out)
+    return amax
+
+
+_FP32_MAX = float(torch.finfo(torch.float32).max)
+
+
+def current_scale_torch(
+    amax: torch.Tensor, fp8_max: float, power_2_scale: bool = False
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(scale, nonfinite, zero)`` of current scaling for an amax (``max |x|``: >= 0, or
+    NaN/inf): ``fp8_max / amax`` in float64, clamped to the fp32 range, [rounded down to a
+    power of two,] rounded to fp32 once; 1.0 for a zero or non-finite amax; whether the
+    amax is non-finite / zero (0-d bools). The Triton cast computes the same in its
+    kernel (``_triton_common.current_scale``)."""
+    amax64 = amax.detach() if amax.requires_grad else amax
+    amax64 = (amax64 if amax64.dim() == 0 else amax64.reshape(())).to(torch.float64)
+    # Finite and > 0 in two comparisons (NaN fails both). Unusable amaxes divide to inf,
+    # 0 or NaN, which the where() discards.
+    finite = amax64 < math.inf
+    positive = amax64 > 0
+    usable = positive & finite
+    scale64 = (fp8_max / amax64).clamp(max=_FP32_MAX)
+    # Round in float64: rounding to fp32 first could round up onto the next power
+    # of two and make the scaled amax exceed fp8_max.
+    if power_2_scale:
+        scale64 = round_down_to_power_of_2(torch.where(usable, scale64, 1.0))
+    scale = torch.where(usable, scale64.to(torch.float32), _one(amax64.device))
+    return scale, ~finite, amax64 == 0
+
+
+def round_down_to_power_of_2(scale: torch.Tensor) -> torch.Tensor:
+    """Largest power of two <= ``scale`` (scale > 0, finite), exactly."""
+    mantissa, exponent = torch.frexp(scale.to(torch.float64))
+    # frexp: scale = mantissa * 2**exponent with mantissa in [0.5, 1).
+    del mantissa
+    return torch.ldexp(torch.ones_like(exponent, dtype=torch.float64), exponent - 1).to(torch.float32)
+
+
+# fp32 1.0 per device, for the where() above: a Python scalar there is one more op
+# (a scalar tensor made per call), and this runs at every current-scaling quantize.
+_ONES: dict[torch.device, torch.Tensor] = {}
+
+
+def _one(device: torch.device) -> torch.Tensor:
+    one = _ONES.get(device)
+    if one is None:
+        with torch.inference_mode(False):
+            one = _ONES[device] = torch.ones((), dtype=torch.float32, device=device)
+    return one
 
 
 def abs_max(v: torch.Tensor) -> torch.Tensor:

@@ -40,6 +40,7 @@ are correct in the interpreter and are not emulated.
 from __future__ import annotations
 
 import os
+from typing import Optional
 
 import torch
 import triton
@@ -75,6 +76,25 @@ def variant(name: str, emulated: bool) -> str:
 def amax_buffer(device: torch.device) -> torch.Tensor:
     """int32 accumulator for ``abs_max_bits`` partial results (atomic max)."""
     return torch.zeros(1, dtype=torch.int32, device=device)
+
+
+def amax_target(
+    device: torch.device, with_amax: bool, amax_out: Optional[torch.Tensor], placeholder: torch.Tensor
+) -> tuple[torch.Tensor, bool, Optional[torch.Tensor]]:
+    """Where a kernel folds its ``abs_max_bits``: ``(int32 pointer, WITH_AMAX, fp32 amax
+    to return)``.
+
+    ``amax_out`` (a one-element fp32 tensor holding a value >= 0 or NaN, e.g. a delayed
+    quantizer's history slot): the kernel maxes into it directly -- no zero-filled
+    buffer, no ``maximum`` after. Else, with ``with_amax``, a fresh zeroed buffer (one
+    fill); without, no amax at all (``placeholder`` is passed, never touched).
+    """
+    if amax_out is not None:
+        return amax_out.view(torch.int32), True, amax_out
+    if with_amax:
+        buf = amax_buffer(device)
+        return buf, True, amax_from_buffer(buf)
+    return placeholder, False, None
 
 
 def amax_from_buffer(buf: torch.Tensor) -> torch.Tensor:
@@ -162,6 +182,40 @@ def quantize_values(v, scale, FP8_E4M3: tl.constexpr, EMULATE: tl.constexpr):
     FP8_MAX: tl.constexpr = 448.0 if FP8_E4M3 else 57344.0
     q = tl.clamp(v * scale, -FP8_MAX, FP8_MAX, propagate_nan=tl.PropagateNan.ALL)
     return fp32_to_fp8_bits(q, FP8_E4M3, EMULATE)
+
+
+@triton.jit
+def fold_amax(amax_ptr, v, mask, WITH_AMAX: tl.constexpr):
+    """``atomic_max`` of the tile's ``abs_max_bits`` into ``amax_ptr`` when ``WITH_AMAX``."""
+    if WITH_AMAX:
+        tl.atomic_max(amax_ptr, abs_max_bits(v, mask))
+
+
+@triton.jit
+def write_scale_inv(sinv_ptr, scale, WRITE_SINV: tl.constexpr):
+    """The first program stores ``1 / scale`` (IEEE division, as ``torch.reciprocal``)."""
+    if WRITE_SINV:
+        if (tl.program_id(0) == 0) & (tl.program_id(1) == 0):
+            tl.store(sinv_ptr, tl.div_rn(tl.full([], 1.0, tl.float32), scale))
+
+
+@triton.jit
+def current_scale(amax, FP8_E4M3: tl.constexpr, POW2: tl.constexpr):
+    """``(scale, nonfinite, zero)`` from an fp32 amax, as
+    ``quantization.scaling.current_scale_and_checks`` computes them: ``fp8_max / amax`` in
+    float64 (PTX div.rn.f64, correctly rounded), clamped to the fp32 range, rounded down to
+    a power of two with ``POW2`` (the float64's mantissa cleared: exact for the normal
+    values the clamp leaves), rounded to fp32 once; 1.0 for a zero or non-finite amax."""
+    FP8_MAX: tl.constexpr = 448.0 if FP8_E4M3 else 57344.0
+    amax64 = amax.to(tl.float64)
+    finite = amax64 < float("inf")  # False for NaN too
+    zero = amax64 == 0.0
+    usable = finite & (amax64 > 0.0)
+    scale64 = tl.minimum(FP8_MAX / tl.where(usable, amax64, 1.0), 3.4028234663852886e38)
+    if POW2:
+        scale64 = (scale64.to(tl.int64, bitcast=True) & -4503599627370496).to(tl.float64, bitcast=True)
+    scale = tl.where(usable, scale64.to(tl.float32), 1.0)
+    return scale, ~finite, zero
 
 
 @triton.jit

@@ -46,10 +46,12 @@ from ._common import (
     as_shape,
     abs_max,
     check_float,
+    check_fold_outputs,
     check_quant_args,
     compute_dtype,
     dgelu_grad_torch,
     finish_output,
+    fold_outputs,
     gelu_torch,
     rows_2d,
     triton_dtype_issue,
@@ -66,22 +68,28 @@ def gelu_fwd(
     fp8_dtype: Optional[torch.dtype] = None,
     backend: Optional[str] = None,
     with_amax: bool = True,
+    amax_out: Optional[torch.Tensor] = None,
+    scale_inv_out: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """Tanh-approximate GELU. ``x [...]`` -> ``y [...]`` in x.dtype, or fp8_dtype when
     quantizing (``clamp(y32 * scale)``, RTNE). Returns ``(y, amax)``, amax = max |y32|
-    (None with ``with_amax=False``: see the module doc)."""
+    (None with ``with_amax=False``: see the module doc). ``amax_out`` / ``scale_inv_out``:
+    as ``quantize``'s, in the same launch."""
     check_float("x", x)
     quant = check_quant_args(scale, fp8_dtype, x.device)
+    check_fold_outputs(x.device, scale, amax_out, scale_inv_out)
     choice = dispatch.select_backend("gelu_fwd", x.device, backend, triton_unsupported=triton_dtype_issue(x.dtype))
     if choice.backend == "torch":
-        y, amax = finish_output(gelu_torch(upcast(x)), x.dtype, scale, fp8_dtype, with_amax)
+        y, amax = finish_output(gelu_torch(upcast(x)), x.dtype, scale, fp8_dtype, with_amax or amax_out is not None)
+        amax = fold_outputs(amax, scale, amax_out, scale_inv_out)
         variant = "reference"
     else:
-        from . import activations_triton as kt
+        from . import activations_triton as kt  # triton only when a Triton path is taken
 
-        y, amax, variant = kt.gelu_fwd_triton(x, scale if quant else None, fp8_dtype)
+        y, amax, variant = kt.gelu_fwd_triton(x, scale if quant else None, fp8_dtype, with_amax, amax_out,
+                                              scale_inv_out)
     dispatch.log_call("gelu_fwd", choice, variant, x.device)
-    return y, amax if with_amax else None
+    return y, amax
 
 
 def swiglu_fwd(
@@ -91,26 +99,31 @@ def swiglu_fwd(
     fp8_dtype: Optional[torch.dtype] = None,
     backend: Optional[str] = None,
     with_amax: bool = True,
+    amax_out: Optional[torch.Tensor] = None,
+    scale_inv_out: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """SwiGLU: ``x [..., 2n]`` -> ``y [..., n] = silu(x[..., :n]) * x[..., n:]``.
 
     ``y`` in x.dtype, or fp8_dtype when quantizing. Returns ``(y, amax)``."""
     _check_glu_input("x", x)
     quant = check_quant_args(scale, fp8_dtype, x.device)
+    check_fold_outputs(x.device, scale, amax_out, scale_inv_out)
     choice = dispatch.select_backend("swiglu_fwd", x.device, backend, triton_unsupported=triton_dtype_issue(x.dtype))
     if choice.backend == "torch":
         x1, x2 = upcast(rows_2d(x)).chunk(2, dim=-1)  # [rows, n] each, views
         # silu(a) = a / (1 + exp(-a)): accurate in both tails.
         y32 = F.silu(x1).mul_(x2)
-        y, amax = finish_output(y32, x.dtype, scale, fp8_dtype, with_amax)
+        y, amax = finish_output(y32, x.dtype, scale, fp8_dtype, with_amax or amax_out is not None)
+        amax = fold_outputs(amax, scale, amax_out, scale_inv_out)
         y = y.reshape(*x.shape[:-1], x.shape[-1] // 2)
         variant = "reference"
     else:
-        from . import activations_triton as kt
+        from . import activations_triton as kt  # triton only when a Triton path is taken
 
-        y, amax, variant = kt.swiglu_fwd_triton(x, scale if quant else None, fp8_dtype)
+        y, amax, variant = kt.swiglu_fwd_triton(x, scale if quant else None, fp8_dtype, with_amax, amax_out,
+                                                scale_inv_out)
     dispatch.log_call("swiglu_fwd", choice, variant, x.device)
-    return y, amax if with_amax else None
+    return y, amax
 
 
 def dgelu_dbias(
@@ -123,6 +136,8 @@ def dgelu_dbias(
     with_amax: bool = True,
     with_dbias: bool = True,
     overwrite_grad: bool = False,
+    amax_out: Optional[torch.Tensor] = None,
+    scale_inv_out: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor]]:
     """GELU backward fused with the bias gradient of the GEMM that produced ``x``.
 
@@ -146,6 +161,8 @@ def dgelu_dbias(
     check_float("x", x)
     _check_same_shape(grad, x)
     quant = check_quant_args(scale, fp8_dtype, x.device)
+    check_fold_outputs(x.device, scale, amax_out, scale_inv_out)
+    want_amax = with_amax or amax_out is not None
     choice = dispatch.select_backend(
         "dgelu_dbias", x.device, backend, triton_unsupported=triton_dtype_issue(grad.dtype, x.dtype)
     )
@@ -163,18 +180,19 @@ def dgelu_dbias(
         dx_hp = as_dtype(dx32, grad.dtype)
         dbias = as_dtype(dx_hp.sum(dim=0, dtype=cdtype), grad.dtype) if with_dbias else None
         if fp8_dtype is None:
-            dx, amax = dx_hp.contiguous(), abs_max(dx32) if with_amax else None
+            dx, amax = dx_hp.contiguous(), abs_max(dx32) if want_amax else None
         else:
-            dx, amax = finish_output(dx32, grad.dtype, scale, fp8_dtype, with_amax)
+            dx, amax = finish_output(dx32, grad.dtype, scale, fp8_dtype, want_amax)
+        amax = fold_outputs(amax, scale, amax_out, scale_inv_out)
         dx = as_shape(dx, x.shape)
         variant = "reference"
     else:
-        from . import activations_triton as kt
+        from . import activations_triton as kt  # triton only when a Triton path is taken
 
-        dx, dbias, amax, variant = kt.dgelu_dbias_triton(grad, x, scale if quant else None, fp8_dtype)
-        dbias = dbias if with_dbias else None
+        dx, dbias, amax, variant = kt.dgelu_dbias_triton(grad, x, scale if quant else None, fp8_dtype, with_amax,
+                                                         amax_out, scale_inv_out, with_dbias)
     dispatch.log_call("dgelu_dbias", choice, variant, x.device)
-    return dx, dbias, amax if with_amax else None
+    return dx, dbias, amax
 
 
 def _may_overwrite(grad: torch.Tensor, ours: bool, x: torch.Tensor) -> bool:
@@ -194,6 +212,8 @@ def dswiglu(
     fp8_dtype: Optional[torch.dtype] = None,
     backend: Optional[str] = None,
     with_amax: bool = True,
+    amax_out: Optional[torch.Tensor] = None,
+    scale_inv_out: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """SwiGLU backward.
 
@@ -215,6 +235,7 @@ def dswiglu(
     if grad.device != x.device:
         raise ValueError(f"grad: expected a tensor on {x.device}, got one on {grad.device}")
     quant = check_quant_args(scale, fp8_dtype, x.device)
+    check_fold_outputs(x.device, scale, amax_out, scale_inv_out)
     choice = dispatch.select_backend(
         "dswiglu", x.device, backend, triton_unsupported=triton_dtype_issue(grad.dtype, x.dtype)
     )
@@ -227,15 +248,17 @@ def dswiglu(
         d1, d2 = dx32.chunk(2, dim=-1)  # halves of the output, written in place
         torch.mul(x1, one_minus_s, out=d1).add_(1.0).mul_(s).mul_(x2).mul_(g)  # g x2 s (1 + x1 (1 - s))
         torch.mul(x1, s, out=d2).mul_(g)  # g silu(x1)
-        dx, amax = finish_output(dx32, grad.dtype, scale, fp8_dtype, with_amax)
+        dx, amax = finish_output(dx32, grad.dtype, scale, fp8_dtype, with_amax or amax_out is not None)
+        amax = fold_outputs(amax, scale, amax_out, scale_inv_out)
         dx = as_shape(dx, x.shape)
         variant = "reference"
     else:
-        from . import activations_triton as kt
+        from . import activations_triton as kt  # triton only when a Triton path is taken
 
-        dx, amax, variant = kt.dswiglu_triton(grad, x, scale if quant else None, fp8_dtype)
+        dx, amax, variant = kt.dswiglu_triton(grad, x, scale if quant else None, fp8_dtype, with_amax, amax_out,
+                                              scale_inv_out)
     dispatch.log_call("dswiglu", choice, variant, x.device)
-    return dx, amax if with_amax else None
+    return dx, amax
 
 
 def _check_glu_input(name: str, x: torch.Tensor) -> None:

@@ -16,12 +16,13 @@ import triton.language as tl
 from ._common import rows_2d
 from ._triton_common import (
     INTERPRETED,
-    abs_max_bits,
-    amax_buffer,
-    amax_from_buffer,
+    amax_target,
+    current_scale,
     emulate_conversions,
+    fold_amax,
     quantize_values,
     variant,
+    write_scale_inv,
 )
 
 
@@ -33,10 +34,18 @@ def _quantize_kernel(
     scale_ptr,
     out_ptr,  # uint8 view of the fp8 output [R, C]
     out_t_ptr,  # uint8 view of the fp8 transposed output [C, R] (unused without TRANSPOSE)
-    amax_ptr,  # int32 [1]
+    amax_ptr,  # int32 [1] folded into; with SCALE_FROM_AMAX the amax [1] (any float dtype), read
+    sinv_ptr,  # fp32 [1]: 1 / scale, with WRITE_SINV
+    last_amax_ptr,  # SCALE_FROM_AMAX: fp32 [1] <- amax
+    nonfinite_ptr,  # SCALE_FROM_AMAX: int64 [1] += amax is NaN/inf
+    zero_ptr,  # SCALE_FROM_AMAX: int64 [1] += amax == 0
     R,
     C,
     TRANSPOSE: tl.constexpr,
+    WITH_AMAX: tl.constexpr,
+    WRITE_SINV: tl.constexpr,
+    SCALE_FROM_AMAX: tl.constexpr,
+    POW2_SCALE: tl.constexpr,
     FP8_E4M3: tl.constexpr,
     EMULATE: tl.constexpr,
     BLOCK_R: tl.constexpr,
@@ -47,13 +56,26 @@ def _quantize_kernel(
     mask = (rows[:, None] < R) & (cols[None, :] < C)
     x = tl.load(x_ptr + rows[:, None] * stride_r + cols[None, :] * stride_c, mask=mask, other=0.0)
     x = x.to(tl.float32)
-    q = quantize_values(x, tl.load(scale_ptr), FP8_E4M3, EMULATE)
+    if SCALE_FROM_AMAX:
+        # Current scaling: every program derives the scale from the (reduced) amax; the
+        # first one records it in the quantizer's state.
+        amax = tl.load(amax_ptr).to(tl.float32)  # exact: an amax of bf16/fp16 values is one of them
+        scale, nonfinite, zero = current_scale(amax, FP8_E4M3, POW2_SCALE)
+        if (tl.program_id(0) == 0) & (tl.program_id(1) == 0):
+            tl.store(scale_ptr, scale)
+            tl.store(last_amax_ptr, amax)
+            tl.store(nonfinite_ptr, tl.load(nonfinite_ptr) + nonfinite.to(tl.int64))
+            tl.store(zero_ptr, tl.load(zero_ptr) + zero.to(tl.int64))
+    else:
+        scale = tl.load(scale_ptr)
+    q = quantize_values(x, scale, FP8_E4M3, EMULATE)
     tl.store(out_ptr + rows[:, None] * C + cols[None, :], q, mask=mask)
     if TRANSPOSE:
         # tl.trans lets the compiler stage the tile through shared memory so that both
         # stores are coalesced along their own innermost dimension.
         tl.store(out_t_ptr + cols[:, None] * R + rows[None, :], tl.trans(q), mask=tl.trans(mask))
-    tl.atomic_max(amax_ptr, abs_max_bits(x, mask))
+    fold_amax(amax_ptr, x, mask, WITH_AMAX)
+    write_scale_inv(sinv_ptr, scale, WRITE_SINV)
 
 
 def _blocks(transpose: bool, numel: int) -> tuple[int, int, int]:
@@ -68,19 +90,35 @@ def _blocks(transpose: bool, numel: int) -> tuple[int, int, int]:
 
 
 def quantize_triton(
-    x: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dtype, transpose: bool
-) -> tuple[torch.Tensor, Optional[torch.Tensor], torch.Tensor, str]:
-    """Returns ``(data, data_t, amax, variant)``; arguments validated by the caller."""
+    x: torch.Tensor,
+    scale: torch.Tensor,
+    fp8_dtype: torch.dtype,
+    transpose: bool,
+    with_amax: bool = True,
+    amax_out: Optional[torch.Tensor] = None,
+    scale_inv_out: Optional[torch.Tensor] = None,
+    current: Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, bool]] = None,
+) -> tuple[torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor], str]:
+    """Returns ``(data, data_t, amax, variant)``; arguments validated by the caller
+    (``amax_out``, ``scale_inv_out``: see ``cast.quantize``; ``current``: ``(amax,
+    last_amax_out, nonfinite_count, zero_count, power_2_scale)`` of
+    ``cast.quantize_current_scaling``, which then writes ``scale``). One launch, plus one
+    fill only for a fresh amax (``with_amax`` without ``amax_out``)."""
     x2 = rows_2d(x)  # [R, C], possibly strided
     R, C = x2.shape
     data = torch.empty((R, C), dtype=fp8_dtype, device=x.device)
     data_t = torch.empty((C, R), dtype=fp8_dtype, device=x.device) if transpose else None
-    buf = amax_buffer(x.device)
+    out_u8 = data.view(torch.uint8)
+    if current is None:
+        buf, fold, amax = amax_target(x.device, with_amax, amax_out, out_u8)
+        last, nonfinite, zero, pow2_scale = scale, out_u8, out_u8, False
+    else:
+        amax_in, last, nonfinite, zero, pow2_scale = current
+        buf, fold, amax = amax_in, False, None
     emulated = emulate_conversions(x.device)
     if R * C > 0:
         block_r, block_c, warps = _blocks(transpose, R * C)
         grid = (triton.cdiv(R, block_r), triton.cdiv(C, block_c))
-        out_u8 = data.view(torch.uint8)
         _quantize_kernel[grid](
             x2,
             x2.stride(0),
@@ -89,13 +127,21 @@ def quantize_triton(
             out_u8,
             data_t.view(torch.uint8) if transpose else out_u8,
             buf,
+            scale if scale_inv_out is None else scale_inv_out,
+            last,
+            nonfinite,
+            zero,
             R,
             C,
             TRANSPOSE=transpose,
+            WITH_AMAX=fold,
+            WRITE_SINV=scale_inv_out is not None,
+            SCALE_FROM_AMAX=current is not None,
+            POW2_SCALE=pow2_scale,
             FP8_E4M3=fp8_dtype == torch.float8_e4m3fn,
             EMULATE=emulated,
             BLOCK_R=block_r,
             BLOCK_C=block_c,
             num_warps=warps,
         )
-    return data.reshape(x.shape), data_t, amax_from_buffer(buf), variant("tiles", emulated)
+    return data.reshape(x.shape), data_t, amax, variant("tiles", emulated)

@@ -16,7 +16,8 @@ the exact emulation), the strict-CUDA checks are on. Then :func:`count_launches`
 * every ATen op by :data:`ATEN_KERNELS`: views, allocations and metadata launch nothing,
   a few ops launch several kernels on CUDA, every other op one;
 * every region marked with :func:`one_launch` (a CUDA kernel whose CPU stand-in is
-  several ATen ops, e.g. the ``_scaled_mm`` emulation) as one launch.
+  several ATen ops, e.g. the ``_scaled_mm`` emulation) as one launch, and every region
+  marked :func:`cpu_only` (what only CPU kernels need) as none.
 
 Outside simulation the same counter counts what the process really runs (the CPU path).
 """
@@ -34,7 +35,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from tp_fuse.strict import SIMULATE_CUDA_ENV, STRICT_ENV, simulating_cuda
 
-__all__ = ["ATEN_KERNELS", "LaunchCount", "count_launches", "one_launch", "simulated_cuda_env"]
+__all__ = ["ATEN_KERNELS", "LaunchCount", "count_launches", "cpu_only", "one_launch", "simulated_cuda_env"]
 
 #: ATen ops that launch no kernel on CUDA: views, metadata, allocations without a fill.
 _NO_KERNEL = frozenset({
@@ -134,6 +135,21 @@ def one_launch(name: str) -> Iterator[None]:
         yield
         return
     _state.active[-1].by_kernel[name] += 1
+    _state.suspended += 1
+    try:
+        yield
+    finally:
+        _state.suspended -= 1
+
+
+@contextlib.contextmanager
+def cpu_only() -> Iterator[None]:
+    """Mark a region that the CUDA path does not run: an adaptation of the CPU stand-in to
+    a CPU kernel's rules (e.g. aten's CPU LayerNorm backward wants fp32 parameters with a
+    bf16 input). Counted as no launch. Free when no count is open."""
+    if not _counting or not _state.active:
+        yield
+        return
     _state.suspended += 1
     try:
         yield

@@ -25,10 +25,12 @@ from . import dispatch
 from ._common import (
     as_shape,
     check_float,
+    check_fold_outputs,
     check_quant_args,
     check_vector,
     compute_dtype,
     finish_output,
+    fold_outputs,
     rows_2d,
     triton_dtype_issue,
     upcast,
@@ -50,6 +52,8 @@ def layernorm_fwd(
     fp8_dtype: Optional[torch.dtype] = None,
     backend: Optional[str] = None,
     with_amax: bool = True,
+    amax_out: Optional[torch.Tensor] = None,
+    scale_inv_out: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
     """LayerNorm over the last dimension.
 
@@ -64,22 +68,27 @@ def layernorm_fwd(
 
     Returns ``(y, mean, rstd, amax)``; amax is None with ``with_amax=False`` (no FP8
     consumer: the torch path then skips a read of y and, for bf16/fp16 x, lets aten
-    write x.dtype directly from its fp32 math).
+    write x.dtype directly from its fp32 math). ``amax_out`` / ``scale_inv_out``: as
+    ``quantize``'s (the amax maxed into a quantizer's slot, ``1 / scale`` written), in the
+    norm's one launch on CUDA.
     """
-    _check_norm_args(x, weight, eps, scale, fp8_dtype)
+    _check_norm_args(x, weight, eps, scale, fp8_dtype, amax_out, scale_inv_out)
     check_vector("bias", bias, x.shape[-1], x.device)
     choice = _select("layernorm_fwd", x, backend, triton_dtype_issue(x.dtype, weight.dtype, bias.dtype))
     if choice.backend == "torch":
-        y, mean, rstd, amax = _norm_torch(x, weight, bias, eps, scale, fp8_dtype, with_amax, rms=False)
+        y, mean, rstd, amax = _norm_torch(x, weight, bias, eps, scale, fp8_dtype, with_amax or amax_out is not None,
+                                          rms=False)
+        amax = fold_outputs(amax, scale, amax_out, scale_inv_out)
         variant = "reference"
     else:
-        from . import norms_triton
+        from . import norms_triton  # triton only when a Triton path is taken
 
         y, mean, rstd, amax, variant = norms_triton.norm_fwd_triton(
-            x, weight, bias, eps, scale, fp8_dtype, rms=False
+            x, weight, bias, eps, scale, fp8_dtype, rms=False, with_amax=with_amax, amax_out=amax_out,
+            scale_inv_out=scale_inv_out,
         )
     dispatch.log_call("layernorm_fwd", choice, variant, x.device)
-    return y, mean, rstd, amax if with_amax else None
+    return y, mean, rstd, amax
 
 
 def rmsnorm_fwd(
@@ -91,28 +100,34 @@ def rmsnorm_fwd(
     fp8_dtype: Optional[torch.dtype] = None,
     backend: Optional[str] = None,
     with_amax: bool = True,
+    amax_out: Optional[torch.Tensor] = None,
+    scale_inv_out: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
     """RMSNorm over the last dimension: ``y = x * rstd * weight``.
 
     Shapes as ``layernorm_fwd`` without ``bias`` and ``mean``. Returns ``(y, rstd, amax)``.
     """
-    _check_norm_args(x, weight, eps, scale, fp8_dtype)
+    _check_norm_args(x, weight, eps, scale, fp8_dtype, amax_out, scale_inv_out)
     choice = _select("rmsnorm_fwd", x, backend, triton_dtype_issue(x.dtype, weight.dtype))
     if choice.backend == "torch":
-        y, _, rstd, amax = _norm_torch(x, weight, None, eps, scale, fp8_dtype, with_amax, rms=True)
+        y, _, rstd, amax = _norm_torch(x, weight, None, eps, scale, fp8_dtype, with_amax or amax_out is not None,
+                                       rms=True)
+        amax = fold_outputs(amax, scale, amax_out, scale_inv_out)
         variant = "reference"
     else:
-        from . import norms_triton
+        from . import norms_triton  # triton only when a Triton path is taken
 
         y, _, rstd, amax, variant = norms_triton.norm_fwd_triton(
-            x, weight, None, eps, scale, fp8_dtype, rms=True
+            x, weight, None, eps, scale, fp8_dtype, rms=True, with_amax=with_amax, amax_out=amax_out,
+            scale_inv_out=scale_inv_out,
         )
     dispatch.log_call("rmsnorm_fwd", choice, variant, x.device)
-    return y, rstd, amax if with_amax else None
+    return y, rstd, amax
 
 
-def _check_norm_args(x, weight, eps, scale, fp8_dtype) -> None:
+def _check_norm_args(x, weight, eps, scale, fp8_dtype, amax_out=None, scale_inv_out=None) -> None:
     check_float("x", x)
+    check_fold_outputs(x.device, scale, amax_out, scale_inv_out)
     check_vector("weight", weight, x.shape[-1], x.device)
     if not isinstance(eps, (int, float)) or isinstance(eps, bool) or eps < 0:
         raise ValueError(f"eps: expected a non-negative float, got {eps!r}")

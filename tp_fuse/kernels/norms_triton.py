@@ -16,13 +16,13 @@ import triton.language as tl
 from ._common import rows_2d
 from ._triton_common import (
     INTERPRETED,
-    abs_max_bits,
-    amax_buffer,
-    amax_from_buffer,
+    amax_target,
     emulate_conversions,
+    fold_amax,
     pow2,
     store_result,
     variant,
+    write_scale_inv,
 )
 
 
@@ -38,11 +38,14 @@ def _norm_fwd_kernel(
     rstd_ptr,  # [R] fp32
     scale_ptr,
     amax_ptr,  # int32 [1]
+    sinv_ptr,  # fp32 [1]: 1 / scale, with WRITE_SINV
     R,
     N,
     eps,
     RMS: tl.constexpr,
     QUANT: tl.constexpr,
+    WITH_AMAX: tl.constexpr,
+    WRITE_SINV: tl.constexpr,
     FP8_E4M3: tl.constexpr,
     EMULATE: tl.constexpr,
     BLOCK_R: tl.constexpr,
@@ -74,7 +77,8 @@ def _norm_fwd_kernel(
         y = y + b[None, :]
     scale = tl.load(scale_ptr) if QUANT else 1.0
     store_result(y_ptr + rows[:, None] * N + cols[None, :], y, mask, scale, QUANT, FP8_E4M3, EMULATE)
-    tl.atomic_max(amax_ptr, abs_max_bits(y, mask))
+    fold_amax(amax_ptr, y, mask, WITH_AMAX)
+    write_scale_inv(sinv_ptr, scale, WRITE_SINV)
 
 
 def _blocks(n: int) -> tuple[int, int, int]:
@@ -98,15 +102,19 @@ def norm_fwd_triton(
     fp8_dtype: Optional[torch.dtype],
     *,
     rms: bool,
-) -> tuple[torch.Tensor, Optional[torch.Tensor], torch.Tensor, torch.Tensor, str]:
-    """Returns ``(y, mean | None, rstd, amax, variant)``; arguments validated by caller."""
+    with_amax: bool = True,
+    amax_out: Optional[torch.Tensor] = None,
+    scale_inv_out: Optional[torch.Tensor] = None,
+) -> tuple[torch.Tensor, Optional[torch.Tensor], torch.Tensor, Optional[torch.Tensor], str]:
+    """Returns ``(y, mean | None, rstd, amax, variant)``; arguments validated by caller
+    (``with_amax``, ``amax_out``, ``scale_inv_out``: see ``cast.quantize``)."""
     x2 = rows_2d(x)  # [R, N]
     R, N = x2.shape
     quant = fp8_dtype is not None
     y = torch.empty((R, N), dtype=fp8_dtype if quant else x.dtype, device=x.device)
     mean = None if rms else torch.empty(R, dtype=torch.float32, device=x.device)
     rstd = torch.empty(R, dtype=torch.float32, device=x.device)
-    buf = amax_buffer(x.device)
+    buf, fold, amax = amax_target(x.device, with_amax, amax_out, rstd)
     emulated = emulate_conversions(x.device)
     if R * N > 0:
         block_r, block_n, warps = _blocks(N)
@@ -119,24 +127,29 @@ def norm_fwd_triton(
             y.view(torch.uint8) if quant else y,
             rstd if mean is None else mean,
             rstd,
-            scale if quant else buf,
+            scale if quant else rstd,
             buf,
+            rstd if scale_inv_out is None else scale_inv_out,
             R,
             N,
             float(eps),
             RMS=rms,
             QUANT=quant,
+            WITH_AMAX=fold,
+            WRITE_SINV=scale_inv_out is not None,
             FP8_E4M3=fp8_dtype == torch.float8_e4m3fn,
             EMULATE=emulated,
             BLOCK_R=block_r,
             BLOCK_N=block_n,
             num_warps=warps,
         )
+    elif scale_inv_out is not None:  # no program ran to write it
+        torch.reciprocal(scale, out=scale_inv_out)
     lead = x.shape[:-1]
     return (
         y.reshape(x.shape),
         None if mean is None else mean.reshape(lead),
         rstd.reshape(lead),
-        amax_from_buffer(buf),
+        amax,
         variant("rows", emulated),
     )

@@ -17,7 +17,7 @@ backward tensors and use the recipe's backward FP8 dtype; every other role
 Every cast goes through ``tp_fuse.kernels.quantize`` (cast and amax in one pass, and
 optionally the transposed bytes a wgrad GEMM reads; Triton on CUDA, torch elsewhere).
 Kernels that produce a quantizer's input can also write its FP8 directly (a norm
-before a GEMM): :meth:`Quantizer.producer_scale`, :meth:`DelayedScalingQuantizer.from_producer`
+before a GEMM): :meth:`Quantizer.producer_outputs`, :meth:`DelayedScalingQuantizer.wrap_produced`
 and :meth:`Quantizer.quantize_with_amax` are the hooks for that.
 """
 
@@ -26,7 +26,6 @@ from __future__ import annotations
 import abc
 import contextlib
 import copy
-import math
 from collections.abc import Iterable, Sequence
 from typing import Any, Callable, Optional, Union
 
@@ -82,15 +81,31 @@ def _amax(x: torch.Tensor) -> torch.Tensor:
 
 
 def _cast(
-    x: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dtype, *, transpose: bool = False, with_amax: bool = True
+    x: torch.Tensor,
+    scale: torch.Tensor,
+    fp8_dtype: torch.dtype,
+    *,
+    transpose: bool = False,
+    with_amax: bool = True,
+    amax_out: Optional[torch.Tensor] = None,
+    scale_inv_out: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor]]:
     """``kernels.quantize`` for any rank, 0-d included: the cast kernels take >= 1 dims,
     and a 0-d tensor's value is its one element (cast as shape ``[1]``, bytes reshaped back)."""
     if x.dim() == 0:
-        data, _, amax = kernels.quantize(x.reshape(1), scale, fp8_dtype, with_amax=with_amax)
+        data, _, amax = kernels.quantize(x.reshape(1), scale, fp8_dtype, with_amax=with_amax,
+                                         amax_out=amax_out, scale_inv_out=scale_inv_out)
         # The "transpose" of one element is that element ([cols, rows] = [1, 1]).
         return data.reshape(()), data.reshape(1, 1) if transpose else None, amax
-    return kernels.quantize(x, scale, fp8_dtype, transpose=transpose, with_amax=with_amax)
+    return kernels.quantize(x, scale, fp8_dtype, transpose=transpose, with_amax=with_amax,
+                            amax_out=amax_out, scale_inv_out=scale_inv_out)
+
+
+def new_scale_inv(device: torch.device) -> torch.Tensor:
+    """An uninitialized 0-d fp32 ``scale_inv`` for one quantized tensor, filled by the cast
+    kernel that writes the tensor (an allocation, no kernel: the scale it inverts
+    changes with later updates, this tensor's must not)."""
+    return torch.empty((), dtype=torch.float32, device=device)
 
 
 def parse_shape(shape: Any, who: str) -> tuple[int, ...]:
@@ -244,11 +259,12 @@ class Quantizer(abc.ABC):
     def _quantize_impl(self, x: torch.Tensor, transpose: bool = False) -> Float8Tensor:
         """Quantize without autograd."""
 
-    def producer_scale(self, device: torch.device) -> Optional[torch.Tensor]:
-        """The scale a producing kernel (e.g. a norm) can write this quantizer's FP8
-        with directly, or None when the scale depends on the produced tensor itself
-        (current scaling: produce high precision plus its amax, then
-        :meth:`quantize_with_amax`)."""
+    def producer_outputs(self, device: torch.device) -> Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+        """``(scale, amax_out, scale_inv_out)`` for a kernel that produces this quantizer's
+        input and can write its FP8 itself (a norm before a GEMM), or None when the scale
+        depends on the produced tensor itself (current scaling: produce high precision
+        plus its amax, then :meth:`quantize_with_amax`). See
+        :meth:`DelayedScalingQuantizer.producer_outputs`."""
         return None
 
     def quantize_with_amax(self, x: torch.Tensor, amax: torch.Tensor, *, transpose: bool = False) -> Float8Tensor:
@@ -373,29 +389,26 @@ class DelayedScalingQuantizer(Quantizer):
     def _quantize_impl(self, x: torch.Tensor, transpose: bool = False) -> Float8Tensor:
         with no_grad_if_enabled():
             self._to_device(x.device)
-            # (no detach: nothing is recorded under no_grad)
-            data, data_t, amax = _cast(x, self.scale, self.fp8_dtype, transpose=transpose)
-        return self.from_producer(data, amax, x.dtype, data_t)
+            # One kernel on CUDA: the cast maxes its amax into this step's history slot
+            # and writes the tensor's scale_inv. (no detach: nothing is recorded under no_grad)
+            scale_inv = new_scale_inv(x.device)
+            data, data_t, _ = _cast(x, self.scale, self.fp8_dtype, transpose=transpose,
+                                    amax_out=self.current_amax, scale_inv_out=scale_inv)
+        return _with_transpose(Float8Tensor.wrap_checked(data, scale_inv, x.dtype), data_t)
 
-    def producer_scale(self, device: torch.device) -> torch.Tensor:
-        """This step's scale (on ``device``): producers write FP8 with it, as ``quantize`` would."""
+    def producer_outputs(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(scale, amax_out, scale_inv_out)`` for a kernel that writes this quantizer's
+        FP8 itself (a norm, an activation): it quantizes with ``scale``, maxes its amax into
+        ``amax_out`` (this step's history slot) and writes ``scale_inv_out``, a new tensor
+        for :meth:`wrap_produced` -- what :meth:`quantize` does, in the producer's launch."""
         self._to_device(device)
-        return self.scale
+        return self.scale, self.current_amax, new_scale_inv(device)
 
-    def from_producer(
-        self, data: torch.Tensor, amax: torch.Tensor, dtype: torch.dtype, data_t: Optional[torch.Tensor] = None
+    @staticmethod
+    def wrap_produced(
+        data: torch.Tensor, scale_inv: torch.Tensor, dtype: torch.dtype, data_t: Optional[torch.Tensor] = None
     ) -> Float8Tensor:
-        """Wrap FP8 bytes a kernel wrote with :meth:`producer_scale`; record their amax.
-
-        ``amax`` is max |x| of the high-precision values (folded into
-        ``amax_history[0]`` as ``quantize`` does); ``data_t`` optional transposed bytes.
-        """
-        with no_grad_if_enabled():
-            self._to_device(data.device)
-            slot = self.current_amax
-            torch.maximum(slot, amax, out=slot)  # in place: two ops where indexing takes four
-            # A new tensor: later scale updates must not change this tensor's value.
-            scale_inv = torch.reciprocal(self.scale)
+        """The Float8Tensor of bytes a producer wrote with :meth:`producer_outputs`."""
         return _with_transpose(Float8Tensor.wrap_checked(data, scale_inv, dtype), data_t)
 
     def _to_device(self, device: torch.device) -> None:
@@ -564,38 +577,12 @@ def _update_delayed_quantizers(quantizers: list[DelayedScalingQuantizer]) -> Non
         else:
             q.update()
     for (device, _), qs in groups.items():
-        if len(qs) == 1:
-            qs[0].update()
-            continue
         st = _SharedDelayedState.of(qs, device)
-        hist, current = st.hist, st.current  # [n, L], slot 0 = this step; [n] view of slot 0
-        # finite <=> |x| < inf (NaN compares false): two cheap ops where torch.isfinite
-        # is a composite of four on CPU; this runs twice per step.
-        bad_current = ~(current.abs() < math.inf)
-        current.masked_fill_(bad_current, 0.0)
-        # From here the history holds only finite values (slot 0 just sanitized, the
-        # others earlier slot-0 values, loaded states checked by check_delayed_state), so
-        # amax is finite: update()'s non-finite-amax test is always false here.
-        if st.all_most_recent:
-            amax = current
-        elif st.any_most_recent:
-            amax = torch.where(st.most_recent, current, hist.amax(dim=1))
-        else:
-            amax = hist.amax(dim=1)
-        # scaling.delayed_scale, vectorized: (fp8_max / amax) / 2**margin in float64 when
-        # amax > 0, else the previous scale; clamped to the fp32 range.
-        amax64 = amax.to(torch.float64)
-        usable = amax64 > 0
-        new = st.fp8_max / amax64  # inf where amax is 0: discarded by the where() below
-        if st.any_margin:  # dividing by 2**0 = 1 is exact: skipped
-            new = new / st.pow2_margin
-        # (where promotes the fp32 scale to float64 exactly; copy_ rounds the new one once)
-        st.scale.copy_(torch.where(usable, new.clamp_(max=_FP32_MAX), st.scale))
-        st.count.add_(bad_current)
-        st.last_amax.copy_(amax)
-        # scaling.roll_amax_history on every row: shift left by one, zero the new slot 0.
-        hist.copy_(torch.roll(hist, -1, 1))
-        current.zero_()
+        # One kernel on CUDA for the whole group (Transformer Engine's fused update).
+        kernels.delayed_scale_update(
+            st.hist, st.scale, st.last_amax, st.count, st.fp8_max, st.pow2_margin, st.most_recent,
+            any_margin=st.any_margin, any_most_recent=st.any_most_recent, all_most_recent=st.all_most_recent,
+        )
 
 
 class CurrentScalingQuantizer(Quantizer):
@@ -606,6 +593,13 @@ class CurrentScalingQuantizer(Quantizer):
     FP8 bytes). A zero or non-finite amax gives scale 1.0; such amaxes are
     counted in ``zero_amax_count`` / ``nonfinite_amax_count`` for logging.
     ``power_2_scale`` rounds the scale down to a power of two.
+
+    State (``scale``, ``last_amax``: fp32 0-d; the two counts: int64 0-d) lives on the
+    device of the data, moved there at the first quantize, and is then only written in
+    place by the cast (never rebound): a CUDA graph or compiled step that holds these
+    buffers sees every update. On CUDA a quantize is two launches: the amax reduction
+    (or the producer's amax) and the cast, which derives the scale from the amax and
+    writes scale, ``scale_inv``, last amax and counts itself.
     """
 
     def __init__(
@@ -624,46 +618,59 @@ class CurrentScalingQuantizer(Quantizer):
         self.recipe = recipe
         self.power_2_scale = recipe.power_2_scale
         self.amax_reduction_group = amax_reduction_group
-        self.scale = torch.ones((), dtype=torch.float32)
-        self.last_amax = torch.zeros((), dtype=torch.float32)
-        self.nonfinite_amax_count = torch.zeros((), dtype=torch.int64)
-        self.zero_amax_count = torch.zeros((), dtype=torch.int64)
+        with torch.inference_mode(False):  # written in place by later steps
+            self.scale = torch.ones((), dtype=torch.float32)
+            self.last_amax = torch.zeros((), dtype=torch.float32)
+            self.nonfinite_amax_count = torch.zeros((), dtype=torch.int64)
+            self.zero_amax_count = torch.zeros((), dtype=torch.int64)
 
     def _empty_scale_inv(self, device: torch.device) -> torch.Tensor:
         # ``self.scale`` is the last tensor's scale, unrelated to a new tensor's values:
         # an empty tensor gets 1, its real scale comes with the first quantization.
         return torch.ones((), dtype=torch.float32, device=device)
 
+    def _to_device(self, device: torch.device) -> None:
+        # State follows the data on first use (modules may be moved after init); after
+        # that it is only written in place.
+        if self.scale.device != device:
+            with torch.inference_mode(False):
+                for name in ("scale", "last_amax", "nonfinite_amax_count", "zero_amax_count"):
+                    setattr(self, name, getattr(self, name).to(device))
+
     def _reduce(self, amax: torch.Tensor) -> torch.Tensor:
         group = self.amax_reduction_group
         if group is None or dist.get_world_size(group) == 1:
             return amax
-        amax = scaling.nan_to_inf(amax).reshape(1)
+        # fp32 on the wire (gloo has no bf16 MAX; exact for any amax of bf16/fp16 values).
+        amax = scaling.nan_to_inf(amax.float()).reshape(1)
         check_collective("all_reduce", [amax], world_size=dist.get_world_size(group), op=dist.ReduceOp.MAX)
         dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=group)
         return amax.reshape(())
 
     def _quantize_impl(self, x: torch.Tensor, transpose: bool = False) -> Float8Tensor:
-        return self._quantize_with_own_amax(x, _amax(x), transpose)
+        # One reduction kernel: the amax in x's dtype (exact).
+        return self._quantize_with_own_amax(x, kernels.amax_of(x if not x.requires_grad else x.detach()), transpose)
 
     def quantize_with_amax(self, x: torch.Tensor, amax: torch.Tensor, *, transpose: bool = False) -> Float8Tensor:
         """Quantize with the scale from ``amax`` = this rank's max |x| (all-reduced
         over the amax group first), e.g. the amax a norm kernel computed in passing."""
-        # ``last_amax`` keeps the value: a copy, since the caller may reuse its tensor.
-        return self._quantize_with_own_amax(x, amax.detach().clone(), transpose)
+        return self._quantize_with_own_amax(x, amax.detach(), transpose)
 
     def _quantize_with_own_amax(self, x: torch.Tensor, amax: torch.Tensor, transpose: bool) -> Float8Tensor:
-        """:meth:`quantize_with_amax` with an ``amax`` tensor nobody else holds."""
+        """:meth:`quantize_with_amax`: the cast derives the scale and writes the state."""
         with no_grad_if_enabled():
+            self._to_device(x.device)
             amax = self._reduce(amax)
-            scale, nonfinite, zero = scaling.current_scale_and_checks(amax, self.fp8_max, self.power_2_scale)
-            # The amax is known: the cast kernel need not compute it again.
-            data, data_t, _ = _cast(x, scale, self.fp8_dtype, transpose=transpose, with_amax=False)
-            self.last_amax = amax
-            self.scale = scale
-            self.nonfinite_amax_count = self.nonfinite_amax_count.to(x.device) + nonfinite
-            self.zero_amax_count = self.zero_amax_count.to(x.device) + zero
-        return _with_transpose(Float8Tensor.wrap_checked(data, torch.reciprocal(scale), x.dtype), data_t)
+            scale_inv = new_scale_inv(x.device)
+            # The cast kernels take >= 1 dims: a 0-d tensor is cast as shape [1] (as _cast does).
+            data, data_t = kernels.quantize_current_scaling(
+                x.reshape(1) if x.dim() == 0 else x, amax, self.fp8_dtype, scale_out=self.scale,
+                scale_inv_out=scale_inv, last_amax_out=self.last_amax, nonfinite_count=self.nonfinite_amax_count,
+                zero_count=self.zero_amax_count, power_2_scale=self.power_2_scale, transpose=transpose and x.dim() > 0,
+            )
+            if x.dim() == 0:
+                data, data_t = data.reshape(()), data.reshape(1, 1) if transpose else None
+        return _with_transpose(Float8Tensor.wrap_checked(data, scale_inv, x.dtype), data_t)
 
     def stats(self) -> dict[str, float]:
         return {

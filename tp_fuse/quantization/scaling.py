@@ -30,6 +30,8 @@ from typing import Any, Callable, Optional, Union
 
 import torch
 
+from ..kernels._common import current_scale_torch, round_down_to_power_of_2
+
 __all__ = [
     "amax_from_history",
     "delayed_scale",
@@ -132,14 +134,6 @@ def roll_amax_history(history: torch.Tensor) -> torch.Tensor:
     return rolled
 
 
-def round_down_to_power_of_2(scale: torch.Tensor) -> torch.Tensor:
-    """Largest power of two <= ``scale`` (scale > 0, finite), exactly."""
-    mantissa, exponent = torch.frexp(scale.to(torch.float64))
-    # frexp: scale = mantissa * 2**exponent with mantissa in [0.5, 1).
-    del mantissa
-    return torch.ldexp(torch.ones_like(exponent, dtype=torch.float64), exponent - 1).to(torch.float32)
-
-
 def current_scale(amax: torch.Tensor, fp8_max: float, power_2_scale: bool = False) -> torch.Tensor:
     """Current-scaling scale (0-d fp32): ``fp8_max / amax``.
 
@@ -155,35 +149,10 @@ def current_scale_and_checks(
     amax: torch.Tensor, fp8_max: float, power_2_scale: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(scale, nonfinite, zero)`` for an amax (``max |x|``: >= 0, or NaN/inf):
-    :func:`current_scale`, and whether the amax is non-finite / zero (0-d bools), from
-    the same comparisons: this runs at every current-scaling quantize."""
-    amax64 = amax.detach() if amax.requires_grad else amax
-    amax64 = (amax64 if amax64.dim() == 0 else amax64.reshape(())).to(torch.float64)
-    # Finite and > 0 in two comparisons (NaN fails both). Unusable amaxes divide to inf,
-    # 0 or NaN, which the where() discards.
-    finite = amax64 < math.inf
-    positive = amax64 > 0
-    usable = positive & finite
-    scale64 = (fp8_max / amax64).clamp(max=_FP32_MAX)
-    # Round in float64: rounding to fp32 first could round up onto the next power
-    # of two and make the scaled amax exceed fp8_max.
-    if power_2_scale:
-        scale64 = round_down_to_power_of_2(torch.where(usable, scale64, 1.0))
-    scale = torch.where(usable, scale64.to(torch.float32), _one(amax64.device))
-    return scale, ~finite, amax64 == 0
-
-
-# fp32 1.0 per device, for the where() above: a Python scalar there is one more op
-# (a scalar tensor made per call), and this runs at every current-scaling quantize.
-_ONES: dict[torch.device, torch.Tensor] = {}
-
-
-def _one(device: torch.device) -> torch.Tensor:
-    one = _ONES.get(device)
-    if one is None:
-        with torch.inference_mode(False):
-            one = _ONES[device] = torch.ones((), dtype=torch.float32, device=device)
-    return one
+    :func:`current_scale`, and whether the amax is non-finite / zero (0-d bools). The one
+    implementation is the kernels' (``tp_fuse.kernels._common.current_scale_torch``),
+    which the Triton cast kernel reproduces."""
+    return current_scale_torch(amax, fp8_max, power_2_scale)
 
 
 def nan_to_inf(amax: torch.Tensor) -> torch.Tensor:

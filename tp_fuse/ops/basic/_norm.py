@@ -103,18 +103,22 @@ class NormBase(BasicOperation):
         scale: Optional[torch.Tensor] = None,
         fp8_dtype: Optional[torch.dtype] = None,
         with_amax: bool = False,
+        amax_out: Optional[torch.Tensor] = None,
+        scale_inv_out: Optional[torch.Tensor] = None,
     ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
         """The forward pass: ``(y, amax)``; saves what ``op_backward`` needs.
 
         With ``scale``/``fp8_dtype`` the kernel writes ``y`` in FP8 (for the next GEMM).
         ``amax`` (max |y| before any rounding) only with ``with_amax``, else None: it
-        costs a read of y on the torch path. Fused forward ops call this, so the ctx
+        costs a read of y on the torch path. ``amax_out``/``scale_inv_out``: the kernel
+        folds the amax into a quantizer's slot and writes ``1 / scale`` (``kernels.quantize``). Fused forward ops call this, so the ctx
         is filled exactly as :meth:`op_forward` fills it.
         """
         self.check_input(x)
         x2d = as_rows(x, self.hidden)  # [rows, H]
         y, stats, amax = self._run_kernel(
-            x2d, self._gamma(compute_dtype(x.dtype)), scale=scale, fp8_dtype=fp8_dtype, with_amax=with_amax
+            x2d, self._gamma(compute_dtype(x.dtype)), scale=scale, fp8_dtype=fp8_dtype, with_amax=with_amax,
+            amax_out=amax_out, scale_inv_out=scale_inv_out,
         )
         if ctx.requires_grad:
             # The input in its own dtype (not xhat in float32): half the memory for bf16.

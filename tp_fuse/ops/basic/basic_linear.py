@@ -23,7 +23,7 @@ from ...quantization import (
     make_fp8_parameter,
     model_init_recipe,
 )
-from ...recipe import NVFP4BlockScaling
+from ...recipe import DelayedScaling, NVFP4BlockScaling
 from ..extra_state import QuantizerStateMixin
 from ..op import BasicOperation, OperationContext, require
 from ._checks import maybe_dequantize
@@ -242,13 +242,19 @@ class BasicLinear(QuantizerStateMixin, BasicOperation):
         """``tp_fuse.kernels`` functions this op calls in ``direction`` (for ``explain``):
         the FP8 casts and GEMMs under an FP8 recipe, none in high precision. Block-scaled
         recipes cast with ``block_quantize``, NVFP4 with ``nvfp4_quantize``; their GEMM
-        (``block_gemm``) is not a ``tp_fuse.kernels`` function."""
+        (``block_gemm``) is not a ``tp_fuse.kernels`` function. Delayed scaling updates
+        this op's scales with every other op's in one ``delayed_scale_update`` per
+        direction."""
         state = active_autocast()
         if state is None:
             return ()
         if isinstance(state.recipe, NVFP4BlockScaling):
             return ("nvfp4_quantize",)
-        return ("block_quantize",) if is_block_recipe(state.recipe) else ("quantize", "fp8_gemm")
+        if is_block_recipe(state.recipe):
+            return ("block_quantize",)
+        if isinstance(state.recipe, DelayedScaling):
+            return ("quantize", "fp8_gemm", "delayed_scale_update")
+        return ("quantize", "fp8_gemm")
 
     # ---- quantization helpers (shared with fused ops) --------------------
 

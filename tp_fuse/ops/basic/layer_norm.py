@@ -5,12 +5,19 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any, Optional
 
+import contextlib
+
 import torch
 
 from ... import kernels
 from ...kernels._common import as_dtype, as_shape
+from ...kernels.dispatch import takes_cuda_path
+from ...kernels.launch_count import cpu_only
 from ..op import OperationContext
 from ._norm import NormBase
+
+
+_NO_REGION = contextlib.nullcontext()
 
 
 class LayerNorm(NormBase):
@@ -79,24 +86,29 @@ class LayerNorm(NormBase):
         # device: the CPU kernel takes that mix only with fp32 parameters (its
         # "mixed type" path), CUDA's only with parameters in the input dtype ("expected
         # scalar type BFloat16 but found Float" otherwise; seen on an H200, torch 2.11).
-        param_dtype = cdtype if x2d.device.type == "cpu" else x2d.dtype
-        gamma = as_dtype(self._gamma(cdtype), param_dtype)
-        # dx from aten; the parameter gradients are sums over all rows, which aten's
-        # CPU kernel accumulates in the input dtype (fp16/bf16: errors of the order of
-        # the sum itself), so they are summed here in the compute dtype (fp32).
-        # fp32/fp64 inputs: aten's own parameter gradients are summed in that dtype, so
-        # take them from the same call (one kernel instead of five more). With a
+        on_cpu = x2d.device.type == "cpu"
+        # The parameter gradients are sums over all rows. aten's CUDA kernel accumulates
+        # them in fp32 (one kernel for dx, one for both sums): take them from the same
+        # call. Its CPU kernel accumulates fp16/bf16 inputs in the input dtype (errors of
+        # the order of the sum itself), so on CPU they are summed here in the compute
+        # dtype (fp32); fp32/fp64 inputs are summed in that dtype either way. With a
         # zero-centered gamma g = 1 + w, dL/dw = dL/dg: the same sums.
-        exact_params = x2d.dtype == cdtype
+        exact_params = x2d.dtype == cdtype or takes_cuda_path(x2d.device)
+        with cpu_only() if on_cpu and x2d.dtype != cdtype else _NO_REGION:
+            param_dtype = cdtype if on_cpu else x2d.dtype
+            gamma = as_dtype(self._gamma(cdtype), param_dtype)
+            beta = as_dtype(as_shape(self.bias, (self.hidden,)), param_dtype)
         dx, dgamma, dbeta = torch.ops.aten.native_layer_norm_backward(
-            dy, x2d, [self.hidden], mean, rstd, gamma, as_dtype(as_shape(self.bias, (self.hidden,)), param_dtype),
+            dy, x2d, [self.hidden], mean, rstd, gamma, beta,
             [True, exact_params and self.weight.requires_grad, exact_params and self.bias.requires_grad],
         )
         if exact_params:
-            return as_shape(dx, grad_output.shape), (
-                None if dgamma is None else as_shape(as_dtype(dgamma, self.weight.dtype), self.normalized_shape),
-                None if dbeta is None else as_shape(as_dtype(dbeta, self.bias.dtype), self.normalized_shape),
-            )
+            # (on CPU with a bf16 input the fp32 parameters' gradients come back in fp32)
+            with cpu_only() if on_cpu and x2d.dtype != cdtype else _NO_REGION:
+                return as_shape(dx, grad_output.shape), (
+                    None if dgamma is None else as_shape(as_dtype(dgamma, self.weight.dtype), self.normalized_shape),
+                    None if dbeta is None else as_shape(as_dtype(dbeta, self.bias.dtype), self.normalized_shape),
+                )
         dy_c = dy.to(cdtype)  # no copy when the input is fp32/fp64
         dweight = dbias = None
         if self.weight.requires_grad:

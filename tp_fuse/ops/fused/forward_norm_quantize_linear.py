@@ -121,15 +121,19 @@ class ForwardNormQuantizeLinear(FusedOperation):
         x = maybe_dequantize(input_)
         q = linear.fp8_quantizers()["input"]  # type: ignore[index]
         ctx = basic_op_ctxs[0]
-        scale = q.producer_scale(x.device)
+        outputs = q.producer_outputs(x.device)
         # An FP8-stats tap (tp_fuse.debug) observing this step needs the high-precision
         # norm output beside its FP8 cast; only then is it materialized. Layers with
         # debug *features* never get here: fuse_by_window rejects them.
         hooks = linear.debug_hooks
         observed = hooks is not None and hooks.fp8_tap is not None and hooks.fp8_tap.active
-        if scale is not None and not observed:
-            y8, amax = norm.normalize(ctx, x, scale=scale, fp8_dtype=q.fp8_dtype, with_amax=True)
-            x_fp8 = q.from_producer(y8, amax, x.dtype)  # type: ignore[attr-defined]
+        if outputs is not None and not observed:
+            # One launch: the norm writes FP8, maxes its amax into the quantizer's slot and
+            # writes the tensor's scale_inv.
+            scale, amax_out, scale_inv = outputs
+            y8, _ = norm.normalize(ctx, x, scale=scale, fp8_dtype=q.fp8_dtype, amax_out=amax_out,
+                                   scale_inv_out=scale_inv)
+            x_fp8 = q.wrap_produced(y8, scale_inv, x.dtype)  # type: ignore[attr-defined]
         else:
             y, amax = norm.normalize(ctx, x, with_amax=True)
             x_fp8 = q.quantize_with_amax(y, amax)
