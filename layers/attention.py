@@ -194,10 +194,11 @@ class MultiheadAttention(torch.nn.Module):
         s, b, _ = qkv.shape
         qpg = self.heads_per_group
         qkv = qkv.view(s, b, self.local_groups, qpg + 2, self.head_dim)  # [s, b, g/tp, n/g + 2, d]
-        q = qkv[:, :, :, :qpg].reshape(s, b, self.local_heads, self.head_dim)  # [s, b, n/tp, d]
-        k = qkv[:, :, :, qpg]  # [s, b, g/tp, d]
-        v = qkv[:, :, :, qpg + 1]  # [s, b, g/tp, d]
-        return q, k, v
+        # One split (its backward is one cat) where indexing would give three backward
+        # kernels, each a zero fill plus a copy on a GPU.
+        q, k, v = torch.split(qkv, (qpg, 1, 1), dim=3)
+        q = q.reshape(s, b, self.local_heads, self.head_dim)  # [s, b, n/tp, d]
+        return q, k.squeeze(3), v.squeeze(3)  # k, v [s, b, g/tp, d]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.residual_connection:

@@ -53,6 +53,7 @@ SLOW_MODULES = frozenset({
     "test_launch_tokenizer",
     "test_launch_train",
     "test_launch_validation",
+    "test_launch_budget",
     "test_layers_gpt",
     "test_layers_oracle",
     "test_makefile",

@@ -44,8 +44,10 @@ else:
         rmsnorm_fwd,
         swiglu_fwd,
     )
+    from tp_fuse import kernels
     from tp_fuse.kernels import _triton_common as tc
     from tp_fuse.kernels import gemm_triton
+    from tp_fuse.kernels.launch_count import count_launches
     from tp_fuse.kernels.testing import make_input, max_fp8_ulp_distance
 
     E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
@@ -168,6 +170,111 @@ else:
     def test_quantize_empty():
         data, data_t, amax = quantize(torch.empty(0, 5), torch.tensor(1.0), E4M3, transpose=True, backend="triton")
         assert data.shape == (0, 5) and data_t.shape == (5, 0) and amax.item() == 0.0
+
+    # ------------------------------------------------------------------------------
+    # the FP8 state written by the kernels (the CUDA launch budget's fusions)
+    # ------------------------------------------------------------------------------
+
+    @pytest.mark.parametrize("start", [0.0, 5.0, 1e9, float("nan")], ids=["zero", "below", "above", "nan"])
+    @pytest.mark.parametrize("with_nan", [False, True])
+    def test_quantize_folds_amax_into_slot_and_writes_scale_inv(start, with_nan):
+        x = make_input((33, 40), torch.bfloat16, "contiguous", std=30.0)
+        if with_nan:
+            x[3, 7] = float("nan")
+        scale = torch.tensor(3.0)
+        outs = {}
+        for backend in ("triton", "torch"):
+            slot, sinv = torch.tensor(start), torch.empty(())
+            data, data_t, amax = quantize(x, scale, E4M3, transpose=True, backend=backend, amax_out=slot,
+                                          scale_inv_out=sinv)
+            assert amax is slot
+            outs[backend] = (data, data_t, slot, sinv)
+        for got, ref in zip(outs["triton"], outs["torch"]):
+            _assert_same(got, ref)
+        assert torch.equal(outs["torch"][3], torch.reciprocal(scale))
+
+    @pytest.mark.parametrize("amax", [0.0, 2.5e-3, 700.0, 3e38, float("inf"), float("nan")])
+    @pytest.mark.parametrize("pow2", [False, True])
+    @pytest.mark.parametrize("fp8_dtype", [E4M3, E5M2])
+    def test_quantize_current_scaling_matches_torch(amax, pow2, fp8_dtype):
+        x = make_input((20, 48), torch.bfloat16, "transposed", std=4.0)
+        outs = {}
+        for backend in ("triton", "torch"):
+            state = dict(scale_out=torch.tensor(7.0), scale_inv_out=torch.empty(()), last_amax_out=torch.zeros(()),
+                         nonfinite_count=torch.tensor(2), zero_count=torch.tensor(3))
+            data, data_t = kernels.quantize_current_scaling(x, torch.tensor(amax, dtype=torch.bfloat16), fp8_dtype,
+                                                            power_2_scale=pow2, transpose=True, backend=backend,
+                                                            **state)
+            outs[backend] = (data, data_t, *state.values())
+        for got, ref in zip(outs["triton"], outs["torch"]):
+            _assert_same(got, ref)
+
+    @pytest.mark.parametrize("length", [1, 3, 16])
+    @pytest.mark.parametrize("algos", ["max", "most_recent", "mixed"])
+    @pytest.mark.parametrize("margin", [0, 2])
+    def test_delayed_scale_update_matches_torch(length, algos, margin):
+        g = torch.Generator().manual_seed(length)
+        n = 6
+        hist = torch.rand(n, length, generator=g) * 100
+        hist[1, 0] = float("nan")
+        hist[2, 0] = float("inf")
+        hist[3] = 0.0  # no data: the scale is kept
+        hist[4, 0] = 1e-40  # a subnormal amax: the scale clamps to the fp32 range
+        recent = {"max": [False] * n, "most_recent": [True] * n, "mixed": [i % 2 == 0 for i in range(n)]}[algos]
+        fp8_max = torch.tensor([448.0, 57344.0] * (n // 2), dtype=torch.float64)
+        outs = {}
+        for backend in ("triton", "torch"):
+            state = [hist.clone(), torch.rand(n, generator=torch.Generator().manual_seed(1)) + 0.5,
+                     torch.zeros(n), torch.arange(n, dtype=torch.int64)]
+            kernels.delayed_scale_update(
+                *state, fp8_max, torch.full((n,), 2.0**margin, dtype=torch.float64), torch.tensor(recent),
+                any_margin=margin != 0, any_most_recent=any(recent), all_most_recent=all(recent), backend=backend,
+            )
+            outs[backend] = state
+        for got, ref in zip(outs["triton"], outs["torch"]):
+            _assert_same(got, ref)
+
+    @pytest.mark.parametrize("kind", ["layernorm", "rmsnorm", "gelu", "swiglu", "dgelu", "dswiglu"])
+    def test_producers_fold_amax_and_write_scale_inv(kind):
+        x = make_input((17, 32), torch.bfloat16, "contiguous", std=3.0)
+        n = x.shape[-1]
+        w, b = make_input((n,), torch.float32, seed=1, std=1.0), make_input((n,), torch.float32, seed=2, std=1.0)
+        grad = make_input((17, 16 if kind == "dswiglu" else 32), torch.bfloat16, "contiguous", seed=3, std=1.0)
+        outs = {}
+        for backend in ("triton", "torch"):
+            slot, sinv = torch.tensor(0.5), torch.empty(())
+            kw = dict(scale=torch.tensor(20.0), fp8_dtype=E4M3, backend=backend, amax_out=slot, scale_inv_out=sinv)
+            if kind == "layernorm":
+                y = layernorm_fwd(x, w, b, 1e-5, **kw)[0]
+            elif kind == "rmsnorm":
+                y = rmsnorm_fwd(x, w, 1e-5, **kw)[0]
+            elif kind == "gelu":
+                y = gelu_fwd(x, **kw)[0]
+            elif kind == "swiglu":
+                y = swiglu_fwd(x, **kw)[0]
+            elif kind == "dgelu":
+                y = dgelu_dbias(grad, x, **kw)[0]
+            else:
+                y = dswiglu(grad, x, **kw)[0]
+            outs[backend] = (y, slot, sinv)
+        _assert_out_close(outs["triton"][0], outs["torch"][0])
+        torch.testing.assert_close(outs["triton"][1], outs["torch"][1], **F32)
+        _assert_same(outs["triton"][2], outs["torch"][2])
+
+    def test_producers_without_amax_launch_no_fill():
+        """with_amax=False: no zero-filled amax buffer (a launch on CUDA), no amax returned:
+        each producer is exactly its one Triton launch."""
+        x = make_input((8, 32), torch.bfloat16, "contiguous")
+        w, b = torch.ones(32), torch.zeros(32)
+        result = {}
+
+        def run():
+            result["gelu"] = gelu_fwd(x, backend="triton", with_amax=False)[1]
+            result["norm"] = layernorm_fwd(x, w, b, 1e-5, backend="triton", with_amax=False)[3]
+
+        count = count_launches(run)
+        assert result == {"gelu": None, "norm": None}
+        assert dict(count.by_kernel) == {"triton._gelu_fwd_kernel": 1, "triton._norm_fwd_kernel": 1}
 
     # ------------------------------------------------------------------------------
     # norms

@@ -35,6 +35,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from tp_fuse.strict import SIMULATE_CUDA_ENV, STRICT_ENV, simulating_cuda
 
+from .dispatch import triton_interpreted
+
 __all__ = ["ATEN_KERNELS", "LaunchCount", "count_launches", "cpu_only", "one_launch", "simulated_cuda_env"]
 
 #: ATen ops that launch no kernel on CUDA: views, metadata, allocations without a fill.
@@ -59,6 +61,9 @@ ATEN_KERNELS: dict[str, int] = {
     "_scaled_dot_product_efficient_attention_backward": 2,
     # sort + segment offsets + the sums (embedding_dense_backward_cuda)
     "embedding_dense_backward": 4,
+    # a zero fill of the input's shape, then a copy into the indexed part
+    "select_backward": 2,
+    "slice_backward": 2,
 }
 
 # A device-to-host read: a sync on CUDA (and one copy kernel).
@@ -160,9 +165,9 @@ def cpu_only() -> Iterator[None]:
 def _count_triton_launches() -> contextlib.AbstractContextManager:
     """Count each interpreted Triton kernel call as one launch (the interpreter's own
     tensor copies inside are not kernels of the step)."""
-    if not simulating_cuda():
+    if not triton_interpreted():
         return contextlib.nullcontext()
-    # Only under simulation: the interpreter exists when TRITON_INTERPRET=1 (triton imported lazily).
+    # Triton's interpreter, imported only when it runs the kernels (TRITON_INTERPRET=1).
     from triton.runtime.interpreter import InterpretedFunction
 
     original = InterpretedFunction.run
