@@ -30,16 +30,20 @@ loss after the same steps from the same init).
 Timing on CUDA: warm-up steps first (FP8 scales, Triton compilation, cuBLAS handles), then
 rounds in which the variants take turns (so that host load hits all alike); per round,
 ``wall`` = CUDA events around N back-to-back steps / N (the host may run ahead, as in
-training), then ``host`` = per step, after a synchronize, the host time until the step's call
-returns (the issue cost; a step that syncs inside pays its wait here). Medians over rounds.
-GPT shapes: the launcher's own step timer (its health guard reads the loss once per step,
-so a step's time is a wall time) and host = step time minus the time spent in that read;
-medians of steps 3..N. Gradients accumulate into the existing ``.grad`` in every block
-variant alike (a later micro-batch's backward; docs/gpu.md's host-profile rows measured the
-same way). Kernels: ``torch.profiler``'s CUDA events of one step on CUDA, and
-:func:`count_kernels` (the host-side count, the seam for tp_fuse's launch counter) always.
+training); then ``host`` = per step, after a synchronize, the host time until the step's
+call returns (the issue cost; a step that syncs inside pays its wait here). Medians. Block
+gradients accumulate into the existing ``.grad`` in every variant alike (a later
+micro-batch's backward; docs/gpu.md's host-profile rows were measured the same way).
 
-    python examples/bench_gpu.py [--json out.json] [--shapes host_bound,gemm_bound] [--budget-s 300]
+GPT shapes: the launcher's own step timer (its health guard reads the loss once per step,
+so a step's time is a wall time; the step includes the optimizer) and host = step time minus
+the time spent in that read; medians of steps 3..N-1 (step 2 is counted and profiled, the
+last one logs).
+
+Kernels per step: ``torch.profiler``'s CUDA events of one step on CUDA, and
+:func:`count_kernels` (the host-side count: the seam for tp_fuse's launch counter) always.
+
+    python examples/bench_gpu.py [--json out.json] [--shapes host_bound,gemm_bound] [--budget-s 270]
     python examples/bench_gpu.py --smoke --json out.json   # every row, tiny, on CPU (CI)
 """
 
@@ -49,6 +53,7 @@ import argparse
 import copy
 import dataclasses
 import datetime
+import gc
 import json
 import math
 import statistics
@@ -100,9 +105,10 @@ class Plan:
     rounds: int = 5
     steps: int = 10
     host_repeats: int = 10
-    launcher_steps: dict = dataclasses.field(default_factory=lambda: {"gpt_default": 30, "gpt_1b": 8})
+    launcher_steps: dict = dataclasses.field(default_factory=lambda: {"gpt_default": 20, "gpt_1b": 8})
 
 
+# Launcher runs of 4 steps: step 3 is the one timed.
 SMOKE_PLAN = Plan(warmup=1, rounds=2, steps=2, host_repeats=2, launcher_steps={"gpt_default": 4, "gpt_1b": 4})
 
 
@@ -291,18 +297,17 @@ def block_flops(shape: str, sz: dict) -> float:
     return 6.0 * weights * tokens + 12.0 * sz["heads"] * d * sz["seq"] * tokens
 
 
-def build_block(shape: str, sz: dict, device: str, dtype: torch.dtype) -> tuple[nn.Module, nn.Module, torch.Tensor]:
-    """(tp_fuse module, its plain-torch copy, input) from seed 0."""
+def build_block(shape: str, sz: dict, device: str, dtype: torch.dtype) -> nn.Module:
+    """The tp_fuse module of a block shape, from seed 0: every call builds the same weights,
+    so each variant gets its own copy (and its own gradients) without deep-copying."""
     torch.manual_seed(0)
     h = sz["hidden"]
-    if shape == "llama_layer":
-        fused = TransformerLayer(h, sz["ffn"], sz["heads"], num_query_groups=sz["groups"], normalization="RMSNorm",
-                                 activation="swiglu", bias=False, position_embedding="rope", seed=0,
-                                 dtype=dtype, device=device)
-        return fused, TorchLayer(fused), torch.randn(sz["seq"], sz["batch"], h, device=device, dtype=dtype)
-    fused = ops.Sequential(ops.LayerNorm(h), ops.Linear(h, sz["ffn"]), ops.GELU(),
-                           ops.Linear(sz["ffn"], h)).to(device=device, dtype=dtype)
-    return fused, TorchBlock(fused), torch.randn(sz["tokens"], h, device=device, dtype=dtype)
+    if shape == "llama_layer":  # as +model=llama builds each layer (launch/models/build.py -> GPT)
+        return TransformerLayer(h, sz["ffn"], sz["heads"], num_query_groups=sz["groups"], normalization="RMSNorm",
+                                activation="swiglu", bias=False, position_embedding="rope", seed=0,
+                                dtype=dtype, device=device)
+    return ops.Sequential(ops.LayerNorm(h), ops.Linear(h, sz["ffn"]), ops.GELU(),
+                          ops.Linear(sz["ffn"], h)).to(device=device, dtype=dtype)
 
 
 def _sync(device: str) -> None:
@@ -340,10 +345,27 @@ def time_rounds(fns: dict[str, Callable[[], object]], device: str, plan: Plan) -
     return {k: {"wall_us": statistics.median(wall[k]), "host_us": statistics.median(host[k])} for k in fns}
 
 
+def block_step(model: nn.Module, recipe, x: torch.Tensor,
+               dy: torch.Tensor) -> tuple[Callable[[], torch.Tensor], Callable[[], None]]:
+    """(forward, forward + backward) of ``model`` on ``x``, under ``recipe`` when it is not None."""
+    def forward() -> torch.Tensor:
+        if recipe is None:
+            return model(x)
+        with tp_fuse.autocast(recipe=recipe):
+            return model(x)
+
+    def step() -> None:
+        forward().backward(dy)
+
+    return forward, step
+
+
 def block_rows(shape: str, sz: dict, variants: list[str], device: str, dtype: torch.dtype, plan: Plan) -> list[dict]:
     """Rows of one block shape: every runnable variant warmed up, timed in turns, counted, compared."""
-    fused, ref, x0 = build_block(shape, sz, device, dtype)
-    dy = torch.randn(x0.shape, device=device, dtype=dtype)
+    gen = torch.Generator(device=device).manual_seed(1)
+    in_shape = (sz["seq"], sz["batch"], sz["hidden"]) if shape == "llama_layer" else (sz["tokens"], sz["hidden"])
+    x0 = torch.randn(in_shape, device=device, dtype=dtype, generator=gen)
+    dy = torch.randn(in_shape, device=device, dtype=dtype, generator=gen)
     rows: dict[str, dict] = {}
     steps: dict[str, Callable[[], object]] = {}
     forwards: dict[str, Callable[[], torch.Tensor]] = {}
@@ -352,40 +374,36 @@ def block_rows(shape: str, sz: dict, variants: list[str], device: str, dtype: to
         if why is not None:
             rows[variant] = {"status": "skipped", "reason": why}
             continue
-        model = ref if variant == "torch_bf16" else copy.deepcopy(fused)  # each variant its own weights and grads
         recipe = RECIPES[variant]() if variant in RECIPES else None
-        x = x0.clone().requires_grad_()
-
-        def forward(model=model, recipe=recipe, x=x) -> torch.Tensor:
-            if recipe is None:
-                return model(x)
-            with tp_fuse.autocast(recipe=recipe):
-                return model(x)
-
-        def step(forward=forward) -> None:
-            forward().backward(dy)
-
         try:
-            for _ in range(plan.warmup):  # first calls: planning, FP8 scales, Triton compiles, cuBLAS
+            model = build_block(shape, sz, device, dtype)
+            if variant == "torch_bf16":
+                model = TorchLayer(model) if shape == "llama_layer" else TorchBlock(model)
+            # A leaf input per variant: its .grad is its own.
+            fwd, step = block_step(model, recipe, x0.clone().requires_grad_(), dy)
+            for _ in range(plan.warmup):  # first calls: planning, FP8 scales, Triton compiles, cuBLAS handles
                 step()
             _sync(device)
         except Exception as exc:  # noqa: BLE001 - reported as this variant's row
             rows[variant] = {"status": "error", "reason": f"{type(exc).__name__}: {exc}"[:1000]}
             continue
-        steps[variant], forwards[variant] = step, forward
+        steps[variant], forwards[variant] = step, fwd
     times = time_rounds(steps, device, plan) if steps else {}
     flops = block_flops(shape, sz)
     with torch.no_grad():
         y_ref = forwards["torch_bf16"]().float() if "torch_bf16" in forwards else None
     for variant, step in steps.items():
-        row = {"status": "ok", **times[variant], **kernel_fields(step, device)}
-        row["tflops"] = flops / (row["wall_us"] * 1e-6) / 1e12
-        if y_ref is not None:
-            with torch.no_grad():
-                y = forwards[variant]().float()
-            row.update(parity_metric="output_rel_l2_vs_torch_bf16",
-                       parity=((y - y_ref).norm() / y_ref.norm()).item())
-        rows[variant] = row
+        wall = times[variant]["wall_us"]
+        row = rows[variant] = {"status": "ok", **times[variant], "tflops": flops / (wall * 1e-6) / 1e12}
+        try:  # the timings stand even if counting or the parity forward fails
+            row.update(kernel_fields(step, device))
+            if y_ref is not None:
+                with torch.no_grad():
+                    y = forwards[variant]().float()
+                row.update(parity_metric="output_rel_l2_vs_torch_bf16",
+                           parity=((y - y_ref).norm() / y_ref.norm()).item())
+        except Exception as exc:  # noqa: BLE001 - reported in this variant's row
+            row.update(status="error", reason=f"{type(exc).__name__}: {exc}"[:1000])
     return [{"variant": v, "size": sz, "gemm_flops_per_step": flops, **rows[v]} for v in variants]
 
 
@@ -422,7 +440,13 @@ def launcher_rows(shape: str, variants: list[str], device: str, dtype: torch.dty
         except Exception as exc:  # noqa: BLE001 - reported as this variant's row
             rows.append({**row, "status": "error", "reason": f"{type(exc).__name__}: {exc}"[:1000]})
             continue
-        timed = slice(2, None)  # steps 3..N: step 1 starts up, step 2 is the one counted/profiled
+        finally:  # the run's model and optimizer state go before the next run allocates its own
+            gc.collect()
+            if device == "cuda":
+                torch.cuda.empty_cache()
+        # Steps 3..N-1: step 1 starts up, step 2 is the one counted/profiled, and the last
+        # step logs (metrics, FP8 statistics), which the others do not.
+        timed = slice(2, -1)
         wall = statistics.median(run["step_s"][timed]) * 1e6
         host = statistics.median(s - w for s, w in zip(run["step_s"][timed], run["wait_s"][timed])) * 1e6
         rows.append({**row, "status": "ok", "wall_us": wall, "host_us": host, **run["probe"],
@@ -442,7 +466,8 @@ def run(shapes: list[str], variants: list[str], smoke: bool, budget_s: float) ->
     plan = SMOKE_PLAN if smoke else Plan()
     info = {"device": "cpu" if smoke else torch.cuda.get_device_name(),
             "capability": None if smoke else "sm_%d%d" % torch.cuda.get_device_capability(),
-            "torch": torch.__version__, "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "torch": torch.__version__,
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "dtype": str(dtype).split(".")[-1], "smoke": smoke}
     deadline = time.monotonic() + budget_s
     rows: list[dict] = []
@@ -491,7 +516,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--json", default=None, help="write the rows to this file")
     p.add_argument("--shapes", default=",".join(SHAPES))
     p.add_argument("--variants", default=",".join(VARIANTS))
-    p.add_argument("--budget-s", type=float, default=300.0, help="rows not started by then are skipped rows")
+    p.add_argument("--budget-s", type=float, default=270.0,
+                   help="seconds; rows not started by then are skipped rows (the row in flight finishes: 5 min in all)")
     args = p.parse_args(argv)
     shapes, variants = args.shapes.split(","), args.variants.split(",")
     for name, got, known in (("--shapes", shapes, SHAPES), ("--variants", variants, VARIANTS)):
