@@ -486,7 +486,8 @@ def run(shapes: list[str], variants: list[str], smoke: bool, budget_s: float) ->
             r["ratio_vs_torch_bf16"] = r["wall_us"] / base if base and r["wall_us"] is not None else None
             r["host_fraction"] = r["host_us"] / r["wall_us"] if r["wall_us"] else None
             rows.append({"shape": shape, **r, **info})
-        print(f"[bench_gpu] {shape} done at {budget_s - (deadline - time.monotonic()):.1f} s", flush=True)
+        print(f"[bench_gpu] {shape} done at {budget_s - (deadline - time.monotonic()):.1f} s", file=sys.stderr,
+              flush=True)
     return rows
 
 
