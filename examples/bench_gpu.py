@@ -133,7 +133,8 @@ def count_kernels(step_fn: Callable[[], object]) -> int:
     The single seam for tp_fuse's launch counter (issue 35, point 4: the CUDA branches
     traced on CPU, each Triton call counted as the launches its wrapper makes). Until that
     exists this counts the ATen ops dispatched, as ``examples/bench_cpu_speed.py``'s
-    ``aten_ops`` does: an upper bound on CPU (views and scalar ops launch nothing on a GPU).
+    ``aten_ops`` does. That is not the CUDA count: views launch nothing on a GPU, and
+    Triton kernels are no ATen ops.
     """
     with _AtenCounter() as counter:
         step_fn()
@@ -163,18 +164,19 @@ def kernel_fields(step_fn: Callable[[], object], device: str) -> dict:
 # ------------------------------------------------------------------ plain-torch references
 
 
-def _param(t: Optional[torch.Tensor]) -> Optional[nn.Parameter]:
-    return None if t is None else nn.Parameter(t.detach().clone())
+def _param(t: Optional[torch.Tensor], dtype: torch.dtype) -> Optional[nn.Parameter]:
+    """A copy of ``t`` in the benchmark's dtype: plain torch bf16 keeps every parameter in bf16."""
+    return None if t is None else nn.Parameter(t.detach().to(dtype).clone())
 
 
 class TorchBlock(nn.Module):
     """LayerNorm -> Linear -> GELU(tanh) -> Linear in plain ``torch.nn``, a copy of ``seq``'s weights."""
 
-    def __init__(self, seq: ops.Sequential) -> None:
+    def __init__(self, seq: ops.Sequential, dtype: torch.dtype) -> None:
         super().__init__()
         ln, fc1, _, fc2 = list(seq)
-        self.ln = nn.LayerNorm(ln.weight.shape[0], eps=ln.eps, device=ln.weight.device, dtype=ln.weight.dtype)
-        self.fc1, self.fc2 = (nn.Linear(*reversed(f.weight.shape), device=f.weight.device, dtype=f.weight.dtype)
+        self.ln = nn.LayerNorm(ln.weight.shape[0], eps=ln.eps, device=ln.weight.device, dtype=dtype)
+        self.fc1, self.fc2 = (nn.Linear(*reversed(f.weight.shape), device=f.weight.device, dtype=dtype)
                               for f in (fc1, fc2))
         with torch.no_grad():
             for mine, theirs in ((self.ln, ln), (self.fc1, fc1), (self.fc2, fc2)):
@@ -191,7 +193,7 @@ class TorchLayer(nn.Module):
     The fused qkv weight keeps Megatron's grouped layout ``[g, n/g + 2, d]``; SwiGLU's
     gate is fc1's first half, as in ``tp_fuse.ops.SwiGLU``."""
 
-    def __init__(self, layer: TransformerLayer) -> None:
+    def __init__(self, layer: TransformerLayer, dtype: torch.dtype) -> None:
         super().__init__()
         att, mlp = layer.attention, layer.mlp
         sd = {k: v for k, v in layer.state_dict().items() if not k.endswith("_extra_state")}
@@ -202,7 +204,7 @@ class TorchLayer(nn.Module):
                  "fc1_w": "mlp.fc1.linear.weight", "fc1_b": "mlp.fc1.bias.bias",
                  "fc2_w": "mlp.fc2.linear.weight", "fc2_b": "mlp.fc2.bias.bias"}
         for attr, key in names.items():
-            self.register_parameter(attr, _param(sd.get(key)))
+            self.register_parameter(attr, _param(sd.get(key), dtype))
         self.rms = "RMSNorm" in type(att.qkv.ops.norm).__name__
         self.eps1, self.eps2 = att.qkv.ops.norm.eps, mlp.fc1.norm.eps
         self.heads, self.groups, self.d = att.num_heads, att.num_query_groups, att.head_dim
@@ -239,14 +241,15 @@ class TorchGPT(nn.Module):
     """``tp_fuse.layers.GPT`` (TP=1) in plain torch, a copy of its weights: the launcher's
     ``model_factory`` for the ``torch_bf16`` GPT rows (``forward(tokens, labels) -> loss``)."""
 
-    def __init__(self, ref: GPT) -> None:
+    def __init__(self, ref: GPT, dtype: torch.dtype) -> None:
         super().__init__()
-        self.embedding = _param(ref.embedding.weight)
-        self.position = _param(ref.position.weight) if ref.position is not None else None
-        self.layers = nn.ModuleList(TorchLayer(layer) for layer in ref.layers)
-        self.final_w, self.final_b = _param(ref.final_norm.weight), _param(getattr(ref.final_norm, "bias", None))
+        self.embedding = _param(ref.embedding.weight, dtype)
+        self.position = _param(ref.position.weight, dtype) if ref.position is not None else None
+        self.layers = nn.ModuleList(TorchLayer(layer, dtype) for layer in ref.layers)
+        self.final_w = _param(ref.final_norm.weight, dtype)
+        self.final_b = _param(getattr(ref.final_norm, "bias", None), dtype)
         self.final_eps = ref.final_norm.eps
-        self.output = self.embedding if ref.config.tie_embeddings else _param(ref.output_weight)
+        self.output = self.embedding if ref.config.tie_embeddings else _param(ref.output_weight, dtype)
 
     def forward(self, tokens: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         x = F.embedding(tokens.t(), self.embedding)  # [s, b, h]
@@ -263,7 +266,7 @@ def torch_gpt_factory(config, *, tp_group=None, dtype=torch.float32, device=None
     """Build tp_fuse's GPT with the launcher's seed (the same init), then its plain-torch copy."""
     if tp_group is not None:
         raise ValueError("torch_bf16 GPT rows run at parallel.tp=1")
-    model = TorchGPT(GPT(config, dtype=dtype, device=device, seed=seed))
+    model = TorchGPT(GPT(config, dtype=dtype, device=device, seed=seed), dtype)
     for p in model.parameters():
         set_shard_spec(p, None)  # replicated: what the launcher's gradient norm asks of every parameter
     return model
@@ -273,8 +276,11 @@ def torch_gpt_factory(config, *, tp_group=None, dtype=torch.float32, device=None
 
 
 def availability(variant: str, device: str) -> Optional[str]:
-    """Why ``variant`` cannot run on ``device`` (None: it can)."""
-    if device == "cuda" and variant in ("torch_bf16", "tp_fuse_bf16"):
+    """Why ``variant`` cannot run on ``device`` (None: it can). On CPU every recipe runs (the
+    exact emulations); tp_fuse.availability answers for the GPU when one is present."""
+    if device == "cpu":
+        return None
+    if variant in ("torch_bf16", "tp_fuse_bf16"):
         ok, why = is_bf16_available(return_reason=True)
         return None if ok else why
     if variant == "fp8_blockwise":
@@ -378,7 +384,7 @@ def block_rows(shape: str, sz: dict, variants: list[str], device: str, dtype: to
         try:
             model = build_block(shape, sz, device, dtype)
             if variant == "torch_bf16":
-                model = TorchLayer(model) if shape == "llama_layer" else TorchBlock(model)
+                model = TorchLayer(model, dtype) if shape == "llama_layer" else TorchBlock(model, dtype)
             # A leaf input per variant: its .grad is its own.
             fwd, step = block_step(model, recipe, x0.clone().requires_grad_(), dy)
             for _ in range(plan.warmup):  # first calls: planning, FP8 scales, Triton compiles, cuBLAS handles
@@ -486,6 +492,9 @@ def run(shapes: list[str], variants: list[str], smoke: bool, budget_s: float) ->
             r["ratio_vs_torch_bf16"] = r["wall_us"] / base if base and r["wall_us"] is not None else None
             r["host_fraction"] = r["host_us"] / r["wall_us"] if r["wall_us"] else None
             rows.append({"shape": shape, **r, **info})
+        gc.collect()  # this shape's models before the next shape's
+        if device == "cuda":
+            torch.cuda.empty_cache()
         print(f"[bench_gpu] {shape} done at {budget_s - (deadline - time.monotonic()):.1f} s", file=sys.stderr,
               flush=True)
     return rows
