@@ -321,34 +321,54 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def time_rounds(fns: dict[str, Callable[[], object]], device: str, plan: Plan) -> dict[str, dict[str, float]]:
-    """Median wall and host microseconds per step, the variants taking turns each round."""
+def _window_us(fn: Callable[[], object], device: str, steps: int) -> float:
+    """Microseconds per step of ``steps`` back-to-back calls, from an empty queue to the last
+    kernel's end (CUDA events; on CPU every call is synchronous)."""
+    _sync(device)
+    if device != "cuda":
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            fn()
+        return (time.perf_counter() - t0) * 1e6 / steps
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(steps):
+        fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) * 1e3 / steps  # elapsed_time is in ms
+
+
+def _host_us(fn: Callable[[], object], device: str) -> float:
+    """Host microseconds until one call returns, started on an empty queue (the issue cost)."""
+    _sync(device)
+    t0 = time.perf_counter()
+    fn()
+    return (time.perf_counter() - t0) * 1e6
+
+
+def time_rounds(fns: dict[str, Callable[[], object]], device: str,
+                plan: Plan) -> tuple[dict[str, dict[str, float]], dict[str, str]]:
+    """``({variant: {"wall_us", "host_us"}}, {variant: error})``: median wall and host
+    microseconds per step, the variants taking turns each round. A variant that raises
+    leaves the turns with its error; the others go on."""
     wall: dict[str, list[float]] = {k: [] for k in fns}
     host: dict[str, list[float]] = {k: [] for k in fns}
-    for _ in range(plan.rounds):
+    failed: dict[str, str] = {}
+    measurements = [(wall, lambda fn: _window_us(fn, device, plan.steps))] * plan.rounds
+    measurements += [(host, lambda fn: _host_us(fn, device))] * plan.host_repeats
+    for into, measure in measurements:
         for name, fn in fns.items():
-            _sync(device)
-            if device == "cuda":
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
-                for _ in range(plan.steps):
-                    fn()
-                end.record()
-                end.synchronize()
-                wall[name].append(start.elapsed_time(end) * 1e3 / plan.steps)
-            else:
-                t0 = time.perf_counter()
-                for _ in range(plan.steps):
-                    fn()
-                wall[name].append((time.perf_counter() - t0) * 1e6 / plan.steps)
-    for _ in range(plan.host_repeats):
-        for name, fn in fns.items():
-            _sync(device)  # an empty queue: the host time is the issue cost alone
-            t0 = time.perf_counter()
-            fn()
-            host[name].append((time.perf_counter() - t0) * 1e6)
+            if name in failed:
+                continue
+            try:
+                into[name].append(measure(fn))
+            except Exception as exc:  # noqa: BLE001 - reported as this variant's row
+                failed[name] = f"{type(exc).__name__}: {exc}"[:1000]
     _sync(device)
-    return {k: {"wall_us": statistics.median(wall[k]), "host_us": statistics.median(host[k])} for k in fns}
+    times = {k: {"wall_us": statistics.median(wall[k]), "host_us": statistics.median(host[k])}
+             for k in fns if k not in failed}
+    return times, failed
 
 
 def block_step(model: nn.Module, recipe, x: torch.Tensor,
@@ -394,7 +414,10 @@ def block_rows(shape: str, sz: dict, variants: list[str], device: str, dtype: to
             rows[variant] = {"status": "error", "reason": f"{type(exc).__name__}: {exc}"[:1000]}
             continue
         steps[variant], forwards[variant] = step, fwd
-    times = time_rounds(steps, device, plan) if steps else {}
+    times, failed = time_rounds(steps, device, plan)
+    for variant, why in failed.items():
+        rows[variant] = {"status": "error", "reason": why}
+        del steps[variant], forwards[variant]
     flops = block_flops(shape, sz)
     with torch.no_grad():
         y_ref = forwards["torch_bf16"]().float() if "torch_bf16" in forwards else None
@@ -468,7 +491,9 @@ def launcher_rows(shape: str, variants: list[str], device: str, dtype: torch.dty
 def run(shapes: list[str], variants: list[str], smoke: bool, budget_s: float) -> list[dict]:
     """Every (shape, variant) row, in order, with the device, torch version and date on each."""
     device = "cpu" if smoke else "cuda"
-    dtype = torch.float32 if smoke else torch.bfloat16  # CPU: fp32 (its norms and GEMMs are fp32 kernels)
+    # Smoke in float32: CI checks that tp_fuse and the plain-torch references agree to fp32
+    # rounding (bf16 runs on CPU too, but would hide a wrong reference in bf16 noise).
+    dtype = torch.float32 if smoke else torch.bfloat16
     plan = SMOKE_PLAN if smoke else Plan()
     info = {"device": "cpu" if smoke else torch.cuda.get_device_name(),
             "capability": None if smoke else "sm_%d%d" % torch.cuda.get_device_capability(),
