@@ -488,8 +488,16 @@ def launcher_rows(shape: str, variants: list[str], device: str, dtype: torch.dty
     return rows
 
 
-def run(shapes: list[str], variants: list[str], smoke: bool, budget_s: float) -> list[dict]:
-    """Every (shape, variant) row, in order, with the device, torch version and date on each."""
+def write_json(rows: list[dict], path: Optional[str]) -> None:
+    if path:
+        with open(path, "w") as f:
+            json.dump(rows, f, indent=1)
+
+
+def run(shapes: list[str], variants: list[str], smoke: bool, budget_s: float,
+        json_path: Optional[str] = None) -> list[dict]:
+    """Every (shape, variant) row, in order, with the device, torch version and date on each.
+    ``json_path`` is rewritten after every shape: a run killed at its time limit keeps its rows."""
     device = "cpu" if smoke else "cuda"
     # Smoke in float32: CI checks that tp_fuse and the plain-torch references agree to fp32
     # rounding (bf16 runs on CPU too, but would hide a wrong reference in bf16 noise).
@@ -517,6 +525,7 @@ def run(shapes: list[str], variants: list[str], smoke: bool, budget_s: float) ->
             r["ratio_vs_torch_bf16"] = r["wall_us"] / base if base and r["wall_us"] is not None else None
             r["host_fraction"] = r["host_us"] / r["wall_us"] if r["wall_us"] else None
             rows.append({"shape": shape, **r, **info})
+        write_json(rows, json_path)
         gc.collect()  # this shape's models before the next shape's
         if device == "cuda":
             torch.cuda.empty_cache()
@@ -563,11 +572,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     if not args.smoke and not torch.cuda.is_available():
         print("bench_gpu: no CUDA device; --smoke runs every row at tiny sizes on CPU", file=sys.stderr)
         return 2
-    rows = run(shapes, variants, args.smoke, args.budget_s)
+    rows = run(shapes, variants, args.smoke, args.budget_s, args.json)
     print(render(rows))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(rows, f, indent=1)
     return 1 if any(r["status"] == "error" for r in rows) else 0
 
 

@@ -215,7 +215,15 @@ def step_bench_gpu(out_dir: str, timeout_s: float) -> tuple[bool, dict]:
     # Rows not started 30 s before the limit are skipped rows: the row in flight has time to finish.
     cmd = [sys.executable, os.path.join(REPO, "examples", "bench_gpu.py"), "--json", path,
            "--budget-s", f"{max(1.0, timeout_s - 30):.0f}"]
-    proc = _run(cmd, timeout_s, os.path.join(out_dir, "bench_gpu.log"))
+    if os.path.exists(path):  # an earlier check's rows must not pass for this one's
+        os.remove(path)
+    try:
+        proc = _run(cmd, timeout_s, os.path.join(out_dir, "bench_gpu.log"))
+    except subprocess.TimeoutExpired:  # the rows of the shapes it finished are in the JSON
+        if not os.path.exists(path):
+            raise
+        with open(path) as f:
+            return False, {"timed_out_after_s": round(timeout_s), **summarize_bench_gpu(json.load(f))}
     with open(os.path.join(out_dir, "bench_gpu.md"), "w") as f:
         f.write(proc.stdout)  # the table (progress lines go to stderr, in the log)
     if not os.path.exists(path):
