@@ -40,7 +40,8 @@ so a step's time is a wall time; the step includes the optimizer) and host = ste
 the time spent in that read; medians of steps 3..N-1 (step 2 is counted and profiled, the
 last one logs).
 
-Kernels per step: ``torch.profiler``'s CUDA events of one step on CUDA, and
+Kernels per step: ``torch.profiler``'s CUDA events of one forward + backward on CUDA (GPT
+shapes: all micro-batches of one step, 2 by default; not the optimizer), and
 :func:`count_kernels` (the host-side count: the seam for tp_fuse's launch counter) always.
 
     python examples/bench_gpu.py [--json out.json] [--shapes host_bound,gemm_bound] [--budget-s 270]
