@@ -170,6 +170,13 @@ def _param(t: Optional[torch.Tensor], dtype: torch.dtype) -> Optional[nn.Paramet
     return None if t is None else nn.Parameter(t.detach().to(dtype).clone())
 
 
+def _norm(x: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor], eps: float, rms: bool) -> torch.Tensor:
+    """RMSNorm or LayerNorm over the last dimension, as ``torch.nn.functional`` computes it."""
+    if rms:
+        return F.rms_norm(x, x.shape[-1:], w, eps)
+    return F.layer_norm(x, x.shape[-1:], w, b, eps)
+
+
 class TorchBlock(nn.Module):
     """LayerNorm -> Linear -> GELU(tanh) -> Linear in plain ``torch.nn``, a copy of ``seq``'s weights."""
 
@@ -212,15 +219,10 @@ class TorchLayer(nn.Module):
         self.rotary = copy.deepcopy(att.rotary)
         self.swiglu = mlp.activation == "swiglu"
 
-    def _norm(self, x: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor], eps: float) -> torch.Tensor:
-        if self.rms:
-            return F.rms_norm(x, x.shape[-1:], w, eps)
-        return F.layer_norm(x, x.shape[-1:], w, b, eps)
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         s, b, _ = x.shape
         n, g, d = self.heads, self.groups, self.d
-        qkv = F.linear(self._norm(x, self.n1w, self.n1b, self.eps1), self.qkv_w, self.qkv_b)
+        qkv = F.linear(_norm(x, self.n1w, self.n1b, self.eps1, self.rms), self.qkv_w, self.qkv_b)
         qkv = qkv.view(s, b, g, n // g + 2, d)
         q, k, v = qkv[:, :, :, : n // g].reshape(s, b, n, d), qkv[:, :, :, n // g], qkv[:, :, :, n // g + 1]
         if self.rotary is not None:
@@ -229,7 +231,7 @@ class TorchLayer(nn.Module):
         q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # [b, heads, s, d]
         o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=g != n)
         h = x + F.linear(o.permute(2, 0, 1, 3).reshape(s, b, n * d), self.proj_w, self.proj_b)
-        u = F.linear(self._norm(h, self.n2w, self.n2b, self.eps2), self.fc1_w, self.fc1_b)
+        u = F.linear(_norm(h, self.n2w, self.n2b, self.eps2, self.rms), self.fc1_w, self.fc1_b)
         if self.swiglu:
             gate, up = u.chunk(2, dim=-1)
             u = F.silu(gate) * up
@@ -249,7 +251,7 @@ class TorchGPT(nn.Module):
         self.layers = nn.ModuleList(TorchLayer(layer, dtype) for layer in ref.layers)
         self.final_w = _param(ref.final_norm.weight, dtype)
         self.final_b = _param(getattr(ref.final_norm, "bias", None), dtype)
-        self.final_eps = ref.final_norm.eps
+        self.final_eps, self.rms = ref.final_norm.eps, ref.config.normalization == "RMSNorm"
         self.output = self.embedding if ref.config.tie_embeddings else _param(ref.output_weight, dtype)
 
     def forward(self, tokens: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -258,7 +260,7 @@ class TorchGPT(nn.Module):
             x = x + self.position[: tokens.shape[1]].unsqueeze(1)
         for layer in self.layers:
             x = layer(x)
-        x = self.layers[0]._norm(x, self.final_w, self.final_b, self.final_eps)
+        x = _norm(x, self.final_w, self.final_b, self.final_eps, self.rms)
         logits = F.linear(x, self.output)
         return F.cross_entropy(logits.float().flatten(0, 1), labels.t().flatten())
 
