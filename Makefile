@@ -45,8 +45,9 @@ test-quick: install
 bench: install
 	$(PYTHON) examples/bench_fuser_overhead.py
 
-# make gpu-check: on a CUDA machine, GPU tests + Triton vs torch + kernel/GEMM benchmarks +
-# 100-step bf16/FP8 GPT runs + TP=2 through gloo, summary in gpu_check_out/ (< 9 min).
+# make gpu-check: on a CUDA machine, examples/bench_gpu.py first (torch vs tp_fuse bf16 vs FP8,
+# < 5 min), then GPU tests + Triton vs torch + kernel/GEMM benchmarks + 100-step bf16/FP8 GPT
+# runs + TP=2 through gloo, summary in gpu_check_out/ (< 14 min).
 # Without CUDA it prints one line and succeeds.
 gpu-check: install
 	$(PYTHON) tools/gpu_check.py

@@ -40,8 +40,10 @@ import torch._dynamo
 
 import tp_fuse
 from tp_fuse.launch.api import compose, train
+from tp_fuse.launch.health import NonfiniteGuard
 from tp_fuse.launch.logging import report
 from tp_fuse.launch.models.build import build_recipe, compile_layers
+from tp_fuse.launch.trainer import Trainer
 from tp_fuse.layers import GPT, GPTConfig
 
 
@@ -105,26 +107,63 @@ def interleaved(fp8: str, steps: int) -> None:
           f"load {load()}", flush=True)
 
 
-def launcher_run(fp8: str, steps: int, compiled: bool) -> tuple[float, float, float]:
-    """(median step ms of steps 3..N, step 1 ms, final loss) of one quiet ``train()``."""
-    step_times: list[float] = []
-    original = report.StepMeter.metrics
+def launcher_steps(overrides: list[str], model_factory: Optional[Callable[..., torch.nn.Module]] = None,
+                   probe: Optional[Callable[[Callable[[], object]], object]] = None,
+                   probe_call: int = 2) -> dict:
+    """One quiet in-process ``train(overrides)``, with each step's times read from the
+    launcher's own timer (``StepMeter.metrics``): ``{"step_s": [...], "wait_s": [...],
+    "probe": ..., "result": TrainResult}``.
+
+    ``wait_s``: per step, the seconds spent in the health guard's single device-to-host
+    read (``NonfiniteGuard.check``): the time the host waited for the device, so that
+    ``step_s - wait_s`` is the host's own time for the step. ``probe``: called as
+    ``probe(fn)`` around the ``probe_call``-th ``Trainer._forward_backward`` call (all
+    micro-batches of one step; ``fn()`` runs it) to count or profile that step; its
+    return value is kept in ``"probe"``. ``model_factory``: as ``train``'s.
+    """
+    step_s: list[float] = []
+    wait_s: list[float] = []
+    probed: dict = {}
+    calls = [0]
+    originals = (report.StepMeter.metrics, NonfiniteGuard.check, Trainer._forward_backward)
 
     def record(self, step: int, step_time: float, device: torch.device) -> dict[str, float]:
-        step_times.append(step_time)
-        return original(self, step, step_time, device)
+        step_s.append(step_time)
+        return originals[0](self, step, step_time, device)
 
-    args = ["+model=gpt", f"fp8={fp8}", f"trainer.max_steps={steps}", "logger=none", "trainer.progress=false",
-            "trainer.val_interval=0", "checkpoint.save_final=false"] + (["trainer.compile=true"] if compiled else [])
+    def timed_check(self, *args, **kwargs):
+        start = time.perf_counter()
+        try:
+            return originals[1](self, *args, **kwargs)
+        finally:
+            wait_s.append(time.perf_counter() - start)
+
+    def forward_backward(self):
+        calls[0] += 1
+        if probe is None or calls[0] != probe_call:
+            return originals[2](self)
+        box: list = []
+        probed["probe"] = probe(lambda: box.append(originals[2](self)))
+        return box[0]
+
     torch._dynamo.reset()
-    report.StepMeter.metrics = record
+    report.StepMeter.metrics, NonfiniteGuard.check, Trainer._forward_backward = record, timed_check, forward_backward
     try:
         with tempfile.TemporaryDirectory() as run_dir, contextlib.redirect_stdout(io.StringIO()), \
                 contextlib.redirect_stderr(io.StringIO()):
-            result = train(args, run_dir=run_dir)
+            result = train(overrides, run_dir=run_dir, model_factory=model_factory)
     finally:
-        report.StepMeter.metrics = original
-    return statistics.median(step_times[2:]) * 1e3, step_times[0] * 1e3, result.final_loss
+        report.StepMeter.metrics, NonfiniteGuard.check, Trainer._forward_backward = originals
+    return {"step_s": step_s, "wait_s": wait_s, "probe": probed.get("probe"), "result": result}
+
+
+def launcher_run(fp8: str, steps: int, compiled: bool) -> tuple[float, float, float]:
+    """(median step ms of steps 3..N, step 1 ms, final loss) of one quiet ``train()``."""
+    args = ["+model=gpt", f"fp8={fp8}", f"trainer.max_steps={steps}", "logger=none", "trainer.progress=false",
+            "trainer.val_interval=0", "checkpoint.save_final=false"] + (["trainer.compile=true"] if compiled else [])
+    run = launcher_steps(args)
+    step_times = run["step_s"]
+    return statistics.median(step_times[2:]) * 1e3, step_times[0] * 1e3, run["result"].final_loss
 
 
 def main(argv: Optional[list[str]] = None) -> None:

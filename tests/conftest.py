@@ -14,6 +14,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 # uncompiled tests of every room. CI and `make test` run everything. A new module that
 # starts processes or compiles belongs in this list.
 SLOW_MODULES = frozenset({
+    "test_bench_gpu",
     "test_block_kernels_interpret",
     "test_block_recipes_tp",
     "test_checkpoint_dir_lock",

@@ -1,4 +1,4 @@
-"""Triton kernels vs the torch path on the same inputs (step 2 of ``tools/gpu_check.py``).
+"""Triton kernels vs the torch path on the same inputs (step 3 of ``tools/gpu_check.py``).
 
 For each kernel: run it with ``backend="triton"`` and ``backend="torch"`` and compare.
 

@@ -1,4 +1,4 @@
-"""TP=2 against TP=1 on GPUs (step 5 of ``tools/gpu_check.py``).
+"""TP=2 against TP=1 on GPUs (step 6 of ``tools/gpu_check.py``).
 
 Two ranks, NCCL, one GPU each: the TP=2 GPT (sequence parallel, overlap on) is compared
 with TP=1 on the same data: loss and gradient norm over 3 SGD steps, in fp32 without FP8

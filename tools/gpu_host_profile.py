@@ -1,4 +1,4 @@
-"""Where an FP8 step's time goes on a GPU: host time vs device time, per variant (step 6
+"""Where an FP8 step's time goes on a GPU: host time vs device time, per variant (step 8
 of ``tools/gpu_check.py``).
 
 The first GPU run measured the default GPT at 0.19x (delayed) and 0.25x (current) of
