@@ -26,6 +26,7 @@ from .forward_linear_bias_activation import ForwardLinearBiasActivation
 from .forward_linear_bias_add import ForwardLinearBiasAdd
 from .forward_linear_scale_add import ForwardLinearScaleAdd
 from ...quantization import active_autocast
+from ...quantization.gemm_choice import decision_of
 
 Norm = Union[LayerNorm, RMSNorm]
 
@@ -76,6 +77,9 @@ class ForwardNormQuantizeLinear(FusedOperation):
 
     def fusion_summary(self) -> str:
         norm = type(self.basic_ops[0]).__name__
+        decision = decision_of(self.linear)
+        if decision is not None and not decision.fp8:
+            return f"{norm} writes high precision: autocast(gemms='auto') keeps BasicLinear in high precision"
         how = "with the input quantizer's scale, amax in the same pass"
         if self.current_scaling:
             how = "from the amax it computes in its pass (current scaling: cast after)"
