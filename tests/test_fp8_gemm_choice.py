@@ -121,6 +121,10 @@ def test_unmeasured_cases_use_the_prior():
     assert choice.runs_fp8(op, torch.randn(16, 48), None, _state(Float8BlockScaling())) is False
     assert clock.calls == {"hp": 0, "fp8": 0}
     assert "no timed FP8 step for Float8BlockScaling" in decision_of(op).reason
+    # M not a multiple of 16 (the backward GEMMs' N/K): _scaled_mm could not run the FP8 step.
+    assert choice.runs_fp8(op, torch.randn(20, 48), None, _state()) is False
+    assert clock.calls == {"hp": 0, "fp8": 0}
+    assert "M, N and K must be positive multiples of 16" in decision_of(op).reason
 
 
 # ---- in a model: excluded Linears run high precision, the others FP8 --------------------

@@ -203,15 +203,16 @@ class GemmChoice:
         rows, n, k, dtype, device, recipe_type = key
         kind = recipe_type.__name__
         prior, why = prior_rule(n, k)
-        measurable = self._injected_clock or device.type == "cuda"
-        if not measurable or not isinstance(recipe, _MEASURED_RECIPES) or rows == 0:
-            if isinstance(recipe, _MEASURED_RECIPES) and rows == 0:
-                why += "; not measured: no rows"
-            elif not isinstance(recipe, _MEASURED_RECIPES):
-                why += f"; not measured: no timed FP8 step for {kind}"
-            else:
-                why += f"; not measured on {device.type}: no FP8 hardware"
-            return GemmDecision(prior, rows, n, k, kind, "prior", why)
+        unmeasured = None
+        if not (self._injected_clock or device.type == "cuda"):
+            unmeasured = f"not measured on {device.type}: no FP8 hardware"
+        elif not isinstance(recipe, _MEASURED_RECIPES):
+            unmeasured = f"not measured: no timed FP8 step for {kind}"
+        elif rows == 0 or any(d % DIM_MULTIPLE for d in (rows, n, k)):
+            # Every dim is some GEMM's N or K in one of the three: _scaled_mm needs multiples of 16.
+            unmeasured = f"not measured: M, N and K must be positive multiples of {DIM_MULTIPLE}"
+        if unmeasured is not None:
+            return GemmDecision(prior, rows, n, k, kind, "prior", f"{why}; {unmeasured}")
         signature = f"M={rows} N={n} K={k} {str(dtype).removeprefix('torch.')} {kind} {device}"
         candidates = _step_candidates(rows, n, k, dtype, device, isinstance(recipe, Float8CurrentScaling))
         choice = self._tuner.decide("linear", signature, candidates, group, _agreement_device(group, device),
