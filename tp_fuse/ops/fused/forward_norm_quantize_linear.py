@@ -123,18 +123,18 @@ class ForwardNormQuantizeLinear(FusedOperation):
                 "ForwardNormQuantizeLinear ran without an FP8 autocast; it was fused under one"
             )
         x = maybe_dequantize(input_)
-        ctx = basic_op_ctxs[0]
         qs = linear.fp8_quantizers(x)
         if qs is None:
             # autocast(gemms="auto") keeps this Linear's GEMMs in high precision at this
             # shape: the norm writes high precision, exactly as the unfused ops do.
-            y, _ = norm.normalize(ctx, x)
+            y, _ = norm.normalize(basic_op_ctxs[0], x)
             out, extra = self.linear_op.fuser_forward(
                 basic_op_ctxs[1:], y, basic_op_extra_inputs=basic_op_extra_inputs[1:],
                 basic_op_kwargs=basic_op_kwargs[1:],
             )
             return out, [()] + [tuple(e) for e in extra]
         q = qs["input"]
+        ctx = basic_op_ctxs[0]
         scale = q.producer_scale(x.device)
         # An FP8-stats tap (tp_fuse.debug) observing this step needs the high-precision
         # norm output beside its FP8 cast; only then is it materialized. Layers with
