@@ -9,7 +9,8 @@
   same code that uses it. It changes no state: no parameter, optimizer, FP8 scale, RNG
   stream or data position (resumed runs still repeat uninterrupted ones exactly).
 * :func:`announce` -- which GEMMs run FP8 (``fp8.gemms``; with ``auto`` the choices per
-  shape follow after the first step, :func:`fp8_gemm_choice_lines`), parameter counts, the resolved configuration, the validation set,
+  shape follow after the first step, :func:`fp8_gemm_choice_lines`), parameter counts,
+  the resolved configuration, the validation set,
   the MFU formula and peak (and where the peak comes from: ``tp_fuse.launch.logging.peak``),
   and the W&B mode, printed by rank 0; returns the
   :class:`tp_fuse.launch.logging.report.StepMeter` for the log lines.

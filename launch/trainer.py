@@ -281,7 +281,7 @@ class Trainer:
                     self.fp8_stats.active = log_now
                 loss = self._forward_backward()
                 if step == self.start_step + 1 and rt.is_rank0 and self.recipe is not None and cfg.fp8.gemms == "auto":
-                    for line in fp8_gemm_choice_lines(self.model):  # made during this first forward
+                    for line in fp8_gemm_choice_lines(self.model):  # decided in this step's forward
                         say(line)
                 t_comm = time.perf_counter()
                 if self.sharded_dp is None:
