@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
+from collections.abc import Callable
 from typing import Any, Optional
 
 import torch
@@ -45,7 +46,6 @@ from ..recipe import DelayedScaling, Float8CurrentScaling, Recipe
 __all__ = [
     "ALL",
     "AUTO",
-    "GEMMS_MODES",
     "CudaEventClock",
     "GemmChoice",
     "GemmDecision",
@@ -58,7 +58,6 @@ __all__ = [
 
 ALL = "all"
 AUTO = "auto"
-GEMMS_MODES = (ALL, AUTO)
 FP8, HP = "fp8", "hp"
 
 # torchao's float8 "tensorwise" auto-filter (torchao/float8/float8_linear_utils.py,
@@ -124,7 +123,7 @@ class CudaEventClock:
     recorded before ``fn`` and one after, on the current stream (idle gaps while the host
     launches count: a host-bound FP8 step is slower for real)."""
 
-    def measure(self, label: str, fn: Any) -> float:
+    def measure(self, label: str, fn: Callable[[], Any]) -> float:
         start = torch.cuda.Event(enable_timing=True)
         end = torch.cuda.Event(enable_timing=True)
         start.record()
@@ -163,7 +162,8 @@ class GemmChoice:
     """
 
     def __init__(self, clock: Optional[Clock] = None, *, warmup: int = 2, repeats: int = 5,
-                 stage_budget_s: float = 0.5, run_budget_s: float = 10.0, log: Any = None) -> None:
+                 stage_budget_s: float = 0.5, run_budget_s: float = 10.0,
+                 log: Optional[Callable[[str], None]] = None) -> None:
         self._tuner = _PrecisionTuner(clock, warmup=warmup, repeats=repeats, stage_budget_s=stage_budget_s,
                                       run_budget_s=run_budget_s, log=log)
         self._injected_clock = clock is not None
