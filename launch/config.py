@@ -120,6 +120,11 @@ class FP8Config:
 
     ``group`` is the amax reduction group kind (``ParallelTopology.fp8_group``).
     ``stats`` logs FP8 scaling statistics every ``trainer.log_interval`` steps.
+    ``gemms``: ``all`` runs every Linear's GEMMs in FP8; ``auto`` only those where FP8 is
+    faster at their shape (``tp_fuse.autocast(gemms="auto")``: measured at the first step
+    on CUDA, torchao's rule elsewhere; docs/fp8.md). ``all`` stays the default: on CPU
+    ``auto`` keeps every GEMM of the small default models in high precision, which would
+    turn the launcher's FP8 runs (tests, the docs' recipe tables) into bf16 runs.
     """
 
     # blockwise / mxfp8 / rowwise: Float8BlockScaling, MXFP8BlockScaling, Float8RowwiseScaling
@@ -138,6 +143,7 @@ class FP8Config:
     disable_rht: bool = False
     disable_stochastic_rounding: bool = False
     disable_2d_quantization: bool = False
+    gemms: Literal["all", "auto"] = "all"
 
     @property
     def enabled(self) -> bool:

@@ -8,7 +8,9 @@
   FP8 statistics) registers every forward workspace at its largest size, computed by the
   same code that uses it. It changes no state: no parameter, optimizer, FP8 scale, RNG
   stream or data position (resumed runs still repeat uninterrupted ones exactly).
-* :func:`announce` -- parameter counts, the resolved configuration, the validation set,
+* :func:`announce` -- which GEMMs run FP8 (``fp8.gemms``; with ``auto`` the choices per
+  shape follow after the first step, :func:`fp8_gemm_choice_lines`), parameter counts,
+  the resolved configuration, the validation set,
   the MFU formula and peak (and where the peak comes from: ``tp_fuse.launch.logging.peak``),
   and the W&B mode, printed by rank 0; returns the
   :class:`tp_fuse.launch.logging.report.StepMeter` for the log lines.
@@ -24,12 +26,15 @@ from typing import Any, Optional
 import torch
 import yaml
 
+from tp_fuse.debug import name_linears
+from tp_fuse.quantization.gemm_choice import decision_of
+
 from .config import TrainConfig
 from .data import BatchLoader
 from .logging.report import PeakFlops, StepMeter, count_parameters, flops_per_token
 from .runtime import Runtime
 
-__all__ = ["announce", "presize_overlap_buffers", "say"]
+__all__ = ["announce", "fp8_gemm_choice_lines", "fp8_gemms_line", "presize_overlap_buffers", "say"]
 
 
 def say(text: str) -> None:
@@ -60,6 +65,38 @@ def presize_overlap_buffers(cfg: TrainConfig, model: torch.nn.Module, loader: Ba
         if fp8_stats is not None:
             fp8_stats.active = was_active
     return True
+
+
+def fp8_gemms_line(cfg: TrainConfig, device: torch.device) -> Optional[str]:
+    """The start-up line saying which GEMMs run FP8 (None with ``fp8=none``)."""
+    if not cfg.fp8.enabled:
+        return None
+    if cfg.fp8.gemms == "all":
+        return (f"FP8 GEMMs (fp8.gemms=all): every Linear's forward, dgrad and wgrad GEMMs run {cfg.fp8.recipe} FP8 "
+                "(fp8.gemms=auto: only where FP8 is faster at the shape)")
+    how = ("measured once per shape at the first step (CUDA events, casts included), torchao's tensorwise rule "
+           "as the prior" if device.type == "cuda" else
+           f"torchao's tensorwise rule (the prior: nothing is measured on {device.type}, it has no FP8 hardware)")
+    return (f"FP8 GEMMs (fp8.gemms=auto): each Linear's GEMMs run {cfg.fp8.recipe} FP8 only where FP8 is faster "
+            f"at its shape, else in high precision; decided by {how}; the choices follow after the first step")
+
+
+def fp8_gemm_choice_lines(model: torch.nn.Module) -> list[str]:
+    """What ``fp8.gemms=auto`` chose, after the first step: a summary line, then one line per
+    decision (shape, precision, why) naming the Linears that took it."""
+    groups: dict[Any, list[str]] = {}
+    total = 0
+    for name in name_linears(model):
+        d = decision_of(name.op)
+        if d is None:
+            continue
+        total += 1
+        groups.setdefault(d, []).append(name.layer_name)
+    fp8 = sum(len(names) for d, names in groups.items() if d.fp8)
+    lines = [f"FP8 GEMMs chosen (fp8.gemms=auto): FP8 for {fp8} of {total} Linears, high precision for {total - fp8}"]
+    for d, names in groups.items():
+        lines.append(f"  {d.describe()}: {', '.join(names)}")
+    return lines
 
 
 def _fmt_count(n: int) -> str:
@@ -99,6 +136,9 @@ def announce(cfg: TrainConfig, rt: Runtime, model: torch.nn.Module, loader: Batc
     if rt.is_rank0:
         print("[tp-fuse] resolved config:\n" + yaml.safe_dump(cfg.to_dict(), sort_keys=False).rstrip(),
               file=sys.stderr, flush=True)
+        gemms = fp8_gemms_line(cfg, rt.device)
+        if gemms is not None:
+            say(gemms)
         say(f"parameters: {_fmt_params(total)} in the model, {_fmt_params(per_rank)} on each rank "
             f"(layout TP={rt.layout.tp} x DP={rt.layout.dp}: tensor-parallel weights are split over the TP ranks)")
         if tokenizer is not None:

@@ -53,7 +53,7 @@ from .logging.report import format_eta, peak_memory_bytes
 from .logging.summary import RunSummary, summary_lines
 from .preemption import StopSignals, signal_name
 from .runtime import Runtime, job_key, restart_count
-from .startup import announce, presize_overlap_buffers, say
+from .startup import announce, fp8_gemm_choice_lines, presize_overlap_buffers, say
 
 __all__ = ["TrainResult", "Trainer", "TrainingDivergedError"]
 
@@ -206,7 +206,7 @@ class Trainer:
                 # FSDP2 reduce-scatters gradients once, after the last micro-batch.
                 self.model.set_requires_gradient_sync(micro == accum - 1)
             tokens, labels = self.loader.micro_batch(micro)
-            with fp8_autocast(self.recipe, self.fp8_group):
+            with fp8_autocast(self.recipe, self.fp8_group, self.cfg.fp8.gemms):
                 loss = self.model(tokens, labels)
             (loss / accum).backward()
             total += loss.detach().float()
@@ -280,6 +280,9 @@ class Trainer:
                 if self.fp8_stats is not None:
                     self.fp8_stats.active = log_now
                 loss = self._forward_backward()
+                if step == self.start_step + 1 and rt.is_rank0 and self.recipe is not None and cfg.fp8.gemms == "auto":
+                    for line in fp8_gemm_choice_lines(self.model):  # decided in this step's forward
+                        say(line)
                 t_comm = time.perf_counter()
                 if self.sharded_dp is None:
                     allreduce_dp_grads(self.params, topo.dp_group, rt.layout.dp)

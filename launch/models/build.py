@@ -249,11 +249,12 @@ def compile_layers(model: torch.nn.Module, *, full_recompute: bool = False, mode
             layer.compile(mode=mode)
 
 
-def fp8_autocast(recipe: Optional[Recipe], group: Any) -> contextlib.AbstractContextManager:
-    """``tp_fuse.autocast`` around a forward pass, or nothing when FP8 is off."""
+def fp8_autocast(recipe: Optional[Recipe], group: Any, gemms: str = "all") -> contextlib.AbstractContextManager:
+    """``tp_fuse.autocast`` around a forward pass, or nothing when FP8 is off. ``gemms``:
+    ``fp8.gemms`` (``all``: every GEMM FP8; ``auto``: only where faster at the shape)."""
     if recipe is None:
         return contextlib.nullcontext()
-    return autocast(recipe=recipe, amax_reduction_group=group)
+    return autocast(recipe=recipe, amax_reduction_group=group, gemms=gemms)
 
 
 def fp8_quantizers(model: torch.nn.Module, recipe: Optional[Recipe], group: Any) -> dict[str, dict[str, Any]]:
@@ -265,7 +266,9 @@ def fp8_quantizers(model: torch.nn.Module, recipe: Optional[Recipe], group: Any)
     if recipe is None:
         return {}
     out: dict[str, dict[str, Any]] = {}
-    with autocast(recipe=recipe, amax_reduction_group=group):
+    # gemms="all": every Linear's quantizers, whatever fp8.gemms keeps in high precision
+    # (those are created here, never registered for amax reduction or used).
+    with autocast(recipe=recipe, amax_reduction_group=group, gemms="all"):
         for name in name_linears(model):
             qs = name.op.fp8_quantizers() or {}
             if qs:

@@ -238,7 +238,7 @@ class LinearDebugHooks:
         lead = x.shape[:-1]
         x2d = x.reshape(-1, op.in_features)
         autocast_state = active_autocast()
-        qs = op.fp8_quantizers()  # None: FP8 off
+        qs = op.fp8_quantizers(x2d)  # None: FP8 off (or gemms="auto" keeps this shape in high precision)
         weight = op.weight
         w_hp = weight.dequantize() if is_quantized_tensor(weight) else weight.detach()
         fp8 = {g: qs is not None and self._fp8_allowed(g) for g in GEMM_TENSORS}

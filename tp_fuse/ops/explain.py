@@ -21,6 +21,7 @@ import torch
 
 from .. import kernels
 from ..quantization.compile_state import recipe_key
+from ..quantization.gemm_choice import decision_of
 from .compiled.fuser_path import trace_plan
 from .compiled.overlap_plan import CompileWindow, compile_windows
 from .fusion import FusionRecord
@@ -102,6 +103,17 @@ def _compile_plan(fuser: "OperationFuser", recipe: Any) -> tuple[str, list[Compi
     return f"graph break, runs the eager fuser: {reason}", windows
 
 
+def _fp8_gemm_lines(fuser: "OperationFuser") -> list[str]:
+    """Per ``BasicLinear`` of the group that ran under ``autocast(gemms="auto")``: whether
+    its GEMMs ran FP8 at the last shape, and why (the prior's rule or the measured ratio)."""
+    lines = []
+    for i, op in enumerate(fuser.basic_ops):
+        decision = decision_of(op)
+        if decision is not None:
+            lines.append(f"{op_display_name(op)}[{i}]: {decision.describe()}")
+    return lines
+
+
 def _overlap_auto_lines(fuser: "OperationFuser") -> list[str]:
     """Decisions of the ``auto`` overlap stages of the group's fused ops (plans expose
     ``auto_lines()``), each GEMM stage once."""
@@ -127,6 +139,8 @@ class FuserExplanation:
     kernel_device: str = ""
     # ``method: auto`` overlap stages: candidates, measured times and the choice, per shape.
     overlap_auto: list[str] = dataclasses.field(default_factory=list)
+    # ``autocast(gemms="auto")``: per Linear, FP8 or high precision at its last shape, and why.
+    fp8_gemms: list[str] = dataclasses.field(default_factory=list)
     # What ``recipe`` is: "last forward" (what the group last ran) or "recipe in force".
     basis: str = "recipe in force"
     # Under torch.compile with this recipe: traced into the caller's graph, or why not.
@@ -148,6 +162,7 @@ class FuserExplanation:
             kernels=_plan_kernels(fuser, device, dtype),
             kernel_device=device_label,
             overlap_auto=_overlap_auto_lines(fuser),
+            fp8_gemms=_fp8_gemm_lines(fuser),
             basis=basis,
             compile=compile_line,
             compile_windows=windows,
@@ -182,6 +197,9 @@ class FuserExplanation:
                 lines.append(f"  {direction:8s} {op}: {' '.join(calls)}")
             for backend, reason in dict.fromkeys((p.backend, p.reason) for p in self.kernels):
                 lines.append(f"  {backend}: {reason}")
+        if self.fp8_gemms:
+            lines.append("fp8 gemms (gemms=auto, last decision per Linear):")
+            lines.extend(f"  {line}" for line in self.fp8_gemms)
         if self.overlap_auto:
             lines.append("overlap auto (median time per candidate, max over TP ranks):")
             lines.extend(f"  {line}" for line in self.overlap_auto)

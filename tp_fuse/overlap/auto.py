@@ -204,6 +204,11 @@ class OverlapAutoTuner:
         log: called with one line per new decision (e.g. ``print`` on rank 0).
     """
 
+    #: Candidate labels this tuner decides between (a subclass deciding something else,
+    #: e.g. ``tp_fuse.quantization.gemm_choice``, names its own), and its log lines' prefix.
+    label_pattern: re.Pattern[str] = _LABEL_RE
+    log_prefix = "overlap auto"
+
     def __init__(
         self,
         clock: Optional[Clock] = None,
@@ -281,7 +286,7 @@ class OverlapAutoTuner:
         (each candidate communicates over ``group``).
         """
         labels = tuple(candidates)
-        assert labels and all(_LABEL_RE.fullmatch(lb) for lb in labels), labels
+        assert labels and all(self.label_pattern.fullmatch(lb) for lb in labels), labels
         if default not in labels:
             default = UNFUSED if UNFUSED in labels else labels[0]
         key = (gemm, signature)
@@ -300,7 +305,7 @@ class OverlapAutoTuner:
         idx = labels.index(known.choice) if known is not None else 0
         spent = 1.0 if self.timed_seconds >= self.run_budget_s else 0.0
         flags = torch.tensor([0.0 if known is not None else 1.0, idx, -idx, spent], dtype=torch.float64)
-        need, hi, neg_lo, spent = comm.all_reduce(flags.to(device), group, op=dist.ReduceOp.MAX).cpu().tolist()
+        need, hi, neg_lo, spent = self._max_over(flags, group, device).cpu().tolist()
         if need == 0 and hi == -neg_lo:
             assert known is not None
             self._agreed.add(key)
@@ -323,13 +328,13 @@ class OverlapAutoTuner:
             # Another round only if every rank is still inside the stage budget (agreed:
             # each round communicates, so all ranks must run the same number of rounds).
             elapsed = torch.tensor([sum(map(sum, samples.values()))], dtype=torch.float64)
-            if comm.all_reduce(elapsed.to(device), group, op=dist.ReduceOp.MAX).item() >= self.stage_budget_s:
+            if self._max_over(elapsed, group, device).item() >= self.stage_budget_s:
                 break
         self.timed_seconds += sum(map(sum, samples.values()))
         local = torch.tensor([min(samples[lb]) for lb in labels] + [statistics.median(samples[lb]) for lb in labels],
                              dtype=torch.float64)
         # float64 on the group's device: gloo takes CPU tensors, NCCL CUDA ones.
-        agreed = comm.all_reduce(local.to(device), group, op=dist.ReduceOp.MAX).cpu().tolist()
+        agreed = self._max_over(local, group, device).cpu().tolist()
         times, medians = agreed[: len(labels)], agreed[len(labels):]
         spread = {lb: (m - t) / t if t > 0 else 0.0 for lb, t, m in zip(labels, times, medians)}
         best = min(range(len(labels)), key=lambda i: (times[i], i))
@@ -346,10 +351,18 @@ class OverlapAutoTuner:
         return self._record(AutoDecision(gemm, signature, choice, labels, dict(zip(labels, times)), "measured",
                                          cost, spread, note, default))
 
+    @staticmethod
+    def _max_over(t: torch.Tensor, group: Optional[dist.ProcessGroup], device: torch.device) -> torch.Tensor:
+        """``t`` all-reduced with MAX over ``group`` (on the group's device). ``group=None``
+        outside ``torch.distributed`` is one process: nothing to agree with."""
+        if group is None and not dist.is_initialized():
+            return t
+        return comm.all_reduce(t.to(device), group, op=dist.ReduceOp.MAX)
+
     def _record(self, decision: AutoDecision) -> str:
         self._decisions[(decision.gemm, decision.signature)] = decision
         if self.log is not None:
-            self.log(f"overlap auto: {decision.describe()} [tuning so far {self.timed_seconds:.2f} s timed, "
+            self.log(f"{self.log_prefix}: {decision.describe()} [tuning so far {self.timed_seconds:.2f} s timed, "
                      f"budget {self.run_budget_s:g} s]")
         if self.write_choices:
             assert self.choice_file is not None

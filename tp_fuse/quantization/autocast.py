@@ -35,6 +35,7 @@ from ..recipe import CustomRecipe, DelayedScaling, Recipe
 from .amax_reduction import AmaxReductionBuffer, BackwardAmaxTracker
 from .block.quantizer import BlockScalingQuantizer
 from .compile_state import compile_key, set_traced_key
+from .gemm_choice import GemmChoice, resolve_gemms, set_traced_gemms_auto
 from .quantizer import CurrentScalingQuantizer, DelayedScalingQuantizer, Quantizer
 
 __all__ = [
@@ -96,6 +97,8 @@ class AutocastContext:
         recipe: the FP8 recipe in force.
         amax_reduction_group: process group for amax reductions (or None).
         enabled: False inside ``autocast(enabled=False)``.
+        gemm_choice: None when every GEMM runs FP8 (``gemms="all"``), else the
+            :class:`~tp_fuse.quantization.gemm_choice.GemmChoice` that decides per Linear.
     """
 
     def __init__(
@@ -104,10 +107,12 @@ class AutocastContext:
         recipe: Recipe,
         amax_reduction_group: Optional[dist.ProcessGroup],
         state: _StepState,
+        gemm_choice: Optional[GemmChoice] = None,
     ) -> None:
         self.enabled = enabled
         self.recipe = recipe
         self.amax_reduction_group = amax_reduction_group
+        self.gemm_choice = gemm_choice
         self._state = state
         self._fusion_key: Optional[tuple[str, str]] = None
 
@@ -180,12 +185,19 @@ def autocast(
     enabled: bool = True,
     recipe: Optional[Recipe] = None,
     amax_reduction_group: Optional[dist.ProcessGroup] = None,
+    gemms: Optional[str | GemmChoice] = None,
 ) -> Iterator[AutocastContext]:
     """Run ops inside with FP8 compute under ``recipe`` (default ``DelayedScaling()``).
 
     Yields the :class:`AutocastContext`. ``enabled=False`` turns FP8 off inside
     (``active_autocast()`` is None there). At exit of the outermost autocast the
     forward amaxes are reduced over ``amax_reduction_group`` and scales updated.
+
+    ``gemms`` (not a Transformer Engine argument): ``"all"`` (the default outermost) runs
+    every Linear's GEMMs in FP8; ``"auto"`` only those where FP8 is faster at their
+    shape (measured once per shape on CUDA, torchao's rule as the prior; see
+    :mod:`tp_fuse.quantization.gemm_choice`); a ``GemmChoice`` decides with its own
+    clock and cache; None inherits the enclosing autocast's.
     """
     _check_args("autocast", enabled, recipe)
     if amax_reduction_group is not None and not isinstance(amax_reduction_group, dist.ProcessGroup):
@@ -195,12 +207,14 @@ def autocast(
         )
     outer = _ACTIVE.get()
     state = outer._state if outer is not None else _StepState()
+    choice = resolve_gemms("autocast", gemms, outer.gemm_choice if outer is not None else None)
     ctx = AutocastContext(
-        enabled, recipe if recipe is not None else DelayedScaling(), amax_reduction_group, state
+        enabled, recipe if recipe is not None else DelayedScaling(), amax_reduction_group, state, choice
     )
     token = _ACTIVE.set(ctx)
     # torch.compile cannot read the ContextVar: it reads this mirror (compile_state).
     prev_view = set_traced_key(compile_key(ctx), amax_reduction_group)
+    prev_auto = set_traced_gemms_auto(enabled and choice is not None)
     completed = False
     try:
         yield ctx
@@ -208,6 +222,7 @@ def autocast(
     finally:
         _ACTIVE.reset(token)
         set_traced_key(*prev_view)
+        set_traced_gemms_auto(prev_auto)
         if outer is None and completed:
             state.finish_forward()
 
@@ -237,11 +252,13 @@ def reenter_autocast(ctx: Optional[AutocastContext]) -> Iterator[None]:
     """
     token = _ACTIVE.set(ctx)
     prev_view = set_traced_key(compile_key(ctx), None if ctx is None else ctx.amax_reduction_group)
+    prev_auto = set_traced_gemms_auto(ctx is not None and ctx.enabled and ctx.gemm_choice is not None)
     try:
         yield
     finally:
         _ACTIVE.reset(token)
         set_traced_key(*prev_view)
+        set_traced_gemms_auto(prev_auto)
 
 
 @contextlib.contextmanager

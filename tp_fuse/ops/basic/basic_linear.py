@@ -258,10 +258,14 @@ class BasicLinear(QuantizerStateMixin, BasicOperation):
 
     # ---- quantization helpers (shared with fused ops) --------------------
 
-    def fp8_quantizers(self) -> Optional[dict[str, Any]]:
-        """This op's quantizers for the recipe in force, or None when FP8 is off."""
+    def fp8_quantizers(self, x: Optional[torch.Tensor] = None, rows: Optional[int] = None) -> Optional[dict[str, Any]]:
+        """This op's quantizers for the recipe in force, or None when its GEMMs run in high
+        precision: FP8 off, or ``autocast(gemms="auto")`` finds FP8 not faster for GEMM input
+        ``x`` (``rows``: the GEMM's M when it is not ``x``'s; see ``quantization.gemm_choice``)."""
         state = active_autocast()
         if state is None:
+            return None
+        if state.gemm_choice is not None and not state.gemm_choice.runs_fp8(self, x, rows, state):
             return None
         return self._quantizers.get(state.recipe, state.amax_reduction_group)
 
@@ -351,7 +355,7 @@ class BasicLinear(QuantizerStateMixin, BasicOperation):
             assert alpha == 1.0
             y = hooks.forward_gemm(self, ctx, x, bias=bias, residual=residual)
             return residual.detach().copy_(y) if into_residual else y
-        ctx.fp8 = self.fp8_quantizers() is not None
+        ctx.fp8 = self.fp8_quantizers(x2d) is not None
         if bias is not None and bias.dtype != x.dtype:
             bias = bias.to(x.dtype)
         if ctx.fp8:

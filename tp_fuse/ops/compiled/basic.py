@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from ...quantization.compile_state import HAVE_COMPILE_REFS, CompileKey
 from ...quantization.custom_ops import NO_OBSERVER
 from ...quantization.float8.tensor import Float8Tensor
+from ...quantization.gemm_choice import traced_gemms_auto
 from ..basic import (
     GEGLU,
     AllGather,
@@ -234,6 +235,9 @@ def _linear_reason(op: BasicLinear, fp8: Optional[CompileKey]) -> Optional[str]:
         return f"the weight is a {type(op.weight).__name__} (quantized_model_init or a subclass)"
     if fp8 is not None and not fp8.traced:
         return f"recipe {fp8.recipe} (only the per-tensor FP8 and the block-scaled recipes are traced)"
+    if fp8 is not None and traced_gemms_auto():
+        # A traced graph fixes FP8 or not per Linear; the choice is made per shape at run time.
+        return "autocast(gemms='auto') chooses FP8 or high precision per GEMM shape at run time (eager)"
     if fp8 is not None and not HAVE_COMPILE_REFS:
         return "this torch has no opaque objects for custom ops (tp_fuse::fp8_cast needs them)"
     return None

@@ -26,6 +26,7 @@ from .forward_linear_bias_activation import ForwardLinearBiasActivation
 from .forward_linear_bias_add import ForwardLinearBiasAdd
 from .forward_linear_scale_add import ForwardLinearScaleAdd
 from ...quantization import active_autocast
+from ...quantization.gemm_choice import decision_of
 
 Norm = Union[LayerNorm, RMSNorm]
 
@@ -76,6 +77,9 @@ class ForwardNormQuantizeLinear(FusedOperation):
 
     def fusion_summary(self) -> str:
         norm = type(self.basic_ops[0]).__name__
+        decision = decision_of(self.linear)
+        if decision is not None and not decision.fp8:
+            return f"{norm} writes high precision: autocast(gemms='auto') keeps BasicLinear in high precision"
         how = "with the input quantizer's scale, amax in the same pass"
         if self.current_scaling:
             how = "from the amax it computes in its pass (current scaling: cast after)"
@@ -119,7 +123,17 @@ class ForwardNormQuantizeLinear(FusedOperation):
                 "ForwardNormQuantizeLinear ran without an FP8 autocast; it was fused under one"
             )
         x = maybe_dequantize(input_)
-        q = linear.fp8_quantizers()["input"]  # type: ignore[index]
+        qs = linear.fp8_quantizers(x)
+        if qs is None:
+            # autocast(gemms="auto") keeps this Linear's GEMMs in high precision at this
+            # shape: the norm writes high precision, exactly as the unfused ops do.
+            y, _ = norm.normalize(basic_op_ctxs[0], x)
+            out, extra = self.linear_op.fuser_forward(
+                basic_op_ctxs[1:], y, basic_op_extra_inputs=basic_op_extra_inputs[1:],
+                basic_op_kwargs=basic_op_kwargs[1:],
+            )
+            return out, [()] + [tuple(e) for e in extra]
+        q = qs["input"]
         ctx = basic_op_ctxs[0]
         outputs = q.producer_outputs(x.device)
         # An FP8-stats tap (tp_fuse.debug) observing this step needs the high-precision

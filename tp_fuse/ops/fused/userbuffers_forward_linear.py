@@ -170,7 +170,8 @@ class UserbuffersForwardLinear(UserbuffersLinearBase):
         bias_op = self.basic_ops[2] if len(self.basic_ops) == 3 else None
         assert isinstance(ag, AllGather) and isinstance(linear, BasicLinear)
         lin_ctx, group, tp = ctxs[1], ag.process_group, ag.tp_size
-        fp8 = linear.fp8_quantizers() is not None
+        # The GEMM reads the gathered rows: its M is tp times this shard's.
+        fp8 = linear.fp8_quantizers(x, rows=x.numel() // linear.in_features * tp) is not None
         if not fp8:
             x = maybe_dequantize(x)
         # Every check happens before any other communication: all ranks raise.
@@ -192,7 +193,7 @@ class UserbuffersForwardLinear(UserbuffersLinearBase):
                 raise ValueError(f"{problem} (the fusion was decided under another autocast)")
             state = active_autocast()
             assert state is not None
-            qs = linear.fp8_quantizers()
+            qs = linear.fp8_quantizers(x, rows=x.numel() // linear.in_features * tp)
             if is_quantized_tensor(x2d):
                 x_fp8 = x2d  # quantized upstream (Quantize op): gathered as it is
             else:
@@ -273,7 +274,7 @@ class UserbuffersForwardLinear(UserbuffersLinearBase):
         bias_op = self.basic_ops[1] if len(self.basic_ops) == 3 else None
         assert isinstance(linear, BasicLinear) and isinstance(rs, ReduceScatter)
         lin_ctx, group, tp = ctxs[0], rs.process_group, rs.tp_size
-        fp8 = linear.fp8_quantizers() is not None
+        fp8 = linear.fp8_quantizers(x) is not None
         if not fp8:
             x = maybe_dequantize(x)
         linear.check_input(x)

@@ -98,7 +98,7 @@ class UserbuffersForwardLinearAllReduce(FusedOperation):
         lin_ctx = basic_op_ctxs[0]
         x = input_
         require(x.dim() >= 1, f"{type(self).__name__}: expected a tensor with at least one dimension")
-        fp8 = linear.fp8_quantizers() is not None
+        fp8 = linear.fp8_quantizers(x) is not None
         if not fp8:
             x = maybe_dequantize(x)
         # Checks before any other communication.
