@@ -66,12 +66,12 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.profiler import ProfilerActivity, profile
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import tp_fuse
 from bench_compile import launcher_steps  # examples/: the launcher runs the way bench_compile times them
 from tp_fuse import ops
 from tp_fuse.availability import is_bf16_available, is_fp8_available, is_fp8_block_scaling_available
+from tp_fuse.kernels.launch_count import count_launches
 from tp_fuse.launch.api import compose
 from tp_fuse.launch.logging.report import flops_per_token
 from tp_fuse.layers import GPT, TransformerLayer
@@ -116,30 +116,13 @@ SMOKE_PLAN = Plan(warmup=1, rounds=2, steps=2, host_repeats=2, launcher_steps={"
 # ------------------------------------------------------------------ kernels per step
 
 
-class _AtenCounter(TorchDispatchMode):
-    """Counts the ATen ops dispatched (autograd's C++ backward ops included)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.count = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.count += 1
-        return func(*args, **(kwargs or {}))
-
-
 def count_kernels(step_fn: Callable[[], object]) -> int:
-    """Kernels one call of ``step_fn`` launches, counted on the host.
-
-    The single seam for tp_fuse's launch counter (issue 35, point 4: the CUDA branches
-    traced on CPU, each Triton call counted as the launches its wrapper makes). Until that
-    exists this counts the ATen ops dispatched, as ``examples/bench_cpu_speed.py``'s
-    ``aten_ops`` does. That is not the CUDA count: views launch nothing on a GPU, and
-    Triton kernels are no ATen ops.
-    """
-    with _AtenCounter() as counter:
-        step_fn()
-    return counter.count
+    """Kernels one call of ``step_fn`` launches, counted on the host by tp_fuse's launch
+    counter (``tp_fuse.kernels.launch_count``: ATen ops by what they launch on CUDA, each
+    Triton call and each ``_scaled_mm`` as one). In a process that simulates CUDA
+    (``TP_FUSE_SIMULATE_CUDA=1``, ``tools/count_launches.py``) that is the CUDA path's
+    count; elsewhere the CPU path's."""
+    return count_launches(step_fn).total
 
 
 def cuda_kernels(step_fn: Callable[[], object]) -> int:
@@ -156,7 +139,7 @@ def kernel_fields(step_fn: Callable[[], object], device: str) -> dict:
     from one call of ``step_fn`` (a launcher step must not run twice)."""
     if device != "cuda":
         counted = count_kernels(step_fn)
-        return {"kernels": counted, "kernels_source": "count_kernels (ATen ops on CPU)", "kernels_counted": counted}
+        return {"kernels": counted, "kernels_source": "tp_fuse launch counter (CPU path)", "kernels_counted": counted}
     box: dict[str, int] = {}
     kernels = cuda_kernels(lambda: box.setdefault("counted", count_kernels(step_fn)))
     return {"kernels": kernels, "kernels_source": "torch.profiler CUDA events", "kernels_counted": box["counted"]}
