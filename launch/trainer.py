@@ -35,6 +35,7 @@ import torch
 import torch.distributed as dist
 
 from tp_fuse.layers.fsdp import reduce_sequence_parallel_grads, sequence_parallel_params
+from tp_fuse import FP8WeightCache
 from tp_fuse.debug import DebugSession, Fp8StatsCollector
 
 from .checkpoint.manager import CheckpointManager, TrainingState
@@ -201,12 +202,15 @@ class Trainer:
         """All micro-batches of one step; returns the summed mean loss (device tensor)."""
         accum = self.loader.grad_accum_steps
         total = torch.zeros((), dtype=torch.float32, device=self.rt.device)
+        # FP8 weights are cast by the first micro-batch and reused by the others; the
+        # cache lives for this step only (the optimizer step changes the weights).
+        cache = FP8WeightCache() if self.recipe is not None and accum > 1 else None
         for micro in range(accum):
             if self.sharded_dp is not None:
                 # FSDP2 reduce-scatters gradients once, after the last micro-batch.
                 self.model.set_requires_gradient_sync(micro == accum - 1)
             tokens, labels = self.loader.micro_batch(micro)
-            with fp8_autocast(self.recipe, self.fp8_group, self.cfg.fp8.gemms):
+            with fp8_autocast(self.recipe, self.fp8_group, self.cfg.fp8.gemms, cache):
                 loss = self.model(tokens, labels)
             (loss / accum).backward()
             total += loss.detach().float()

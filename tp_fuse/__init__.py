@@ -22,6 +22,7 @@ from .ops.explain import explain
 from .utils import get_device_compute_capability
 from .quantization import (
     DType,
+    FP8WeightCache,
     Float8CurrentScalingQuantizer,
     Float8Quantizer,
     Float8BlockwiseQTensor,
@@ -44,6 +45,7 @@ from .transformer import TransformerLayer
 
 __all__ = [
     "DType",
+    "FP8WeightCache",
     "Float8CurrentScalingQuantizer",
     "Float8Quantizer",
     "Float8BlockwiseQTensor",

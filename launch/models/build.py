@@ -13,7 +13,7 @@ import torch
 from tp_fuse.layers import GPT, GPTConfig
 from tp_fuse.layers.fsdp import fully_shard_gpt
 from tp_fuse.layers.meta_init import deferred_inits, materialize
-from tp_fuse import autocast
+from tp_fuse import FP8WeightCache, autocast
 from tp_fuse.debug import name_linears
 from tp_fuse.overlap.auto import OverlapAutoTuner
 from tp_fuse.overlap.config import OverlapConfig as TPOverlapConfig
@@ -249,12 +249,15 @@ def compile_layers(model: torch.nn.Module, *, full_recompute: bool = False, mode
             layer.compile(mode=mode)
 
 
-def fp8_autocast(recipe: Optional[Recipe], group: Any, gemms: str = "all") -> contextlib.AbstractContextManager:
+def fp8_autocast(
+    recipe: Optional[Recipe], group: Any, gemms: str = "all", weight_cache: Optional[FP8WeightCache] = None
+) -> contextlib.AbstractContextManager:
     """``tp_fuse.autocast`` around a forward pass, or nothing when FP8 is off. ``gemms``:
-    ``fp8.gemms`` (``all``: every GEMM FP8; ``auto``: only where faster at the shape)."""
+    ``fp8.gemms`` (``all``: every GEMM FP8; ``auto``: only where faster at the shape);
+    ``weight_cache``: the step's FP8 weights, cast by its first micro-batch."""
     if recipe is None:
         return contextlib.nullcontext()
-    return autocast(recipe=recipe, amax_reduction_group=group, gemms=gemms)
+    return autocast(recipe=recipe, amax_reduction_group=group, gemms=gemms, weight_cache=weight_cache)
 
 
 def fp8_quantizers(model: torch.nn.Module, recipe: Optional[Recipe], group: Any) -> dict[str, dict[str, Any]]:

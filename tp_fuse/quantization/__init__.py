@@ -33,6 +33,7 @@ from .quantizer import (
 )
 
 from .scaling import delayed_scale as _delayed_scale
+from .weight_cache import FP8WeightCache
 
 QUANTIZED_TENSOR_TYPES = (Float8Tensor, BlockScaledTensor)
 
@@ -64,6 +65,7 @@ __all__ = [
     "CurrentScalingQuantizer",
     "DType",
     "DelayedScalingQuantizer",
+    "FP8WeightCache",
     "Float8CurrentScalingQuantizer",
     "Float8Quantizer",
     "Float8BlockwiseQTensor",

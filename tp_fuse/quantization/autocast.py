@@ -37,6 +37,7 @@ from .block.quantizer import BlockScalingQuantizer
 from .compile_state import compile_key, set_traced_key
 from .gemm_choice import GemmChoice, resolve_gemms, set_traced_gemms_auto
 from .quantizer import CurrentScalingQuantizer, DelayedScalingQuantizer, Quantizer
+from .weight_cache import FP8WeightCache, check_weight_cache
 
 __all__ = [
     "AutocastContext",
@@ -99,6 +100,8 @@ class AutocastContext:
         enabled: False inside ``autocast(enabled=False)``.
         gemm_choice: None when every GEMM runs FP8 (``gemms="all"``), else the
             :class:`~tp_fuse.quantization.gemm_choice.GemmChoice` that decides per Linear.
+        weight_cache: the :class:`~tp_fuse.quantization.weight_cache.FP8WeightCache` whose
+            FP8 weights later micro-batches reuse, or None (every forward casts).
     """
 
     def __init__(
@@ -108,11 +111,13 @@ class AutocastContext:
         amax_reduction_group: Optional[dist.ProcessGroup],
         state: _StepState,
         gemm_choice: Optional[GemmChoice] = None,
+        weight_cache: Optional[FP8WeightCache] = None,
     ) -> None:
         self.enabled = enabled
         self.recipe = recipe
         self.amax_reduction_group = amax_reduction_group
         self.gemm_choice = gemm_choice
+        self.weight_cache = weight_cache
         self._state = state
         self._fusion_key: Optional[tuple[str, str]] = None
 
@@ -186,6 +191,7 @@ def autocast(
     recipe: Optional[Recipe] = None,
     amax_reduction_group: Optional[dist.ProcessGroup] = None,
     gemms: Optional[str | GemmChoice] = None,
+    weight_cache: Optional[FP8WeightCache] = None,
 ) -> Iterator[AutocastContext]:
     """Run ops inside with FP8 compute under ``recipe`` (default ``DelayedScaling()``).
 
@@ -198,8 +204,14 @@ def autocast(
     shape (measured once per shape on CUDA, torchao's rule as the prior; see
     :mod:`tp_fuse.quantization.gemm_choice`); a ``GemmChoice`` decides with its own
     clock and cache; None inherits the enclosing autocast's.
+
+    ``weight_cache`` (Transformer Engine's weight caching, as an object): an
+    :class:`~tp_fuse.quantization.weight_cache.FP8WeightCache` that keeps each weight's
+    FP8 cast for the later micro-batches of an optimizer step (call its ``clear()`` after
+    ``optimizer.step()``); None inherits the enclosing autocast's.
     """
     _check_args("autocast", enabled, recipe)
+    check_weight_cache("autocast", weight_cache)
     if amax_reduction_group is not None and not isinstance(amax_reduction_group, dist.ProcessGroup):
         raise ValueError(
             "autocast: amax_reduction_group: expected a torch.distributed.ProcessGroup or "
@@ -208,8 +220,11 @@ def autocast(
     outer = _ACTIVE.get()
     state = outer._state if outer is not None else _StepState()
     choice = resolve_gemms("autocast", gemms, outer.gemm_choice if outer is not None else None)
+    if weight_cache is None and outer is not None:
+        weight_cache = outer.weight_cache
     ctx = AutocastContext(
-        enabled, recipe if recipe is not None else DelayedScaling(), amax_reduction_group, state, choice
+        enabled, recipe if recipe is not None else DelayedScaling(), amax_reduction_group, state, choice,
+        weight_cache,
     )
     token = _ACTIVE.set(ctx)
     # torch.compile cannot read the ContextVar: it reads this mirror (compile_state).

@@ -303,15 +303,30 @@ class BasicLinear(QuantizerStateMixin, BasicOperation):
         else:
             # Inside the fuser's forward grad mode is off: no detach (an op) needed there.
             w = weight.detach() if torch.is_grad_enabled() else weight
-            w_fp8 = qs["weight"].quantize(w, transpose=ctx.requires_grad and not views)
-            if views and ctx.requires_grad:
-                w_fp8.keep_decoded()  # decoded once for the fprop and dgrad GEMMs
+            copies = (ctx.requires_grad and not views, ctx.requires_grad and views)  # (transpose, keep decode)
+            cache = state.weight_cache
+            if cache is None:
+                w_fp8, cast_now = self._cast_weight(w, qs["weight"], *copies), True
+            else:
+                # Cast once per optimizer step; later micro-batches reuse it (FP8WeightCache).
+                w_fp8, cast_now = cache.weight(self, weight, qs["weight"], copies,
+                                               lambda: self._cast_weight(w, qs["weight"], *copies))
+            # Registered on a reuse too: its slot then says "no data" for this micro-batch.
             state.track_forward(qs["weight"])
-            if self.debug_hooks is not None:
+            if cast_now and self.debug_hooks is not None:
                 self.debug_hooks.on_quantized("weight", weight, w_fp8, qs["weight"])
         ctx.grad_quantizer = qs["grad_output"]
         ctx.grad_tracker = state.backward_tracker
         return x_fp8, w_fp8
+
+    @staticmethod
+    def _cast_weight(w: torch.Tensor, quantizer: Any, transpose: bool, keep_decoded: bool) -> Float8Tensor:
+        """The weight's FP8 cast (with its transposed bytes for the dgrad GEMM, or -- where
+        the GEMM reads views -- its decode kept for the fprop and dgrad GEMMs)."""
+        w_fp8 = quantizer.quantize(w, transpose=transpose)
+        if keep_decoded:
+            w_fp8.keep_decoded()  # decoded once for the fprop and dgrad GEMMs
+        return w_fp8
 
     # ---- GEMMs (used by op_forward/op_backward and by fused ops) ---------
 

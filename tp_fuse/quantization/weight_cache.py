@@ -1,0 +1,84 @@
+"""FP8 weights cast once per optimizer step and reused across micro-batches.
+
+With gradient accumulation every micro-batch's forward casts the same weights to FP8
+again (one kernel per weight, and its amax). Transformer Engine caches the first
+micro-batch's FP8 weight (``is_first_microbatch``, ``fp8_weight_caching``); this is the
+same, as an explicit object::
+
+    cache = tp_fuse.FP8WeightCache()
+    for step in steps:
+        for micro_batch in micro_batches:
+            with tp_fuse.autocast(recipe=recipe, weight_cache=cache):
+                loss = model(micro_batch)
+            loss.backward()
+        optimizer.step()
+        cache.clear()            # the weights changed: cast them again next step
+
+A cached FP8 weight is reused only while it is provably the cast of the weight as it
+is now: the same parameter object and storage, an unchanged version counter (every
+in-place write through the parameter -- ``optimizer.step()``, ``load_state_dict``, an
+edit under ``no_grad`` -- bumps it), the same quantizer (a new recipe builds new ones)
+and a cast with the copies the GEMMs need. ``cache.clear()`` after each optimizer step is
+still required: writes through ``param.data`` (some optimizers and frameworks copy into
+``.data``) do not bump the version counter.
+
+The weight quantizer is still registered with the step's amax reduction on a reuse: its
+history slot then holds no amax for that micro-batch (0, "no data"), as Transformer
+Engine's weight caching skips the weight's amax on later micro-batches. The cached
+tensor keeps its own ``scale_inv``, so later scale updates do not change its value.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Optional
+
+import torch
+
+from .float8.tensor import Float8Tensor
+
+__all__ = ["FP8WeightCache"]
+
+
+class FP8WeightCache:
+    """FP8 casts of weights, reused by later micro-batches of one optimizer step.
+
+    Holds one FP8 weight (and its transposed copy or decode, where the backward needs
+    them) per Linear until :meth:`clear`: memory of about one FP8 copy of the weights
+    (plus an fp32 decode per weight on CPU, where the GEMM reads decoded operands).
+    """
+
+    def __init__(self) -> None:
+        # id(op) -> (key, FP8 weight); the key pins everything the cast depended on.
+        self._entries: dict[int, tuple[tuple, Float8Tensor]] = {}
+        self.hits = 0
+        self.misses = 0
+
+    def clear(self) -> None:
+        """Forget every cast (after ``optimizer.step()``, a checkpoint load, or any write
+        to the weights)."""
+        self._entries.clear()
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def weight(
+        self, op: Any, weight: torch.Tensor, quantizer: Any, copies: tuple, cast: Callable[[], Float8Tensor]
+    ) -> tuple[Float8Tensor, bool]:
+        """``(FP8 weight, cast_now)``: the cached cast of ``weight`` for ``op`` when it is
+        still valid (see the module doc), else ``cast()``'s result, stored. ``copies``
+        names what the cast made besides the bytes (transposed copy, kept decode)."""
+        key = (id(weight), weight.data_ptr(), weight._version, id(quantizer), copies)
+        entry = self._entries.get(id(op))
+        if entry is not None and entry[0] == key:
+            self.hits += 1
+            return entry[1], False
+        fresh = cast()
+        self._entries[id(op)] = (key, fresh)
+        self.misses += 1
+        return fresh, True
+
+
+def check_weight_cache(who: str, cache: Optional[FP8WeightCache]) -> None:
+    """Validate a ``weight_cache`` argument."""
+    if cache is not None and not isinstance(cache, FP8WeightCache):
+        raise ValueError(f"{who}: weight_cache: expected a tp_fuse.FP8WeightCache or None, got {type(cache).__name__}")
