@@ -11,7 +11,8 @@ more than ``max_nonfinite_steps`` of them in a row stop the run with
 checkpoint. A non-finite step that would be checkpointed, or that is the run's last,
 stops it the same way (:meth:`NonfiniteGuard.stop_if_ending_nonfinite`): a resumed
 checkpoint with huge finite weights gave NaN at every step, and the run exited 0 having
-saved its last step as the newest checkpoint. ``tp_fuse.launch.checkpoint.manager`` separately refuses to save non-finite state.
+saved its last step as the newest checkpoint. ``tp_fuse.launch.checkpoint.manager``
+separately refuses to save non-finite state.
 """
 
 from __future__ import annotations

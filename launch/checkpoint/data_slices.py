@@ -98,7 +98,8 @@ def slice_problem(stream: IO[bytes], limit: int) -> Optional[str]:
         with zipfile.ZipFile(stream) as archive:
             infos = archive.infolist()
     except (RuntimeError, zipfile.BadZipFile, ValueError, OSError, EOFError) as exc:
-        return f"not a readable torch.save archive ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})"
+        first_line = str(exc).splitlines()[0] if str(exc) else ""
+        return f"not a readable torch.save archive ({type(exc).__name__}: {first_line})"
     finally:
         stream.seek(0)
     total = sum(declared.values())

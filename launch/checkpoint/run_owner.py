@@ -81,9 +81,9 @@ def live_owner_problem(root: str, job: str) -> Optional[str]:
 
 def mark_ended(root: str, run_id: Optional[str], job: str) -> None:
     """Clear ``active`` in ``run.json`` if it is still this job's claim of ``run_id``
-    (another job's claim is left alone)."""
+    (another job's claim is left alone). By job key, not pid: after an elastic restart
+    rank 0 is another process of the same job."""
     data = _read(root)
-    if data is None or data.get("active") is not True or data.get("run_id") != run_id or data.get("job") != job \
-            or data.get("pid") != os.getpid():
+    if data is None or data.get("active") is not True or data.get("run_id") != run_id or data.get("job") != job:
         return
     write_atomic(os.path.join(root, IDENTITY_FILE), json.dumps({**data, "active": False}))

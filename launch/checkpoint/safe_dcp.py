@@ -134,7 +134,8 @@ def validate_metadata(metadata: Any, path: str) -> dcp_metadata.Metadata:
                 _fail(path, f"storage of {index.fqn!r} has {field} {value!r}, expected an int >= 0")
         if getattr(info, "transform_descriptors", None):
             _fail(path, f"storage of {index.fqn!r} has transforms {info.transform_descriptors!r}")
-        chunk, dtype = chunks.pop((index.fqn, tuple(index.offset) if isinstance(index.offset, torch.Size) else None), (None, None))
+        offsets = tuple(index.offset) if isinstance(index.offset, torch.Size) else None
+        chunk, dtype = chunks.pop((index.fqn, offsets), (None, None))  # each chunk has one storage
         if chunk is None:
             _fail(path, f"storage_data key {index!r} names no chunk of tensor {index.fqn!r} (or one named before)")
         limit = slice_limit(chunk.sizes, dtype)
