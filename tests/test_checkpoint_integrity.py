@@ -272,13 +272,16 @@ def test_a_lock_file_planted_as_a_hard_link_never_writes_its_target(tmp_path):
     assert victim.read_text() == "precious\n" and not (ck / LOCK_FILE).exists()
 
 
-@pytest.mark.parametrize("since", [1e300, float("nan"), -1e18])
+@pytest.mark.parametrize("field, value, why", [("since", 1e300, "not a time"), ("since", float("nan"), "not a time"),
+                                               ("since", -1e18, "not a time"), ("pid", "1; rm", "not a process id"),
+                                               ("host", "h\n[tp-fuse] all fine", "not one line of text")])
 @pytest.mark.parametrize("held", [True, False], ids=["held", "left_behind"])
-def test_a_crafted_lock_record_is_one_clear_error(tmp_path, since, held):
+def test_a_crafted_lock_record_is_one_clear_error(tmp_path, field, value, why, held):
     ck = tmp_path / "ck"
     ck.mkdir()
     path = ck / LOCK_FILE
-    path.write_text(json.dumps({"run_id": "r" * 32, "job": "other", "host": "h", "pid": 1, "since": since}))
+    record = {"run_id": "r" * 32, "job": "other", "host": "h", "pid": 1, "since": 1.7e9, field: value}
+    path.write_text(json.dumps(record))
     fd = os.open(path, os.O_RDWR)
     try:
         if held:  # a live holder (flock is per open file: this descriptor conflicts with acquire's)
@@ -288,7 +291,7 @@ def test_a_crafted_lock_record_is_one_clear_error(tmp_path, since, held):
     finally:
         os.close(fd)
     msg = str(info.value)
-    assert msg.startswith(f"checkpoint.dir lock file {path}: field 'since' is ") and "not a time" in msg, msg
+    assert msg.startswith(f"checkpoint.dir lock file {path}: field '{field}' is ") and why in msg, msg
     assert "\n" not in msg
 
 

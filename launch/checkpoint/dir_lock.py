@@ -21,9 +21,9 @@ none) and starts over, so two holders can never coexist.
 Untrusted contents: a lock file may be planted. A *hard link* to another file (same inode)
 would make the record overwrite that file, so a lock file with more than one link is
 never written: a fresh file is renamed over it first and the lock is taken on that one.
-A crafted record (``since`` = 1e300, NaN, -1e18; a pid that is not a number) is one
-:class:`CheckpointError` naming the lock file and the field, not a traceback from
-``time.localtime``. A lock file deleted (or replaced) while its job runs is noticed by
+A crafted record (``since`` = 1e300, NaN, -1e18; a pid that is not a number; a host of
+many lines) is one :class:`CheckpointError` naming the lock file and the field, not a
+traceback from ``time.localtime``. A lock file deleted (or replaced) while its job runs is noticed by
 the holder (:meth:`DirLock.lost`, checked before every save): another job may have
 taken the directory meanwhile.
 
@@ -65,6 +65,8 @@ _UNSUPPORTED = (errno.ENOLCK, errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS)
 # The times a record's "since" may hold: the epoch to the end of year 9999 (time.localtime
 # raises OverflowError, ValueError or OSError outside what the platform's time_t holds).
 _LATEST_SINCE = 253402300799.0
+# The longest run id, job key or host name a record may hold (they are a few dozen characters).
+_TEXT_LIMIT = 1024
 
 
 def _since(t: Any) -> str:
@@ -74,10 +76,18 @@ def _since(t: Any) -> str:
 def check_record(record: Optional[dict[str, Any]], path: str) -> Optional[dict[str, Any]]:
     """``record`` if its fields can be shown; a crafted or damaged one is CheckpointError.
 
-    Only the fields messages format are checked: ``since`` (a time) and ``pid`` (a number).
+    Only the fields messages format are checked: ``since`` (a time), ``pid`` (a number),
+    and ``run_id``/``job``/``host`` (one-line text, so that a refusal stays one line).
     """
     if record is None:
         return None
+    for field in ("run_id", "job", "host"):
+        value = record.get(field)
+        if value is not None and (not isinstance(value, str) or len(value) > _TEXT_LIMIT
+                                  or not value.isprintable()):
+            raise CheckpointError(f"checkpoint.dir lock file {path}: field {field!r} is {value!r:.60}, not one line "
+                                  "of text (a damaged or crafted lock record); if no job uses this directory, remove "
+                                  "the file")
     since, pid = record.get("since"), record.get("pid")
     if since is not None and (not isinstance(since, (int, float)) or isinstance(since, bool)
                               or not 0 <= since <= _LATEST_SINCE):  # NaN fails both comparisons
