@@ -162,6 +162,13 @@ def test_a_tensor_without_chunks_is_refused(saved):
         safe_dcp.validate_metadata(md, "x/.metadata")
 
 
+def test_a_chunk_without_storage_is_refused(saved):
+    md = safe_dcp.read_metadata(str(saved / STEP))
+    del md.storage_data[next(i for i in md.storage_data if i.fqn == EMBEDDING)]
+    with pytest.raises(CheckpointError, match=rf"chunk \[0, 0, 0\] of tensor '{EMBEDDING}' has no storage_data entry"):
+        safe_dcp.validate_metadata(md, "x/.metadata")
+
+
 @pytest.mark.parametrize("chunks, problem", [
     ([((0, 0), (4, 3)), ((0, 3), (4, 3))], None),
     ([((0, 0), (2, 6)), ((2, 0), (2, 6)), ((4, 0), (0, 6))], None),  # an empty shard covers nothing

@@ -142,8 +142,11 @@ def validate_metadata(metadata: Any, path: str) -> dcp_metadata.Metadata:
         if info.length > limit:
             _fail(path, f"storage of {index.fqn!r} at offsets {list(chunk.offsets)} is {info.length} bytes long, more "
                         f"than the {limit} its chunk of {list(chunk.sizes)} {dtype} can take")
-    if chunks:  # DCP would stop at a KeyError for it, after loading the tensors before it
-        (key, offsets), _ = next(iter(chunks.items()))
+    # DCP would stop at a KeyError for one, after loading the tensors before it. (An empty
+    # chunk has nothing to read: DCP never asks for its storage.)
+    unstored = [(key, offsets) for (key, offsets), (chunk, _) in chunks.items() if 0 not in chunk.sizes]
+    if unstored:
+        key, offsets = unstored[0]
         _fail(path, f"chunk {list(offsets)} of tensor {key!r} has no storage_data entry")
     if metadata.storage_meta is not None and not isinstance(metadata.storage_meta, dcp_metadata.StorageMeta):
         _fail(path, f"storage_meta is a {type(metadata.storage_meta).__name__}")
