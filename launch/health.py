@@ -8,7 +8,11 @@ plausible loss and finite gradients, and would otherwise train on silently.
 Policy (``trainer.max_nonfinite_steps``): a non-finite step skips the optimizer step;
 more than ``max_nonfinite_steps`` of them in a row stop the run with
 :class:`TrainingDivergedError`, naming the step, what was not finite and the last good
-checkpoint. ``tp_fuse.launch.checkpoint.manager`` separately refuses to save non-finite state.
+checkpoint. A non-finite step that would be checkpointed, or that is the run's last,
+stops it the same way (:meth:`NonfiniteGuard.stop_if_ending_nonfinite`): a resumed
+checkpoint with huge finite weights gave NaN at every step, and the run exited 0 having
+saved its last step as the newest checkpoint. ``tp_fuse.launch.checkpoint.manager``
+separately refuses to save non-finite state.
 """
 
 from __future__ import annotations
@@ -166,4 +170,18 @@ class NonfiniteGuard:
             f"training diverged: step {step} makes {health.in_a_row} non-finite steps in a row "
             f"({'; '.join(health.reasons)}), more than trainer.max_nonfinite_steps={self.max_nonfinite_steps}; "
             f"{where}. Lower optim.lr, check the data, or raise trainer.max_nonfinite_steps"
+        )
+
+    def stop_if_ending_nonfinite(self, step: int, health: StepHealth, ending: Optional[str],
+                                 last_checkpoint: Callable[[], Optional[str]]) -> None:
+        """Raise :class:`TrainingDivergedError` when the non-finite ``step`` would end the run
+        or be saved (``ending`` says which; None: neither, the skip policy applies)."""
+        if health.finite or ending is None:
+            return
+        last = last_checkpoint()
+        where = f"the last good checkpoint is {last}" if last else "no checkpoint was saved"
+        raise TrainingDivergedError(
+            f"training diverged: step {step} is not finite ({'; '.join(health.reasons)}) and {ending}; a run "
+            f"never ends on or saves a non-finite step; {where}. Check the data and the checkpoint it resumed, "
+            "or lower optim.lr"
         )

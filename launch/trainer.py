@@ -358,7 +358,15 @@ class Trainer:
                 # All ranks agreed on the signal in the health all-reduce: stop at the same step.
                 stopping = bool(health.stop_signal) and step < last_step
                 exiting = (tr.exit_at_step == step and step < tr.max_steps) or stopping
-                if (ck.interval and step % ck.interval == 0) or (ck.save_final and step == tr.max_steps) or exiting:
+                saving = bool(ck.interval and step % ck.interval == 0) or (ck.save_final and step == tr.max_steps) \
+                    or exiting
+                # A skipped step may be followed by good ones, but the run never ends on one nor
+                # saves one as its newest checkpoint (it would resume into the same NaN).
+                self.guard.stop_if_ending_nonfinite(
+                    step, health, "it would be saved as the newest checkpoint" if saving else
+                    "it is the run's last step" if step == last_step else None,
+                    lambda: last_ckpt or self.ckpt.latest_of_run())
+                if saving:
                     last_ckpt = self.ckpt.save(self.state)
                     if rt.is_rank0:
                         say(f"saved checkpoint step {step} -> {last_ckpt}")

@@ -18,6 +18,7 @@ SLOW_MODULES = frozenset({
     "test_block_kernels_interpret",
     "test_block_recipes_tp",
     "test_checkpoint_dir_lock",
+    "test_checkpoint_integrity",
     "test_checkpoint_restart",
     "test_checkpoint_safety",
     "test_collective_timeout",

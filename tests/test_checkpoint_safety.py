@@ -290,6 +290,9 @@ def test_dcp_size_mismatch_names_the_key_and_both_shapes(saved, tmp_path):
     entry = metadata.state_dict_metadata[key]
     current = entry.size
     entry.size = torch.Size([current[0] * 2, current[1]])
+    # Chunks that cover the new size: one that did not would be refused before DCP reads it.
+    (chunk,) = entry.chunks
+    chunk.sizes = entry.size
     _rewrite_manifest(step_dir, **{".metadata": pickle.dumps(metadata)})
     with pytest.raises(CheckpointError) as info:
         _resume(ck, tmp_path)

@@ -19,7 +19,7 @@ from tp_fuse.launch.checkpoint import manager as ckpt_mod
 from tp_fuse.launch.api import compose, train
 from tp_fuse.launch.checkpoint.manager import CheckpointError
 from tp_fuse.launch.config import validate
-from tp_fuse.launch.health import TrainingDivergedError
+from tp_fuse.launch.health import NonfiniteGuard, TrainingDivergedError
 from tp_fuse.launch.logging.metrics import read_jsonl
 from tp_fuse.layers import GPT
 from test_checkpoint_resume import COMMON
@@ -77,12 +77,18 @@ def test_divergence_keeps_the_last_good_checkpoint(tmp_path):
     assert result.already_complete
 
 
-def test_non_finite_state_is_never_saved(tmp_path):
+def test_non_finite_state_is_never_saved(tmp_path, monkeypatch):
     ck = tmp_path / "ck"
+    args = [*SMALL, "fp8=none", "trainer.max_nonfinite_steps=100", "checkpoint.interval=1", f"checkpoint.dir={ck}"]
+    # The step is not finite: the trainer stops before it would save it (issue 39.7) ...
+    with pytest.raises(TrainingDivergedError, match=r"step 1 is not finite .* would be saved as the newest "
+                                                    r"checkpoint.*no checkpoint was saved"):
+        train(args, str(tmp_path / "run"), model_factory=_inf_weight_factory)
+    # ... and should a non-finite state ever get past that, the save itself refuses it.
+    monkeypatch.setattr(NonfiniteGuard, "stop_if_ending_nonfinite", lambda *a, **k: None)
     with pytest.raises(CheckpointError, match=r"saving checkpoint step 1 .* refusing to save: parameter .*fc1.* "
                                               r"is not finite .*no earlier checkpoint"):
-        train([*SMALL, "fp8=none", "trainer.max_nonfinite_steps=100", "checkpoint.interval=1",
-               f"checkpoint.dir={ck}"], str(tmp_path / "run"), model_factory=_inf_weight_factory)
+        train(args, str(tmp_path / "run"), model_factory=_inf_weight_factory)
     # Nothing was written; the job that created checkpoint.dir removes it again when it
     # saved nothing (no empty checkpoint dirs), so the dir may be gone altogether.
     assert not [p for p in (os.listdir(ck) if ck.exists() else []) if p.startswith(("step_", ".tmp-"))]

@@ -68,6 +68,7 @@ from .files import read_manifest, verify_files, write_atomic
 from .run_identity import IDENTITY_FILE, MANIFEST, decide_start, decision_from_box, decision_to_box, list_step_dirs
 from .run_identity import read_manifest_run_id
 from .loaded_state import loaded_state_problem
+from .run_owner import live_owner_problem, mark_ended
 from .safe_dcp import CheckpointError, SafeFileSystemReader, SafeLoadPlanner
 
 __all__ = ["CheckpointError", "CheckpointManager", "TrainingState", "MANIFEST"]
@@ -183,10 +184,14 @@ class CheckpointManager:
         # Rank 0: the lock created the directory. If nothing was saved into it, :meth:`release`
         # removes it again (checkpoint.interval=0 must not leave an empty checkpoints/ behind).
         self._created_root = False
+        self._job: Optional[str] = None  # rank 0: the job key that claimed the directory (start)
 
     def release(self) -> None:
         """Give up the directory's lock (rank 0; a no-op elsewhere and when not held)."""
         if self.lock is not None:
+            if self.lock.lost() is None and self._job is not None:
+                with contextlib.suppress(OSError, CheckpointError):  # best effort: the next job checks the pid
+                    mark_ended(self.root, self.run_id, self._job)
             self.lock.release()
             self.lock = None
             if self._created_root:
@@ -235,6 +240,13 @@ class CheckpointManager:
                 if self.lock is None:
                     self._created_root = not os.path.lexists(self.root)
                     self.lock = acquire_dir_lock(self.root, job=job, say=_say)
+                    # A lock got without taking over a dead job's lock file, while run.json
+                    # says another job runs: that job's lock file was deleted (run_owner).
+                    owner = live_owner_problem(self.root, job) if self.lock is not None and \
+                        self.lock.took_over is None else None
+                    if owner is not None:
+                        raise CheckpointError(owner)
+                self._job = job
                 decision = decide_start(self.root, resume, restarted=restarted, job=job, overwrite=overwrite)
                 if self.lock is not None:
                     self.lock.set_run_id(decision.run_id)
@@ -312,8 +324,9 @@ class CheckpointManager:
         final = os.path.join(self.root, name)
         tmp = os.path.join(self.root, f".tmp-{name}")
         self._refuse_nonfinite(state)
-        problem = None
-        if rt.is_rank0:
+        # Rank 0 holds the directory's lock: if its file went, another job may be here now.
+        problem = self.lock.lost() if self.lock is not None else None
+        if rt.is_rank0 and problem is None:
             try:
                 os.makedirs(self.root, exist_ok=True)
                 shutil.rmtree(tmp, ignore_errors=True)  # leftovers of a crashed save

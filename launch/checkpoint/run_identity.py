@@ -28,6 +28,7 @@ import json
 import os
 import re
 import shutil
+import socket
 import uuid
 from typing import Any, Optional, Union
 
@@ -111,8 +112,11 @@ def _read_identity(root: str) -> Optional[dict[str, str]]:
 
 
 def _write_identity(root: str, run_id: str, job: str) -> None:
+    """Claim ``root`` for ``run_id``: also who runs it and that it is running
+    (``active``, cleared when the job ends: :mod:`tp_fuse.launch.checkpoint.run_owner`)."""
     os.makedirs(root, exist_ok=True)
-    write_atomic(os.path.join(root, IDENTITY_FILE), json.dumps({"run_id": run_id, "job": job}))
+    write_atomic(os.path.join(root, IDENTITY_FILE), json.dumps(
+        {"run_id": run_id, "job": job, "host": socket.gethostname(), "pid": os.getpid(), "active": True}))
 
 
 def _skipped_newer(dirs: list[tuple[int, str, bool]], chosen_step: int) -> list[str]:

@@ -4,11 +4,13 @@ A checkpoint directory is untrusted input: it may come from another machine, ano
 user or an attacker. DCP itself has two places where loading one can execute code:
 
 * ``.metadata`` is a pickle, which DCP reads with a plain ``pickle.load``. Here it is
-  read by :class:`_MetadataUnpickler`, which resolves exactly the (module, name) pairs in
-  :data:`ALLOWED_GLOBALS` -- DCP's metadata dataclasses, ``torch.Size``, dtypes, layouts,
-  paths -- and nothing else. Pairs are matched exactly, so protocol 4's dotted names
-  (``module="torch.distributed.checkpoint.metadata", name="os.system"``) do not reach
-  other objects through an allowed module.
+  read by :class:`~tp_fuse.launch.checkpoint.metadata_pickle.MetadataUnpickler`, which
+  resolves exactly the (module, name) pairs in :data:`ALLOWED_GLOBALS` -- DCP's metadata
+  dataclasses, ``torch.Size``, dtypes, layouts, paths -- and nothing else (pairs are
+  matched exactly, so protocol 4's dotted names such as ``module="torch.distributed.
+  checkpoint.metadata", name="os.system"`` do not reach other objects through an allowed
+  module), and lets pickle's ``BUILD``/``APPEND``/``SETITEM`` opcodes fill only objects
+  the pickle itself made (a ``BUILD`` on an allowed *class* would ``setattr`` on it).
 * An entry of kind ``BytesStorageMetadata`` makes ``DefaultLoadPlanner.load_bytes`` call
   ``torch.load(weights_only=False)`` on bytes from a ``.distcp`` file. tp-fuse stores only
   tensors, so :func:`validate_metadata` refuses every entry that is not a tensor, and
@@ -20,10 +22,8 @@ Every refusal is a :class:`CheckpointError` naming the file and what was wrong.
 
 from __future__ import annotations
 
-import collections
 import io
 import os
-import pathlib
 import pickle
 import re
 from collections.abc import Generator
@@ -38,6 +38,10 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.planner import ReadItem
 
 from tp_fuse.safe_files import open_regular_file, read_regular_file
+
+from .chunk_tiling import tiling_problem
+from .data_slices import SliceView, slice_limit, slice_problem
+from .metadata_pickle import ALLOWED_GLOBALS, MetadataUnpickler, layout_by_name
 
 __all__ = [
     "ALLOWED_GLOBALS",
@@ -61,59 +65,9 @@ class CheckpointError(ValueError):
     """A checkpoint is missing, incomplete, corrupt, unsafe or incompatible with the config."""
 
 
-def _layout_by_name(name: Any) -> torch.layout:
-    """Stands in for ``torch.serialization._get_layout``: a ``torch.<name>`` layout, nothing else."""
-    # torch pickles a layout as its repr, "torch.strided".
-    attr = name[len("torch."):] if isinstance(name, str) and name.startswith("torch.") else None
-    value = getattr(torch, attr, None) if attr is not None and attr.isidentifier() else None
-    if not isinstance(value, torch.layout):
-        raise pickle.UnpicklingError(f"checkpoint metadata names layout {name!r}, which is not a torch layout")
-    return value
-
-
-def _allowed_globals() -> dict[tuple[str, str], Any]:
-    md, fs = dcp_metadata, dcp_filesystem
-    allowed: dict[tuple[str, str], Any] = {
-        (md.__name__, cls.__name__): cls
-        for cls in (md.Metadata, md.MetadataIndex, md.StorageMeta, md.TensorProperties,
-                    md.TensorStorageMetadata, md.ChunkStorageMetadata, md._MEM_FORMAT_ENCODING)
-    }
-    allowed[(fs.__name__, "_StorageInfo")] = fs._StorageInfo
-    allowed[("torch", "Size")] = torch.Size
-    allowed[("torch.serialization", "_get_layout")] = _layout_by_name
-    allowed[("collections", "OrderedDict")] = collections.OrderedDict
-    # DCP records the path it saved to; pathlib's module name differs across Pythons.
-    for module in ("pathlib", "pathlib._local"):
-        for cls in (pathlib.Path, pathlib.PosixPath, pathlib.PurePosixPath, pathlib.WindowsPath,
-                    pathlib.PureWindowsPath):
-            allowed[(module, cls.__name__)] = cls
-    for name in dir(torch):
-        value = getattr(torch, name)
-        if isinstance(value, torch.dtype):
-            allowed[("torch", name)] = value
-    return allowed
-
-
-#: (module, qualified name) -> the object a ``.metadata`` pickle may refer to.
-ALLOWED_GLOBALS: dict[tuple[str, str], Any] = _allowed_globals()
-
-
-class _MetadataUnpickler(pickle._Unpickler):  # noqa: SLF001 - the pure-Python unpickler, on purpose
-    """Resolves exactly the pairs in :data:`ALLOWED_GLOBALS` (no module-wide or dotted lookups).
-
-    Built on pickle's pure-Python unpickler: the C one allocates the length a BINBYTES8 /
-    BINUNICODE8 opcode *declares* before reading, so 20 crafted bytes could ask for
-    16 GiB (found by the fuzz test: the kernel's OOM killer ended the test run). The
-    Python one reads what is there and fails on the truncated stream.
-    """
-
-    def find_class(self, module: str, name: str) -> Any:
-        try:
-            return ALLOWED_GLOBALS[(module, name)]
-        except KeyError:
-            raise pickle.UnpicklingError(
-                f"checkpoint metadata refers to {module}.{name}, which is not allowed"
-            ) from None
+# The restricted unpickler lives in its own module; these names are part of this one's API.
+_MetadataUnpickler = MetadataUnpickler
+_layout_by_name = layout_by_name
 
 
 def _fail(path: str, what: str) -> None:
@@ -130,13 +84,18 @@ def validate_metadata(metadata: Any, path: str) -> dcp_metadata.Metadata:
 
     Only tensor entries (``TensorStorageMetadata``), data files named
     ``__<rank>_<index>.distcp`` inside the checkpoint directory, non-negative offsets and
-    lengths, no storage transforms. Raises :class:`CheckpointError` naming ``path``.
+    lengths, no storage transforms; the chunks of every tensor tile it exactly (no gap,
+    no overlap, inside bounds: :mod:`~tp_fuse.launch.checkpoint.chunk_tiling`), every
+    chunk has its storage, and no storage is longer than its chunk's data allows
+    (:func:`~tp_fuse.launch.checkpoint.data_slices.slice_limit`). Raises
+    :class:`CheckpointError` naming ``path``.
     """
     if not isinstance(metadata, dcp_metadata.Metadata):
         _fail(path, f"holds a {type(metadata).__name__}, expected DCP Metadata")
     entries = metadata.state_dict_metadata
     if not isinstance(entries, dict):
         _fail(path, f"state_dict_metadata is a {type(entries).__name__}, expected a dict")
+    chunks: dict[tuple[str, tuple[int, ...]], tuple[Any, torch.dtype]] = {}  # (tensor, offsets) -> chunk, dtype
     for key, entry in entries.items():
         if not isinstance(key, str):
             _fail(path, f"state key {key!r} is not a string")
@@ -154,6 +113,10 @@ def validate_metadata(metadata: Any, path: str) -> dcp_metadata.Metadata:
                 _fail(path, f"entry {key!r} has a chunk of type {type(chunk).__name__}")
             _check_size(path, f"entry {key!r} chunk offsets", chunk.offsets)
             _check_size(path, f"entry {key!r} chunk sizes", chunk.sizes)
+            chunks[(key, tuple(chunk.offsets))] = (chunk, entry.properties.dtype)
+        problem = tiling_problem(entry.size, [(c.offsets, c.sizes) for c in entry.chunks])
+        if problem is not None:
+            _fail(path, f"the chunks of tensor {key!r} (size {list(entry.size)}) do not cover it exactly: {problem}")
     storage = metadata.storage_data
     if not isinstance(storage, dict):
         _fail(path, f"storage_data is a {type(storage).__name__}, expected a dict")
@@ -171,6 +134,20 @@ def validate_metadata(metadata: Any, path: str) -> dcp_metadata.Metadata:
                 _fail(path, f"storage of {index.fqn!r} has {field} {value!r}, expected an int >= 0")
         if getattr(info, "transform_descriptors", None):
             _fail(path, f"storage of {index.fqn!r} has transforms {info.transform_descriptors!r}")
+        offsets = tuple(index.offset) if isinstance(index.offset, torch.Size) else None
+        chunk, dtype = chunks.pop((index.fqn, offsets), (None, None))  # each chunk has one storage
+        if chunk is None:
+            _fail(path, f"storage_data key {index!r} names no chunk of tensor {index.fqn!r} (or one named before)")
+        limit = slice_limit(chunk.sizes, dtype)
+        if info.length > limit:
+            _fail(path, f"storage of {index.fqn!r} at offsets {list(chunk.offsets)} is {info.length} bytes long, more "
+                        f"than the {limit} its chunk of {list(chunk.sizes)} {dtype} can take")
+    # DCP would stop at a KeyError for one, after loading the tensors before it. (An empty
+    # chunk has nothing to read: DCP never asks for its storage.)
+    unstored = [(key, offsets) for (key, offsets), (chunk, _) in chunks.items() if 0 not in chunk.sizes]
+    if unstored:
+        key, offsets = unstored[0]
+        _fail(path, f"chunk {list(offsets)} of tensor {key!r} has no storage_data entry")
     if metadata.storage_meta is not None and not isinstance(metadata.storage_meta, dcp_metadata.StorageMeta):
         _fail(path, f"storage_meta is a {type(metadata.storage_meta).__name__}")
     return metadata
@@ -217,13 +194,40 @@ class _NoFollowFileSystem(dcp_filesystem.FileSystem):
 
 
 class SafeFileSystemReader(FileSystemReader):
-    """``FileSystemReader`` whose ``.metadata`` is read by :func:`read_metadata` and whose
-    data files are opened without following links (:class:`_NoFollowFileSystem`)."""
+    """``FileSystemReader`` whose ``.metadata`` is read by :func:`read_metadata`, whose
+    data files are opened without following links (:class:`_NoFollowFileSystem`), and
+    whose every slice is checked before ``torch.load`` reads it: no more bytes than its
+    chunk's shape and dtype allow, stored uncompressed (:mod:`~tp_fuse.launch.checkpoint.data_slices`)."""
 
     def __init__(self, path: str | os.PathLike) -> None:
         super().__init__(path)
         self.fs = _NoFollowFileSystem()
         self.path = self.fs.init_path(path)
+        # id(storage info) -> (tensor, the most bytes its slice may hold); set per load.
+        self._limits: dict[int, tuple[str, int]] = {}
+
+    def set_up_storage_reader(self, metadata: dcp_metadata.Metadata, is_coordinator: bool, *args: Any,
+                              **kwargs: Any) -> None:
+        super().set_up_storage_reader(metadata, is_coordinator, *args, **kwargs)
+        # Every rank, from the metadata it was given (rank 0 validated it): the limits the
+        # slices are read with. Keyed by the storage records themselves, which _slice_file gets.
+        limits = {(fqn, tuple(c.offsets)): slice_limit(c.sizes, entry.properties.dtype)
+                  for fqn, entry in metadata.state_dict_metadata.items() for c in entry.chunks}
+        self._limits = {id(info): (index.fqn, limits[(index.fqn, tuple(index.offset))])
+                        for index, info in metadata.storage_data.items()}
+
+    def _slice_file(self, file: Any, sinfo: Any) -> Any:
+        fqn, limit = self._limits[id(sinfo)]
+        where = f"{self.path}/{sinfo.relative_path} at offset {sinfo.offset}"
+        if sinfo.length > limit:
+            raise CheckpointError(f"{where}: the slice of tensor {fqn!r} is {sinfo.length} bytes, more than the "
+                                  f"{limit} its chunk can take; refusing to read it (damaged or crafted?)")
+        view = SliceView(file, sinfo.offset, sinfo.length)  # not DCP's view: see SliceView
+        problem = slice_problem(view, limit)
+        if problem is not None:
+            raise CheckpointError(f"{where}: the slice of tensor {fqn!r}: {problem}; refusing to load it "
+                                  "(damaged or crafted?)")
+        return view
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> dcp_metadata.Metadata:
         metadata = read_metadata(str(self.path))
