@@ -122,9 +122,11 @@ class FP8Config:
     ``stats`` logs FP8 scaling statistics every ``trainer.log_interval`` steps.
     ``gemms``: ``all`` runs every Linear's GEMMs in FP8; ``auto`` only those where FP8 is
     faster at their shape (``tp_fuse.autocast(gemms="auto")``: measured at the first step
-    on CUDA, torchao's rule elsewhere; docs/fp8.md). ``all`` stays the default: on CPU
-    ``auto`` keeps every GEMM of the small default models in high precision, which would
-    turn the launcher's FP8 runs (tests, the docs' recipe tables) into bf16 runs.
+    on CUDA, torchao's rule elsewhere; docs/fp8.md); ``device`` (the default) is ``auto``
+    on CUDA -- FP8 exists to be faster there, and a GEMM too small to win stays in
+    bf16 -- and ``all`` elsewhere: a CPU has no FP8 hardware, so its FP8 runs are the exact
+    emulation for developing and testing numerics, which ``auto`` would turn off
+    (:meth:`gemms_on`).
     """
 
     # blockwise / mxfp8 / rowwise: Float8BlockScaling, MXFP8BlockScaling, Float8RowwiseScaling
@@ -143,11 +145,17 @@ class FP8Config:
     disable_rht: bool = False
     disable_stochastic_rounding: bool = False
     disable_2d_quantization: bool = False
-    gemms: Literal["all", "auto"] = "all"
+    gemms: Literal["device", "all", "auto"] = "device"
 
     @property
     def enabled(self) -> bool:
         return self.recipe != "none"
+
+    def gemms_on(self, device_type: str) -> str:
+        """``all`` or ``auto``: :attr:`gemms` with ``device`` resolved for ``device_type``."""
+        if self.gemms != "device":
+            return self.gemms
+        return "auto" if device_type == "cuda" else "all"
 
 
 @dataclass

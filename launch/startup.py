@@ -71,13 +71,15 @@ def fp8_gemms_line(cfg: TrainConfig, device: torch.device) -> Optional[str]:
     """The start-up line saying which GEMMs run FP8 (None with ``fp8=none``)."""
     if not cfg.fp8.enabled:
         return None
-    if cfg.fp8.gemms == "all":
-        return (f"FP8 GEMMs (fp8.gemms=all): every Linear's forward, dgrad and wgrad GEMMs run {cfg.fp8.recipe} FP8 "
+    gemms = cfg.fp8.gemms_on(device.type)
+    setting = f"fp8.gemms={gemms}" if cfg.fp8.gemms == gemms else f"fp8.gemms=device: {gemms} on {device.type}"
+    if gemms == "all":
+        return (f"FP8 GEMMs ({setting}): every Linear's forward, dgrad and wgrad GEMMs run {cfg.fp8.recipe} FP8 "
                 "(fp8.gemms=auto: only where FP8 is faster at the shape)")
     how = ("measured once per shape at the first step (CUDA events, casts included), torchao's tensorwise rule "
            "as the prior" if device.type == "cuda" else
            f"torchao's tensorwise rule (the prior: nothing is measured on {device.type}, it has no FP8 hardware)")
-    return (f"FP8 GEMMs (fp8.gemms=auto): each Linear's GEMMs run {cfg.fp8.recipe} FP8 only where FP8 is faster "
+    return (f"FP8 GEMMs ({setting}): each Linear's GEMMs run {cfg.fp8.recipe} FP8 only where FP8 is faster "
             f"at its shape, else in high precision; decided by {how}; the choices follow after the first step")
 
 

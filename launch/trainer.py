@@ -210,7 +210,7 @@ class Trainer:
                 # FSDP2 reduce-scatters gradients once, after the last micro-batch.
                 self.model.set_requires_gradient_sync(micro == accum - 1)
             tokens, labels = self.loader.micro_batch(micro)
-            with fp8_autocast(self.recipe, self.fp8_group, self.cfg.fp8.gemms, cache):
+            with fp8_autocast(self.recipe, self.fp8_group, self.cfg.fp8.gemms_on(self.rt.device.type), cache):
                 loss = self.model(tokens, labels)
             (loss / accum).backward()
             total += loss.detach().float()
@@ -284,7 +284,8 @@ class Trainer:
                 if self.fp8_stats is not None:
                     self.fp8_stats.active = log_now
                 loss = self._forward_backward()
-                if step == self.start_step + 1 and rt.is_rank0 and self.recipe is not None and cfg.fp8.gemms == "auto":
+                if step == self.start_step + 1 and rt.is_rank0 and self.recipe is not None \
+                        and cfg.fp8.gemms_on(rt.device.type) == "auto":
                     for line in fp8_gemm_choice_lines(self.model):  # decided in this step's forward
                         say(line)
                 t_comm = time.perf_counter()

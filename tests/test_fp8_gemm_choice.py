@@ -231,18 +231,23 @@ def test_explain_says_which_gemms_run_fp8_and_why():
 
 
 def test_launcher_fp8_gemms_field_and_lines():
-    assert compose(["+model=gpt", "fp8=delayed"]).fp8.gemms == "all"
+    default = compose(["+model=gpt", "fp8=delayed"]).fp8
+    assert default.gemms == "device"
+    assert (default.gemms_on("cuda"), default.gemms_on("cpu")) == ("auto", "all")
     cfg = compose(["+model=gpt", "fp8=current", "fp8.gemms=auto"])
     assert cfg.fp8.gemms == "auto"
-    with pytest.raises(ValueError, match=r"fp8\.gemms: expected one of 'all' \| 'auto', got 'aut'; did you mean 'auto'\?"):
+    with pytest.raises(ValueError, match=r"fp8\.gemms: expected one of 'device' \| 'all' \| 'auto', got 'aut'; did you mean 'auto'\?"):
         compose(["+model=gpt", "fp8=delayed", "fp8.gemms=aut"])
-    with pytest.raises(ValueError, match=r"fp8\.gemms: expected one of 'all' \| 'auto', got 'fastest'"):
+    with pytest.raises(ValueError, match=r"fp8\.gemms: expected one of 'device' \| 'all' \| 'auto', got 'fastest'"):
         compose(["+model=gpt", "fp8=delayed", "fp8.gemms=fastest"])
     cpu = torch.device("cpu")
     assert "torchao's tensorwise rule (the prior: nothing is measured on cpu" in fp8_gemms_line(cfg, cpu)
     assert "measured once per shape at the first step" in fp8_gemms_line(cfg, torch.device("cuda"))
     assert "every Linear's forward, dgrad and wgrad GEMMs run delayed FP8" in fp8_gemms_line(
         compose(["+model=gpt", "fp8=delayed"]), cpu)
+    assert "FP8 GEMMs (fp8.gemms=device: all on cpu)" in fp8_gemms_line(compose(["+model=gpt", "fp8=delayed"]), cpu)
+    assert "FP8 GEMMs (fp8.gemms=device: auto on cuda)" in fp8_gemms_line(
+        compose(["+model=gpt", "fp8=delayed"]), torch.device("cuda"))
     assert fp8_gemms_line(compose(["+model=gpt"]), cpu) is None
 
     model = torch.nn.ModuleDict({"layers": torch.nn.ModuleList([

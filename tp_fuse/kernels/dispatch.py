@@ -233,8 +233,10 @@ def select_backend(
     # Auto on CPU: the Triton kernels exist for GPUs; the torch reference is the fast CPU
     # path even with the interpreter on (a testing tool). Decided before triton_status()
     # so that CPU-only use never pays for importing triton.
-    if backend is None and not takes_cuda_path(device):
-        return _non_cuda_choice(device.type)
+    if backend is None:
+        if not takes_cuda_path(device):
+            return _non_cuda_choice(device.type)
+        return _auto_cuda_choice(triton_unsupported)
     ok, detail = triton_status()
     runnable = device.type == "cuda" or triton_interpreted()
     if backend == "triton":
@@ -248,6 +250,14 @@ def select_backend(
         if triton_unsupported is not None:
             raise ValueError(f"{kernel}: backend='triton' requested but {triton_unsupported}")
         return BackendChoice("triton", f"triton requested ({detail})")
+    raise AssertionError(f"unreachable: backend {backend!r}")
+
+
+@functools.lru_cache(maxsize=None)
+def _auto_cuda_choice(triton_unsupported: Optional[str]) -> BackendChoice:
+    # Decided once per distinct reason: built per kernel call, the choice and its
+    # f-string cost more Python than the launch's own bookkeeping.
+    ok, detail = triton_status()
     if not ok:
         return BackendChoice("torch", detail)
     if triton_unsupported is not None:
