@@ -12,6 +12,8 @@ The TE names live in the TE room, ``tp_fuse.te``, the top floor (it builds on
 as ``tp_fuse.comm`` does not import the floors above it.
 """
 
+import importlib
+
 from . import _te_paths, ops, recipe, utils
 from .availability import (
     is_bf16_available,
@@ -49,6 +51,10 @@ _TE_NAMES = frozenset({"LayerNormLinear", "LayerNormMLP", "Linear", "MultiheadAt
 
 
 def __getattr__(name: str):
+    if name == "layers":
+        # `import tp_fuse; tp_fuse.layers.GPT` worked while this package imported the TE room
+        # eagerly; the floor above is now imported on first use instead.
+        return importlib.import_module("tp_fuse.layers")
     if name in _TE_NAMES:
         # Lazy: the TE room sits on tp_fuse.layers, which imports this package.
         from . import te
