@@ -34,9 +34,9 @@ def use_checkout() -> None:
     ``python launch/x.py`` puts ``launch/`` (not the repository root) on ``sys.path``:
     ``launch/logging/`` would then stand in for the standard library's ``logging``, so every
     entry naming ``launch/`` is removed. From a checkout, ``tp_fuse`` is imported from it,
-    installed or not: its ``comm/``, ``layers/``, ``launch/`` are ``tp_fuse.comm``,
-    ``.layers``, ``.launch`` (pyproject's package-dir mapping), which the extra search
-    location (the repository root) provides. Already imported ``tp_fuse``: left as it is.
+    installed or not: ``tp_fuse/comm.py`` (``layers.py``, ``launch.py``) points its
+    ``__path__`` at the root folder (``tp_fuse/_floors.py``), and the extra search location
+    (the repository root) provides ``tp_fuse.configs``. Already imported ``tp_fuse``: left as it is.
     """
     sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != _HERE]
     if "tp_fuse" in sys.modules or not os.path.isfile(os.path.join(_ROOT, "tp_fuse", "__init__.py")):

@@ -31,6 +31,7 @@ from tp_fuse.quantization.gemm_choice import decision_of
 
 from .config import TrainConfig
 from .data import BatchLoader
+from .models.hf import attention_head_dim, moe_note
 from .logging.report import PeakFlops, StepMeter, count_parameters, flops_per_token
 from .runtime import Runtime
 
@@ -117,8 +118,6 @@ def model_flops_per_token(cfg: TrainConfig) -> float:
     need not be hidden / heads."""
     head_dim = None
     if cfg.model.name == "hf":
-        from .models.hf import attention_head_dim
-
         head_dim = attention_head_dim(cfg.model.path)
     return flops_per_token(cfg.model.gpt, cfg.seq_len, head_dim)
 
@@ -154,8 +153,6 @@ def announce(cfg: TrainConfig, rt: Runtime, model: torch.nn.Module, loader: Batc
             "(L x (qkv+proj+fc1+fc2) + vocab x hidden) + 12 x L x heads x head_dim x seq_len; "
             f"peak = {peak.source}")
         if cfg.model.name == "hf":
-            from .models.hf import moe_note
-
             note = moe_note(cfg.model.path)  # the routed experts: what FLOP/token and the sharding do with them
             if note:
                 say(note)

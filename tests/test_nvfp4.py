@@ -289,6 +289,7 @@ def test_gemm_equals_float64_of_the_scaled_operands(two_d):
     assert torch.equal(emulated_block_gemm(pa, pb, torch.float32, b), y)
 
 
+@pytest.mark.gpu
 def test_cuda_nvfp4_gemm_needs_sm100():
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU: the NVFP4 scaled_mm path (sm100+) and its error elsewhere are CUDA-only")

@@ -51,6 +51,10 @@ def _hp(dtype=torch.float32):
 
 
 def test_schema_table_matches_the_registered_ops() -> None:
+    # Importing it registers torch.ops.symm_mem (this test used to rely on `import tp_fuse`
+    # importing tp_fuse.layers, and through it torch.distributed's FSDP, which imports it).
+    import torch.distributed._symmetric_memory  # noqa: F401
+
     for op, args in sm.SCHEMA_ARGS.items():
         schema = getattr(torch.ops.symm_mem, op).default._schema
         assert [(a.name, a.has_default_value()) for a in schema.arguments] == list(args), op
@@ -291,6 +295,7 @@ def _rank_reference(rank: int, world: int) -> dict:
     return out
 
 
+@pytest.mark.multirank
 def test_built_calls_compute_the_window_through_torchs_reference() -> None:
     results = run_distributed(WORLD, _rank_reference)
     for res in results:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import site as site_module
 import subprocess
 import sys
 import sysconfig
@@ -91,7 +92,9 @@ def test_wheel_installs_beside_jupyters_comm(wheel: str, tmp_path) -> None:
     assert proc.returncode == 0, proc.stdout + proc.stderr
     site = _run([py, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"]).stdout.strip()
     # torch, hydra... from this environment, after the venv's own packages
-    parent = dict.fromkeys([sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]])
+    # (site.getsitepackages() too: a venv made with --system-site-packages has torch in the base's)
+    parent = dict.fromkeys([sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"],
+                            *site_module.getsitepackages()])
     with open(os.path.join(site, "zz_parent_env.pth"), "w") as f:
         f.write("\n".join(parent) + "\n")
 
@@ -99,13 +102,16 @@ def test_wheel_installs_beside_jupyters_comm(wheel: str, tmp_path) -> None:
         f"""
         import os, sys
         import comm  # Jupyter's, not tp_fuse.comm (pkgmove: keep)
-        import tp_fuse.comm, tp_fuse.layers, tp_fuse.launch
+        import tp_fuse.comm, tp_fuse.layers, tp_fuse.launch, tp_fuse.comm.topology
         from tp_fuse.launch.api import CONFIG_DIR, compose
 
         site = {site!r}
         assert comm.__file__ == os.path.join(site, "comm", "__init__.py"), comm.__file__
         assert callable(comm.create_comm) and hasattr(comm, "get_comm_manager")  # Jupyter's API
-        assert tp_fuse.comm.__file__ == os.path.join(site, "tp_fuse", "comm", "__init__.py"), tp_fuse.comm.__file__
+        # tp_fuse/comm.py is the package; its modules are in tp_fuse/comm/ (tp_fuse/_floors.py)
+        assert tp_fuse.comm.__file__ == os.path.join(site, "tp_fuse", "comm.py"), tp_fuse.comm.__file__
+        assert tp_fuse.comm.__path__ == [os.path.join(site, "tp_fuse", "comm")], tp_fuse.comm.__path__
+        assert tp_fuse.comm.topology.__file__ == os.path.join(site, "tp_fuse", "comm", "topology.py")
         assert callable(tp_fuse.comm.all_gather_dim0)
         assert tp_fuse.layers.__file__.startswith(site) and tp_fuse.launch.__file__.startswith(site)
         for name in ("launch", "layers"):

@@ -329,5 +329,6 @@ def _tp_layer(rank: int, world_size: int) -> str:
     return "ok"
 
 
+@pytest.mark.multirank
 def test_transformer_layer_tensor_parallel_two_ranks():
     assert run_distributed(2, _tp_layer, timeout=120) == ["ok", "ok"]

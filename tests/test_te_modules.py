@@ -293,5 +293,6 @@ def _tp_cases(rank: int, world_size: int) -> str:
     return "ok"
 
 
+@pytest.mark.multirank
 def test_linear_tensor_parallel_two_ranks():
     assert run_distributed(2, _tp_cases, timeout=120) == ["ok", "ok"]

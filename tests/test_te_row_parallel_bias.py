@@ -146,6 +146,7 @@ def results():
     return run_distributed(2, _all_cases, timeout=300)
 
 
+@pytest.mark.multirank
 @pytest.mark.parametrize("sp", (False, True), ids=("nosp", "sp"))
 @pytest.mark.parametrize("precision", PRECISIONS)
 def test_row_parallel_bias_before_reduction_fused(results, sp: bool, precision: str) -> None:
@@ -159,6 +160,7 @@ def test_row_parallel_bias_before_reduction_fused(results, sp: bool, precision: 
         assert meta["bwd"] == [("UserbuffersBackwardLinear", ["BasicLinear", "Bias", comm])], meta["bwd"]
 
 
+@pytest.mark.multirank
 @pytest.mark.parametrize("sp", (False, True), ids=("nosp", "sp"))
 @pytest.mark.parametrize("precision", PRECISIONS)
 def test_row_parallel_bias_before_reduction_unfused(results, sp: bool, precision: str) -> None:
@@ -168,6 +170,7 @@ def test_row_parallel_bias_before_reduction_unfused(results, sp: bool, precision
     assert ("ForwardLinearBiasActivation", ["BasicLinear", "Bias"]) in meta["fwd"], meta["fwd"]
 
 
+@pytest.mark.multirank
 @pytest.mark.parametrize("sp", (False, True), ids=("nosp", "sp"))
 def test_row_parallel_bias_after_reduction_is_megatron(results, sp: bool) -> None:
     (meta, _) = case_values(results, _name(sp, "fp32", True, "after_reduction"))
@@ -186,6 +189,7 @@ def test_row_parallel_bias_argument() -> None:
     assert "row_parallel_bias='per_rank'" in repr(lin)
 
 
+@pytest.mark.multirank
 def test_bias_tensor_parallel_on_two_ranks(results) -> None:
     for value in case_values(results, "bias_tensor_parallel"):
         assert value == {"sizes": (4, 4, 8, 2, True), "shape": (4,)}

@@ -4,6 +4,7 @@ userbuffers overlap fusions apply to the expansion. Row parallel: each rank's ow
 added before the reduction (Transformer Engine; tests/test_te_row_parallel_bias.py has the
 FP8 and unfused cases)."""
 
+import pytest
 import torch
 import torch.distributed as dist
 
@@ -71,6 +72,7 @@ def _cases(rank: int, world: int) -> dict:
     return out
 
 
+@pytest.mark.multirank
 def test_tensor_parallel_linear_matches_unsharded():
     results = run_distributed(2, _cases, timeout=240)
     r = results[0]

@@ -186,6 +186,7 @@ def results():
     return run_distributed(2, _all, timeout=300)
 
 
+@pytest.mark.multirank
 def test_te_literal_initialize_ub_reaches_the_ops(results) -> None:
     for r in case_values(results, "te_literal_call"):
         assert r["initialized"] is True
@@ -194,17 +195,20 @@ def test_te_literal_initialize_ub_reaches_the_ops(results) -> None:
         assert r["proj_fprop"] == ("proj_fprop", "pipeline", True)
 
 
+@pytest.mark.multirank
 def test_windows_use_their_quantization_mode(results) -> None:
     for r in case_values(results, "fp8_mode"):
         assert r["hp"] == ("bulk", True)
         assert r["fp8"] == ("ring_exchange", True)
 
 
+@pytest.mark.multirank
 def test_unregistered_mode_is_an_error(results) -> None:
     for message in case_values(results, "missing_mode"):
         assert "registered only ['NONE']" in message
 
 
+@pytest.mark.multirank
 def test_explicit_objects_win_and_destroy_ub_redecides(results) -> None:
     for r in case_values(results, "explicit_and_destroy"):
         assert r["explicit"] is True
@@ -213,6 +217,7 @@ def test_explicit_objects_win_and_destroy_ub_redecides(results) -> None:
         assert r["initialized"] is False
 
 
+@pytest.mark.multirank
 def test_tp_size_must_match_the_window(results) -> None:
     for message in case_values(results, "tp_size_mismatch"):
         assert "2 ranks" in message

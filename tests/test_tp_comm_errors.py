@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
+import pytest
 import torch
 
 from dist_utils import run_distributed
@@ -110,6 +111,7 @@ def _rank_main(rank: int, world: int) -> dict:
     return run.result()
 
 
+@pytest.mark.multirank
 def test_errors_raise_on_every_rank_before_communication():
     results = run_distributed(2, _rank_main, timeout=240)
     _check(results, "errors", 6)

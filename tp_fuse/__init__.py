@@ -3,12 +3,18 @@
 ``import tp_fuse as te`` gives the operation-fuser API under ``te.ops`` and the
 FP8 entry points ``te.autocast``, ``te.quantized_model_init`` and
 ``te.recipe``, with Transformer Engine's names, and TE's module classes ``te.Linear``, ``te.LayerNormLinear``
-and ``te.LayerNormMLP``
-(``tp_fuse.module``), ``te.MultiheadAttention`` (``tp_fuse.attention``) and ``te.TransformerLayer``
-(``tp_fuse.transformer``).
+and ``te.LayerNormMLP`` (``tp_fuse.module``), ``te.MultiheadAttention`` (``tp_fuse.attention``) and
+``te.TransformerLayer`` (``tp_fuse.transformer``).
+
+The TE names live in the TE room, ``tp_fuse.te``, the top floor (it builds on
+``tp_fuse.layers``). They are loaded on first use (module ``__getattr__`` here, and
+:mod:`tp_fuse._te_paths` for TE's module paths), so importing ``tp_fuse`` or a lower floor such
+as ``tp_fuse.comm`` does not import the floors above it.
 """
 
-from . import constants, cpp_extensions, module, ops, recipe, utils
+import importlib
+
+from . import _te_paths, ops, recipe, utils
 from .availability import (
     is_bf16_available,
     is_fp8_available,
@@ -17,7 +23,6 @@ from .availability import (
     is_nvfp4_available,
 )
 from .distributed import checkpoint
-from .module import LayerNormLinear, LayerNormMLP, Linear
 from .ops.explain import explain
 from .utils import get_device_compute_capability
 from .quantization import (
@@ -38,10 +43,26 @@ from .quantization import (
     autocast,
     quantized_model_init,
 )
-# Last: they import tp_fuse.layers, which imports the names above.
-from . import attention, transformer
-from .attention import MultiheadAttention
-from .transformer import TransformerLayer
+
+_te_paths.install()
+
+#: Names served by the TE room on first use (it imports tp_fuse.layers, a floor above this one).
+_TE_NAMES = frozenset({"LayerNormLinear", "LayerNormMLP", "Linear", "MultiheadAttention", "TransformerLayer",
+                       *_te_paths.TE_MODULES})
+
+
+def __getattr__(name: str):
+    if name == "layers":
+        # `import tp_fuse; tp_fuse.layers.GPT` worked while this package imported the TE room
+        # eagerly; the floor above is now imported on first use instead.
+        return importlib.import_module("tp_fuse.layers")
+    if name in _TE_NAMES:
+        # Lazy: the TE room sits on tp_fuse.layers, which imports this package.
+        from . import te
+        value = getattr(te, name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'tp_fuse' has no attribute {name!r}")
 
 __all__ = [
     "DType",
@@ -66,6 +87,7 @@ __all__ = [
     "attention",
     "autocast",
     "checkpoint",
+    "constants",
     "cpp_extensions",
     "explain",
     "get_device_compute_capability",

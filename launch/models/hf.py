@@ -2,12 +2,14 @@
 
 The directory is untrusted input. Nothing in it runs code:
 
-* ``config.json`` is read as JSON (its ``model_type`` must be one of :data:`LAUNCHER_FAMILIES`:
-  every family with a built-in ``wrap`` plan, ``tp_fuse.layers.wrap.hf_plans.FAMILIES``, whose
-  config spellings are read here and which are tested TP=2 vs TP=1 through the launcher);
-  ``transformers`` builds the model with ``trust_remote_code=False`` and
-  ``local_files_only=True`` (no hub access);
-* weights are loaded only from ``*.safetensors`` (a directory with pickled
+* ``config.json`` is first read as JSON (its ``model_type`` must be one of
+  :data:`LAUNCHER_FAMILIES`: every family with a built-in ``wrap`` plan,
+  ``tp_fuse.layers.wrap.hf_plans.FAMILIES``, each tested TP=2 vs TP=1 through the launcher;
+  every size it gives bounded), then resolved by ``transformers.AutoConfig`` (class defaults,
+  spellings); ``transformers`` reads and builds with ``trust_remote_code=False`` and
+  ``local_files_only=True`` (no hub access, an ``auto_map`` runs nothing);
+* weight headers are read by ``safetensors`` (dtypes checked before loading); weights are
+  loaded only from ``*.safetensors`` (a directory with pickled
   ``pytorch_model.bin`` weights only is refused); without weights the model is randomly
   initialized from the run's seed, identically on every rank;
 * the tokenizer is ``tokenizer.json`` read by ``tokenizers`` (a data file, no code).
@@ -28,7 +30,6 @@ import importlib
 import json
 import os
 import re
-import struct
 import sys
 import warnings
 from collections.abc import Iterator, Mapping
@@ -47,7 +48,7 @@ from tp_fuse.safe_files import open_regular_file, read_regular_file
 
 from ..tokenizer import FileTokenizer
 
-__all__ = ["read_hf_config", "gpt_fields", "check_weight_files", "parameter_count", "load_tokenizer",
+__all__ = ["read_hf_config", "hf_config", "gpt_fields", "check_weight_files", "parameter_count", "load_tokenizer",
            "build_hf_model", "CausalLMLoss", "moe_note", "attention_head_dim"]
 
 #: The families +model=hf takes, and how each one's config.json maps onto the launcher's
@@ -125,9 +126,6 @@ _FLOAT_DTYPES = ("F16", "BF16", "F32", "F64")
 #: causal mask ``attention.bias`` is BOOL, position ids are I64); transformers drops or
 #: keeps them as they are, it never casts them into a float weight.
 _BUFFER_DTYPES = ("BOOL", "I64")
-#: A safetensors header is JSON of a few kB per tensor; the safetensors library refuses
-#: more than 100 MB, and so do we (the 8-byte length is untrusted).
-_SAFETENSORS_HEADER_LIMIT = 100 * 2**20
 #: config.json and model.safetensors.index.json: a few kB (an index: ~100 B per tensor).
 _JSON_LIMIT = 64 * 2**20
 _INDEX_FILE = "model.safetensors.index.json"
@@ -156,26 +154,65 @@ def read_hf_config(path: Any) -> dict[str, Any]:
     return data
 
 
-def _optional_int_field(data: dict[str, Any], file: str, *names: str) -> Optional[int]:
-    """The first of ``names`` present in config.json (a positive int within its
-    :data:`SIZE_BOUNDS` bound), or None if none is."""
-    for name in names:
-        value = data.get(name)
-        if value is not None:
-            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-                raise ValueError(f"{file}: {name} must be a positive int, got {value!r}")
-            bound = SIZE_BOUNDS.get(_ALIASES.get(name, name))
-            if bound is not None and value > bound:
-                raise ValueError(f"{file}: {name} = {value} is above the sane bound {bound} (no published "
-                                 f"model comes close); refusing to allocate it (typo or crafted config?)")
-            return value
-    return None
+def _check_int(value: Any, file: str, name: str) -> int:
+    """``value`` of config field ``name``: a positive int within its :data:`SIZE_BOUNDS` bound."""
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ValueError(f"{file}: {name} must be a positive int, got {value!r}")
+    bound = SIZE_BOUNDS.get(_ALIASES.get(name, name))
+    if bound is not None and value > bound:
+        raise ValueError(f"{file}: {name} = {value} is above the sane bound {bound} (no published "
+                         f"model comes close); refusing to allocate it (typo or crafted config?)")
+    return value
 
 
-def _int_field(data: dict[str, Any], file: str, *names: str) -> int:
-    value = _optional_int_field(data, file, *names)
+def _check_file_sizes(data: dict[str, Any], file: str) -> None:
+    """Every size config.json gives (under any of the spellings in :data:`SIZE_BOUNDS` /
+    :data:`_ALIASES`) is a positive int within its bound, and ``num_key_value_heads`` a
+    positive int: checked on the file's own values, before transformers reads them (a
+    config class builds per-layer lists from ``num_hidden_layers``)."""
+    for name, value in data.items():
+        if value is not None and _ALIASES.get(name, name) in SIZE_BOUNDS:
+            _check_int(value, file, name)
+    kv = data.get("num_key_value_heads")
+    if kv is not None and (isinstance(kv, bool) or not isinstance(kv, int) or kv <= 0):
+        raise ValueError(f"{file}: num_key_value_heads must be a positive int dividing num_attention_heads "
+                         f"({data.get('num_attention_heads', '?')}), got {kv!r}")
+
+
+def hf_config(path: str) -> Any:
+    """The model directory's config as transformers builds the model from it:
+    ``AutoConfig.from_pretrained(path, local_files_only=True, trust_remote_code=False)`` (the
+    family's class defaults for what config.json leaves out, each field under every spelling
+    its class maps: GPT-2's ``n_embd`` is ``hidden_size``, Qwen3-MoE's ``num_experts`` is
+    ``num_local_experts``, Bloom's legacy ``n_embed``). config.json is checked first
+    (:func:`read_hf_config`: JSON, a launcher family; every size bounded); nothing in the
+    directory runs (no remote code: an ``auto_map`` is ignored, the family's own class is used)."""
+    data = read_hf_config(path)
+    file = os.path.join(path, "config.json")
+    _check_file_sizes(data, file)
+    # Imported here: transformers is the `hf` extra; only +model=hf needs it.
+    import transformers
+
+    try:
+        with warnings.catch_warnings():  # default special-token ids outside a tiny vocab etc.
+            warnings.simplefilter("ignore")
+            return transformers.AutoConfig.from_pretrained(path, local_files_only=True, trust_remote_code=False)
+    except Exception as e:  # noqa: BLE001 -- an untrusted file: whatever transformers raises (its strict
+        # field validation raises huggingface_hub's own error class) becomes one error naming the file
+        raise ValueError(f"{file}: transformers cannot read it as a {data['model_type']} config: "
+                         f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}") from None
+
+
+def _optional_int_field(config: Any, file: str, name: str) -> Optional[int]:
+    """The config's ``name`` (checked as :func:`_check_int`), or None where it has none."""
+    value = getattr(config, name, None)
+    return None if value is None else _check_int(value, file, name)
+
+
+def _int_field(config: Any, file: str, name: str) -> int:
+    value = _optional_int_field(config, file, name)
     if value is None:
-        raise ValueError(f"{file}: missing {' / '.join(names)}")
+        raise ValueError(f"{file}: missing {name}")
     return value
 
 
@@ -205,86 +242,36 @@ def parameter_count(fields: dict[str, Any], head_dim: int, experts: int = 1, exp
     return count + layers * (attention + mlp)
 
 
-def _class_defaults(model_type: str) -> dict[str, Any]:
-    """The family config class's defaults (``transformers.CONFIG_MAPPING``; a default
-    config allocates nothing). ``save_pretrained`` leaves out of config.json every value
-    equal to its class default (Gemma's ``head_dim`` 256, ``tie_word_embeddings`` True for
-    some families and False for others), and transformers builds the model with those
-    defaults: the launcher's sizes must be read the same way."""
-    import transformers
-
-    with warnings.catch_warnings():  # default special-token ids outside the default vocab etc.
-        warnings.simplefilter("ignore")
-        return transformers.CONFIG_MAPPING[model_type]().to_dict()
-
-
-def _spellings(model_type: str) -> list[set[str]]:
-    """Groups of config.json keys that transformers reads as one field of this family:
-    its config class's ``attribute_map`` (GPT-2's ``hidden_size`` is ``n_embd``, Qwen3-MoE's
-    and Mixtral's ``num_experts`` is ``num_local_experts``) and Bloom's legacy ``n_embed``."""
-    import transformers
-
-    attribute_map = getattr(transformers.CONFIG_MAPPING[model_type], "attribute_map", None) or {}
-    groups = [{alias, name} for alias, name in attribute_map.items()]
-    if model_type == "bloom":
-        groups.append({"hidden_size", "n_embed"})
-    return groups
-
-
-def _with_class_defaults(data: dict[str, Any]) -> dict[str, Any]:
-    """config.json's fields over its family's class defaults (:func:`_class_defaults`). A
-    field config.json gives under any of its spellings (:func:`_spellings`) replaces the
-    default under all of them: the Qwen3-MoE class stores its expert count as
-    ``num_local_experts`` (default 128) while published config.json files say
-    ``num_experts``, and transformers builds the model with the file's value."""
-    model_type = data["model_type"]
-    defaults = _class_defaults(model_type)
-    for names in _spellings(model_type):
-        if names & data.keys():
-            for name in names:
-                defaults.pop(name, None)
-    return {**defaults, **data}
-
-
-def _names(model_type: str, field: str) -> tuple[str, ...]:
-    """``field`` and its other spellings for this family (:func:`_spellings`)."""
-    return (field, *sorted(n for g in _spellings(model_type) if field in g for n in g if n != field))
-
-
-def _hidden_names(model_type: str) -> tuple[str, ...]:
-    """config.json's spellings of the hidden size, the one transformers uses first (Bloom's
-    legacy ``n_embed`` wins over ``hidden_size``: ``BloomConfig.__post_init__``)."""
-    return ("n_embed", "hidden_size") if model_type == "bloom" else ("hidden_size", "n_embd")
-
-
 #: Families whose attention is hidden_size / num_attention_heads wide whatever config.json's
-#: ``head_dim`` says (their attention modules do not read it); every other family's
-#: attention reads ``config.head_dim`` where it is set (Gemma's 256, Qwen3's 128).
+#: ``head_dim`` says: their attention modules do not read it (a fact of transformers' modeling
+#: code, which no config API states); every other family's attention reads
+#: ``config.head_dim`` where it is set (Gemma's 256, Qwen3's 128; Qwen2's attention reads a
+#: ``head_dim`` its config class does not even declare).
 _FIXED_HEAD_DIM = ("gpt2", "gptj", "opt", "bloom", "gpt_neox", "stablelm")
 
 
-def _head_dim(data: dict[str, Any], file: str, hidden: int, heads: int) -> int:
-    """The attention head width as the family's attention module computes it: config.json's
-    (or the class default's) ``head_dim`` where it reads one, else hidden / heads."""
-    if data["model_type"] in _FIXED_HEAD_DIM:
+def _head_dim(config: Any, file: str, hidden: int, heads: int) -> int:
+    """The attention head width as the family's attention module computes it: the config's
+    ``head_dim`` (config.json's or the class default) where it reads one, else hidden / heads."""
+    if config.model_type in _FIXED_HEAD_DIM:
         return hidden // heads
-    return _optional_int_field(data, file, "head_dim") or hidden // heads
+    return _optional_int_field(config, file, "head_dim") or hidden // heads
 
 
-def _moe_sizes(data: dict[str, Any], file: str, layers: int) -> tuple[int, int, int]:
+def _moe_sizes(config: Any, file: str, layers: int) -> tuple[int, int, int]:
     """``(routed experts, experts per token, shared-expert width or 0)`` of an MoE family's
-    config.json (class defaults merged in). Every layer must be an MoE layer: Qwen's
+    config (:func:`hf_config`). Every layer must be an MoE layer: Qwen's
     ``mlp_only_layers`` / ``decoder_sparse_step`` can make some layers dense, which
     :class:`tp_fuse.layers.GPTConfig`'s one FFN shape for all layers cannot describe."""
-    model_type = data["model_type"]
+    model_type = config.model_type
     experts_field, per_token_field, shared_field = _MOE[model_type]
-    experts = _int_field(data, file, *_names(model_type, experts_field))
-    per_token = _int_field(data, file, per_token_field)
+    experts = _int_field(config, file, experts_field)
+    per_token = _int_field(config, file, per_token_field)
     if per_token > experts:
         raise ValueError(f"{file}: {per_token_field} ({per_token}) is more than {experts_field} ({experts})")
-    shared = _int_field(data, file, shared_field) if shared_field else 0
-    only = data.get("mlp_only_layers") or []
-    step = data.get("decoder_sparse_step", 1)
+    shared = _int_field(config, file, shared_field) if shared_field else 0
+    only = getattr(config, "mlp_only_layers", None) or []
+    step = getattr(config, "decoder_sparse_step", 1)
     if not isinstance(only, list) or any(isinstance(i, bool) or not isinstance(i, int) for i in only):
         raise ValueError(f"{file}: mlp_only_layers must be a list of layer indices, got {only!r}")
     if isinstance(step, bool) or not isinstance(step, int) or step <= 0:
@@ -300,22 +287,21 @@ def _moe_sizes(data: dict[str, Any], file: str, layers: int) -> tuple[int, int, 
 
 def gpt_fields(path: str) -> dict[str, Any]:
     """The launcher's model sizes (``tp_fuse.layers.GPTConfig`` fields) read from ``config.json``
-    (a field it leaves out: the family config class's default, as transformers reads it):
+    as transformers reads it (:func:`hf_config`: class defaults for what it leaves out):
     they drive validation (``parallel.tp`` vs heads, ``data.seq_len`` vs positions), the
     FLOP/token of the MFU line and the checkpoint manifest; the model itself is built by
     ``transformers``."""
-    data = read_hf_config(path)
+    config = hf_config(path)
     file = os.path.join(path, "config.json")
-    model_type = data["model_type"]
-    data = _with_class_defaults(data)
+    model_type = config.model_type
     ffn_field, gated, norm, position, bias = _FORMATS[model_type]
-    heads = _int_field(data, file, "num_attention_heads", "n_head")
-    hidden = _int_field(data, file, *_hidden_names(model_type))
-    layers = _int_field(data, file, "num_hidden_layers", "n_layer")
+    heads = _int_field(config, file, "num_attention_heads")
+    hidden = _int_field(config, file, "hidden_size")
+    layers = _int_field(config, file, "num_hidden_layers")
     # Read by transformers and by every wrap plan (tp_fuse.layers.wrap.hf_plans): a negative
     # or zero value (which `or heads` would silently replace) fails after the process group
     # has started, and a count not dividing the heads breaks the query-to-KV-head grouping.
-    kv = data.get("num_key_value_heads")
+    kv = getattr(config, "num_key_value_heads", None)
     if kv is not None:
         if isinstance(kv, bool) or not isinstance(kv, int) or kv <= 0 or heads % kv:
             raise ValueError(f"{file}: num_key_value_heads must be a positive int dividing num_attention_heads "
@@ -323,22 +309,22 @@ def gpt_fields(path: str) -> dict[str, Any]:
     if ffn_field is None:  # Bloom: 4 x hidden, whatever config.json says
         inner = 4 * hidden
     elif ffn_field == "n_inner":  # GPT-2 / GPT-J: n_inner null means 4 x hidden (what their MLPs build)
-        inner = _optional_int_field(data, file, ffn_field) or 4 * hidden
+        inner = _optional_int_field(config, file, ffn_field) or 4 * hidden
     else:
-        inner = _int_field(data, file, ffn_field)
+        inner = _int_field(config, file, ffn_field)
     experts = experts_per_token = 1
     shared = 0
     if model_type in _MOE:
-        experts, experts_per_token, shared = _moe_sizes(data, file, layers)
+        experts, experts_per_token, shared = _moe_sizes(config, file, layers)
         # FLOP/token: a token goes through experts_per_token experts of width `inner`, and
         # through the shared expert where the family has one (all gated MLPs).
         inner = inner * experts_per_token + shared
     if model_type == "bloom":  # ALiBi: no position table bounds the sequence
-        max_seq_len = _optional_int_field(data, file, "seq_length") or _BLOOM_SEQ_LEN
+        max_seq_len = _optional_int_field(config, file, "seq_length") or _BLOOM_SEQ_LEN
     else:
-        max_seq_len = _int_field(data, file, "max_position_embeddings", "n_positions")
+        max_seq_len = _int_field(config, file, "max_position_embeddings")
     fields: dict[str, Any] = {
-        "vocab_size": _int_field(data, file, "vocab_size"),
+        "vocab_size": _int_field(config, file, "vocab_size"),
         "max_seq_len": max_seq_len,
         "hidden_size": hidden,
         "num_layers": layers,
@@ -348,10 +334,10 @@ def gpt_fields(path: str) -> dict[str, Any]:
         "activation": "swiglu" if gated else "gelu",
         "normalization": norm,
         "position_embedding": position,
-        "tie_embeddings": bool(data.get("tie_word_embeddings")),
-        "bias": bool(data.get("use_bias", bias)),  # Starcoder2 says so in its config
+        "tie_embeddings": bool(getattr(config, "tie_word_embeddings", False)),
+        "bias": bool(getattr(config, "use_bias", bias)),  # Starcoder2 says so in its config
     }
-    params = parameter_count(fields, _head_dim(data, file, hidden, heads), experts, experts_per_token, shared)
+    params = parameter_count(fields, _head_dim(config, file, hidden, heads), experts, experts_per_token, shared)
     need, have = params * _MIN_ITEMSIZE, _host_memory_bytes()
     if need > have:
         raise ValueError(f"{file}: the model has {params:,} parameters, {need / 2**30:,.1f} GiB even in bfloat16, "
@@ -366,24 +352,23 @@ def attention_head_dim(path: str) -> int:
     it: config.json's ``head_dim`` (or the class default: Gemma 256, Qwen3 128) where the
     family reads one, else hidden_size / num_attention_heads. ``num_heads x head_dim`` need
     not be hidden_size (Gemma, Qwen3): the FLOP/token's attention terms use this width."""
-    data = _with_class_defaults(read_hf_config(path))
+    config = hf_config(path)
     file = os.path.join(path, "config.json")
-    heads = _int_field(data, file, "num_attention_heads", "n_head")
-    hidden = _int_field(data, file, *_hidden_names(data["model_type"]))
-    return _head_dim(data, file, hidden, heads)
+    heads = _int_field(config, file, "num_attention_heads")
+    hidden = _int_field(config, file, "hidden_size")
+    return _head_dim(config, file, hidden, heads)
 
 
 def moe_note(path: str) -> Optional[str]:
     """For an MoE model directory: one line for the start report saying how its FLOP/token
     and its sharding treat the routed (and shared) experts; None for a dense model."""
-    data = read_hf_config(path)
-    model_type = data["model_type"]
+    model_type = read_hf_config(path)["model_type"]
     if model_type not in _MOE:
         return None
-    data = _with_class_defaults(data)
+    config = hf_config(path)
     file = os.path.join(path, "config.json")
-    experts, per_token, shared = _moe_sizes(data, file, _int_field(data, file, "num_hidden_layers"))
-    width = data[_FORMATS[model_type][0]]
+    experts, per_token, shared = _moe_sizes(config, file, _int_field(config, file, "num_hidden_layers"))
+    width = getattr(config, _FORMATS[model_type][0])
     return (f"MoE ({model_type}): {experts} routed experts per layer, {per_token} per token"
             + (f", and a shared expert (width {shared})" if shared else "")
             + f"; FLOP/token counts the {per_token} a token goes through"
@@ -400,27 +385,20 @@ def _inside(path: str, root: str) -> bool:
 
 
 def _safetensors_dtypes(file: str) -> dict[str, str]:
-    """``{tensor name: dtype}`` from a safetensors file's header (8-byte little-endian
-    length, then that much JSON), read with the header's size bounded."""
-    with open_regular_file(file, "model.path: weight file", follow_symlinks=True) as f:
-        head = f.read(8)
-        if len(head) < 8:
-            raise ValueError(f"model.path: {file} is not a safetensors file (shorter than its 8-byte header length)")
-        (size,) = struct.unpack("<Q", head)
-        if size > _SAFETENSORS_HEADER_LIMIT:
-            raise ValueError(f"model.path: {file} declares a {size}-byte safetensors header, more than the "
-                             f"{_SAFETENSORS_HEADER_LIMIT} bytes allowed (damaged or crafted?)")
-        raw = f.read(size)
+    """``{tensor name: dtype}`` from a safetensors file's header, read by the ``safetensors``
+    library (which bounds the header at 100 MB, checks it is a JSON object of tensor entries
+    and that their offsets fit the file; it reads no tensor data). The file is first checked
+    to be a regular file (not a FIFO or device: ``tp_fuse.safe_files``)."""
+    # Imported here: safetensors comes with the `hf` extra (transformers needs it), not with tp-fuse.
+    from safetensors import SafetensorError, safe_open
+
+    with open_regular_file(file, "model.path: weight file", follow_symlinks=True):
+        pass
     try:
-        header = json.loads(raw)
-    except ValueError as e:
-        raise ValueError(f"model.path: {file} has an unreadable safetensors header: {e}") from None
-    except RecursionError:
-        raise ValueError(f"model.path: {file} has a safetensors header nested too deeply") from None
-    if not isinstance(header, dict):
-        raise ValueError(f"model.path: {file}: the safetensors header must be a JSON object")
-    return {name: info.get("dtype") if isinstance(info, dict) else None
-            for name, info in header.items() if name != "__metadata__"}
+        with safe_open(file, framework="pt") as f:
+            return {name: f.get_slice(name).get_dtype() for name in f.keys()}
+    except (SafetensorError, OSError) as e:
+        raise ValueError(f"model.path: {file} is not a readable safetensors file: {e}") from None
 
 
 def check_weight_files(path: str) -> None:

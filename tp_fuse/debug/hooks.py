@@ -101,6 +101,7 @@ class LinearDebugHooks:
         the next fusion decision and GEMM).
         """
         if self.uses_debug_api:
+            # Imported here: a real cycle (inspect_api builds on this module's LinearDebugHooks).
             from .inspect_api import debug_api_initialized, layer_has_config
 
             return debug_api_initialized() and layer_has_config(self.layer_name)

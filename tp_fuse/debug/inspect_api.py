@@ -56,8 +56,11 @@ from typing import Any, Optional
 import torch
 from nvdlfw_inspect.base import BaseNamespaceAPI
 
+from ..ops.hooks import register_first_forward_hook
 from .config import GEMMS, TENSORS, _feature
 from .features.api import DebugFeature
+from .hooks import LinearDebugHooks
+from .naming import hooks_for, name_linears
 from .stats import StatsBuffer
 
 __all__ = ["FEATURE_DIR", "NAMESPACE", "TransformerEngineAPI", "attach_debug_api", "debug_api_initialized"]
@@ -250,8 +253,6 @@ def attach_debug_api(model: torch.nn.Module, *, tp_group: Optional[torch.distrib
     when the debug API is not initialized with tp_fuse's features, or when a layer already
     has a :class:`~tp_fuse.debug.DebugSession`.
     """
-    from .naming import hooks_for, name_linears
-
     if not debug_api_initialized():
         raise ValueError("attach_debug_api: call nvdlfw_inspect.api.initialize(config_file=..., "
                          "feature_dirs=[tp_fuse.debug.FEATURE_DIR]) first")
@@ -271,8 +272,6 @@ def attach_named_op(op: Any) -> None:
     name = getattr(op, "name", None)
     if not isinstance(name, str) or not name:
         return
-    from .hooks import LinearDebugHooks
-
     suffix = ".basic_linear"  # ops.Linear's inner op: the layer is the ops.Linear
     layer_name = name[: -len(suffix)] if name.endswith(suffix) else name
     check_namespace_registered()
@@ -282,3 +281,12 @@ def attach_named_op(op: Any) -> None:
         op.debug_hooks = hooks
     if hooks.session is None and not hooks.uses_debug_api:
         hooks.use_debug_api()
+
+
+@register_first_forward_hook
+def join_debug_api_at_first_forward(op: Any) -> None:
+    """The op layer's first-forward hook (``tp_fuse.ops.hooks``): a GEMM op joins the debug API
+    under its ``name`` when ``nvdlfw_inspect.api.initialize`` is in force; otherwise one
+    ``sys.modules`` look-up."""
+    if debug_api_initialized():
+        attach_named_op(op)

@@ -271,8 +271,8 @@ def explain(module: torch.nn.Module) -> Explanation:
     or high precision for a group that has not run yet. The header names the recipe
     and the basis (``[last forward]`` or ``[recipe in force]``).
     """
+    # Imported here: a real cycle (fuser and sequential import this module's explanations).
     from .fuser import OperationFuser, _current_recipe
-    from .op import FusibleOperation
     from .sequential import Sequential
 
     if isinstance(module, Sequential):

@@ -59,6 +59,7 @@ import torch.distributed as dist
 from tp_fuse.comm.userbuffers import symmetric_memory_available
 
 from ..kernels.cuda_rules import scaled_mm_violations
+from ..quantization import BlockScaledTensor, Float8Tensor, is_quantized_tensor
 from ..strict import STRICT_ENV, CudaConformanceError, strict_cuda_enabled
 
 __all__ = [
@@ -154,8 +155,6 @@ def fp8_layout_problem(a_fp8: Any, w_fp8: Any) -> Optional[str]:
     Expressible: per-tensor ``Float8Tensor`` pairs (tensor-wise scales) and
     ``BlockScaledTensor`` pairs of the ``rowwise`` recipe (row-wise scales, 1xK blocks).
     """
-    from ..quantization import BlockScaledTensor, Float8Tensor
-
     if isinstance(a_fp8, BlockScaledTensor) or isinstance(w_fp8, BlockScaledTensor):
         names = {getattr(t, "recipe_name", type(t).__name__) for t in (a_fp8, w_fp8)}
         if names != {"rowwise"}:
@@ -174,8 +173,6 @@ def fp8_operands(a_fp8: Any, w_fp8: Any) -> tuple[torch.Tensor, torch.Tensor, to
     ``B_scale [1, N]`` fp32 contiguous (``_scaled_mm``'s row-wise form). Call
     :func:`fp8_layout_problem` first.
     """
-    from ..quantization import BlockScaledTensor
-
     if isinstance(a_fp8, BlockScaledTensor):
         pa, pw = a_fp8.payload("rowwise"), w_fp8.payload("rowwise")
         a_scale = pa.scale_inv.to(torch.float32).reshape(-1, 1).contiguous()
@@ -499,8 +496,6 @@ def window_call(mode: str, a: Any, w: Any, *, group_name: str, world_size: int, 
         raise ValueError(f"window_call: mode must be 'all_gather' or 'reduce_scatter', got {mode!r}")
     rs = mode == "reduce_scatter"
     scale_after = float(world_size) if rs else 1.0
-    from ..quantization import is_quantized_tensor
-
     if not is_quantized_tensor(a):
         if is_quantized_tensor(w):
             raise ValueError("window_call: a high-precision input with an FP8 weight has no symm_mem form")

@@ -25,6 +25,7 @@ from ...quantization import (
 )
 from ...recipe import DelayedScaling, NVFP4BlockScaling
 from ..extra_state import QuantizerStateMixin
+from ..hooks import run_first_forward_hooks
 from ..op import BasicOperation, OperationContext, require
 from ._checks import maybe_dequantize
 from ._tp import TPCommOperation, group_size
@@ -202,12 +203,9 @@ class BasicLinear(QuantizerStateMixin, BasicOperation):
     def pre_first_fuser_forward(self) -> None:
         """Join nvdlfw-inspect's debug API (TE's ``debug_api.initialize``) under this op's
         ``name`` attribute, when both are set; before the fusion decisions, which a layer
-        with debug features must stay out of (``tp_fuse.debug.inspect_api``). Costs one
-        ``sys.modules`` look-up when the debug API is not in use."""
-        from ...debug.inspect_api import attach_named_op, debug_api_initialized
-
-        if debug_api_initialized():
-            attach_named_op(self)
+        with debug features must stay out of (``tp_fuse.debug.inspect_api``). The debug
+        package registers that join into the op layer's hooks (``tp_fuse.ops.hooks``)."""
+        run_first_forward_hooks(self)
 
     # ---- validation ------------------------------------------------------
 

@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
-from typing import TYPE_CHECKING, Any, Optional, Sequence
+from typing import Any, Optional, Sequence
 
 import torch
 
@@ -48,11 +48,10 @@ from ..basic.all_gather import AllGather
 from ..basic.basic_linear import BasicLinear
 from ..basic.bias import Bias
 from ..basic.reduce_scatter import ReduceScatter
-from ..op import OperationContext
+from ..fused.userbuffers_forward_linear import _regather
+from ..fuser import OperationFuser
+from ..op import FusibleOperation, OperationContext
 from .overlap_plan import compile_windows
-
-if TYPE_CHECKING:
-    from ..fuser import OperationFuser
 
 __all__ = [
     "BackwardOpChain", "OverlapWindowState", "plan_windows", "ub_linear", "ub_linear_backward", "unaliased",
@@ -107,8 +106,6 @@ def plan_windows(op_ids: tuple[int, ...]) -> tuple[tuple[int, int, str], ...]:
     the custom op can rebuild (the input and the weight: not ``save_gathered_input``).
     Records the fused ops in each BasicLinear's :class:`OverlapWindowState`.
     """
-    from ..fuser import OperationFuser
-
     # A fuser of our own over the same ops: the one being traced may exist only in
     # dynamo's trace (a Sequential builds its fusers at the first call), not as an object.
     fuser = OperationFuser([_live_op(i) for i in op_ids], expand=False)
@@ -170,8 +167,6 @@ def _live_op(op_id: int) -> Any:
     """The op whose ``id()`` is ``op_id``. Dynamo passes a constant-result function only
     constants, not modules, so the traced code passes ``id(op)``; the ops are alive (the
     group being traced holds them) and the result's type is checked."""
-    from ..op import FusibleOperation
-
     op = ctypes.cast(op_id, ctypes.py_object).value
     if not isinstance(op, FusibleOperation):
         raise RuntimeError(f"plan_windows: id {op_id} is not a live FusibleOperation")
@@ -229,8 +224,6 @@ def window_backward(
     """Run the window's eager backward from the context its forward leaves: ``saved`` =
     (this rank's input as ``[rows, in]``, the weight), as plain or FP8 tensors; ``fp8``: the
     FP8 forward's ``(grad_quantizer, grad_tracker)`` binding (``overlap_fp8``), else None."""
-    from ..fused.userbuffers_forward_linear import _regather
-
     _, bwd = window.target().window
     _check_params(bwd, w, b)
     ctxs = _contexts(bwd)

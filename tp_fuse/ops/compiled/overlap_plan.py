@@ -24,6 +24,9 @@ from ..basic.all_reduce import AllReduce
 from ..basic.basic_linear import BasicLinear
 from ..basic.bias import Bias
 from ..basic.reduce_scatter import ReduceScatter
+from ..fused.userbuffers_backward_linear import UserbuffersBackwardLinear
+from ..fused.userbuffers_forward_linear import UserbuffersForwardLinear
+from ..fused.userbuffers_forward_linear_all_reduce import UserbuffersForwardLinearAllReduce
 from ..op import op_display_name
 from ...quantization.compile_state import recipe_key
 
@@ -89,10 +92,6 @@ def compile_windows(
     into a ``UserbuffersForwardLinearAllReduce`` and no backward op reaches
     outside the window (the all-reduce's backward is the identity: no overlap to keep).
     """
-    from ..fused.userbuffers_backward_linear import UserbuffersBackwardLinear
-    from ..fused.userbuffers_forward_linear import UserbuffersForwardLinear
-    from ..fused.userbuffers_forward_linear_all_reduce import UserbuffersForwardLinearAllReduce
-
     ops = fuser.basic_ops
     forward = {idx[0]: (op, tuple(idx)) for op, idx in fuser.forward_ops}
     backward = {tuple(idx): op for op, idx in fuser.backward_ops if isinstance(op, UserbuffersBackwardLinear)}

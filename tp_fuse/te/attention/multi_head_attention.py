@@ -14,8 +14,8 @@ from typing import Any, Optional, Union
 
 import torch
 
-from ..distributed import checkpoint
-from ..layers.attention import DotProductAttention
+from tp_fuse.distributed import checkpoint
+from tp_fuse.layers.attention import DotProductAttention
 from ..module._ops_module import check_common_args, refuse_unless
 from ..module.layernorm_linear import LayerNormLinear
 from ..module.linear import Linear

@@ -8,9 +8,9 @@ from typing import Any, Optional
 
 import torch
 
-from .. import ops as _ops
-from ..ops.basic.make_extra_output import MakeExtraOutput
-from ..ops.sequential import Sequential
+from tp_fuse import ops as _ops
+from tp_fuse.ops.basic.make_extra_output import MakeExtraOutput
+from tp_fuse.ops.sequential import Sequential
 from ._ops_module import OpsModule, check_common_args, init_fn, norm_op, refuse_unless, set_megatron_attrs
 from .linear import linear_ops
 

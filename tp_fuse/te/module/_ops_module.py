@@ -23,12 +23,12 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-from ..ops.basic._tp import group_size
-from ..ops.basic.layer_norm import LayerNorm
-from ..ops.basic.rmsnorm import RMSNorm
-from ..quantization import active_autocast
-from ..quantization.parameter import is_fp8_parameter
-from ..quantization.quantizer import DelayedScalingQuantizer
+from tp_fuse.ops.basic._tp import group_size
+from tp_fuse.ops.basic.layer_norm import LayerNorm
+from tp_fuse.ops.basic.rmsnorm import RMSNorm
+from tp_fuse.quantization import active_autocast
+from tp_fuse.quantization.parameter import is_fp8_parameter
+from tp_fuse.quantization.quantizer import DelayedScalingQuantizer
 
 #: ``_extra_state`` of a module with several GEMMs: JSON of each op's own extra state.
 _FORMAT = "tp_fuse.module"

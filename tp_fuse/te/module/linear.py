@@ -7,9 +7,9 @@ from typing import Any, Optional, Union
 
 import torch
 
-from ..ops.basic.basic_linear import BasicLinear
-from ..ops.basic.bias import Bias
-from ..ops.sequential import Sequential
+from tp_fuse.ops.basic.basic_linear import BasicLinear
+from tp_fuse.ops.basic.bias import Bias
+from tp_fuse.ops.sequential import Sequential
 from ._ops_module import OpsModule, check_common_args, init_fn, refuse_unless, set_megatron_attrs
 
 __all__ = ["Linear"]

@@ -8,8 +8,8 @@ from typing import Any, Optional, Union
 
 import torch
 
-from ..ops.basic.make_extra_output import MakeExtraOutput
-from ..ops.sequential import Sequential
+from tp_fuse.ops.basic.make_extra_output import MakeExtraOutput
+from tp_fuse.ops.sequential import Sequential
 from ._ops_module import OpsModule, check_common_args, init_fn, norm_op, refuse_unless, set_megatron_attrs
 from .linear import linear_ops
 

@@ -5,7 +5,7 @@ see :mod:`tp_fuse.overlap.userbuffers_setup` for what each argument does here an
 explicit ``TPOverlap`` objects that remain the primary API.
 """
 
-from ..overlap.userbuffers_setup import (
+from tp_fuse.overlap.userbuffers_setup import (
     UserBufferQuantizationMode,
     destroy_ub,
     get_ub,

@@ -13,8 +13,8 @@ from typing import Any, Optional
 
 import torch
 
-from .quantization import fp8_gemm
-from .quantization.float8.tensor import Float8Tensor
+from tp_fuse.quantization import fp8_gemm
+from tp_fuse.quantization.float8.tensor import Float8Tensor
 
 __all__ = ["general_gemm"]
 

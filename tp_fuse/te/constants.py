@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from .quantization.te_dtype import DType
+from tp_fuse.quantization.te_dtype import DType
 
 __all__ = ["DType", "TE_DType", "TE_DType_To_Torch"]
 

@@ -5,16 +5,22 @@ caller's business. Process groups and buffer pools are passed explicitly; nothin
 keeps them in module globals.
 """
 
-from .backend import (
+from tp_fuse._floors import floor_path
+
+# This package's modules are in the folder comm/ (a checkout's top level, or beside this file
+# installed); the folder has no __init__.py so that it never shadows an installed `comm`.
+__path__ = floor_path(__file__, "comm")
+
+from tp_fuse.comm.backend import (
     DistributedContext,
     backend_for_device,
     device_for_local_rank,
     device_type_for_backend,
     init_distributed,
 )
-from .nccl_rules import check_collective, collective_violations
-from ..strict import CudaConformanceError, strict_cuda_enabled
-from .overlap import (
+from tp_fuse.comm.nccl_rules import check_collective, collective_violations
+from tp_fuse.strict import CudaConformanceError, strict_cuda_enabled
+from tp_fuse.comm.overlap import (
     PendingCollective,
     all_gather_dim0,
     all_gather_dim0_async,
@@ -31,8 +37,8 @@ from .overlap import (
     reduce_scatter_dim0_async,
     ring_exchange_ag_gemm,
 )
-from .topology import FP8_GROUP_KINDS, ParallelTopology, resolve_parallel_sizes
-from .userbuffers import UserBufferPool, symmetric_memory_available
+from tp_fuse.comm.topology import FP8_GROUP_KINDS, ParallelTopology, resolve_parallel_sizes
+from tp_fuse.comm.userbuffers import UserBufferPool, symmetric_memory_available
 
 __all__ = [
     "CudaConformanceError",
