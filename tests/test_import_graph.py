@@ -44,6 +44,7 @@ ALLOWED_LAZY: dict[tuple[str, str], str] = {
     ("tp_fuse.kernels.gemm", "tp_fuse.kernels.gemm_triton"): _TRITON,
     ("tp_fuse.kernels.activations", "tp_fuse.kernels.activations_triton"): _TRITON,
     ("tp_fuse.kernels.norms", "tp_fuse.kernels.norms_triton"): _TRITON,
+    ("tp_fuse.kernels.scale_update", "tp_fuse.kernels.scale_update_triton"): _TRITON,
     ("tp_fuse.quantization.nvfp4.cast", "tp_fuse.kernels.nvfp4_cast_triton"): _TRITON,
     ("tp_fuse.quantization.block.cast", "tp_fuse.kernels.block_cast_triton"): _TRITON,
     # The FP8 hot path (tp_fuse/quantization) is reworked by its owner; issue 37 point 4 asks
