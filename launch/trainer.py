@@ -127,6 +127,8 @@ class Trainer:
         self.optimizer = build_optimizer(self.model, cfg.optim)
         self.recipe = build_recipe(cfg.fp8)
         self.fp8_group = topo.fp8_group(cfg.fp8.group) if self.recipe is not None else None
+        # fp8.gemms with "device" resolved (auto on CUDA, all elsewhere), decided once.
+        self.fp8_gemms = cfg.fp8.gemms_on(rt.device.type)
         tp_group = topo.tp_group if rt.layout.tp > 1 else None
 
         # Observers attach before the first forward pass (fusion decisions are cached then).
@@ -210,7 +212,7 @@ class Trainer:
                 # FSDP2 reduce-scatters gradients once, after the last micro-batch.
                 self.model.set_requires_gradient_sync(micro == accum - 1)
             tokens, labels = self.loader.micro_batch(micro)
-            with fp8_autocast(self.recipe, self.fp8_group, self.cfg.fp8.gemms_on(self.rt.device.type), cache):
+            with fp8_autocast(self.recipe, self.fp8_group, self.fp8_gemms, cache):
                 loss = self.model(tokens, labels)
             (loss / accum).backward()
             total += loss.detach().float()
@@ -285,7 +287,7 @@ class Trainer:
                     self.fp8_stats.active = log_now
                 loss = self._forward_backward()
                 if step == self.start_step + 1 and rt.is_rank0 and self.recipe is not None \
-                        and cfg.fp8.gemms_on(rt.device.type) == "auto":
+                        and self.fp8_gemms == "auto":
                     for line in fp8_gemm_choice_lines(self.model):  # decided in this step's forward
                         say(line)
                 t_comm = time.perf_counter()

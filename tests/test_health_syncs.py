@@ -137,7 +137,8 @@ def test_training_is_bit_identical_to_per_value_reads(tmp_path, fp8) -> None:
     ref_model = build_model(cfg, trainer.rt)
     ref_model.load_state_dict(trainer.model.state_dict())
     ref = types.SimpleNamespace(model=ref_model, loader=copy.deepcopy(trainer.loader), sharded_dp=None,
-                                recipe=trainer.recipe, fp8_group=trainer.fp8_group, rt=trainer.rt)
+                                recipe=trainer.recipe, fp8_group=trainer.fp8_group, fp8_gemms=trainer.fp8_gemms,
+                                rt=trainer.rt)
     ref_opt = build_optimizer(ref_model, cfg.optim)
     ref_params = [p for p in ref_model.parameters() if p.requires_grad]
     try:

@@ -236,7 +236,7 @@ def select_backend(
     if backend is None:
         if not takes_cuda_path(device):
             return _non_cuda_choice(device.type)
-        return _auto_cuda_choice(triton_unsupported)
+        return _auto_cuda_choice(triton_status(), triton_unsupported)
     ok, detail = triton_status()
     runnable = device.type == "cuda" or triton_interpreted()
     if backend == "triton":
@@ -254,10 +254,10 @@ def select_backend(
 
 
 @functools.lru_cache(maxsize=None)
-def _auto_cuda_choice(triton_unsupported: Optional[str]) -> BackendChoice:
-    # Decided once per distinct reason: built per kernel call, the choice and its
+def _auto_cuda_choice(status: tuple[bool, str], triton_unsupported: Optional[str]) -> BackendChoice:
+    # Decided once per (triton status, reason): built per kernel call, the choice and its
     # f-string cost more Python than the launch's own bookkeeping.
-    ok, detail = triton_status()
+    ok, detail = status
     if not ok:
         return BackendChoice("torch", detail)
     if triton_unsupported is not None:
