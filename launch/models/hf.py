@@ -633,6 +633,8 @@ def build_hf_model(path: str, *, tp_group: Any, dtype: torch.dtype, device: torc
     model.to(device)
     if tp_group is not None:
         check = verify and dist.get_world_size(tp_group) > 1
+        # verify=True: the automatic probe, required (its failure stops the run);
+        # model.verify=false: wrap's explicit opt-out (it warns what is not checked).
         wrap(model, tp_group, plan=resolve_plan(plan, model.config), overlap=overlap,
-             verify=True if check else None)
+             verify=True if check else (None if verify else False))
     return CausalLMLoss(model)

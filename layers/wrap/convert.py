@@ -81,16 +81,20 @@ from tp_fuse.overlap.config import TPOverlap
 from tp_fuse.recipe import Recipe
 
 from ..grad_sync import sync_sequence_parallel_grad
-from ..parallel_linear import ColumnParallelLinear, RowParallelLinear
-from ..sharding import ShardSpec, set_shard_spec, shard_tensor, tp_rank_and_size
+from ..sharding import tp_rank_and_size
 from .checks import attention_converted, collapse, expert_problems, replicated_norm_check, tied_problems
+from .fused_split import fused_problems
 from .heads import attention_modules, head_problems, localize_heads
-from .modules import HF_RMS_NORMS, MegatronLinearAdapter, ParallelLinearAdapter, ShardedRMSNorm, megatron_adapter
-from .passes import probe_original, sync_traced, trace_lazily
-from .report import WrapReport
-from .verify import compare, make_probe
 from .hf_plans import FamilyPlan, family_plan
+from .megatron import COLUMN_ATTRS, EXPERT_FLAGS, ROW_ATTRS, convert_megatron, is_megatron, megatron_problems, \
+    tag_untouched
+from .modules import HF_RMS_NORMS, ParallelLinearAdapter
+from .passes import probe_original, sync_traced, trace_lazily
+from .plain import check_replicated, convert_plain, convert_sharded_norm, is_conv1d, linear_sizes, plain_problems, \
+    rms_norm_params, style_name
 from .plan_styles import FusedColumn
+from .report import WrapReport
+from .verify_step import check_verify_arg, choose_probe, finish_verification, warn_unverified
 from tp_fuse.quantization import autocast
 
 __all__ = ["wrap", "ParallelLinearAdapter", "PLAN_STYLES", "WrapReport"]
@@ -101,245 +105,6 @@ _STYLES = ("column", "row", "sequence_parallel", "sharded_norm")
 PLAN_STYLES = _STYLES
 # Styles that keep or shard a norm: no GEMM, not a column/row pair member.
 _NORM_STYLES = ("sequence_parallel", "sharded_norm")
-_COLUMN_ATTRS = ("input_size", "output_size", "output_size_per_partition", "gather_output", "skip_bias_add",
-                 "weight", "bias")
-_ROW_ATTRS = ("input_size", "output_size", "input_size_per_partition", "input_is_parallel", "skip_bias_add",
-              "weight", "bias")
-_NORMS: tuple[type, ...] = tuple(t for t in (torch.nn.LayerNorm, getattr(torch.nn, "RMSNorm", None)) if t)
-
-
-def _is_megatron(module: torch.nn.Module, attrs: tuple[str, ...]) -> bool:
-    return all(hasattr(module, a) for a in attrs) and not isinstance(
-        module, (ColumnParallelLinear, RowParallelLinear, MegatronLinearAdapter, ParallelLinearAdapter))
-
-
-def _same_group(a: dist.ProcessGroup, b: dist.ProcessGroup) -> bool:
-    return a is b or dist.get_process_group_ranks(a) == dist.get_process_group_ranks(b)
-
-
-def _megatron_problems(name: str, m: torch.nn.Module, kind: str, tp_group: dist.ProcessGroup,
-                       sequence_parallel: Optional[bool]) -> list[str]:
-    problems = []
-    _, tp = tp_rank_and_size(tp_group)
-    if m.weight is None and kind != "column":
-        problems.append(f"{name}: a row-parallel layer without a weight is not supported")
-    for flag in ("disable_grad_reduce",):  # expert flags: checks.expert_problems (one line for all)
-        if getattr(m, flag, False):
-            problems.append(f"{name}: {flag}=True is not supported")
-    config = getattr(m, "config", None)
-    if config is not None and getattr(config, "defer_embedding_wgrad_compute", False):
-        problems.append(f"{name}: config.defer_embedding_wgrad_compute=True is not supported")
-    group = getattr(m, "tp_group", None)
-    if group is not None and not _same_group(group, tp_group):
-        problems.append(f"{name}: its tp_group (ranks {dist.get_process_group_ranks(group)}) is not the "
-                        f"tp_group given to wrap (ranks {dist.get_process_group_ranks(tp_group)})")
-    if m.weight is not None:
-        stride = getattr(m.weight, "partition_stride", 1)
-        if stride != 1 and (kind != "column" or m.output_size_per_partition % stride):
-            problems.append(f"{name}: strided weight partitioning (stride {stride}) is supported for column-parallel "
-                            f"layers whose per-rank rows divide by the stride (Megatron's [gate; up] SwiGLU fc1)")
-        want = ((m.output_size_per_partition, m.input_size) if kind == "column"
-                else (m.output_size, m.input_size_per_partition))
-        if tuple(m.weight.shape) != want:
-            problems.append(f"{name}: weight shape {tuple(m.weight.shape)} is not {want}")
-        per_rank = m.output_size_per_partition if kind == "column" else m.input_size_per_partition
-        full = m.output_size if kind == "column" else m.input_size
-        if per_rank * tp != full:
-            problems.append(f"{name}: {full} features split {per_rank} per rank does not match TP size {tp}")
-    module_sp = bool(getattr(m, "sequence_parallel", False))
-    if sequence_parallel is not None and module_sp != sequence_parallel:
-        problems.append(f"{name}: module has sequence_parallel={module_sp}, wrap was asked for {sequence_parallel}")
-    return problems
-
-
-def _convert_megatron(m: torch.nn.Module, kind: str, tp_group: dist.ProcessGroup,
-                      overlap: Optional[TPOverlap]) -> torch.nn.Module:
-    w = m.weight
-    dtype = w.dtype if w is not None else m.config.params_dtype
-    device = w.device if w is not None else None
-    common = dict(tp_group=tp_group, bias=m.bias is not None, skip_bias_add=bool(m.skip_bias_add),
-                  sequence_parallel=bool(getattr(m, "sequence_parallel", False)), init_method=_no_init,
-                  seed=None, overlap=overlap, dtype=dtype, device=device)
-    if kind == "column":
-        new: ColumnParallelLinear | RowParallelLinear = ColumnParallelLinear(
-            m.input_size, m.output_size, gather_output=bool(m.gather_output), **common)
-        # Megatron's stride-s column layout: rank r holds [part0_r; ...; part(s-1)_r]
-        # (SwiGLU fc1: [gate_r; up_r]) -- exactly ShardSpec(blocks=s); the local GEMM and
-        # Megatron's local chunk(2) pairing need nothing else.
-        stride = getattr(w, "partition_stride", 1) if w is not None else 1
-        spec: Optional[ShardSpec] = ShardSpec(dim=0, blocks=stride)
-    else:
-        new = RowParallelLinear(m.input_size, m.output_size, input_is_parallel=bool(m.input_is_parallel),
-                                sync_sequence_parallel_grads=False, **common)
-        spec = ShardSpec(dim=1)
-    linear = new.ops.linear
-    linear.accumulate_into_main_grad = bool(getattr(m, "gradient_accumulation_fusion", False))
-    # Reuse the very Parameters: optimizers and Megatron's grad buffers keep pointing at them.
-    if w is not None:
-        linear.weight = w
-        _tag(w, spec)
-    else:
-        linear._parameters["weight"] = None  # lent at call time (tied output layer)
-    if m.bias is not None:
-        owner = new.bias_op if new.bias_op is not None else new.ops.bias
-        sp_tag = getattr(m.bias, "sequence_parallel", None)
-        owner.bias = m.bias
-        _tag(m.bias, spec if kind == "column" else None)
-        if sp_tag is not None:
-            m.bias.sequence_parallel = sp_tag  # keep Megatron's tag as it was
-    return megatron_adapter(m, new, kind)
-
-
-def _tag(p: torch.Tensor, spec: Optional[ShardSpec]) -> None:
-    """tp-fuse's layout tag, keeping Megatron's own attributes (stride included) as they are."""
-    p.tp_shard = spec  # type: ignore[attr-defined]
-    if not hasattr(p, "tensor_model_parallel"):
-        set_shard_spec(p, spec)
-
-
-def _tag_untouched(model: torch.nn.Module) -> None:
-    """Give every parameter wrap did not convert a ``tp_shard`` (for ``grad_norm``,
-    ``full_state_dict``...): Megatron's ``tensor_model_parallel``/``partition_dim``/
-    ``partition_stride`` attributes where present (e.g. ``VocabParallelEmbedding``),
-    replicated otherwise."""
-    for p in model.parameters():
-        if hasattr(p, "tp_shard"):
-            continue
-        if getattr(p, "tensor_model_parallel", False):
-            p.tp_shard = ShardSpec(dim=int(p.partition_dim), blocks=int(getattr(p, "partition_stride", 1)))
-        else:
-            p.tp_shard = None
-
-
-def _no_init(t: torch.Tensor) -> None:
-    """The weight is replaced right after construction: skip drawing random numbers."""
-
-
-def _is_conv1d(m: torch.nn.Module) -> bool:
-    """GPT-2's ``Conv1D`` (transformers.pytorch_utils), by name and layout: ``y = x W + b``
-    with ``W [in, out]`` (the transpose of ``nn.Linear``'s)."""
-    return (type(m).__name__ == "Conv1D" and isinstance(getattr(m, "weight", None), torch.Tensor)
-            and m.weight.dim() == 2 and getattr(m, "nf", None) == m.weight.shape[1])
-
-
-def _linear_sizes(m: torch.nn.Module) -> tuple[int, int]:
-    """``(in_features, out_features)`` of an ``nn.Linear`` or a ``Conv1D``."""
-    if _is_conv1d(m):
-        return int(m.weight.shape[0]), int(m.weight.shape[1])
-    return m.in_features, m.out_features
-
-
-def _style_name(style: Any) -> str:
-    return style.describe() if isinstance(style, FusedColumn) else str(style)
-
-
-def _plain_problems(name: str, m: torch.nn.Module, style: Any, tp: int) -> list[str]:
-    if style in ("column", "row") or isinstance(style, FusedColumn):
-        if type(m) is not torch.nn.Linear and not _is_conv1d(m):
-            return [f"{name}: plan style {_style_name(style)!r} needs a torch.nn.Linear (or GPT-2 Conv1D), "
-                    f"got {type(m).__name__}"]
-        in_f, out_f = _linear_sizes(m)
-        if isinstance(style, FusedColumn):
-            return [f"{name}: {_style_name(style)}: {p}" for p in style.problems(out_f, tp)]
-        if style == "column" and out_f % tp:
-            return [f"{name}: out_features ({out_f}) is not divisible by the TP size ({tp})"]
-        if style == "row" and in_f % tp:
-            return [f"{name}: in_features ({in_f}) is not divisible by the TP size ({tp})"]
-        return []
-    if style == "sharded_norm":
-        return _sharded_norm_problems(name, m, tp)
-    if not isinstance(m, _NORMS):
-        return [f"{name}: plan style 'sequence_parallel' needs a LayerNorm/RMSNorm, got {type(m).__name__}"]
-    return []
-
-
-def _rms_norm_params(m: torch.nn.Module) -> Optional[tuple[Optional[torch.Tensor], int, Optional[float], bool]]:
-    """``(weight, width, eps, weight_after_cast)`` of an RMSNorm that ``ShardedRMSNorm``
-    reproduces exactly, or None. Llama-family RMSNorms multiply the weight after casting
-    back to the input dtype, OLMo2's before."""
-    rms = getattr(torch.nn, "RMSNorm", None)
-    if rms is not None and type(m) is rms:
-        if len(m.normalized_shape) != 1:
-            return None
-        return m.weight, int(m.normalized_shape[0]), m.eps, False
-    if type(m).__name__ in HF_RMS_NORMS:
-        w = getattr(m, "weight", None)
-        eps = getattr(m, "variance_epsilon", None)
-        if not isinstance(w, torch.Tensor) or w.dim() != 1 or not isinstance(eps, float):
-            return None
-        return w, int(w.shape[0]), eps, type(m).__name__ != "Olmo2RMSNorm"
-    return None
-
-
-def _sharded_norm_problems(name: str, m: torch.nn.Module, tp: int) -> list[str]:
-    params = _rms_norm_params(m)
-    if params is None:
-        return [f"{name}: plan style 'sharded_norm' needs a torch.nn.RMSNorm over one dimension or one of the "
-                f"Hugging Face RMSNorms {list(HF_RMS_NORMS)} (whose formula it reproduces), got "
-                f"{type(m).__name__}"]
-    if params[1] % tp:
-        return [f"{name}: its {params[1]} features are not divisible by the TP size ({tp})"]
-    return []
-
-
-def _convert_sharded_norm(m: torch.nn.Module, tp_group: dist.ProcessGroup) -> ShardedRMSNorm:
-    rank, size = tp_rank_and_size(tp_group)
-    weight, width, eps, after_cast = _rms_norm_params(m)  # type: ignore[misc] - checked before
-    spec = ShardSpec(dim=0)
-    local = shard_tensor(weight.detach(), spec, rank, size).clone() if weight is not None else None
-    new = ShardedRMSNorm(local, width, eps, tp_group, weight_after_cast=after_cast)
-    if new.weight is not None:
-        new.weight.requires_grad_(weight.requires_grad)
-        set_shard_spec(new.weight, spec)
-    return new
-
-
-def _convert_plain(m: torch.nn.Module, style: Any, tp_group: dist.ProcessGroup, sequence_parallel: bool,
-                   overlap: Optional[TPOverlap]) -> torch.nn.Module:
-    rank, size = tp_rank_and_size(tp_group)
-    conv1d = _is_conv1d(m)
-    w = m.weight.t() if conv1d else m.weight  # [out, in]
-    in_f, out_f = _linear_sizes(m)
-    common = dict(tp_group=tp_group, bias=m.bias is not None, sequence_parallel=sequence_parallel,
-                  init_method=_no_init, seed=None, overlap=overlap, dtype=w.dtype, device=w.device)
-    if style == "row":
-        layer: torch.nn.Module = RowParallelLinear(in_f, out_f, **common)
-        wspec, bspec = ShardSpec(dim=1), None
-    else:
-        layer = ColumnParallelLinear(in_f, out_f, **common)
-        # A fused projection: every part split separately, rank r holds [q_r; k_r; v_r].
-        wspec = bspec = style.spec(out_f) if isinstance(style, FusedColumn) else ShardSpec(dim=0)
-    with torch.no_grad():
-        layer.weight.copy_(shard_tensor(w, wspec, rank, size))
-        if m.bias is not None:
-            layer.bias.copy_(shard_tensor(m.bias, bspec, rank, size))
-    set_shard_spec(layer.weight, wspec)
-    if m.bias is not None:
-        set_shard_spec(layer.bias, bspec)
-    return ParallelLinearAdapter(layer, in_f, out_f, transposed=conv1d)
-
-
-def _check_replicated(named: list[tuple[str, torch.nn.Module]], tp_group: dist.ProcessGroup) -> list[str]:
-    """Full weights must agree across TP ranks (else the shards would not form one model)."""
-    if not named:
-        return []
-    sums = torch.tensor([[float(p.detach().double().sum()), float(p.detach().double().abs().sum())]
-                         for _, m in named for p in m.parameters()], dtype=torch.float64)
-    gathered = [torch.empty_like(sums) for _ in range(dist.get_world_size(tp_group))]
-    dist.all_gather(gathered, sums, group=tp_group)
-    bad = torch.zeros(sums.shape[0], dtype=torch.bool)
-    for g in gathered:
-        bad |= (g != sums).any(dim=1)
-    out, k = [], 0
-    for name, m in named:
-        n = sum(1 for _ in m.parameters())
-        if bool(bad[k:k + n].any()):
-            out.append(f"{name}: parameters differ across TP ranks (seed every rank the same before building the model)")
-        k += n
-    return out
-
-
-_EXPERT_FLAGS = ("is_expert", "explicit_expert_comm")
 
 
 def wrap(
@@ -373,11 +138,16 @@ def wrap(
         fp8: run the model's forward inside ``tp_fuse.autocast(fp8, fp8_group)``.
         fp8_group: amax reduction group (None: torch's default group, i.e. the world).
         overlap: ``TPOverlap`` for every converted GEMM and comm op.
-        verify: a probe batch (``True`` for a Hugging Face model's automatic one, a tensor,
-            a tuple of args, a dict of kwargs or a callable ``f(model)``): one forward and
-            backward of the wrapped model are compared with the original's (every output
-            and every gradient, gathered); a difference is a ``ValueError`` naming the
-            first differing output and parameter (``tp_fuse.layers.wrap.verify``, incl. its cost).
+        verify: the probe the wrapped model is checked on against the original (one
+            forward and backward each, every output and gradient compared; a difference is
+            a ``ValueError`` naming the first differing module output in forward order and
+            the plan entries that produced it; ``tp_fuse.layers.wrap.verify``). Default
+            (None): whenever wrap shards anything, with a Hugging Face model's automatic
+            ``[2, 8]``-token probe (the launcher's), its cost in the report; models without
+            one are not verified, with a warning. ``True`` (the automatic probe, required),
+            a tensor, a tuple of args, a dict of kwargs or a callable ``f(model)``: that
+            probe. ``False``: not verified, with a warning naming what is not checked
+            (``tp_fuse.layers.wrap.verify_step``).
         fixup: ``f(model, tp_size)`` called after conversion, for model attributes the
             declared rules (``tp_fuse.layers.wrap.heads``) do not cover.
         verbose: print the :class:`WrapReport` (on TP rank 0; False: only store it).
@@ -398,7 +168,7 @@ def wrap(
         raise ValueError(f"wrap: exclude must be a list of globs, got the string {exclude!r}")
     if fixup is not None and not callable(fixup):
         raise ValueError(f"wrap: fixup must be a callable f(model, tp_size), got {type(fixup).__name__}")
-    probe = make_probe(model, verify) if verify is not None and verify is not False else None
+    check_verify_arg(model, verify)
     rank, tp = tp_rank_and_size(tp_group)
     problems: list[str] = []
     family: Optional[FamilyPlan] = family_plan(model, explicit=plan is not None)
@@ -413,6 +183,7 @@ def wrap(
     megatron: dict[str, str] = {}
     experts: dict[str, list[str]] = {}
     planned: dict[str, Any] = {}
+    entries: dict[str, str] = {}  # module name -> its plan entry as written, for messages
     matched_globs: set[str] = set()
     excluded_prefixes: list[str] = []
     # Excluded modules the plan would have sharded. (An excluded Megatron module keeps
@@ -429,25 +200,27 @@ def wrap(
             if any(fnmatch.fnmatchcase(name, g) and plan[g] not in _NORM_STYLES for g in plan):
                 excluded_gemms.append(name)
             continue
-        kind = ("column" if _is_megatron(m, _COLUMN_ATTRS) else "row" if _is_megatron(m, _ROW_ATTRS) else None)
+        kind = ("column" if is_megatron(m, COLUMN_ATTRS) else "row" if is_megatron(m, ROW_ATTRS) else None)
         matching = [g for g in plan if g not in bad_styles and fnmatch.fnmatchcase(name, g)]
-        styles = {_style_name(plan[g]): plan[g] for g in matching}
+        styles = {style_name(plan[g]): plan[g] for g in matching}
         matched_globs |= {g for g in plan if fnmatch.fnmatchcase(name, g)}
         if kind is not None:
             if styles:
                 problems.append(f"{label}: Megatron-style {kind}-parallel module is converted automatically; "
                                 f"remove it from the plan")
             megatron[name] = kind
-            problems += _megatron_problems(label, m, kind, tp_group, sequence_parallel)
-            flags = [f for f in _EXPERT_FLAGS if getattr(m, f, False)]
+            problems += megatron_problems(label, m, kind, tp_group, sequence_parallel)
+            flags = [f for f in EXPERT_FLAGS if getattr(m, f, False)]
             if flags:
                 experts[label] = flags
         elif len(styles) > 1:
             problems.append(f"{label}: matched by plan entries with different styles {sorted(styles)}")
         elif styles:
             planned[name] = next(iter(styles.values()))
-            problems += _plain_problems(label, m, planned[name], tp)
-        elif type(m) is torch.nn.Linear or _is_conv1d(m):
+            glob = next(g for g in matching if style_name(plan[g]) in styles)
+            entries[name] = f"plan[{glob!r}] = {_written(plan[glob])}"
+            problems += plain_problems(label, m, planned[name], tp)
+        elif type(m) is torch.nn.Linear or is_conv1d(m):
             report.left.append((label, "not named by the plan: replicated, runs unsharded"))
         if name == "" and (kind is not None or name in planned):
             problems.append("<root>: the root module itself cannot be replaced in place; wrap its parent")
@@ -485,13 +258,17 @@ def wrap(
     for name, m in attention.items():
         problems += head_problems(name, m, tp, getattr(model, "config", None), planned)
     modules = dict(model.named_modules())
-    problems += _check_replicated([(n, modules[n]) for n, s in planned.items() if s != "sequence_parallel"],
+    problems += check_replicated([(n, modules[n]) for n, s in planned.items() if s != "sequence_parallel"],
                                   tp_group)
     trace, reference = None, None
     norm_check = _replicated_norm_check(modules, planned, columns, tp) if tp > 1 and not problems else None
+    fused = _fused_check(planned, entries, tp)
+    choice = choose_probe(model, verify, bool(megatron or planned), tp)
     if not problems:
-        trace, reference = probe_original(model, probe, columns if tp > 1 else [], rows, norms if tp > 1 else [],
-                                          norm_check)
+        trace, reference, failed = probe_original(model, choice.probe, columns if tp > 1 else [], rows,
+                                                  norms if tp > 1 else [], norm_check, strict=choice.strict,
+                                                  fused=fused if tp > 1 else None)
+        choice.unverified = choice.unverified or failed
         problems += trace.problems if trace is not None else []
     if problems:
         raise ValueError("wrap: cannot convert the model:\n  - " + "\n  - ".join(collapse(problems)))
@@ -499,7 +276,7 @@ def wrap(
     sp = bool(sequence_parallel)
     for name, kind in megatron.items():
         m = modules[name]
-        new = _convert_megatron(m, kind, tp_group, overlap)
+        new = convert_megatron(m, kind, tp_group, overlap)
         stride = getattr(m.weight, "partition_stride", 1) if m.weight is not None else 1
         how = f"Megatron {kind}-parallel" + (f", stride-{stride} blocks ([gate; up])" if stride > 1 else "")
         how += ", weight at call time" if m.weight is None else ""
@@ -511,7 +288,7 @@ def wrap(
         if style == "sharded_norm":
             report.converted.append((name, f"{type(m).__name__} -> sharded norm (weight split with the features, "
                                            f"statistics summed over TP)"))
-            _replace(model, name, _convert_sharded_norm(m, tp_group))
+            _replace(model, name, convert_sharded_norm(m, tp_group))
             continue
         if style == "sequence_parallel":
             if sp:
@@ -519,8 +296,8 @@ def wrap(
                     sync_sequence_parallel_grad(p, tp_group)
             report.converted.append((name, "norm, grads synced over TP" if sp else "norm (replicated; SP off)"))
             continue
-        report.converted.append((name, f"{type(m).__name__} -> {_style_name(style)}-parallel"))
-        _replace(model, name, _convert_plain(m, style, tp_group, sp, overlap))
+        report.converted.append((name, f"{type(m).__name__} -> {style_name(style)}-parallel"))
+        _replace(model, name, convert_plain(m, style, tp_group, sp, overlap))
     for name, m in attention.items():
         changes = localize_heads(m, tp)
         if changes:
@@ -533,22 +310,33 @@ def wrap(
         sync_traced(model, trace, tp_group, report)
     elif columns and tp > 1:
         trace_lazily(model, columns, rows, tp_group, report, verbose=verbose and rank == 0, norms=norms,
-                     module_check=norm_check)
-    _tag_untouched(model)
+                     module_check=norm_check, fused=fused)
+    tag_untouched(model)
     if reference is not None:
         transposed = {f"{n}.weight" for n, m in model.named_modules()
                       if isinstance(m, ParallelLinearAdapter) and m.transposed}
-        found = compare(model, reference, probe, tp_group, transposed)
-        if found:
-            raise ValueError("wrap(verify=...): the wrapped model does not match the original on the probe "
-                             "(the model has been converted; rebuild it):\n  - " + "\n  - ".join(found))
-        report.verified = "outputs and every gradient match the original on the probe"
+        finish_verification(model, reference, choice.probe, tp_group, transposed, report, entries)
+    elif choice.unverified is not None:
+        report.unverified = choice.unverified
+        warn_unverified(choice.unverified, len(report.converted))
     if fp8 is not None:
         _run_forward_in_autocast(model, fp8, fp8_group)
     model.tp_fuse_wrap_report = report
     if verbose and rank == 0:
         print(report)
     return model
+
+
+def _written(style: Any) -> str:
+    """A plan style as the user writes it in a plan (for messages)."""
+    return repr(style) if isinstance(style, str) else style.written()
+
+
+def _fused_check(planned: dict[str, Any], entries: dict[str, str], tp: int) -> Callable[..., list[str]]:
+    """The trace's check of the plan's column projections against how the model cuts
+    their outputs (``tp_fuse.layers.wrap.fused_split``)."""
+    styles = {n: s for n, s in planned.items() if s == "column" or isinstance(s, FusedColumn)}
+    return lambda cuts, local: fused_problems(cuts, styles, entries, tp, local)
 
 
 def _replicated_norm_check(modules: dict[str, torch.nn.Module], planned: dict[str, Any], columns: list[str],
@@ -558,12 +346,12 @@ def _replicated_norm_check(modules: dict[str, torch.nn.Module], planned: dict[st
     (a fused projection's parts too: the model splits them before normalising one)."""
     widths: dict[int, list[str]] = {}
     for name in columns:
-        out_f = _linear_sizes(modules[name])[1]
+        out_f = linear_sizes(modules[name])[1]
         style = planned[name]
-        # A fused projection's parts (checked by _plain_problems already) besides its whole.
+        # A fused projection's parts (checked by plain_problems already) besides its whole.
         for size in {out_f, *(style.sizes(out_f) if isinstance(style, FusedColumn) else ())}:
             widths.setdefault(size, []).append(name)
-    return replicated_norm_check(widths, tp, lambda m: _rms_norm_params(m) is not None, HF_RMS_NORMS)
+    return replicated_norm_check(widths, tp, lambda m: rms_norm_params(m) is not None, HF_RMS_NORMS)
 
 
 def _family_norm_problems(model: torch.nn.Module, family: FamilyPlan, planned: dict[str, Any],

@@ -16,6 +16,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from typing import Any, Optional
 
@@ -25,36 +26,43 @@ import torch.distributed as dist
 from ..grad_sync import sync_sharded_activation_grad
 from .checks import collapse
 from .report import WrapReport
-from .trace import FIRST_FORWARD_ERROR, ModuleCheck, TraceResult, trace_first_forward, trace_sharded_uses
+from .module_outputs import ModuleOutputs
+from .trace import FIRST_FORWARD_ERROR, FusedCheck, ModuleCheck, TraceResult, trace_first_forward, trace_sharded_uses
 from .verify import Reference, auto_probe, evaluation, reference_pass, stash_grads
 
 __all__ = ["probe_original", "sync_traced", "trace_lazily"]
 
 
 def probe_original(model: torch.nn.Module, probe: Optional[Callable[[torch.nn.Module], Any]], columns: list[str],
-                    rows: list[str], norms: list[str] = (), module_check: Optional[ModuleCheck] = None
-                    ) -> tuple[Optional[TraceResult], Optional[Reference]]:
-    """Trace one forward of the original model (and, with a ``verify`` probe, its
-    backward for the comparison after wrapping). The automatic probe of a Hugging Face
-    model is best effort: if it fails, the wrapped model's first forward is traced."""
+                   rows: list[str], norms: list[str] = (), module_check: Optional[ModuleCheck] = None,
+                   strict: bool = True, fused: Optional[FusedCheck] = None
+                   ) -> tuple[Optional[TraceResult], Optional[Reference], Optional[str]]:
+    """Trace one forward of the original model (and, with a ``probe`` to verify with, its
+    backward and every module's output, for the comparison after wrapping). Without a
+    ``probe`` the automatic one of a Hugging Face model is traced (best effort: if it
+    fails, the wrapped model's first forward is traced). A ``strict`` probe (the caller's)
+    failing is a ``ValueError``; the default one failing returns why, as the third value,
+    and no reference (the model is then not verified)."""
     run = probe if probe is not None else (auto_probe(model) if columns else None)
     if run is None:
-        return None, None
+        return None, None, None
     stashed = stash_grads(model) if probe is not None else []
     try:
-        with evaluation(model):
+        with evaluation(model), contextlib.ExitStack() as stack:
+            recorder = stack.enter_context(ModuleOutputs(model)) if probe is not None else None
             trace = trace_sharded_uses(model, lambda: run(model), columns, rows, norms=norms,
-                                       module_check=module_check)
-            reference = reference_pass(model, trace.output, stashed) if probe is not None else None
+                                       module_check=module_check, fused=fused)
+            stack.close()
+            reference = reference_pass(model, trace.output, stashed, recorder) if probe is not None else None
     except Exception as e:  # noqa: BLE001 - a failing user probe is reported, the automatic one falls back
         for p, g in stashed:
             p.grad = g
-        if probe is not None:
+        if probe is not None and strict:
             raise ValueError(f"wrap(verify=...): the probe failed on the original model: {type(e).__name__}: {e}") \
                 from e
-        return None, None
+        return None, None, f"the automatic probe failed on the original model ({type(e).__name__}: {e})"
     trace.output = None
-    return trace, reference
+    return trace, reference, None
 
 
 def sync_traced(model: torch.nn.Module, trace: TraceResult, tp_group: dist.ProcessGroup,
@@ -73,7 +81,7 @@ def sync_traced(model: torch.nn.Module, trace: TraceResult, tp_group: dist.Proce
 
 def trace_lazily(model: torch.nn.Module, columns: list[str], rows: list[str], tp_group: dist.ProcessGroup,
                  report: WrapReport, verbose: bool, norms: list[str] = (),
-                 module_check: Optional[ModuleCheck] = None) -> None:
+                 module_check: Optional[ModuleCheck] = None, fused: Optional[FusedCheck] = None) -> None:
     """Trace the wrapped model's first forward and install the gradient sums after it."""
 
     def finish(result: TraceResult) -> None:
@@ -83,5 +91,5 @@ def trace_lazily(model: torch.nn.Module, columns: list[str], rows: list[str], tp
         if verbose and added:
             print("wrap (traced first forward):\n" + "\n".join(f"  ~ {n}: {how}" for n, how in added))
 
-    trace_first_forward(model, columns, rows, finish, norms, module_check)
+    trace_first_forward(model, columns, rows, finish, norms, module_check, fused)
     report.traced = "on the first forward (no probe: pass verify=... to trace before converting)"

@@ -47,11 +47,16 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_leaves
 
-__all__ = ["TraceResult", "trace_sharded_uses", "trace_first_forward", "output_leaves", "ModuleCheck"]
+from .fused_split import Cuts, SplitWatcher
+
+__all__ = ["TraceResult", "trace_sharded_uses", "trace_first_forward", "output_leaves", "ModuleCheck", "FusedCheck"]
 
 #: ``check(module name, module, its first TP-sharded input, local)`` -> a problem line or
 #: None; ``local``: the model is already wrapped (sharded tensors hold this rank's slice).
 ModuleCheck = Callable[[str, torch.nn.Module, torch.Tensor, bool], Optional[str]]
+#: ``check(cuts, local)`` -> problem lines: the plan against how the model cut each column
+#: projection's output (``tp_fuse.layers.wrap.fused_split``).
+FusedCheck = Callable[[dict[tuple[str, int], Cuts], bool], list[str]]
 #: How a problem found on the wrapped model's first forward is raised (passes.trace_lazily too).
 FIRST_FORWARD_ERROR = "wrap: the first forward of the wrapped model shows it cannot be correct:\n  - "
 
@@ -100,8 +105,9 @@ class _ShardTracer(TorchFunctionMode):
     the tensors are kept alive until the trace ends so that ids stay unique)."""
 
     def __init__(self, params: dict[int, str], module_check: Optional[ModuleCheck] = None,
-                 local: bool = False) -> None:
+                 local: bool = False, watcher: Optional[SplitWatcher] = None) -> None:
         super().__init__()
+        self.watcher = watcher
         self.params = params
         self.module_check = module_check
         self.local = local
@@ -157,6 +163,8 @@ class _ShardTracer(TorchFunctionMode):
         ins = _tensors((args, kwargs))
         if not ins:
             return
+        if self.watcher is not None and self.watcher.watches(ins):
+            self.watcher.observe(func, args, kwargs, out, self.stack[-1] if self.stack else "")
         outs = _tensors(out)
         lineages = [self._lineage_of(t) for t in ins]
         params = frozenset().union(*(ln for ln in lineages if ln))
@@ -215,6 +223,8 @@ def _install_hooks(model: torch.nn.Module, tracer: _ShardTracer, columns: set[st
                 tracer.suspended -= 1
                 if name in columns and not tracer.suspended:
                     tracer.mark_sharded(out)
+                    if tracer.watcher is not None and name not in norms:
+                        tracer.watcher.column_output(name, out)
 
         handles.append(m.register_forward_pre_hook(pre))
         handles.append(m.register_forward_hook(post, always_call=True))
@@ -223,23 +233,28 @@ def _install_hooks(model: torch.nn.Module, tracer: _ShardTracer, columns: set[st
 
 def _start(model: torch.nn.Module, columns: set[str], rows: set[str], skip_root: bool,
            norms: frozenset[str] = frozenset(), module_check: Optional[ModuleCheck] = None,
-           local: bool = False) -> tuple[_ShardTracer, list]:
+           local: bool = False, fused: Optional[FusedCheck] = None) -> tuple[_ShardTracer, list]:
     columns = columns | norms  # a sharded norm's output is sharded, its inside not traced
     inside = tuple(n + "." for n in columns | rows)
     params: dict[int, str] = {}
     for name, p in model.named_parameters(remove_duplicate=False):
         if not name.startswith(inside) and id(p) not in params:
             params[id(p)] = name
-    tracer = _ShardTracer(params, module_check, local)
+    watcher = SplitWatcher(dict(model.named_modules())) if fused is not None else None
+    tracer = _ShardTracer(params, module_check, local, watcher)
     return tracer, _install_hooks(model, tracer, columns, rows, skip_root, norms)
 
 
 def _finish(tracer: _ShardTracer, handles: list, out: Any,
-            check_outputs: Optional[Callable[[Any], list[tuple[str, torch.Tensor]]]]) -> TraceResult:
+            check_outputs: Optional[Callable[[Any], list[tuple[str, torch.Tensor]]]],
+            fused: Optional[FusedCheck] = None) -> TraceResult:
     for h in handles:
         h.remove()
     result = tracer.result
     result.output = out
+    if fused is not None and tracer.watcher is not None:
+        result.problems += fused(tracer.watcher.cuts, tracer.local)
+        tracer.watcher.keep.clear()
     if check_outputs is not None and out is not None:
         for path, t in check_outputs(out):
             if id(t) in tracer.sharded:
@@ -262,30 +277,31 @@ def _finish(tracer: _ShardTracer, handles: list, out: Any,
 def trace_sharded_uses(model: torch.nn.Module, run: Callable[[], Any], columns: Iterable[str],
                        rows: Iterable[str], check_outputs: Optional[Callable[[Any], list[tuple[str, torch.Tensor]]]]
                        = output_leaves, norms: Iterable[str] = (),
-                       module_check: Optional[ModuleCheck] = None) -> TraceResult:
+                       module_check: Optional[ModuleCheck] = None, fused: Optional[FusedCheck] = None) -> TraceResult:
     """Run ``run()`` (one forward of ``model``) and follow the outputs of the modules named
     in ``columns`` (TP-sharded) until the modules named in ``rows``.
 
     Parameters inside those modules are not followed (they are sharded or, for a row's
     bias, added after the reduction). ``check_outputs(output)`` gives the output tensors
     that must not be sharded (None: do not check); ``module_check`` is asked about every
-    other module entered with a sharded input (its problems join the result's). The model
-    is left as it was.
+    other module entered with a sharded input (its problems join the result's); ``fused``
+    judges how the model cut each column's output (a fused projection). The model is left
+    as it was.
     """
     tracer, handles = _start(model, set(columns), set(rows), skip_root=False, norms=frozenset(norms),
-                             module_check=module_check)
+                             module_check=module_check, fused=fused)
     out = None
     try:
         with tracer:
             out = run()
     finally:
-        result = _finish(tracer, handles, out, check_outputs)
+        result = _finish(tracer, handles, out, check_outputs, fused)
     return result
 
 
 def trace_first_forward(model: torch.nn.Module, columns: Iterable[str], rows: Iterable[str],
                         finish: Callable[[TraceResult], None], norms: Iterable[str] = (),
-                        module_check: Optional[ModuleCheck] = None) -> None:
+                        module_check: Optional[ModuleCheck] = None, fused: Optional[FusedCheck] = None) -> None:
     """Trace the next forward of ``model`` (already wrapped: the column/row modules are its
     converted ones) and call ``finish(result)`` right after it, before any backward --
     for models ``wrap`` has no probe for. Then the hooks are removed: later forwards run
@@ -297,7 +313,7 @@ def trace_first_forward(model: torch.nn.Module, columns: Iterable[str], rows: It
 
     def pre(mod: torch.nn.Module, args: Any) -> None:
         tracer, handles = _start(model, columns, rows, skip_root=True, norms=sharded_norms,
-                                 module_check=module_check, local=True)
+                                 module_check=module_check, local=True, fused=fused)
         tracer.stack.append("<root>")
         tracer.__enter__()
         state.update(tracer=tracer, handles=handles)
@@ -314,6 +330,6 @@ def trace_first_forward(model: torch.nn.Module, columns: Iterable[str], rows: It
             return
         for h in root_handles:
             h.remove()
-        finish(_finish(tracer, state.pop("handles"), out, output_leaves))
+        finish(_finish(tracer, state.pop("handles"), out, output_leaves, fused))
 
     root_handles = [model.register_forward_pre_hook(pre), model.register_forward_hook(post, always_call=True)]

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import time
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any, Optional
 
@@ -37,6 +38,7 @@ import torch
 import torch.distributed as dist
 
 from ..sharding import gather_tensor
+from .module_outputs import ModuleOutputs, first_difference
 from .trace import output_leaves
 
 __all__ = ["Reference", "make_probe", "auto_probe", "evaluation", "reference_pass", "compare"]
@@ -121,6 +123,10 @@ class Reference:
     grads: dict[str, Optional[torch.Tensor]]
     params: dict[str, int]  # name -> id of the original Parameter (same object after wrap: Megatron's)
     stashed: list[tuple[torch.nn.Parameter, torch.Tensor]]  # gradients that existed before
+    #: Every module's outputs in the probe forward, ``{(module name, call index): tensors}``.
+    modules: dict[tuple[str, int], list[torch.Tensor]] = dataclasses.field(default_factory=dict)
+    #: Seconds the reference backward took (part of verification's cost).
+    seconds: float = 0.0
 
 
 def stash_grads(model: torch.nn.Module) -> list[tuple[torch.nn.Parameter, torch.Tensor]]:
@@ -133,9 +139,12 @@ def stash_grads(model: torch.nn.Module) -> list[tuple[torch.nn.Parameter, torch.
     return out
 
 
-def reference_pass(model: torch.nn.Module, out: Any, stashed: list) -> Reference:
+def reference_pass(model: torch.nn.Module, out: Any, stashed: list,
+                   modules: Optional[ModuleOutputs] = None) -> Reference:
     """Backward of the original model's probe output ``out``; moves the gradients off the
-    parameters into the returned :class:`Reference`."""
+    parameters into the returned :class:`Reference` (with ``modules``: what every module
+    returned in that forward)."""
+    start = time.perf_counter()
     loss = _loss(out)
     if loss is not None:
         loss.backward()
@@ -144,7 +153,8 @@ def reference_pass(model: torch.nn.Module, out: Any, stashed: list) -> Reference
         grads[name] = p.grad
         p.grad = None
     outputs = [(path, t.detach()) for path, t in output_leaves(out)]
-    return Reference(outputs, grads, {n: id(p) for n, p in model.named_parameters()}, stashed)
+    return Reference(outputs, grads, {n: id(p) for n, p in model.named_parameters()}, stashed,
+                     modules.by_key() if modules is not None else {}, time.perf_counter() - start)
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor, floor: float = 0.0) -> float:
@@ -156,11 +166,14 @@ def _rel(a: torch.Tensor, b: torch.Tensor, floor: float = 0.0) -> float:
 
 
 def compare(model: torch.nn.Module, ref: Reference, probe: Callable[[torch.nn.Module], Any],
-            tp_group: dist.ProcessGroup, transposed: set[str]) -> list[str]:
+            tp_group: dist.ProcessGroup, transposed: set[str], plan_entries: Optional[dict[str, str]] = None
+            ) -> list[str]:
     """Run the wrapped model on the probe and compare with ``ref``; the problems found
-    (the first output and the first parameter that differ, and how many more), the same
-    on every rank. Gradients end as they were before the reference pass."""
-    with evaluation(model):
+    (the first module output in forward order, the first output and the first parameter
+    that differ, and how many more), the same on every rank. Gradients end as they were
+    before the reference pass. ``plan_entries``: ``{module name: its plan entry}``, named
+    with the first differing module output."""
+    with evaluation(model), ModuleOutputs(model) as recorded:
         out = probe(model)
         loss = _loss(out)
         if loss is not None:
@@ -202,6 +215,10 @@ def compare(model: torch.nn.Module, ref: Reference, probe: Callable[[torch.nn.Mo
         p.grad = None
     for p, g in ref.stashed:
         p.grad = g
+    if bad_out or bad_grad:
+        first = first_difference(recorded, ref.modules, tol, _rel, plan_entries or {})
+        if first is not None:
+            problems.append(first)
     for what, found in (("output", bad_out), ("gradient", bad_grad)):
         if found:
             more = f" (and {len(found) - 1} more)" if len(found) > 1 else ""
