@@ -261,7 +261,9 @@ def wrap(
     problems += check_replicated([(n, modules[n]) for n, s in planned.items() if s != "sequence_parallel"],
                                   tp_group)
     trace, reference = None, None
-    norm_check = _replicated_norm_check(modules, planned, columns, tp) if tp > 1 and not problems else None
+    widths = _column_widths(modules, planned, columns)
+    problems += _per_head_norm_problems(modules, planned, entries, widths) if tp > 1 else []
+    norm_check = _replicated_norm_check(widths, tp) if tp > 1 and not problems else None
     fused = _fused_check(planned, entries, tp)
     choice = choose_probe(model, verify, bool(megatron or planned), tp)
     if not problems:
@@ -299,7 +301,9 @@ def wrap(
         report.converted.append((name, f"{type(m).__name__} -> {style_name(style)}-parallel"))
         _replace(model, name, convert_plain(m, style, tp_group, sp, overlap))
     for name, m in attention.items():
-        changes = localize_heads(m, tp)
+        parts = [p for c in columns if c.rpartition(".")[0] == name and isinstance(planned[c], FusedColumn)
+                 for p in planned[c].sizes(linear_sizes(modules[c])[1])]
+        changes = localize_heads(m, tp, parts)
         if changes:
             report.localized.append((name, ", ".join(changes)))
     if family is not None and family.fixup is not None:
@@ -339,11 +343,10 @@ def _fused_check(planned: dict[str, Any], entries: dict[str, str], tp: int) -> C
     return lambda cuts, local: fused_problems(cuts, styles, entries, tp, local)
 
 
-def _replicated_norm_check(modules: dict[str, torch.nn.Module], planned: dict[str, Any], columns: list[str],
-                           tp: int) -> Callable[..., Any]:
-    """The trace's check for a full-width norm left replicated on sharded features
-    (``checks.replicated_norm_check``), for the widths of the plan's column projections
-    (a fused projection's parts too: the model splits them before normalising one)."""
+def _column_widths(modules: dict[str, torch.nn.Module], planned: dict[str, Any], columns: list[str]
+                   ) -> dict[int, list[str]]:
+    """``{output width: the plan's column projections with it}``, a fused projection's
+    parts too (the model splits them before normalising one)."""
     widths: dict[int, list[str]] = {}
     for name in columns:
         out_f = linear_sizes(modules[name])[1]
@@ -351,7 +354,31 @@ def _replicated_norm_check(modules: dict[str, torch.nn.Module], planned: dict[st
         # A fused projection's parts (checked by plain_problems already) besides its whole.
         for size in {out_f, *(style.sizes(out_f) if isinstance(style, FusedColumn) else ())}:
             widths.setdefault(size, []).append(name)
+    return widths
+
+
+def _replicated_norm_check(widths: dict[int, list[str]], tp: int) -> Callable[..., Any]:
+    """The trace's check for a full-width norm left replicated on sharded features
+    (``checks.replicated_norm_check``), for the widths of the plan's column projections."""
     return replicated_norm_check(widths, tp, lambda m: rms_norm_params(m) is not None, HF_RMS_NORMS)
+
+
+def _per_head_norm_problems(modules: dict[str, torch.nn.Module], planned: dict[str, Any], entries: dict[str, str],
+                            widths: dict[int, list[str]]) -> list[str]:
+    """``"sharded_norm"`` on a norm whose width is no column projection's output width: a
+    per-head norm (Qwen3's ``q_norm``, ``[head_dim]``, applied to every head). Its weight
+    is one head's, not split with the heads: sharded, each rank would get half of it."""
+    problems = []
+    for name, style in planned.items():
+        params = rms_norm_params(modules[name]) if style == "sharded_norm" else None
+        if params is None or params[1] in widths:
+            continue
+        problems.append(f"{name}: {entries[name]}, but this {type(modules[name]).__name__} normalises over "
+                        f"{params[1]} features, which is no column projection's output width "
+                        f"({sorted(widths)}): a per-head norm (one head's features, applied to every head), not "
+                        f"a norm over the sharded features. Take {entries[name].split(' = ')[0]} out of the plan: "
+                        f"the norm stays replicated and its gradient is summed over TP (found by the trace)")
+    return problems
 
 
 def _family_norm_problems(model: torch.nn.Module, family: FamilyPlan, planned: dict[str, Any],

@@ -38,12 +38,45 @@ class ModuleOutputs:
         self.model = model
         self.calls: list[tuple[Key, list[torch.Tensor]]] = []
         self._count: dict[str, int] = {}
+        #: The modules entered and not yet left (the innermost last): where a failure was.
+        self.stack: list[str] = []
         self._handles: list[Any] = []
 
     def __enter__(self) -> "ModuleOutputs":
         for name, m in self.model.named_modules():
+            self._handles.append(m.register_forward_pre_hook(self._enter(name or "<root>")))
             self._handles.append(m.register_forward_hook(self._hook(name or "<root>")))
         return self
+
+    def _enter(self, name: str) -> Callable[..., None]:
+        def pre(module: torch.nn.Module, args: Any) -> None:
+            self.stack.append(name)
+
+        return pre
+
+    def failure(self, error: Exception, plan_entries: dict[str, str]) -> str:
+        """The line for a wrapped model whose probe forward (or backward) raised: the
+        innermost module it was in (a module left unfinished), and the plan entries
+        converted under its nearest ancestor that has some -- they changed a size that
+        module still computes with."""
+        where = self.stack[-1] if self.stack else "<root>"
+        path = where.split(".")
+        entries: list[str] = []
+        for cut in range(len(path), -1, -1):
+            prefix = ".".join(path[:cut])
+            entries = [f"{n}: {e}" for n, e in plan_entries.items()
+                       if prefix in ("", "<root>") or n == prefix or n.startswith(prefix + ".")]
+            if entries:
+                block = prefix or "<root>"
+                break
+        else:
+            block = where
+        text = str(error).strip().splitlines()[0] if str(error).strip() else ""
+        return (f"the wrapped model raised in {where} ({type(error).__name__}: {text}): a size there still counts "
+                f"every head or feature the plan now splits over the ranks (a per-head parameter or buffer, a tensor "
+                f"built for all heads, a width or head count kept where wrap does not localize it). Plan entries "
+                f"sharding {block}: {'; '.join(entries[:4]) or 'none'}. Exclude {block!r} (it stays replicated) or "
+                f"pass wrap(fixup=f) to set what it keeps to this rank's share")
 
     def __exit__(self, *exc: Any) -> None:
         for h in self._handles:
@@ -52,6 +85,8 @@ class ModuleOutputs:
 
     def _hook(self, name: str) -> Callable[..., None]:
         def hook(module: torch.nn.Module, args: Any, out: Any) -> None:
+            if self.stack and self.stack[-1] == name:
+                self.stack.pop()
             index = self._count.get(name, 0)
             self._count[name] = index + 1
             self.calls.append(((name, index), [t.detach().clone() for _, t in output_leaves(out)]))

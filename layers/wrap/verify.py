@@ -173,11 +173,18 @@ def compare(model: torch.nn.Module, ref: Reference, probe: Callable[[torch.nn.Mo
     that differ, and how many more), the same on every rank. Gradients end as they were
     before the reference pass. ``plan_entries``: ``{module name: its plan entry}``, named
     with the first differing module output."""
-    with evaluation(model), ModuleOutputs(model) as recorded:
-        out = probe(model)
-        loss = _loss(out)
-        if loss is not None:
-            loss.backward()
+    try:
+        with evaluation(model), ModuleOutputs(model) as recorded:
+            out = probe(model)
+            loss = _loss(out)
+            if loss is not None:
+                loss.backward()
+    except Exception as e:  # noqa: BLE001 - a shape error after conversion: named, and agreed by every rank
+        for p in model.parameters():
+            p.grad = None
+        for p, g in ref.stashed:
+            p.grad = g
+        return _agree([recorded.failure(e, plan_entries or {})], tp_group)
     dtype = next(model.parameters()).dtype
     tol = TOLERANCE.get(dtype, LOW_PRECISION_TOLERANCE)
     mine = output_leaves(out)
