@@ -90,10 +90,12 @@ from .megatron import COLUMN_ATTRS, EXPERT_FLAGS, ROW_ATTRS, convert_megatron, i
     tag_untouched
 from .modules import HF_RMS_NORMS, ParallelLinearAdapter
 from .passes import probe_original, sync_traced, trace_lazily
+from .per_head import per_head_check, split_sizes
 from .plain import check_replicated, convert_plain, convert_sharded_norm, is_conv1d, linear_sizes, plain_problems, \
     rms_norm_params, style_name
 from .plan_styles import FusedColumn
 from .report import WrapReport
+from .trace import TraceChecks, exclude_for
 from .verify_step import check_verify_arg, choose_probe, finish_verification, warn_unverified
 from tp_fuse.quantization import autocast
 
@@ -261,15 +263,14 @@ def wrap(
     problems += check_replicated([(n, modules[n]) for n, s in planned.items() if s != "sequence_parallel"],
                                   tp_group)
     trace, reference = None, None
-    widths = _column_widths(modules, planned, columns)
-    problems += _per_head_norm_problems(modules, planned, entries, widths) if tp > 1 else []
-    norm_check = _replicated_norm_check(widths, tp) if tp > 1 and not problems else None
-    fused = _fused_check(planned, entries, tp)
+    # Only for a plan whose modules are the types and sizes their styles need.
+    widths = _column_widths(modules, planned, columns) if not problems else {}
+    problems += _per_head_norm_problems(modules, planned, entries, widths) if tp > 1 and not problems else []
+    checks = _trace_checks(model, planned, entries, widths, tp) if tp > 1 and not problems else TraceChecks()
     choice = choose_probe(model, verify, bool(megatron or planned), tp)
     if not problems:
         trace, reference, failed = probe_original(model, choice.probe, columns if tp > 1 else [], rows,
-                                                  norms if tp > 1 else [], norm_check, strict=choice.strict,
-                                                  fused=fused if tp > 1 else None)
+                                                  norms if tp > 1 else [], checks, strict=choice.strict)
         choice.unverified = choice.unverified or failed
         problems += trace.problems if trace is not None else []
     if problems:
@@ -314,7 +315,7 @@ def wrap(
         sync_traced(model, trace, tp_group, report)
     elif columns and tp > 1:
         trace_lazily(model, columns, rows, tp_group, report, verbose=verbose and rank == 0, norms=norms,
-                     module_check=norm_check, fused=fused)
+                     checks=checks)
     tag_untouched(model)
     if reference is not None:
         transposed = {f"{n}.weight" for n, m in model.named_modules()
@@ -336,11 +337,16 @@ def _written(style: Any) -> str:
     return repr(style) if isinstance(style, str) else style.written()
 
 
-def _fused_check(planned: dict[str, Any], entries: dict[str, str], tp: int) -> Callable[..., list[str]]:
-    """The trace's check of the plan's column projections against how the model cuts
-    their outputs (``tp_fuse.layers.wrap.fused_split``)."""
+def _trace_checks(model: torch.nn.Module, planned: dict[str, Any], entries: dict[str, str],
+                  widths: dict[int, list[str]], tp: int) -> TraceChecks:
+    """What the trace checks at TP size ``tp`` > 1: full-width norms left replicated
+    (``checks``), the plan's column projections against how the model cuts their outputs
+    (``fused_split``), per-head tensors left whole (``per_head``)."""
     styles = {n: s for n, s in planned.items() if s == "column" or isinstance(s, FusedColumn)}
-    return lambda cuts, local: fused_problems(cuts, styles, entries, tp, local)
+    sizes, ignore = split_sizes(getattr(model, "config", None), widths)
+    return TraceChecks(module=_replicated_norm_check(widths, tp),
+                       fused=lambda cuts, local: fused_problems(cuts, styles, entries, tp, local),
+                       head=per_head_check(sizes, ignore, entries, exclude_for), entries=entries)
 
 
 def _column_widths(modules: dict[str, torch.nn.Module], planned: dict[str, Any], columns: list[str]
@@ -351,8 +357,10 @@ def _column_widths(modules: dict[str, torch.nn.Module], planned: dict[str, Any],
     for name in columns:
         out_f = linear_sizes(modules[name])[1]
         style = planned[name]
-        # A fused projection's parts (checked by plain_problems already) besides its whole.
-        for size in {out_f, *(style.sizes(out_f) if isinstance(style, FusedColumn) else ())}:
+        # A fused projection's parts besides its whole (parts that do not add up are
+        # plain_problems' refusal already).
+        parts = style.sizes(out_f) if isinstance(style, FusedColumn) and not style.problems(out_f, 1) else ()
+        for size in {out_f, *parts}:
             widths.setdefault(size, []).append(name)
     return widths
 

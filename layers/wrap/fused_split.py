@@ -36,9 +36,12 @@ from .plan_styles import FusedColumn
 
 __all__ = ["SplitWatcher", "Cuts", "fused_problems", "suggested_style"]
 
-# Ops that keep every element where it is (the layout is the input's).
+# Ops that keep every element where it is (the layout is the input's), when the output
+# has the input's shape and no other tensor takes part (DBRX clamps its qkv before the split).
 _SAME = frozenset({"contiguous", "float", "double", "half", "bfloat16", "to", "type", "type_as", "clone",
-                   "detach"})
+                   "detach", "clamp", "clamp_", "clip", "clip_", "mul", "__mul__", "__rmul__", "add", "__add__",
+                   "__radd__", "sub", "__sub__", "div", "__truediv__", "neg", "relu", "gelu", "silu", "tanh",
+                   "sigmoid", "dropout"})
 _VIEWS = frozenset({"view", "reshape"})
 _SPLITS = frozenset({"split", "split_with_sizes", "chunk", "tensor_split", "unbind", "narrow", "__getitem__",
                      "unsafe_split"})
@@ -105,7 +108,8 @@ class SplitWatcher:
         if src is None or id(src) not in self.layouts:
             return
         name, dims = self.layouts[id(src)]
-        if fname in _SAME and isinstance(out, torch.Tensor) and out.shape == src.shape:
+        others = [a for a in (*args[1:], *kwargs.values()) if isinstance(a, torch.Tensor)]
+        if fname in _SAME and isinstance(out, torch.Tensor) and out.shape == src.shape and not others:
             self._follow(out, name, dims)
         elif fname in _VIEWS and isinstance(out, torch.Tensor):
             self._view(src, out, name, dims, args, kwargs, where)

@@ -27,15 +27,14 @@ from ..grad_sync import sync_sharded_activation_grad
 from .checks import collapse
 from .report import WrapReport
 from .module_outputs import ModuleOutputs
-from .trace import FIRST_FORWARD_ERROR, FusedCheck, ModuleCheck, TraceResult, trace_first_forward, trace_sharded_uses
+from .trace import FIRST_FORWARD_ERROR, TraceChecks, TraceResult, trace_first_forward, trace_sharded_uses
 from .verify import Reference, auto_probe, evaluation, reference_pass, stash_grads
 
 __all__ = ["probe_original", "sync_traced", "trace_lazily"]
 
 
 def probe_original(model: torch.nn.Module, probe: Optional[Callable[[torch.nn.Module], Any]], columns: list[str],
-                   rows: list[str], norms: list[str] = (), module_check: Optional[ModuleCheck] = None,
-                   strict: bool = True, fused: Optional[FusedCheck] = None
+                   rows: list[str], norms: list[str] = (), checks: TraceChecks = TraceChecks(), strict: bool = True
                    ) -> tuple[Optional[TraceResult], Optional[Reference], Optional[str]]:
     """Trace one forward of the original model (and, with a ``probe`` to verify with, its
     backward and every module's output, for the comparison after wrapping). Without a
@@ -50,8 +49,7 @@ def probe_original(model: torch.nn.Module, probe: Optional[Callable[[torch.nn.Mo
     try:
         with evaluation(model), contextlib.ExitStack() as stack:
             recorder = stack.enter_context(ModuleOutputs(model)) if probe is not None else None
-            trace = trace_sharded_uses(model, lambda: run(model), columns, rows, norms=norms,
-                                       module_check=module_check, fused=fused)
+            trace = trace_sharded_uses(model, lambda: run(model), columns, rows, norms=norms, checks=checks)
             stack.close()
             reference = reference_pass(model, trace.output, stashed, recorder) if probe is not None else None
     except Exception as e:  # noqa: BLE001 - a failing user probe is reported, the automatic one falls back
@@ -80,8 +78,7 @@ def sync_traced(model: torch.nn.Module, trace: TraceResult, tp_group: dist.Proce
 
 
 def trace_lazily(model: torch.nn.Module, columns: list[str], rows: list[str], tp_group: dist.ProcessGroup,
-                 report: WrapReport, verbose: bool, norms: list[str] = (),
-                 module_check: Optional[ModuleCheck] = None, fused: Optional[FusedCheck] = None) -> None:
+                 report: WrapReport, verbose: bool, norms: list[str] = (), checks: TraceChecks = TraceChecks()) -> None:
     """Trace the wrapped model's first forward and install the gradient sums after it."""
 
     def finish(result: TraceResult) -> None:
@@ -91,5 +88,5 @@ def trace_lazily(model: torch.nn.Module, columns: list[str], rows: list[str], tp
         if verbose and added:
             print("wrap (traced first forward):\n" + "\n".join(f"  ~ {n}: {how}" for n, how in added))
 
-    trace_first_forward(model, columns, rows, finish, norms, module_check, fused)
+    trace_first_forward(model, columns, rows, finish, norms, checks)
     report.traced = "on the first forward (no probe: pass verify=... to trace before converting)"

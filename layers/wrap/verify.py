@@ -53,14 +53,19 @@ LOW_PRECISION_TOLERANCE = 0.1
 
 def auto_probe(model: torch.nn.Module) -> Optional[Callable[[torch.nn.Module], Any]]:
     """A probe for a Hugging Face causal LM (``config.vocab_size`` and an ``input_ids``
-    forward): ``[2, 8]`` random token ids (fewer positions if the model has fewer);
-    None for other models."""
+    forward): ``[2, 8]`` random token ids (fewer positions if the model has fewer, or if 8
+    is a head count); None for other models."""
     config = getattr(model, "config", None)
     vocab = getattr(config, "vocab_size", None)
     if not isinstance(vocab, int) or vocab < 1 or not isinstance(getattr(config, "model_type", None), str):
         return None
     positions = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None) or 8
     seq = max(2, min(8, int(positions)))
+    # A sequence length equal to a head count would make the trace's per-head check
+    # (tp_fuse.layers.wrap.per_head) mistake a [.., seq, seq] mask for a per-head tensor.
+    heads = {getattr(config, a, None) for a in ("num_attention_heads", "num_key_value_heads")}
+    while seq > 2 and seq in heads:
+        seq -= 1
     ids = torch.randint(0, vocab, (2, seq), generator=torch.Generator().manual_seed(1234))
 
     def run(m: torch.nn.Module) -> Any:

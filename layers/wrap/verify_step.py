@@ -109,6 +109,12 @@ def finish_verification(model: torch.nn.Module, reference: Reference, probe: Cal
     found = compare(model, reference, probe, tp_group, transposed, plan_entries)
     seconds = reference.seconds + time.perf_counter() - start
     if found:
+        if report.localized:  # what wrap changed on the model besides its projections
+            changed = "; ".join(f"{n}: {how}" for n, how in report.localized[:2])
+            found.append(f"wrap set attention attributes to this rank's share ({changed}"
+                         f"{'; ...' if len(report.localized) > 2 else ''}): a model that reads one as something "
+                         f"else (CodeGen's embed_dim sets the block size of its fused qkv) needs it back, with "
+                         f"wrap(fixup=f), f(model, tp_size) run after conversion")
         raise ValueError(VERIFY_ERROR + "\n  - ".join(found))
     held = sum(g.numel() * g.element_size() for g in reference.grads.values() if g is not None)
     gathers = sum(1 for _, p in model.named_parameters() if reference.params.get(_) != id(p)
