@@ -4,7 +4,8 @@ The directory is untrusted input. Nothing in it runs code:
 
 * ``config.json`` is read as JSON (its ``model_type`` must be one of :data:`LAUNCHER_FAMILIES`:
   every family with a built-in ``wrap`` plan, ``tp_fuse.layers.wrap.hf_plans.FAMILIES``, whose
-  config spellings are read here and which are tested TP=2 vs TP=1 through the launcher);
+  config spellings are read here and which are tested TP=2 vs TP=1 through the launcher,
+  and GLM, which has no built-in plan: ``model.plan`` gives it);
   ``transformers`` builds the model with ``trust_remote_code=False`` and
   ``local_files_only=True`` (no hub access);
 * weights are loaded only from ``*.safetensors`` (a directory with pickled
@@ -47,7 +48,7 @@ from tp_fuse.safe_files import open_regular_file, read_regular_file
 
 from ..tokenizer import FileTokenizer
 
-__all__ = ["read_hf_config", "gpt_fields", "check_weight_files", "parameter_count", "load_tokenizer",
+__all__ = ["read_hf_config", "needs_plan", "gpt_fields", "check_weight_files", "parameter_count", "load_tokenizer",
            "build_hf_model", "CausalLMLoss", "moe_note", "attention_head_dim"]
 
 #: The families +model=hf takes, and how each one's config.json maps onto the launcher's
@@ -79,6 +80,10 @@ _FORMATS: dict[str, tuple[Optional[str], bool, str, str, bool]] = {
     # ALiBi (a per-head bias on the attention scores; no position table), a 4 x hidden MLP
     # (BloomMLP ignores any n_inner), biases everywhere.
     "bloom": (None, False, "LayerNorm", "alibi", True),
+    # Families whose sizes the launcher reads but for which wrap has no built-in plan:
+    # they need model.plan (checked at config time, :func:`needs_plan`). GLM: a fused
+    # [gate; up] MLP (FusedColumn(2)), RMSNorm, partial rotary, q/k/v biases only.
+    "glm": ("intermediate_size", True, "RMSNorm", "rope", False),
 }
 LAUNCHER_FAMILIES = tuple(_FORMATS)
 #: MoE families +model=hf takes: ``(experts field, experts-per-token field, shared-expert
@@ -150,10 +155,17 @@ def read_hf_config(path: Any) -> dict[str, Any]:
         raise ValueError(f"model.path: {file} must hold a JSON object")
     model_type = data.get("model_type")
     if model_type not in LAUNCHER_FAMILIES:
-        raise ValueError(f"{file}: model_type {model_type!r} has no built-in wrap plan in the launcher; supported: "
-                         f"{sorted(LAUNCHER_FAMILIES)}" + (" (wrap() itself has one: use the API)"
+        raise ValueError(f"{file}: model_type {model_type!r} is not one the launcher reads the sizes of; supported: "
+                         f"{sorted(LAUNCHER_FAMILIES)}" + (" (wrap() itself has a plan for it: use the API)"
                                                            if model_type in FAMILIES else ""))
     return data
+
+
+def needs_plan(path: str) -> Optional[str]:
+    """The ``model_type`` of the model in ``path`` when wrap has no built-in plan for it
+    (``model.plan`` must then give one), else None."""
+    model_type = read_hf_config(path)["model_type"]
+    return model_type if model_type not in FAMILIES else None
 
 
 def _optional_int_field(data: dict[str, Any], file: str, *names: str) -> Optional[int]:
