@@ -398,7 +398,7 @@ def test_sizes_come_from_config_json_and_are_validated(tmp_path):
         compose(["+model=hf", f"model.path={model_dir}", "+model.hidden_size=64"])
     with open(os.path.join(model_dir, "config.json"), "w") as f:
         json.dump({"model_type": "bert"}, f)
-    with pytest.raises(ValueError, match="model_type 'bert' has no built-in wrap plan"):
+    with pytest.raises(ValueError, match="model_type 'bert' is not one the launcher reads the sizes of"):
         compose(["+model=hf", f"model.path={model_dir}"])
 
 

@@ -150,6 +150,9 @@ def per_head_tensors(rank: int, world: int) -> Any:
         "gpt_oss": _wrap(_hf("GptOssConfig", "GptOssForCausalLM", **BASE, head_dim=8, num_local_experts=2,
                              num_experts_per_tok=1), plan=ATTENTION),
         "doge": _wrap(_hf("DogeConfig", "DogeForCausalLM", **BASE), plan=LLAMA),
+        # The exclude the refusal suggests works: the attention stays replicated, the MLP sharded.
+        "doge_excluded": _wrap(_hf("DogeConfig", "DogeForCausalLM", **BASE), plan=LLAMA,
+                               exclude=["model.layers.*.self_attn"]),
         "mpt": _wrap(_hf("MptConfig", "MptForCausalLM", **mpt), plan={
             "transformer.blocks.*.attn.Wqkv": FusedColumn(3), "transformer.blocks.*.attn.out_proj": "row"}),
         "bigcode_mqa": _wrap(_hf("GPTBigCodeConfig", "GPTBigCodeForCausalLM", **bigcode), plan={
@@ -252,6 +255,8 @@ def test_per_head_parameters_refused_naming_module_parameter_and_entry(results) 
     _one_refusal(v["doge"])
     assert ("model.layers.*.self_attn.dt_proj: this Linear is not in the plan, but its input is TP-sharded (the "
             "output of model.layers.*.self_attn.v_proj") in v["doge"], v["doge"]
+    assert "(or exclude 'model.layers.*.self_attn')" in v["doge"], v["doge"]
+    assert v["doge_excluded"].startswith("verified: outputs and every gradient match"), v["doge_excluded"]
 
 
 def test_alibi_built_for_all_heads_refused(results) -> None:

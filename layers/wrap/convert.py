@@ -60,8 +60,11 @@ Never silently wrong: replicated parameters used on TP-sharded activations are f
 traced forward and get their gradient summed over TP (``tp_fuse.layers.wrap.trace``,
 ``tp_fuse.layers.wrap.passes``); head counts stored on converted attention modules are localized
 and per-head module lists refused (``tp_fuse.layers.wrap.heads``); ties, MoE experts and the
-error's shape (``tp_fuse.layers.wrap.checks``); ``verify=`` compares the wrapped model with the
-original (``tp_fuse.layers.wrap.verify``).
+error's shape (``tp_fuse.layers.wrap.checks``); fused projections cut by the model
+(``tp_fuse.layers.wrap.fused_split``) and per-head tensors left whole
+(``tp_fuse.layers.wrap.per_head``) are found by the same trace; by default (whenever it
+shards anything) the wrapped model is compared with the original on a probe
+(``tp_fuse.layers.wrap.verify_step``, ``tp_fuse.layers.wrap.verify``).
 
 ``fp8=recipe`` makes the model's forward run inside ``tp_fuse.autocast(recipe,
 amax_reduction_group=fp8_group)`` (one autocast for the whole forward: one amax
@@ -194,6 +197,9 @@ def wrap(
     for name, m in model.named_modules():
         label = name or "<root>"
         if any(name == p or name.startswith(p + ".") for p in excluded_prefixes):
+            # A plan entry for modules inside an excluded block matches them (left as they
+            # are): excluding the block a refusal names must not make its entries an error.
+            matched_globs |= {g for g in plan if fnmatch.fnmatchcase(name, g)}
             continue
         if name and any(fnmatch.fnmatchcase(name, g) for g in exclude):
             excluded_prefixes.append(name)

@@ -15,6 +15,10 @@ record in that order and compares each output with the original's of the same ke
 outputs whose shapes differ are TP-sharded (a column projection's, a head slice) and are
 not compared. The plan entries of the converted modules run since the last output that
 matched are named with the difference: they produced what went wrong.
+
+A wrapped model that raises on the probe (a shape error: a per-head tensor or a width the
+conversion did not reach) is named by :meth:`ModuleOutputs.failure`: the innermost module
+it was in, and the plan entries sharding its nearest block that has some.
 """
 
 from __future__ import annotations
