@@ -117,7 +117,7 @@ def finish_verification(model: torch.nn.Module, reference: Reference, probe: Cal
                          f"wrap(fixup=f), f(model, tp_size) run after conversion")
         raise ValueError(VERIFY_ERROR + "\n  - ".join(found))
     held = sum(g.numel() * g.element_size() for g in reference.grads.values() if g is not None)
-    gathers = sum(1 for _, p in model.named_parameters() if reference.params.get(_) != id(p)
+    gathers = sum(1 for name, p in model.named_parameters() if reference.params.get(name) != id(p)
                   and getattr(p, "tp_shard", None) is not None)
     report.verify_seconds = seconds
     report.verified = (f"outputs and every gradient match the original on the probe (cost {seconds:.2f} s: a "
