@@ -85,17 +85,16 @@ from tp_fuse.recipe import Recipe
 
 from ..grad_sync import sync_sequence_parallel_grad
 from ..sharding import tp_rank_and_size
-from .checks import attention_converted, collapse, expert_problems, replicated_norm_check, tied_problems
+from .checks import attention_converted, collapse, replicated_norm_check, tied_problems
 from .fused_split import fused_problems
 from .heads import attention_modules, head_problems, localize_heads
 from .hf_plans import FamilyPlan, family_plan
-from .megatron import COLUMN_ATTRS, EXPERT_FLAGS, ROW_ATTRS, convert_megatron, is_megatron, megatron_problems, \
-    tag_untouched
+from .megatron import convert_megatron, tag_untouched
 from .modules import HF_RMS_NORMS, ParallelLinearAdapter
 from .passes import probe_original, sync_traced, trace_lazily
 from .per_head import per_head_check, split_sizes
-from .plain import check_replicated, convert_plain, convert_sharded_norm, is_conv1d, linear_sizes, plain_problems, \
-    rms_norm_params, style_name
+from .plain import check_replicated, convert_plain, convert_sharded_norm, linear_sizes, rms_norm_params, style_name
+from .plan_match import STYLES, Matched, match_plan
 from .plan_styles import FusedColumn
 from .report import WrapReport
 from .trace import TraceChecks, exclude_for
@@ -105,11 +104,8 @@ from tp_fuse.quantization import autocast
 __all__ = ["wrap", "ParallelLinearAdapter", "PLAN_STYLES", "WrapReport"]
 
 Style = Literal["column", "row", "sequence_parallel", "sharded_norm"]
-_STYLES = ("column", "row", "sequence_parallel", "sharded_norm")
 #: The plan styles given by name (``FusedColumn(...)`` besides): the launcher's ``model.plan``.
-PLAN_STYLES = _STYLES
-# Styles that keep or shard a norm: no GEMM, not a column/row pair member.
-_NORM_STYLES = ("sequence_parallel", "sharded_norm")
+PLAN_STYLES = STYLES
 
 
 def wrap(
@@ -163,6 +159,64 @@ def wrap(
     forward; their gradients are summed over TP. The report of what was converted and what
     was left, and why, is stored as ``model.tp_fuse_wrap_report``.
     """
+    _check_arguments(model, tp_group, fp8, exclude, fixup, verify)
+    rank, tp = tp_rank_and_size(tp_group)
+    family: Optional[FamilyPlan] = family_plan(model, explicit=plan is not None)
+    builtin = plan is None and family is not None
+    plan = family.plan_for(model.config) if builtin else dict(plan or {})
+    report = WrapReport(family=family.model_type if family is not None else None)
+
+    # 1. What to convert, and everything wrong with it, before anything changes.
+    found = match_plan(model, plan, exclude, tp_group, sequence_parallel, report,
+                       family.notes if builtin else {}, builtin_type=family.model_type if builtin else None)
+    modules = dict(model.named_modules())
+    attention = attention_modules(model, found.columns) if tp > 1 else {}
+    problems = found.problems + _model_problems(model, modules, found, family, builtin, attention, tp, tp_group,
+                                                sequence_parallel)
+    # 2. One traced forward of the original on the probe (and its backward, to verify with).
+    widths = _column_widths(modules, found.planned, found.columns) if not problems else {}
+    problems += _per_head_norm_problems(modules, found.planned, found.entries, widths) if tp > 1 and not problems \
+        else []
+    checks = _trace_checks(model, found.planned, found.entries, widths, tp) if tp > 1 and not problems \
+        else TraceChecks()
+    choice = choose_probe(model, verify, bool(found.megatron or found.planned), tp)
+    trace, reference = None, None
+    if not problems:
+        trace, reference, failed = probe_original(model, choice.probe, found.columns if tp > 1 else [], found.rows,
+                                                  found.norms if tp > 1 else [], checks, strict=choice.strict)
+        choice.unverified = choice.unverified or failed
+        problems += trace.problems if trace is not None else []
+    if problems:
+        raise ValueError("wrap: cannot convert the model:\n  - " + "\n  - ".join(collapse(problems)))
+
+    # 3. Convert, then set what the model keeps about its heads to this rank's.
+    _convert_modules(model, modules, found, tp_group, bool(sequence_parallel), overlap, report)
+    _localize(model, modules, found, attention, family, fixup, tp, report)
+    # 4. Gradient sums for replicated parameters on sharded activations, layout tags.
+    if trace is not None:
+        sync_traced(model, trace, tp_group, report)
+    elif found.columns and tp > 1:
+        trace_lazily(model, found.columns, found.rows, tp_group, report, verbose=verbose and rank == 0,
+                     norms=found.norms, checks=checks)
+    tag_untouched(model)
+    # 5. Verify against the original (raises on a difference), or say why not.
+    if reference is not None:
+        transposed = {f"{n}.weight" for n, m in model.named_modules()
+                      if isinstance(m, ParallelLinearAdapter) and m.transposed}
+        finish_verification(model, reference, choice.probe, tp_group, transposed, report, found.entries)
+    elif choice.unverified is not None:
+        report.unverified = choice.unverified
+        warn_unverified(choice.unverified, len(report.converted))
+    if fp8 is not None:
+        _run_forward_in_autocast(model, fp8, fp8_group)
+    model.tp_fuse_wrap_report = report
+    if verbose and rank == 0:
+        print(report)
+    return model
+
+
+def _check_arguments(model: Any, tp_group: Any, fp8: Any, exclude: Any, fixup: Any, verify: Any) -> None:
+    """wrap's arguments, each a ``ValueError`` naming what it got."""
     if not isinstance(model, torch.nn.Module):
         raise ValueError(f"wrap: model must be a torch.nn.Module, got {type(model).__name__}")
     if not isinstance(tp_group, dist.ProcessGroup):
@@ -174,116 +228,34 @@ def wrap(
     if fixup is not None and not callable(fixup):
         raise ValueError(f"wrap: fixup must be a callable f(model, tp_size), got {type(fixup).__name__}")
     check_verify_arg(model, verify)
-    rank, tp = tp_rank_and_size(tp_group)
-    problems: list[str] = []
-    family: Optional[FamilyPlan] = family_plan(model, explicit=plan is not None)
-    builtin = plan is None and family is not None
-    plan = family.plan_for(model.config) if builtin else dict(plan or {})
-    bad_styles = {g: s for g, s in plan.items() if not (isinstance(s, FusedColumn) or s in _STYLES)}
-    for glob, style in bad_styles.items():
-        problems.append(f"plan[{glob!r}]: unknown style {style!r}; expected one of {_STYLES} or "
-                        f"FusedColumn(parts | sizes, names=..., head_dim=...)")
-    report = WrapReport(family=family.model_type if family is not None else None)
 
-    megatron: dict[str, str] = {}
-    experts: dict[str, list[str]] = {}
-    planned: dict[str, Any] = {}
-    entries: dict[str, str] = {}  # module name -> its plan entry as written, for messages
-    matched_globs: set[str] = set()
-    excluded_prefixes: list[str] = []
-    # Excluded modules the plan would have sharded. (An excluded Megatron module keeps
-    # Megatron's own TP, so its neighbours still agree with it.)
-    excluded_gemms: list[str] = []
-    for name, m in model.named_modules():
-        label = name or "<root>"
-        if any(name == p or name.startswith(p + ".") for p in excluded_prefixes):
-            # A plan entry for modules inside an excluded block matches them (left as they
-            # are): excluding the block a refusal names must not make its entries an error.
-            matched_globs |= {g for g in plan if fnmatch.fnmatchcase(name, g)}
-            continue
-        if name and any(fnmatch.fnmatchcase(name, g) for g in exclude):
-            excluded_prefixes.append(name)
-            report.left.append((label, "excluded by the caller"))
-            matched_globs |= {g for g in plan if fnmatch.fnmatchcase(name, g)}
-            if any(fnmatch.fnmatchcase(name, g) and plan[g] not in _NORM_STYLES for g in plan):
-                excluded_gemms.append(name)
-            continue
-        kind = ("column" if is_megatron(m, COLUMN_ATTRS) else "row" if is_megatron(m, ROW_ATTRS) else None)
-        matching = [g for g in plan if g not in bad_styles and fnmatch.fnmatchcase(name, g)]
-        styles = {style_name(plan[g]): plan[g] for g in matching}
-        matched_globs |= {g for g in plan if fnmatch.fnmatchcase(name, g)}
-        if kind is not None:
-            if styles:
-                problems.append(f"{label}: Megatron-style {kind}-parallel module is converted automatically; "
-                                f"remove it from the plan")
-            megatron[name] = kind
-            problems += megatron_problems(label, m, kind, tp_group, sequence_parallel)
-            flags = [f for f in EXPERT_FLAGS if getattr(m, f, False)]
-            if flags:
-                experts[label] = flags
-        elif len(styles) > 1:
-            problems.append(f"{label}: matched by plan entries with different styles {sorted(styles)}")
-        elif styles:
-            planned[name] = next(iter(styles.values()))
-            glob = next(g for g in matching if style_name(plan[g]) in styles)
-            entries[name] = f"plan[{glob!r}] = {_written(plan[glob])}"
-            problems += plain_problems(label, m, planned[name], tp)
-        elif type(m) is torch.nn.Linear or is_conv1d(m):
-            report.left.append((label, "not named by the plan: replicated, runs unsharded"))
-        if name == "" and (kind is not None or name in planned):
-            problems.append("<root>: the root module itself cannot be replaced in place; wrap its parent")
-    problems += expert_problems(experts)
-    if builtin:  # what the family plan leaves replicated on purpose (MoE experts)
-        report.left += [(n, why) for glob, why in family.notes.items() for n, _ in model.named_modules()
-                        if fnmatch.fnmatchcase(n, glob) and not any(n == p or n.startswith(p + ".")
-                                                                     for p in excluded_prefixes)]
-    problems += _split_pair_problems(excluded_gemms, [n for n, s in planned.items() if s not in _NORM_STYLES])
-    unmatched = [g for g in plan if g not in matched_globs]
-    if builtin and plan and len(unmatched) == len(plan):
-        problems.append(f"{family.model_type}: no module matches the built-in plan, whose names are those of the "
-                        f"*ForCausalLM model (e.g. {next(iter(plan))!r}); this is {type(model).__name__} (a model "
-                        f"without its LM head?): wrap the *ForCausalLM model, or pass plan={{glob: style}} with this "
-                        f"model's names")
-    else:
-        problems += [f"plan[{glob!r}]: matches no module" for glob in unmatched]
-    for glob in exclude:
-        if not any(fnmatch.fnmatchcase(n, glob) for n, _ in model.named_modules() if n):
-            problems.append(f"exclude[{glob!r}]: matches no module")
-    columns = [n for n, s in planned.items() if s not in ("row", *_NORM_STYLES)]
-    rows = [n for n, s in planned.items() if s == "row"]
-    # Sharded norms take a sharded input and give a sharded output: for the trace they are
-    # column-like boundaries (not looked into), whose input must already be sharded.
-    norms = [n for n, s in planned.items() if s == "sharded_norm"]
-    if family is not None and (builtin or attention_converted(model, columns)):
+
+def _model_problems(model: torch.nn.Module, modules: dict[str, torch.nn.Module], found: Matched,
+                    family: Optional[FamilyPlan], builtin: bool, attention: dict[str, torch.nn.Module], tp: int,
+                    tp_group: dist.ProcessGroup, sequence_parallel: Optional[bool]) -> list[str]:
+    """What the model as a whole says against the plan: its family's checks (an explicit
+    plan that shards attention keeps them), ties, head counts, weights differing across
+    ranks."""
+    problems = []
+    if family is not None and (builtin or attention_converted(model, found.columns)):
         problems += [f"{family.model_type}: {p}" for p in family.check(model.config, tp)]
         if not builtin:
-            problems += _family_norm_problems(model, family, planned, columns)
+            problems += _family_norm_problems(model, family, found.planned, found.columns)
         if sequence_parallel:
             problems.append(f"{family.model_type}: sequence_parallel=True does not apply to Hugging Face "
                             f"models (activations are [batch, seq, hidden]; SP splits dim 0)")
-    problems += tied_problems(model, planned)
-    attention = attention_modules(model, columns) if tp > 1 else {}
+    problems += tied_problems(model, found.planned)
     for name, m in attention.items():
-        problems += head_problems(name, m, tp, getattr(model, "config", None), planned)
-    modules = dict(model.named_modules())
-    problems += check_replicated([(n, modules[n]) for n, s in planned.items() if s != "sequence_parallel"],
-                                  tp_group)
-    trace, reference = None, None
-    # Only for a plan whose modules are the types and sizes their styles need.
-    widths = _column_widths(modules, planned, columns) if not problems else {}
-    problems += _per_head_norm_problems(modules, planned, entries, widths) if tp > 1 and not problems else []
-    checks = _trace_checks(model, planned, entries, widths, tp) if tp > 1 and not problems else TraceChecks()
-    choice = choose_probe(model, verify, bool(megatron or planned), tp)
-    if not problems:
-        trace, reference, failed = probe_original(model, choice.probe, columns if tp > 1 else [], rows,
-                                                  norms if tp > 1 else [], checks, strict=choice.strict)
-        choice.unverified = choice.unverified or failed
-        problems += trace.problems if trace is not None else []
-    if problems:
-        raise ValueError("wrap: cannot convert the model:\n  - " + "\n  - ".join(collapse(problems)))
+        problems += head_problems(name, m, tp, getattr(model, "config", None), found.planned)
+    problems += check_replicated([(n, modules[n]) for n, s in found.planned.items() if s != "sequence_parallel"],
+                                 tp_group)
+    return problems
 
-    sp = bool(sequence_parallel)
-    for name, kind in megatron.items():
+
+def _convert_modules(model: torch.nn.Module, modules: dict[str, torch.nn.Module], found: Matched,
+                     tp_group: dist.ProcessGroup, sp: bool, overlap: Optional[TPOverlap], report: WrapReport) -> None:
+    """Replace the Megatron-style and planned modules (``modules``: the original ones)."""
+    for name, kind in found.megatron.items():
         m = modules[name]
         new = convert_megatron(m, kind, tp_group, overlap)
         stride = getattr(m.weight, "partition_stride", 1) if m.weight is not None else 1
@@ -292,7 +264,7 @@ def wrap(
         how += ", accumulate_into_main_grad" if getattr(m, "gradient_accumulation_fusion", False) else ""
         report.converted.append((name, how))
         _replace(model, name, new)
-    for name, style in planned.items():
+    for name, style in found.planned.items():
         m = modules[name]
         if style == "sharded_norm":
             report.converted.append((name, f"{type(m).__name__} -> sharded norm (weight split with the features, "
@@ -307,9 +279,16 @@ def wrap(
             continue
         report.converted.append((name, f"{type(m).__name__} -> {style_name(style)}-parallel"))
         _replace(model, name, convert_plain(m, style, tp_group, sp, overlap))
+
+
+def _localize(model: torch.nn.Module, modules: dict[str, torch.nn.Module], found: Matched,
+              attention: dict[str, torch.nn.Module], family: Optional[FamilyPlan],
+              fixup: Optional[Callable[[torch.nn.Module, int], None]], tp: int, report: WrapReport) -> None:
+    """Head counts and widths stored on the attention modules (``heads``; a fused
+    projection's part sizes too), then the family's and the caller's fix-ups."""
     for name, m in attention.items():
-        parts = [p for c in columns if c.rpartition(".")[0] == name and isinstance(planned[c], FusedColumn)
-                 for p in planned[c].sizes(linear_sizes(modules[c])[1])]
+        parts = [p for c in found.columns if c.rpartition(".")[0] == name and isinstance(found.planned[c], FusedColumn)
+                 for p in found.planned[c].sizes(linear_sizes(modules[c])[1])]
         changes = localize_heads(m, tp, parts)
         if changes:
             report.localized.append((name, ", ".join(changes)))
@@ -317,30 +296,6 @@ def wrap(
         family.fixup(model, tp)
     if fixup is not None:
         fixup(model, tp)
-    if trace is not None:
-        sync_traced(model, trace, tp_group, report)
-    elif columns and tp > 1:
-        trace_lazily(model, columns, rows, tp_group, report, verbose=verbose and rank == 0, norms=norms,
-                     checks=checks)
-    tag_untouched(model)
-    if reference is not None:
-        transposed = {f"{n}.weight" for n, m in model.named_modules()
-                      if isinstance(m, ParallelLinearAdapter) and m.transposed}
-        finish_verification(model, reference, choice.probe, tp_group, transposed, report, entries)
-    elif choice.unverified is not None:
-        report.unverified = choice.unverified
-        warn_unverified(choice.unverified, len(report.converted))
-    if fp8 is not None:
-        _run_forward_in_autocast(model, fp8, fp8_group)
-    model.tp_fuse_wrap_report = report
-    if verbose and rank == 0:
-        print(report)
-    return model
-
-
-def _written(style: Any) -> str:
-    """A plan style as the user writes it in a plan (for messages)."""
-    return repr(style) if isinstance(style, str) else style.written()
 
 
 def _trace_checks(model: torch.nn.Module, planned: dict[str, Any], entries: dict[str, str],
@@ -412,20 +367,6 @@ def _family_norm_problems(model: torch.nn.Module, family: FamilyPlan, planned: d
                             f"shards ({len(missed)} modules, e.g. {missed[0]}); it must be in the plan as "
                             f"'sharded_norm' (weight split with the heads, statistics summed over TP), as in the "
                             f"built-in {family.model_type} plan (plan=None)")
-    return problems
-
-
-def _split_pair_problems(excluded: list[str], converted: list[str]) -> list[str]:
-    """An excluded projection whose sibling is sharded: the pair no longer agrees on the
-    per-rank sizes between them (e.g. a sharded ``q_proj`` feeding an unsharded ``o_proj``)."""
-    problems = []
-    for name in excluded:
-        parent = name.rpartition(".")[0]
-        siblings = [c for c in converted if c.rpartition(".")[0] == parent]
-        if siblings:
-            problems.append(f"exclude: {name} is excluded but its sibling(s) {siblings} are sharded; the "
-                            f"tensor-parallel layers of one block are converted or left together: exclude "
-                            f"{parent or '<root>'!s} instead")
     return problems
 
 
