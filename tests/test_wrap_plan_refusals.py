@@ -10,10 +10,11 @@ refused at ``wrap()`` time with one message naming the plan entry and what to wr
   ``gate_up_proj``, GLM ``gate_up_proj``, DBRX ``Wqkv`` as plain ``"column"`` are refused
   naming the ``FusedColumn`` to write; the written entry then verifies (GLM: a family
   without a built-in plan); a ``FusedColumn`` with its parts in the wrong order is refused;
-* per-head tensors: GPT-OSS attention sinks, Doge's ``dt_proj``/``A``, MPT's ALiBi bias,
-  GPT-BigCode's multi-query ``kv_heads``, ``"sharded_norm"`` on Qwen3's per-head
-  ``q_norm`` are refused naming the module, the tensor and the plan entry (no shape
-  error); OpenAI GPT's ``split_size`` is localized (correct);
+* per-head tensors: GPT-OSS's attention sinks (``[heads]``) are sharded with the heads
+  (correct); stored ``[heads, 1]``, Doge's ``dt_proj``, MPT's ALiBi bias, GPT-BigCode's
+  multi-query ``kv_heads`` and ``"sharded_norm"`` on Qwen3's per-head ``q_norm`` are
+  refused naming the module, the tensor and the plan entry (no shape error); OpenAI GPT's
+  ``split_size`` is localized (correct);
 * messages that lead somewhere: a row projection given as ``"column"`` or left out of the
   plan is named as the row projection; Apertus (a gated activation with buffers) is
   correct; a failing verification names the first differing module output in forward
@@ -148,9 +149,22 @@ def per_head_tensors(rank: int, world: int) -> Any:
                   attn_pdrop=0.0)
     gpt_plan = {"transformer.h.*.attn.c_attn": FusedColumn(3), "transformer.h.*.attn.c_proj": "row",
                 "transformer.h.*.mlp.c_fc": "column", "transformer.h.*.mlp.c_proj": "row"}
+    from tp_fuse.layers import wrap
+
+    def gpt_oss() -> torch.nn.Module:
+        return _hf("GptOssConfig", "GptOssForCausalLM", **BASE, head_dim=8, num_local_experts=2,
+                   num_experts_per_tok=1)
+
+    # The attention sinks [heads] are sharded with the heads: correct, and listed.
+    model = wrap(gpt_oss(), dist.new_group([0, 1]), plan=ATTENTION, verbose=False)
+    sinks = model.model.layers[0].self_attn.sinks
+    reshaped = gpt_oss()  # the same sinks stored [heads, 1]: not a vector, refused
+    for layer in reshaped.model.layers:
+        layer.self_attn.sinks = torch.nn.Parameter(layer.self_attn.sinks.detach().reshape(-1, 1))
     return {
-        "gpt_oss": _wrap(_hf("GptOssConfig", "GptOssForCausalLM", **BASE, head_dim=8, num_local_experts=2,
-                             num_experts_per_tok=1), plan=ATTENTION),
+        "gpt_oss": (model.tp_fuse_wrap_report.verified, tuple(sinks.shape), getattr(sinks, "tp_shard", None),
+                    dict(model.tp_fuse_wrap_report.converted).get("model.layers.0.self_attn.sinks")),
+        "gpt_oss_2d": _wrap(reshaped, plan=ATTENTION),
         "doge": _wrap(_hf("DogeConfig", "DogeForCausalLM", **BASE), plan=LLAMA),
         # The exclude the refusal suggests works: the attention stays replicated, the MLP sharded.
         "doge_excluded": _wrap(_hf("DogeConfig", "DogeForCausalLM", **BASE), plan=LLAMA,
@@ -247,13 +261,20 @@ def test_fused_column_parts_in_the_wrong_order_refused(results) -> None:
     assert "Write plan['model.layers.*.self_attn.qkv_proj'] = FusedColumn((48, 16, 16))" in text, text
 
 
-def test_per_head_parameters_refused_naming_module_parameter_and_entry(results) -> None:
+def test_per_head_parameters_sharded_with_the_heads_or_refused(results) -> None:
+    from tp_fuse.layers import ShardSpec
+
     v = case_values(results, "per_head_tensors")[0]
-    _one_refusal(v["gpt_oss"])
+    verified, shape, spec, how = v["gpt_oss"]
+    assert verified.startswith("outputs and every gradient match"), verified
+    assert shape == (HEADS // 2,) and spec == ShardSpec(dim=0), (shape, spec)
+    assert how == "per-head parameter (6,) -> this rank's heads (3,) (used per head in model.layers.0.self_attn)", how
+    text = v["gpt_oss_2d"]
+    _one_refusal(text)
     assert ("model.layers.*.self_attn: parameter model.layers.*.self_attn.sinks (2, 6, 8, 1) has a dimension of 6 "
             "(config.num_attention_heads = 6) and meets the TP-sharded output of model.layers.*.self_attn.q_proj "
-            "(plan['model.layers.*.self_attn.q_proj'] = 'column') in cat") in v["gpt_oss"], v["gpt_oss"]
-    assert "exclude 'model.layers.*.self_attn'" in v["gpt_oss"], v["gpt_oss"]
+            "(plan['model.layers.*.self_attn.q_proj'] = 'column') in cat") in text, text
+    assert "exclude 'model.layers.*.self_attn'" in text, text
     # Doge: dt_proj, a Linear over all heads' values, is the projection closing the region.
     _one_refusal(v["doge"])
     assert ("model.layers.*.self_attn.dt_proj: this Linear is not in the plan, but its input is TP-sharded (the "

@@ -91,7 +91,7 @@ from .heads import attention_modules, head_problems, localize_heads
 from .hf_plans import FamilyPlan, family_plan
 from .megatron import convert_megatron, tag_untouched
 from .modules import HF_RMS_NORMS, ParallelLinearAdapter
-from .passes import probe_original, sync_traced, trace_lazily
+from .passes import probe_original, shard_with_heads, sync_traced, trace_lazily
 from .per_head import per_head_check, split_sizes
 from .plain import check_replicated, convert_plain, convert_sharded_norm, linear_sizes, rms_norm_params, style_name
 from .plan_match import STYLES, Matched, match_plan
@@ -194,6 +194,7 @@ def wrap(
     _localize(model, modules, found, attention, family, fixup, tp, report)
     # 4. Gradient sums for replicated parameters on sharded activations, layout tags.
     if trace is not None:
+        shard_with_heads(model, trace, tp_group, report)
         sync_traced(model, trace, tp_group, report)
     elif found.columns and tp > 1:
         trace_lazily(model, found.columns, found.rows, tp_group, report, verbose=verbose and rank == 0,
@@ -305,9 +306,10 @@ def _trace_checks(model: torch.nn.Module, planned: dict[str, Any], entries: dict
     (``fused_split``), per-head tensors left whole (``per_head``)."""
     styles = {n: s for n, s in planned.items() if s == "column" or isinstance(s, FusedColumn)}
     sizes, ignore = split_sizes(getattr(model, "config", None), widths)
+    vectors = {n: int(p.shape[0]) for n, p in model.named_parameters() if p.dim() == 1}
     return TraceChecks(module=_replicated_norm_check(widths, tp),
                        fused=lambda cuts, local: fused_problems(cuts, styles, entries, tp, local),
-                       head=per_head_check(sizes, ignore, entries, exclude_for), entries=entries)
+                       head=per_head_check(sizes, ignore, entries, exclude_for, vectors), entries=entries)
 
 
 def _column_widths(modules: dict[str, torch.nn.Module], planned: dict[str, Any], columns: list[str]

@@ -24,13 +24,14 @@ import torch
 import torch.distributed as dist
 
 from ..grad_sync import sync_sharded_activation_grad
+from ..sharding import ShardSpec, set_shard_spec, shard_tensor, tp_rank_and_size
 from .checks import collapse
 from .report import WrapReport
 from .module_outputs import ModuleOutputs
 from .trace import FIRST_FORWARD_ERROR, TraceChecks, TraceResult, trace_first_forward, trace_sharded_uses
 from .verify import Reference, auto_probe, evaluation, reference_pass, stash_grads
 
-__all__ = ["probe_original", "sync_traced", "trace_lazily"]
+__all__ = ["probe_original", "sync_traced", "shard_with_heads", "trace_lazily"]
 
 
 def probe_original(model: torch.nn.Module, probe: Optional[Callable[[torch.nn.Module], Any]], columns: list[str],
@@ -75,6 +76,25 @@ def sync_traced(model: torch.nn.Module, trace: TraceResult, tp_group: dist.Proce
                             f"gradient summed over TP"))
     report.synced += added
     return added
+
+
+def shard_with_heads(model: torch.nn.Module, trace: TraceResult, tp_group: dist.ProcessGroup,
+                     report: WrapReport) -> None:
+    """Replace each one-dimensional per-head parameter the trace found (GPT-OSS's
+    ``sinks``) by this rank's slice of it (``ShardSpec(dim=0)``: rank r's heads), a new
+    ``Parameter`` on the same module attribute (build the optimizer after ``wrap``)."""
+    rank, tp = tp_rank_and_size(tp_group)
+    spec = ShardSpec(dim=0)
+    for name, where in trace.head_sharded.items():
+        owner_name, _, attr = name.rpartition(".")
+        owner = model.get_submodule(owner_name) if owner_name else model
+        full = getattr(owner, attr)
+        local = torch.nn.Parameter(shard_tensor(full.detach(), spec, rank, tp).clone(),
+                                   requires_grad=full.requires_grad)
+        set_shard_spec(local, spec)
+        setattr(owner, attr, local)
+        report.converted.append((name, f"per-head parameter {tuple(full.shape)} -> this rank's heads "
+                                       f"{tuple(local.shape)} (used per head in {where})"))
 
 
 def trace_lazily(model: torch.nn.Module, columns: list[str], rows: list[str], tp_group: dist.ProcessGroup,

@@ -17,24 +17,39 @@ tensor also has (not its batch dim). Sizes equal to the head width are ignored (
 norm's ``[head_dim]`` weight is shared by all heads; its gradient is summed), so a model
 whose head count equals its head width is left to verification.
 
-The problem names the module, the tensor (the parameter's name, or its shape for a
-constant), the plan entry whose output it meets, and what to write instead: exclude the
-block that holds both (it then stays replicated), or a ``fixup=`` that slices the tensor
-per rank.
+A one-dimensional parameter with one entry per head (GPT-OSS's ``sinks``, ``[heads]``) is
+sharded with the heads instead: rank r keeps the entries of its heads (every plan style
+gives a rank a contiguous run of whole heads), ``ShardSpec(dim=0)``, its gradient this
+rank's own. Anything else is a problem naming the module, the tensor (the parameter's
+name, or its shape for a constant), the plan entry whose output it meets, and what to
+write instead: exclude the block that holds both (it then stays replicated), or a
+``fixup=`` that slices the tensor per rank.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
-from typing import Callable, Optional
+from typing import Callable, Optional, Union
 
 import torch
 
-__all__ = ["HeadCheck", "per_head_check", "split_sizes"]
+__all__ = ["HeadCheck", "HeadShard", "per_head_check", "split_sizes"]
+
+
+@dataclasses.dataclass(frozen=True)
+class HeadShard:
+    """A one-dimensional parameter with one entry per head (GPT-OSS's ``sinks``): sharded
+    with the heads (rank r keeps its heads' entries) instead of refused."""
+
+    name: str
+    where: str
+
 
 #: ``check(module, parameter names (empty: a constant), tensor, sharded tensor it meets,
-#: the column projection that sharded tensor comes from, op name)`` -> a problem line or None.
-HeadCheck = Callable[[str, list[str], torch.Tensor, torch.Tensor, str, str], Optional[str]]
+#: the column projection that sharded tensor comes from, op name)`` -> a problem line, a
+#: :class:`HeadShard`, or None.
+HeadCheck = Callable[[str, list[str], torch.Tensor, torch.Tensor, str, str], Union[None, str, HeadShard]]
 
 
 def split_sizes(config: object, widths: Mapping[int, list[str]]) -> tuple[dict[int, str], set[int]]:
@@ -60,17 +75,21 @@ def split_sizes(config: object, widths: Mapping[int, list[str]]) -> tuple[dict[i
 
 
 def per_head_check(sizes: Mapping[int, str], ignore: set[int], entries: Mapping[str, str],
-                   exclude_for: Callable[[str, str], str]) -> HeadCheck:
+                   exclude_for: Callable[[str, str], str], vectors: Mapping[str, int]) -> HeadCheck:
     """The trace's check (see the module docstring). ``entries``: ``{column: its plan
-    entry}``; ``exclude_for(module, column)``: the block to exclude that holds both."""
+    entry}``; ``exclude_for(module, column)``: the block to exclude that holds both;
+    ``vectors``: ``{parameter name: size}`` of the one-dimensional parameters: one with an
+    entry per head (its size a head count) is sharded with the heads instead."""
 
     def check(where: str, params: list[str], t: torch.Tensor, sharded: torch.Tensor, origin: str,
-              op: str) -> Optional[str]:
+              op: str) -> Union[None, str, HeadShard]:
         if t.dim() == 0 or t.numel() == 1:
             return None
         hit = _aligned_hit(t.shape, sharded.shape, sizes, ignore)
         if hit is None:
             return None
+        if len(params) == 1 and vectors.get(params[0]) == hit and sizes[hit].startswith("config."):
+            return HeadShard(params[0], where)
         what = (f"parameter {params[0]} {tuple(t.shape)}" if params
                 else f"a constant tensor {tuple(t.shape)} (computed by the model, e.g. an ALiBi bias built for all "
                      f"heads)")

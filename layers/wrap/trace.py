@@ -49,7 +49,7 @@ from torch.utils._pytree import tree_leaves
 
 from .fused_split import Cuts, SplitWatcher
 from .checks import name_pattern
-from .per_head import HeadCheck
+from .per_head import HeadCheck, HeadShard
 
 __all__ = ["TraceResult", "TraceChecks", "trace_sharded_uses", "trace_first_forward", "output_leaves", "ModuleCheck",
            "FusedCheck", "exclude_for"]
@@ -91,18 +91,21 @@ class TraceResult:
             met a TP-sharded activation.
         replicated_uses: ``{parameter name: module names}`` where it met replicated ones.
         problems: what summing gradients over TP cannot fix (one line each).
+        head_sharded: ``{parameter name: module}``: one-dimensional parameters with an
+            entry per head, to be sharded with the heads (``tp_fuse.layers.wrap.per_head``).
         output: what the traced forward returned.
     """
 
     sharded_uses: dict[str, set[str]] = dataclasses.field(default_factory=dict)
     replicated_uses: dict[str, set[str]] = dataclasses.field(default_factory=dict)
     problems: list[str] = dataclasses.field(default_factory=list)
+    head_sharded: dict[str, str] = dataclasses.field(default_factory=dict)
     output: Any = None
 
     def to_sync(self) -> list[str]:
         """Parameters whose gradient must be summed over TP: used on sharded activations
-        only (in the order they were first seen)."""
-        return [n for n in self.sharded_uses if n not in self.replicated_uses]
+        only (in the order they were first seen), and not sharded with the heads."""
+        return [n for n in self.sharded_uses if n not in self.replicated_uses and n not in self.head_sharded]
 
 
 def _tensors(x: Any) -> list[torch.Tensor]:
@@ -222,7 +225,9 @@ class _ShardTracer(TorchFunctionMode):
                 for t, ln in zip(ins, lineages):
                     if id(t) not in self.sharded and t.is_floating_point() and (ln or not t.requires_grad):
                         found = self.head_check(where, sorted(ln or ()), t, sharded[0], origin, op)
-                        if found:
+                        if isinstance(found, HeadShard):
+                            self.result.head_sharded.setdefault(found.name, found.where)
+                        elif found:
                             self._problem(found)
             for t in activations:
                 if id(t) not in self.sharded and t.requires_grad and t.is_floating_point():
