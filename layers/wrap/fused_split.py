@@ -193,37 +193,40 @@ def _width(dims: tuple) -> int:
     return width
 
 
+def _arg(args: tuple, kwargs: dict, index: int, *names: str, default: Any = None) -> Any:
+    """Argument ``index`` of an op (``args[0]`` is the tensor), or its keyword."""
+    if len(args) > index:
+        return args[index]
+    return next((kwargs[n] for n in names if n in kwargs), default)
+
+
 def _cut_points(src: torch.Tensor, fname: str, args: tuple, kwargs: dict) -> list[tuple[int, set[int]]]:
     """``[(dim, cut points)]`` of a cutting op on ``src``."""
     if fname == "__getitem__":
-        return _index_cuts(src, args[1] if len(args) > 1 else None)
-    dim = kwargs.get("dim", args[2] if len(args) > 2 else 0)
+        return _index_cuts(src, _arg(args, kwargs, 1, "index"))
+    if fname == "narrow":
+        dim, start, length = (_arg(args, kwargs, i, n) for i, n in ((1, "dim"), (2, "start"), (3, "length")))
+        return [(int(dim), {int(start), int(start) + int(length)})]
+    if fname == "unbind":
+        dim = int(_arg(args, kwargs, 1, "dim", default=0))
+        return [(dim, set(range(1, src.shape[dim])))]
+    dim = _arg(args, kwargs, 2, "dim", default=0)
+    arg = _arg(args, kwargs, 1, "split_size_or_sections", "split_size", "split_sizes", "chunks",
+               "indices_or_sections", "sections")
     if not isinstance(dim, int):
         return []
     size = src.shape[dim]
-    arg = kwargs.get("split_size_or_sections", kwargs.get("split_size", kwargs.get("chunks", kwargs.get(
-        "sections", args[1] if len(args) > 1 else None))))
-    if fname == "unbind":
-        return [(args[1] if len(args) > 1 else kwargs.get("dim", 0), set(range(1, src.shape[
-            args[1] if len(args) > 1 else kwargs.get("dim", 0)])))]
-    if fname == "narrow":
-        start, length = args[2], args[3]
-        return [(args[1], {int(start), int(start) + int(length)})]
     if fname == "chunk" and isinstance(arg, int):
-        step = -(-size // arg)
+        step = -(-size // arg)  # torch.chunk's chunk size
         return [(dim, set(range(step, size, step)))]
     if fname == "tensor_split":
         if isinstance(arg, int):
             return [(dim, {size * i // arg for i in range(1, arg)})]
         return [(dim, {int(i) for i in arg})]
-    if isinstance(arg, int):  # split(size)
+    if isinstance(arg, int):  # split(size): pieces of that size
         return [(dim, set(range(arg, size, arg)))]
-    if isinstance(arg, (list, tuple)):
-        edges, total = set(), 0
-        for s in arg[:-1]:
-            total += int(s)
-            edges.add(total)
-        return [(dim, edges)]
+    if isinstance(arg, (list, tuple)):  # split([sizes])
+        return [(dim, _edges(tuple(int(a) for a in arg)))]
     return []
 
 
@@ -281,25 +284,26 @@ def fused_problems(cuts: Mapping[tuple[str, int], Cuts], styles: Mapping[str, An
         width = cut.width * tp if local else cut.width
         if len(parts) < 2:
             continue
+        inner = [p * (tp if local else 1) for p in cut.parts()[:len(parts) // cut.blocks]]
         layout = (f"reshaped into {cut.blocks} blocks (a fixed count, not a head count wrap localizes) and each "
-                  f"block cut into {list(p * (tp if local else 1) for p in cut.parts()[:len(parts) // cut.blocks])}"
-                  if cut.blocks > 1 else f"cut into parts of {list(parts)} features")
-        fix = suggested_style(parts)
-        if any(p % tp for p in parts):
-            fix = (f"nothing: a part of {min(p for p in parts if p % tp)} features does not split over {tp} ranks; "
-                   f"exclude the block that holds {name}")
+                  f"block cut into {inner}" if cut.blocks > 1 else f"cut into parts of {list(parts)} features")
+        odd = [p for p in parts if p % tp]
+        if odd:
+            fix = (f"no split over {tp} ranks exists (a part of {odd[0]} features): exclude the block that holds "
+                   f"{name}")
         else:
-            fix = f"{entries[name].split(' = ')[0]} = {fix}"
+            fix = f"Write {entries[name].split(' = ')[0]} = {suggested_style(parts)} (each part split over the ranks, " \
+                  f"in this order)"
         if style == "column":
             problems.append(f"{name}: {entries[name]}, but the model's forward ({cut.how}) has its output {layout}: "
                             f"a fused projection. As one column each rank would hold a contiguous block of the "
                             f"{width} features and the model's split would separate the wrong ones (wrong numbers, "
-                            f"no error). Write {fix} (each part split over the ranks, in this order)")
+                            f"no error). {fix}")
         elif isinstance(style, FusedColumn) and not _edges(parts) <= _edges(style.sizes(width)):
             # A cut inside one of the plan's parts: that part's features are not the piece
             # the model takes (the wrong order of unequal parts). Parts finer than the cuts
             # (a piece the model splits again later) cannot be judged here.
             problems.append(f"{name}: {entries[name]} has parts {list(style.sizes(width))}, but the model's forward "
                             f"({cut.how}) has its output {layout}; the parts must be those pieces, in that order. "
-                            f"Write {fix}")
+                            f"{fix}")
     return problems
