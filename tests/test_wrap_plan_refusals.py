@@ -191,7 +191,13 @@ def messages(rank: int, world: int) -> Any:
             if type(m).__name__ == "OPTAttention":
                 m.num_heads //= tp
 
+    def wrong_head_dim(model: torch.nn.Module, tp: int) -> None:  # a fix-up that breaks the shapes
+        for m in model.modules():
+            if type(m).__name__ == "LlamaAttention":
+                m.head_dim //= 2
+
     return {
+        "raises": _wrap(_hf("LlamaConfig", "LlamaForCausalLM", **BASE), fixup=wrong_head_dim),
         "row_as_column": _wrap(_hf("LlamaConfig", "LlamaForCausalLM", **BASE),
                                plan={**LLAMA, "model.layers.*.self_attn.o_proj": "column"}),
         "row_left_out": _wrap(_hf("LlamaConfig", "LlamaForCausalLM", **BASE),
@@ -334,3 +340,14 @@ def test_failing_verify_names_the_plan_entries(results) -> None:
         assert lines[1].startswith(f"TP ranks 0, 1: first differing module output in forward order: {first}, "), text
         assert entry in lines[1], text
     assert "CodeGen's embed_dim" in v["codegen"] and "embed_dim 64 -> 32" in v["codegen"], v["codegen"]
+
+
+def test_wrapped_model_raising_on_the_probe_is_one_message(results) -> None:
+    """No raw shape error from wrap: the module it raised in and the plan entries sharding it."""
+    text = case_values(results, "messages")[0]["raises"]
+    lines = text.split("\n  - ")
+    assert lines[0].startswith("ValueError: wrap(verify=...):") and len(lines) == 2, text
+    assert lines[1].startswith("TP ranks 0, 1: the wrapped model raised in model.layers.0.self_attn (RuntimeError: "), text
+    assert "Plan entries sharding model.layers.0.self_attn: model.layers.0.self_attn.q_proj: " \
+           "plan['model.layers.*.self_attn.q_proj'] = 'column'" in text, text
+    assert "Exclude 'model.layers.*.self_attn' (it stays replicated) or pass wrap(fixup=f)" in text, text

@@ -28,6 +28,7 @@ from typing import Any, Optional
 
 import torch
 
+from .checks import name_pattern
 from .trace import output_leaves
 
 __all__ = ["ModuleOutputs", "first_difference"]
@@ -79,8 +80,8 @@ class ModuleOutputs:
         return (f"the wrapped model raised in {where} ({type(error).__name__}: {text}): a size there still counts "
                 f"every head or feature the plan now splits over the ranks (a per-head parameter or buffer, a tensor "
                 f"built for all heads, a width or head count kept where wrap does not localize it). Plan entries "
-                f"sharding {block}: {'; '.join(entries[:4]) or 'none'}. Exclude {block!r} (it stays replicated) or "
-                f"pass wrap(fixup=f) to set what it keeps to this rank's share")
+                f"sharding {block}: {'; '.join(entries[:4]) or 'none'}. Exclude {name_pattern(block)!r} (it stays "
+                f"replicated) or pass wrap(fixup=f) to set what it keeps to this rank's share")
 
     def __exit__(self, *exc: Any) -> None:
         for h in self._handles:
