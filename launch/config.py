@@ -28,7 +28,7 @@ from tp_fuse.layers.wrap.hf_plans import FAMILIES
 from tp_fuse.overlap.config import OverlapConfig as TPOverlapConfig
 from tp_fuse.safe_files import read_regular_file
 
-from .models.hf import gpt_fields, is_plan_object, load_plan_object
+from .models.hf import gpt_fields, is_plan_object, load_plan_object, needs_plan
 from .tokenizer import check_tokenizer_choice
 from tp_fuse.debug import DebugSession
 
@@ -469,6 +469,12 @@ def from_dict(data: dict[str, Any]) -> TrainConfig:
             raise ValueError(f"unknown key(s) {', '.join(f'model.{k}' for k in extra)}: +model=hf takes model.path, "
                              f"model.verify and model.plan (the sizes come from the directory's config.json)")
         gpt = GPTConfig(**gpt_fields(path))
+        family = needs_plan(path)
+        if family is not None and plan is None:
+            raise ValueError(f"model.plan: wrap has no built-in plan for model_type {family!r} ({path}); give one: "
+                             f"model.plan=<module>:<attribute> naming a {{module glob: style}} mapping (FusedColumn "
+                             f"for fused projections) or a plan(config) function in your Python code, or a .yaml "
+                             f"file of {{module glob: style}}")
     else:
         if path is not None:
             raise ValueError(f"model.path: only +model=hf takes a model directory (model.name is {name!r})")

@@ -79,6 +79,7 @@ SLOW_MODULES = frozenset({
     "test_wrap_fused_split",
     "test_wrap_models",
     "test_wrap_olmo2",
+    "test_wrap_plan_refusals",
 })
 
 

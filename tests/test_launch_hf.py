@@ -52,9 +52,11 @@ def _model_dir(root, *, weights: bool, seed: int = 0, kv_heads: int = 2, family:
     config_cls, model_cls = {"llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
                              "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
                              "phi3": (transformers.Phi3Config, transformers.Phi3ForCausalLM),
-                             "olmo2": (transformers.Olmo2Config, transformers.Olmo2ForCausalLM)}[family]
-    # Their default special token ids (32000, 50279) lie outside the tiny vocabulary.
-    special = {"pad_token_id": 0, "bos_token_id": 0, "eos_token_id": 0} if family in ("phi3", "olmo2") else {}
+                             "olmo2": (transformers.Olmo2Config, transformers.Olmo2ForCausalLM),
+                             "glm": (transformers.GlmConfig, transformers.GlmForCausalLM)}[family]
+    # Their default special token ids (32000, 50279, 151329) lie outside the tiny vocabulary.
+    special = ({"pad_token_id": 0, "bos_token_id": 0, "eos_token_id": 0} if family in ("phi3", "olmo2", "glm")
+               else {})
     cfg = config_cls(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                      num_attention_heads=4, num_key_value_heads=kv_heads, max_position_embeddings=64,
                      **special, **config)
@@ -396,7 +398,7 @@ def test_sizes_come_from_config_json_and_are_validated(tmp_path):
         compose(["+model=hf", f"model.path={model_dir}", "+model.hidden_size=64"])
     with open(os.path.join(model_dir, "config.json"), "w") as f:
         json.dump({"model_type": "bert"}, f)
-    with pytest.raises(ValueError, match="model_type 'bert' has no built-in wrap plan"):
+    with pytest.raises(ValueError, match="model_type 'bert' is not one the launcher reads the sizes of"):
         compose(["+model=hf", f"model.path={model_dir}"])
 
 

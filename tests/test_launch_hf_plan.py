@@ -90,6 +90,11 @@ BAD_STYLE = {"model.layers.*.mlp.up_proj": "diagonal"}
 def llama(config):
     CALLS.append(config.num_attention_heads)
     return FAMILIES["llama"].plan_for(config)
+
+
+# GLM has no built-in plan: its attention is llama's, its MLP a fused [gate; up].
+GLM = {**{k: v for k, v in FAMILIES["llama"].plan_for(None).items() if ".self_attn." in k},
+       "model.layers.*.mlp.gate_up_proj": FusedColumn(2), "model.layers.*.mlp.down_proj": "row"}
 '''
 
 
@@ -137,3 +142,24 @@ def test_launcher_trains_with_a_plan_function(model_dir, plan_module, tmp_path) 
                     "trainer.log_interval=1", "trainer.val_interval=0", "logger=none", "trainer.progress=false",
                     "checkpoint.save_final=false"], str(tmp_path / "run"))
     assert sorted(result.losses) == [1, 2] and sys.modules[plan_module].CALLS == [4]
+
+
+# ---- a family without a built-in plan (issue 39): the launcher takes the user's plan
+
+
+@pytest.fixture(scope="module")
+def glm_dir(tmp_path_factory) -> str:
+    return _model_dir(tmp_path_factory.mktemp("glm"), weights=False, family="glm", head_dim=8)
+
+
+def test_family_without_builtin_plan_needs_model_plan(glm_dir) -> None:
+    msg = precheck(["+model=hf", f"model.path={glm_dir}"], CONFIG_DIR, 1)
+    assert msg is not None and msg.startswith("model.plan: wrap has no built-in plan for model_type 'glm'"), msg
+
+
+def test_launcher_trains_glm_with_its_plan(glm_dir, plan_module, tmp_path) -> None:
+    result = train(["+model=hf", f"model.path={glm_dir}", f"model.plan={plan_module}:GLM", "data.seq_len=16",
+                    "trainer.global_batch_size=2", "trainer.micro_batch_size=2", "trainer.max_steps=2",
+                    "trainer.log_interval=1", "trainer.val_interval=0", "logger=none", "trainer.progress=false",
+                    "checkpoint.save_final=false"], str(tmp_path / "run"))
+    assert sorted(result.losses) == [1, 2]

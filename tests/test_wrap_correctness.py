@@ -369,8 +369,13 @@ def verify_pass(rank: int, world: int) -> Any:
     torch.manual_seed(0)
     block = FusedQKVBlock()
     out: dict[str, Any] = {
+        # Refused by the trace before anything changes (issue 39): the model chunks c_attn in 3.
         "plain_column": _error(lambda: wrap(copy.deepcopy(block), group, plan={"c_attn": "column", "c_proj": "row"},
                                             verify=x, verbose=False)),
+        # Six parts where the model cuts three: no cut inside a part, so only verification
+        # sees it; it names the first differing module output and the plan entries behind it.
+        "six_parts": _error(lambda: wrap(copy.deepcopy(block), group, plan={"c_attn": FusedColumn(6), "c_proj": "row"},
+                                         verify=x, verbose=False)),
         "not_hf": _error(lambda: wrap(copy.deepcopy(block), group, plan={"c_attn": FusedColumn(3)}, verify=True)),
     }
     model = wrap(copy.deepcopy(block), group, plan={"c_attn": FusedColumn(3), "c_proj": "row"}, verify=x,
@@ -562,9 +567,17 @@ def test_plain_model_traced_on_first_forward(results) -> None:
 def test_verify_names_the_first_difference(results) -> None:
     v = case_values(results, "verify_pass")[0]
     plain = v["plain_column"]
-    assert "wrap(verify=...): the wrapped model does not match the original" in plain, plain
-    assert "first differing output: output: max relative difference" in plain, plain
-    assert "first differing gradient: c_attn.weight" in plain, plain
+    assert plain.startswith("wrap: cannot convert the model:") and plain.count("\n  - ") == 1, plain
+    assert "c_attn: plan['c_attn'] = 'column', but the model's forward (chunk in <root>)" in plain, plain
+    assert "Write plan['c_attn'] = FusedColumn(3)" in plain, plain
+    six = v["six_parts"]
+    assert "wrap(verify=...): the wrapped model does not match the original" in six, six
+    # The first differing tensor in forward order, with the plan entries that produced it
+    # (issue 39, point 4), before the first differing output and gradient.
+    assert ("first differing module output in forward order: c_proj, max relative difference" in six
+            and "plan entries run since the last matching output: c_attn: plan['c_attn'] = FusedColumn(6); "
+                "c_proj: plan['c_proj'] = 'row'" in six), six
+    assert six.index("first differing module output") < six.index("first differing gradient"), six
     assert "no automatic probe for this model" in v["not_hf"], v["not_hf"]
     assert v["fused_verified"] and v["fused_rel"] < TOL
     if "qwen3_unsynced" in v:

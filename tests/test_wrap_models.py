@@ -370,7 +370,10 @@ def nanogpt_fused_qkv(rank: int, world: int) -> Any:
     for label, style in (("fused", FusedColumn(3)), ("plain_column", "column")):
         model = wrap(copy.deepcopy(ref), group, plan={"c_attn": style, "c_proj": "row", "c_fc": "column",
                                                       "mlp_proj": "row"})
-        out[label] = _rel(model(x).detach(), y_ref.detach())
+        try:
+            out[label] = _rel(model(x).detach(), y_ref.detach())
+        except ValueError as e:  # the first forward's trace refuses a plain column (issue 39)
+            out[label] = str(e)
     return out
 
 
@@ -468,7 +471,9 @@ def test_hf_mqa_refused_and_exclusion_reported(results) -> None:
 def test_nanogpt_fused_qkv(results) -> None:
     for v in case_values(results, "nanogpt_fused_qkv"):
         assert v["fused"] < 1e-5, v
-        assert v["plain_column"] > 1e-2, "a plain column split of [q; k; v] should be visibly wrong"
+        # A plain column split of [q; k; v] used to be wrong numbers without an error.
+        assert "c_attn: plan['c_attn'] = 'column', but the model's forward" in v["plain_column"], v
+        assert "Write plan['c_attn'] = FusedColumn(3)" in v["plain_column"], v
 
 
 def test_in_place_after_overlap_fusions(results) -> None:

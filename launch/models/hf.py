@@ -5,7 +5,8 @@ The directory is untrusted input. Nothing in it runs code:
 * ``config.json`` is first read as JSON (its ``model_type`` must be one of
   :data:`LAUNCHER_FAMILIES`: every family with a built-in ``wrap`` plan,
   ``tp_fuse.layers.wrap.hf_plans.FAMILIES``, each tested TP=2 vs TP=1 through the launcher;
-  every size it gives bounded), then resolved by ``transformers.AutoConfig`` (class defaults,
+  every size it gives bounded; GLM, which has no built-in plan, needs ``model.plan``), then
+  resolved by ``transformers.AutoConfig`` (class defaults,
   spellings); ``transformers`` reads and builds with ``trust_remote_code=False`` and
   ``local_files_only=True`` (no hub access, an ``auto_map`` runs nothing);
 * weight headers are read by ``safetensors`` (dtypes checked before loading); weights are
@@ -48,7 +49,8 @@ from tp_fuse.safe_files import open_regular_file, read_regular_file
 
 from ..tokenizer import FileTokenizer
 
-__all__ = ["read_hf_config", "hf_config", "gpt_fields", "check_weight_files", "parameter_count", "load_tokenizer",
+__all__ = ["read_hf_config", "hf_config", "needs_plan", "gpt_fields", "check_weight_files", "parameter_count",
+           "load_tokenizer",
            "build_hf_model", "CausalLMLoss", "moe_note", "attention_head_dim"]
 
 #: The families +model=hf takes, and how each one's config.json maps onto the launcher's
@@ -80,6 +82,10 @@ _FORMATS: dict[str, tuple[Optional[str], bool, str, str, bool]] = {
     # ALiBi (a per-head bias on the attention scores; no position table), a 4 x hidden MLP
     # (BloomMLP ignores any n_inner), biases everywhere.
     "bloom": (None, False, "LayerNorm", "alibi", True),
+    # Families whose sizes the launcher reads but for which wrap has no built-in plan:
+    # they need model.plan (checked at config time, :func:`needs_plan`). GLM: a fused
+    # [gate; up] MLP (FusedColumn(2)), RMSNorm, partial rotary, q/k/v biases only.
+    "glm": ("intermediate_size", True, "RMSNorm", "rope", False),
 }
 LAUNCHER_FAMILIES = tuple(_FORMATS)
 #: MoE families +model=hf takes: ``(experts field, experts-per-token field, shared-expert
@@ -148,8 +154,8 @@ def read_hf_config(path: Any) -> dict[str, Any]:
         raise ValueError(f"model.path: {file} must hold a JSON object")
     model_type = data.get("model_type")
     if model_type not in LAUNCHER_FAMILIES:
-        raise ValueError(f"{file}: model_type {model_type!r} has no built-in wrap plan in the launcher; supported: "
-                         f"{sorted(LAUNCHER_FAMILIES)}" + (" (wrap() itself has one: use the API)"
+        raise ValueError(f"{file}: model_type {model_type!r} is not one the launcher reads the sizes of; supported: "
+                         f"{sorted(LAUNCHER_FAMILIES)}" + (" (wrap() itself has a plan for it: use the API)"
                                                            if model_type in FAMILIES else ""))
     return data
 
@@ -163,6 +169,13 @@ def _check_int(value: Any, file: str, name: str) -> int:
         raise ValueError(f"{file}: {name} = {value} is above the sane bound {bound} (no published "
                          f"model comes close); refusing to allocate it (typo or crafted config?)")
     return value
+
+
+def needs_plan(path: str) -> Optional[str]:
+    """The ``model_type`` of the model in ``path`` when wrap has no built-in plan for it
+    (``model.plan`` must then give one), else None."""
+    model_type = read_hf_config(path)["model_type"]
+    return model_type if model_type not in FAMILIES else None
 
 
 def _check_file_sizes(data: dict[str, Any], file: str) -> None:
@@ -611,6 +624,8 @@ def build_hf_model(path: str, *, tp_group: Any, dtype: torch.dtype, device: torc
     model.to(device)
     if tp_group is not None:
         check = verify and dist.get_world_size(tp_group) > 1
+        # verify=True: the automatic probe, required (its failure stops the run);
+        # model.verify=false: wrap's explicit opt-out (it warns what is not checked).
         wrap(model, tp_group, plan=resolve_plan(plan, model.config), overlap=overlap,
-             verify=True if check else None)
+             verify=True if check else (None if verify else False))
     return CausalLMLoss(model)

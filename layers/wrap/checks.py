@@ -167,6 +167,11 @@ def replicated_norm_check(widths: Mapping[int, list[str]], tp: int, shardable: C
             return None
         if x.shape[-1] != (width // tp if local else width):
             return None
+        if x.dim() >= 4:
+            # [batch, seq, heads, dim] (or heads before seq): a norm over each head's (or
+            # head pair's: DiffLlama's groupnorm) features whose width happens to equal a
+            # projection's, not one over the projection's whole output ([batch, seq, width]).
+            return None
         column = max(widths[width], key=lambda c: (_common_prefix(c, name), -widths[width].index(c)))
         cls = type(m).__name__
         why = (f"{name}: this {cls} normalises over {width} features, the full output width of {column}, which the "

@@ -60,8 +60,11 @@ Never silently wrong: replicated parameters used on TP-sharded activations are f
 traced forward and get their gradient summed over TP (``tp_fuse.layers.wrap.trace``,
 ``tp_fuse.layers.wrap.passes``); head counts stored on converted attention modules are localized
 and per-head module lists refused (``tp_fuse.layers.wrap.heads``); ties, MoE experts and the
-error's shape (``tp_fuse.layers.wrap.checks``); ``verify=`` compares the wrapped model with the
-original (``tp_fuse.layers.wrap.verify``).
+error's shape (``tp_fuse.layers.wrap.checks``); fused projections cut by the model
+(``tp_fuse.layers.wrap.fused_split``) and per-head tensors left whole
+(``tp_fuse.layers.wrap.per_head``) are found by the same trace; by default (whenever it
+shards anything) the wrapped model is compared with the original on a probe
+(``tp_fuse.layers.wrap.verify_step``, ``tp_fuse.layers.wrap.verify``).
 
 ``fp8=recipe`` makes the model's forward run inside ``tp_fuse.autocast(recipe,
 amax_reduction_group=fp8_group)`` (one autocast for the whole forward: one amax
@@ -81,265 +84,28 @@ from tp_fuse.overlap.config import TPOverlap
 from tp_fuse.recipe import Recipe
 
 from ..grad_sync import sync_sequence_parallel_grad
-from ..parallel_linear import ColumnParallelLinear, RowParallelLinear
-from ..sharding import ShardSpec, set_shard_spec, shard_tensor, tp_rank_and_size
-from .checks import attention_converted, collapse, expert_problems, replicated_norm_check, tied_problems
+from ..sharding import tp_rank_and_size
+from .checks import attention_converted, collapse, replicated_norm_check, tied_problems
+from .fused_split import fused_problems
 from .heads import attention_modules, head_problems, localize_heads
-from .modules import HF_RMS_NORMS, MegatronLinearAdapter, ParallelLinearAdapter, ShardedRMSNorm, megatron_adapter
-from .passes import probe_original, sync_traced, trace_lazily
-from .report import WrapReport
-from .verify import compare, make_probe
 from .hf_plans import FamilyPlan, family_plan
+from .megatron import convert_megatron, tag_untouched
+from .modules import HF_RMS_NORMS, ParallelLinearAdapter
+from .passes import probe_original, shard_with_heads, sync_traced, trace_lazily
+from .per_head import per_head_check, split_sizes
+from .plain import check_replicated, convert_plain, convert_sharded_norm, linear_sizes, rms_norm_params, style_name
+from .plan_match import STYLES, Matched, match_plan
 from .plan_styles import FusedColumn
+from .report import WrapReport
+from .trace import TraceChecks, exclude_for
+from .verify_step import check_verify_arg, choose_probe, finish_verification, warn_unverified
 from tp_fuse.quantization import autocast
 
 __all__ = ["wrap", "ParallelLinearAdapter", "PLAN_STYLES", "WrapReport"]
 
 Style = Literal["column", "row", "sequence_parallel", "sharded_norm"]
-_STYLES = ("column", "row", "sequence_parallel", "sharded_norm")
 #: The plan styles given by name (``FusedColumn(...)`` besides): the launcher's ``model.plan``.
-PLAN_STYLES = _STYLES
-# Styles that keep or shard a norm: no GEMM, not a column/row pair member.
-_NORM_STYLES = ("sequence_parallel", "sharded_norm")
-_COLUMN_ATTRS = ("input_size", "output_size", "output_size_per_partition", "gather_output", "skip_bias_add",
-                 "weight", "bias")
-_ROW_ATTRS = ("input_size", "output_size", "input_size_per_partition", "input_is_parallel", "skip_bias_add",
-              "weight", "bias")
-_NORMS: tuple[type, ...] = tuple(t for t in (torch.nn.LayerNorm, getattr(torch.nn, "RMSNorm", None)) if t)
-
-
-def _is_megatron(module: torch.nn.Module, attrs: tuple[str, ...]) -> bool:
-    return all(hasattr(module, a) for a in attrs) and not isinstance(
-        module, (ColumnParallelLinear, RowParallelLinear, MegatronLinearAdapter, ParallelLinearAdapter))
-
-
-def _same_group(a: dist.ProcessGroup, b: dist.ProcessGroup) -> bool:
-    return a is b or dist.get_process_group_ranks(a) == dist.get_process_group_ranks(b)
-
-
-def _megatron_problems(name: str, m: torch.nn.Module, kind: str, tp_group: dist.ProcessGroup,
-                       sequence_parallel: Optional[bool]) -> list[str]:
-    problems = []
-    _, tp = tp_rank_and_size(tp_group)
-    if m.weight is None and kind != "column":
-        problems.append(f"{name}: a row-parallel layer without a weight is not supported")
-    for flag in ("disable_grad_reduce",):  # expert flags: checks.expert_problems (one line for all)
-        if getattr(m, flag, False):
-            problems.append(f"{name}: {flag}=True is not supported")
-    config = getattr(m, "config", None)
-    if config is not None and getattr(config, "defer_embedding_wgrad_compute", False):
-        problems.append(f"{name}: config.defer_embedding_wgrad_compute=True is not supported")
-    group = getattr(m, "tp_group", None)
-    if group is not None and not _same_group(group, tp_group):
-        problems.append(f"{name}: its tp_group (ranks {dist.get_process_group_ranks(group)}) is not the "
-                        f"tp_group given to wrap (ranks {dist.get_process_group_ranks(tp_group)})")
-    if m.weight is not None:
-        stride = getattr(m.weight, "partition_stride", 1)
-        if stride != 1 and (kind != "column" or m.output_size_per_partition % stride):
-            problems.append(f"{name}: strided weight partitioning (stride {stride}) is supported for column-parallel "
-                            f"layers whose per-rank rows divide by the stride (Megatron's [gate; up] SwiGLU fc1)")
-        want = ((m.output_size_per_partition, m.input_size) if kind == "column"
-                else (m.output_size, m.input_size_per_partition))
-        if tuple(m.weight.shape) != want:
-            problems.append(f"{name}: weight shape {tuple(m.weight.shape)} is not {want}")
-        per_rank = m.output_size_per_partition if kind == "column" else m.input_size_per_partition
-        full = m.output_size if kind == "column" else m.input_size
-        if per_rank * tp != full:
-            problems.append(f"{name}: {full} features split {per_rank} per rank does not match TP size {tp}")
-    module_sp = bool(getattr(m, "sequence_parallel", False))
-    if sequence_parallel is not None and module_sp != sequence_parallel:
-        problems.append(f"{name}: module has sequence_parallel={module_sp}, wrap was asked for {sequence_parallel}")
-    return problems
-
-
-def _convert_megatron(m: torch.nn.Module, kind: str, tp_group: dist.ProcessGroup,
-                      overlap: Optional[TPOverlap]) -> torch.nn.Module:
-    w = m.weight
-    dtype = w.dtype if w is not None else m.config.params_dtype
-    device = w.device if w is not None else None
-    common = dict(tp_group=tp_group, bias=m.bias is not None, skip_bias_add=bool(m.skip_bias_add),
-                  sequence_parallel=bool(getattr(m, "sequence_parallel", False)), init_method=_no_init,
-                  seed=None, overlap=overlap, dtype=dtype, device=device)
-    if kind == "column":
-        new: ColumnParallelLinear | RowParallelLinear = ColumnParallelLinear(
-            m.input_size, m.output_size, gather_output=bool(m.gather_output), **common)
-        # Megatron's stride-s column layout: rank r holds [part0_r; ...; part(s-1)_r]
-        # (SwiGLU fc1: [gate_r; up_r]) -- exactly ShardSpec(blocks=s); the local GEMM and
-        # Megatron's local chunk(2) pairing need nothing else.
-        stride = getattr(w, "partition_stride", 1) if w is not None else 1
-        spec: Optional[ShardSpec] = ShardSpec(dim=0, blocks=stride)
-    else:
-        new = RowParallelLinear(m.input_size, m.output_size, input_is_parallel=bool(m.input_is_parallel),
-                                sync_sequence_parallel_grads=False, **common)
-        spec = ShardSpec(dim=1)
-    linear = new.ops.linear
-    linear.accumulate_into_main_grad = bool(getattr(m, "gradient_accumulation_fusion", False))
-    # Reuse the very Parameters: optimizers and Megatron's grad buffers keep pointing at them.
-    if w is not None:
-        linear.weight = w
-        _tag(w, spec)
-    else:
-        linear._parameters["weight"] = None  # lent at call time (tied output layer)
-    if m.bias is not None:
-        owner = new.bias_op if new.bias_op is not None else new.ops.bias
-        sp_tag = getattr(m.bias, "sequence_parallel", None)
-        owner.bias = m.bias
-        _tag(m.bias, spec if kind == "column" else None)
-        if sp_tag is not None:
-            m.bias.sequence_parallel = sp_tag  # keep Megatron's tag as it was
-    return megatron_adapter(m, new, kind)
-
-
-def _tag(p: torch.Tensor, spec: Optional[ShardSpec]) -> None:
-    """tp-fuse's layout tag, keeping Megatron's own attributes (stride included) as they are."""
-    p.tp_shard = spec  # type: ignore[attr-defined]
-    if not hasattr(p, "tensor_model_parallel"):
-        set_shard_spec(p, spec)
-
-
-def _tag_untouched(model: torch.nn.Module) -> None:
-    """Give every parameter wrap did not convert a ``tp_shard`` (for ``grad_norm``,
-    ``full_state_dict``...): Megatron's ``tensor_model_parallel``/``partition_dim``/
-    ``partition_stride`` attributes where present (e.g. ``VocabParallelEmbedding``),
-    replicated otherwise."""
-    for p in model.parameters():
-        if hasattr(p, "tp_shard"):
-            continue
-        if getattr(p, "tensor_model_parallel", False):
-            p.tp_shard = ShardSpec(dim=int(p.partition_dim), blocks=int(getattr(p, "partition_stride", 1)))
-        else:
-            p.tp_shard = None
-
-
-def _no_init(t: torch.Tensor) -> None:
-    """The weight is replaced right after construction: skip drawing random numbers."""
-
-
-def _is_conv1d(m: torch.nn.Module) -> bool:
-    """GPT-2's ``Conv1D`` (transformers.pytorch_utils), by name and layout: ``y = x W + b``
-    with ``W [in, out]`` (the transpose of ``nn.Linear``'s)."""
-    return (type(m).__name__ == "Conv1D" and isinstance(getattr(m, "weight", None), torch.Tensor)
-            and m.weight.dim() == 2 and getattr(m, "nf", None) == m.weight.shape[1])
-
-
-def _linear_sizes(m: torch.nn.Module) -> tuple[int, int]:
-    """``(in_features, out_features)`` of an ``nn.Linear`` or a ``Conv1D``."""
-    if _is_conv1d(m):
-        return int(m.weight.shape[0]), int(m.weight.shape[1])
-    return m.in_features, m.out_features
-
-
-def _style_name(style: Any) -> str:
-    return style.describe() if isinstance(style, FusedColumn) else str(style)
-
-
-def _plain_problems(name: str, m: torch.nn.Module, style: Any, tp: int) -> list[str]:
-    if style in ("column", "row") or isinstance(style, FusedColumn):
-        if type(m) is not torch.nn.Linear and not _is_conv1d(m):
-            return [f"{name}: plan style {_style_name(style)!r} needs a torch.nn.Linear (or GPT-2 Conv1D), "
-                    f"got {type(m).__name__}"]
-        in_f, out_f = _linear_sizes(m)
-        if isinstance(style, FusedColumn):
-            return [f"{name}: {_style_name(style)}: {p}" for p in style.problems(out_f, tp)]
-        if style == "column" and out_f % tp:
-            return [f"{name}: out_features ({out_f}) is not divisible by the TP size ({tp})"]
-        if style == "row" and in_f % tp:
-            return [f"{name}: in_features ({in_f}) is not divisible by the TP size ({tp})"]
-        return []
-    if style == "sharded_norm":
-        return _sharded_norm_problems(name, m, tp)
-    if not isinstance(m, _NORMS):
-        return [f"{name}: plan style 'sequence_parallel' needs a LayerNorm/RMSNorm, got {type(m).__name__}"]
-    return []
-
-
-def _rms_norm_params(m: torch.nn.Module) -> Optional[tuple[Optional[torch.Tensor], int, Optional[float], bool]]:
-    """``(weight, width, eps, weight_after_cast)`` of an RMSNorm that ``ShardedRMSNorm``
-    reproduces exactly, or None. Llama-family RMSNorms multiply the weight after casting
-    back to the input dtype, OLMo2's before."""
-    rms = getattr(torch.nn, "RMSNorm", None)
-    if rms is not None and type(m) is rms:
-        if len(m.normalized_shape) != 1:
-            return None
-        return m.weight, int(m.normalized_shape[0]), m.eps, False
-    if type(m).__name__ in HF_RMS_NORMS:
-        w = getattr(m, "weight", None)
-        eps = getattr(m, "variance_epsilon", None)
-        if not isinstance(w, torch.Tensor) or w.dim() != 1 or not isinstance(eps, float):
-            return None
-        return w, int(w.shape[0]), eps, type(m).__name__ != "Olmo2RMSNorm"
-    return None
-
-
-def _sharded_norm_problems(name: str, m: torch.nn.Module, tp: int) -> list[str]:
-    params = _rms_norm_params(m)
-    if params is None:
-        return [f"{name}: plan style 'sharded_norm' needs a torch.nn.RMSNorm over one dimension or one of the "
-                f"Hugging Face RMSNorms {list(HF_RMS_NORMS)} (whose formula it reproduces), got "
-                f"{type(m).__name__}"]
-    if params[1] % tp:
-        return [f"{name}: its {params[1]} features are not divisible by the TP size ({tp})"]
-    return []
-
-
-def _convert_sharded_norm(m: torch.nn.Module, tp_group: dist.ProcessGroup) -> ShardedRMSNorm:
-    rank, size = tp_rank_and_size(tp_group)
-    weight, width, eps, after_cast = _rms_norm_params(m)  # type: ignore[misc] - checked before
-    spec = ShardSpec(dim=0)
-    local = shard_tensor(weight.detach(), spec, rank, size).clone() if weight is not None else None
-    new = ShardedRMSNorm(local, width, eps, tp_group, weight_after_cast=after_cast)
-    if new.weight is not None:
-        new.weight.requires_grad_(weight.requires_grad)
-        set_shard_spec(new.weight, spec)
-    return new
-
-
-def _convert_plain(m: torch.nn.Module, style: Any, tp_group: dist.ProcessGroup, sequence_parallel: bool,
-                   overlap: Optional[TPOverlap]) -> torch.nn.Module:
-    rank, size = tp_rank_and_size(tp_group)
-    conv1d = _is_conv1d(m)
-    w = m.weight.t() if conv1d else m.weight  # [out, in]
-    in_f, out_f = _linear_sizes(m)
-    common = dict(tp_group=tp_group, bias=m.bias is not None, sequence_parallel=sequence_parallel,
-                  init_method=_no_init, seed=None, overlap=overlap, dtype=w.dtype, device=w.device)
-    if style == "row":
-        layer: torch.nn.Module = RowParallelLinear(in_f, out_f, **common)
-        wspec, bspec = ShardSpec(dim=1), None
-    else:
-        layer = ColumnParallelLinear(in_f, out_f, **common)
-        # A fused projection: every part split separately, rank r holds [q_r; k_r; v_r].
-        wspec = bspec = style.spec(out_f) if isinstance(style, FusedColumn) else ShardSpec(dim=0)
-    with torch.no_grad():
-        layer.weight.copy_(shard_tensor(w, wspec, rank, size))
-        if m.bias is not None:
-            layer.bias.copy_(shard_tensor(m.bias, bspec, rank, size))
-    set_shard_spec(layer.weight, wspec)
-    if m.bias is not None:
-        set_shard_spec(layer.bias, bspec)
-    return ParallelLinearAdapter(layer, in_f, out_f, transposed=conv1d)
-
-
-def _check_replicated(named: list[tuple[str, torch.nn.Module]], tp_group: dist.ProcessGroup) -> list[str]:
-    """Full weights must agree across TP ranks (else the shards would not form one model)."""
-    if not named:
-        return []
-    sums = torch.tensor([[float(p.detach().double().sum()), float(p.detach().double().abs().sum())]
-                         for _, m in named for p in m.parameters()], dtype=torch.float64)
-    gathered = [torch.empty_like(sums) for _ in range(dist.get_world_size(tp_group))]
-    dist.all_gather(gathered, sums, group=tp_group)
-    bad = torch.zeros(sums.shape[0], dtype=torch.bool)
-    for g in gathered:
-        bad |= (g != sums).any(dim=1)
-    out, k = [], 0
-    for name, m in named:
-        n = sum(1 for _ in m.parameters())
-        if bool(bad[k:k + n].any()):
-            out.append(f"{name}: parameters differ across TP ranks (seed every rank the same before building the model)")
-        k += n
-    return out
-
-
-_EXPERT_FLAGS = ("is_expert", "explicit_expert_comm")
+PLAN_STYLES = STYLES
 
 
 def wrap(
@@ -373,11 +139,16 @@ def wrap(
         fp8: run the model's forward inside ``tp_fuse.autocast(fp8, fp8_group)``.
         fp8_group: amax reduction group (None: torch's default group, i.e. the world).
         overlap: ``TPOverlap`` for every converted GEMM and comm op.
-        verify: a probe batch (``True`` for a Hugging Face model's automatic one, a tensor,
-            a tuple of args, a dict of kwargs or a callable ``f(model)``): one forward and
-            backward of the wrapped model are compared with the original's (every output
-            and every gradient, gathered); a difference is a ``ValueError`` naming the
-            first differing output and parameter (``tp_fuse.layers.wrap.verify``, incl. its cost).
+        verify: the probe the wrapped model is checked on against the original (one
+            forward and backward each, every output and gradient compared; a difference is
+            a ``ValueError`` naming the first differing module output in forward order and
+            the plan entries that produced it; ``tp_fuse.layers.wrap.verify``). Default
+            (None): whenever wrap shards anything, with a Hugging Face model's automatic
+            ``[2, 8]``-token probe (the launcher's), its cost in the report; models without
+            one are not verified, with a warning. ``True`` (the automatic probe, required),
+            a tensor, a tuple of args, a dict of kwargs or a callable ``f(model)``: that
+            probe. ``False``: not verified, with a warning naming what is not checked
+            (``tp_fuse.layers.wrap.verify_step``).
         fixup: ``f(model, tp_size)`` called after conversion, for model attributes the
             declared rules (``tp_fuse.layers.wrap.heads``) do not cover.
         verbose: print the :class:`WrapReport` (on TP rank 0; False: only store it).
@@ -388,6 +159,65 @@ def wrap(
     forward; their gradients are summed over TP. The report of what was converted and what
     was left, and why, is stored as ``model.tp_fuse_wrap_report``.
     """
+    _check_arguments(model, tp_group, fp8, exclude, fixup, verify)
+    rank, tp = tp_rank_and_size(tp_group)
+    family: Optional[FamilyPlan] = family_plan(model, explicit=plan is not None)
+    builtin = plan is None and family is not None
+    plan = family.plan_for(model.config) if builtin else dict(plan or {})
+    report = WrapReport(family=family.model_type if family is not None else None)
+
+    # 1. What to convert, and everything wrong with it, before anything changes.
+    found = match_plan(model, plan, exclude, tp_group, sequence_parallel, report,
+                       family.notes if builtin else {}, builtin_type=family.model_type if builtin else None)
+    modules = dict(model.named_modules())
+    attention = attention_modules(model, found.columns) if tp > 1 else {}
+    problems = found.problems + _model_problems(model, modules, found, family, builtin, attention, tp, tp_group,
+                                                sequence_parallel)
+    # 2. One traced forward of the original on the probe (and its backward, to verify with).
+    widths = _column_widths(modules, found.planned, found.columns) if not problems else {}
+    problems += _per_head_norm_problems(modules, found.planned, found.entries, widths) if tp > 1 and not problems \
+        else []
+    checks = _trace_checks(model, found.planned, found.entries, widths, tp) if tp > 1 and not problems \
+        else TraceChecks()
+    choice = choose_probe(model, verify, bool(found.megatron or found.planned), tp)
+    trace, reference = None, None
+    if not problems:
+        trace, reference, failed = probe_original(model, choice.probe, found.columns if tp > 1 else [], found.rows,
+                                                  found.norms if tp > 1 else [], checks, strict=choice.strict)
+        choice.unverified = choice.unverified or failed
+        problems += trace.problems if trace is not None else []
+    if problems:
+        raise ValueError("wrap: cannot convert the model:\n  - " + "\n  - ".join(collapse(problems)))
+
+    # 3. Convert, then set what the model keeps about its heads to this rank's.
+    _convert_modules(model, modules, found, tp_group, bool(sequence_parallel), overlap, report)
+    _localize(model, modules, found, attention, family, fixup, tp, report)
+    # 4. Gradient sums for replicated parameters on sharded activations, layout tags.
+    if trace is not None:
+        shard_with_heads(model, trace, tp_group, report)
+        sync_traced(model, trace, tp_group, report)
+    elif found.columns and tp > 1:
+        trace_lazily(model, found.columns, found.rows, tp_group, report, verbose=verbose and rank == 0,
+                     norms=found.norms, checks=checks)
+    tag_untouched(model)
+    # 5. Verify against the original (raises on a difference), or say why not.
+    if reference is not None:
+        transposed = {f"{n}.weight" for n, m in model.named_modules()
+                      if isinstance(m, ParallelLinearAdapter) and m.transposed}
+        finish_verification(model, reference, choice.probe, tp_group, transposed, report, found.entries)
+    elif choice.unverified is not None:
+        report.unverified = choice.unverified
+        warn_unverified(choice.unverified, len(report.converted))
+    if fp8 is not None:
+        _run_forward_in_autocast(model, fp8, fp8_group)
+    model.tp_fuse_wrap_report = report
+    if verbose and rank == 0:
+        print(report)
+    return model
+
+
+def _check_arguments(model: Any, tp_group: Any, fp8: Any, exclude: Any, fixup: Any, verify: Any) -> None:
+    """wrap's arguments, each a ``ValueError`` naming what it got."""
     if not isinstance(model, torch.nn.Module):
         raise ValueError(f"wrap: model must be a torch.nn.Module, got {type(model).__name__}")
     if not isinstance(tp_group, dist.ProcessGroup):
@@ -398,120 +228,49 @@ def wrap(
         raise ValueError(f"wrap: exclude must be a list of globs, got the string {exclude!r}")
     if fixup is not None and not callable(fixup):
         raise ValueError(f"wrap: fixup must be a callable f(model, tp_size), got {type(fixup).__name__}")
-    probe = make_probe(model, verify) if verify is not None and verify is not False else None
-    rank, tp = tp_rank_and_size(tp_group)
-    problems: list[str] = []
-    family: Optional[FamilyPlan] = family_plan(model, explicit=plan is not None)
-    builtin = plan is None and family is not None
-    plan = family.plan_for(model.config) if builtin else dict(plan or {})
-    bad_styles = {g: s for g, s in plan.items() if not (isinstance(s, FusedColumn) or s in _STYLES)}
-    for glob, style in bad_styles.items():
-        problems.append(f"plan[{glob!r}]: unknown style {style!r}; expected one of {_STYLES} or "
-                        f"FusedColumn(parts | sizes, names=..., head_dim=...)")
-    report = WrapReport(family=family.model_type if family is not None else None)
+    check_verify_arg(model, verify)
 
-    megatron: dict[str, str] = {}
-    experts: dict[str, list[str]] = {}
-    planned: dict[str, Any] = {}
-    matched_globs: set[str] = set()
-    excluded_prefixes: list[str] = []
-    # Excluded modules the plan would have sharded. (An excluded Megatron module keeps
-    # Megatron's own TP, so its neighbours still agree with it.)
-    excluded_gemms: list[str] = []
-    for name, m in model.named_modules():
-        label = name or "<root>"
-        if any(name == p or name.startswith(p + ".") for p in excluded_prefixes):
-            continue
-        if name and any(fnmatch.fnmatchcase(name, g) for g in exclude):
-            excluded_prefixes.append(name)
-            report.left.append((label, "excluded by the caller"))
-            matched_globs |= {g for g in plan if fnmatch.fnmatchcase(name, g)}
-            if any(fnmatch.fnmatchcase(name, g) and plan[g] not in _NORM_STYLES for g in plan):
-                excluded_gemms.append(name)
-            continue
-        kind = ("column" if _is_megatron(m, _COLUMN_ATTRS) else "row" if _is_megatron(m, _ROW_ATTRS) else None)
-        matching = [g for g in plan if g not in bad_styles and fnmatch.fnmatchcase(name, g)]
-        styles = {_style_name(plan[g]): plan[g] for g in matching}
-        matched_globs |= {g for g in plan if fnmatch.fnmatchcase(name, g)}
-        if kind is not None:
-            if styles:
-                problems.append(f"{label}: Megatron-style {kind}-parallel module is converted automatically; "
-                                f"remove it from the plan")
-            megatron[name] = kind
-            problems += _megatron_problems(label, m, kind, tp_group, sequence_parallel)
-            flags = [f for f in _EXPERT_FLAGS if getattr(m, f, False)]
-            if flags:
-                experts[label] = flags
-        elif len(styles) > 1:
-            problems.append(f"{label}: matched by plan entries with different styles {sorted(styles)}")
-        elif styles:
-            planned[name] = next(iter(styles.values()))
-            problems += _plain_problems(label, m, planned[name], tp)
-        elif type(m) is torch.nn.Linear or _is_conv1d(m):
-            report.left.append((label, "not named by the plan: replicated, runs unsharded"))
-        if name == "" and (kind is not None or name in planned):
-            problems.append("<root>: the root module itself cannot be replaced in place; wrap its parent")
-    problems += expert_problems(experts)
-    if builtin:  # what the family plan leaves replicated on purpose (MoE experts)
-        report.left += [(n, why) for glob, why in family.notes.items() for n, _ in model.named_modules()
-                        if fnmatch.fnmatchcase(n, glob) and not any(n == p or n.startswith(p + ".")
-                                                                     for p in excluded_prefixes)]
-    problems += _split_pair_problems(excluded_gemms, [n for n, s in planned.items() if s not in _NORM_STYLES])
-    unmatched = [g for g in plan if g not in matched_globs]
-    if builtin and plan and len(unmatched) == len(plan):
-        problems.append(f"{family.model_type}: no module matches the built-in plan, whose names are those of the "
-                        f"*ForCausalLM model (e.g. {next(iter(plan))!r}); this is {type(model).__name__} (a model "
-                        f"without its LM head?): wrap the *ForCausalLM model, or pass plan={{glob: style}} with this "
-                        f"model's names")
-    else:
-        problems += [f"plan[{glob!r}]: matches no module" for glob in unmatched]
-    for glob in exclude:
-        if not any(fnmatch.fnmatchcase(n, glob) for n, _ in model.named_modules() if n):
-            problems.append(f"exclude[{glob!r}]: matches no module")
-    columns = [n for n, s in planned.items() if s not in ("row", *_NORM_STYLES)]
-    rows = [n for n, s in planned.items() if s == "row"]
-    # Sharded norms take a sharded input and give a sharded output: for the trace they are
-    # column-like boundaries (not looked into), whose input must already be sharded.
-    norms = [n for n, s in planned.items() if s == "sharded_norm"]
-    if family is not None and (builtin or attention_converted(model, columns)):
+
+def _model_problems(model: torch.nn.Module, modules: dict[str, torch.nn.Module], found: Matched,
+                    family: Optional[FamilyPlan], builtin: bool, attention: dict[str, torch.nn.Module], tp: int,
+                    tp_group: dist.ProcessGroup, sequence_parallel: Optional[bool]) -> list[str]:
+    """What the model as a whole says against the plan: its family's checks (an explicit
+    plan that shards attention keeps them), ties, head counts, weights differing across
+    ranks."""
+    problems = []
+    if family is not None and (builtin or attention_converted(model, found.columns)):
         problems += [f"{family.model_type}: {p}" for p in family.check(model.config, tp)]
         if not builtin:
-            problems += _family_norm_problems(model, family, planned, columns)
+            problems += _family_norm_problems(model, family, found.planned, found.columns)
         if sequence_parallel:
             problems.append(f"{family.model_type}: sequence_parallel=True does not apply to Hugging Face "
                             f"models (activations are [batch, seq, hidden]; SP splits dim 0)")
-    problems += tied_problems(model, planned)
-    attention = attention_modules(model, columns) if tp > 1 else {}
+    problems += tied_problems(model, found.planned)
     for name, m in attention.items():
-        problems += head_problems(name, m, tp, getattr(model, "config", None), planned)
-    modules = dict(model.named_modules())
-    problems += _check_replicated([(n, modules[n]) for n, s in planned.items() if s != "sequence_parallel"],
-                                  tp_group)
-    trace, reference = None, None
-    norm_check = _replicated_norm_check(modules, planned, columns, tp) if tp > 1 and not problems else None
-    if not problems:
-        trace, reference = probe_original(model, probe, columns if tp > 1 else [], rows, norms if tp > 1 else [],
-                                          norm_check)
-        problems += trace.problems if trace is not None else []
-    if problems:
-        raise ValueError("wrap: cannot convert the model:\n  - " + "\n  - ".join(collapse(problems)))
+        problems += head_problems(name, m, tp, getattr(model, "config", None), found.planned)
+    problems += check_replicated([(n, modules[n]) for n, s in found.planned.items() if s != "sequence_parallel"],
+                                 tp_group)
+    return problems
 
-    sp = bool(sequence_parallel)
-    for name, kind in megatron.items():
+
+def _convert_modules(model: torch.nn.Module, modules: dict[str, torch.nn.Module], found: Matched,
+                     tp_group: dist.ProcessGroup, sp: bool, overlap: Optional[TPOverlap], report: WrapReport) -> None:
+    """Replace the Megatron-style and planned modules (``modules``: the original ones)."""
+    for name, kind in found.megatron.items():
         m = modules[name]
-        new = _convert_megatron(m, kind, tp_group, overlap)
+        new = convert_megatron(m, kind, tp_group, overlap)
         stride = getattr(m.weight, "partition_stride", 1) if m.weight is not None else 1
         how = f"Megatron {kind}-parallel" + (f", stride-{stride} blocks ([gate; up])" if stride > 1 else "")
         how += ", weight at call time" if m.weight is None else ""
         how += ", accumulate_into_main_grad" if getattr(m, "gradient_accumulation_fusion", False) else ""
         report.converted.append((name, how))
         _replace(model, name, new)
-    for name, style in planned.items():
+    for name, style in found.planned.items():
         m = modules[name]
         if style == "sharded_norm":
             report.converted.append((name, f"{type(m).__name__} -> sharded norm (weight split with the features, "
                                            f"statistics summed over TP)"))
-            _replace(model, name, _convert_sharded_norm(m, tp_group))
+            _replace(model, name, convert_sharded_norm(m, tp_group))
             continue
         if style == "sequence_parallel":
             if sp:
@@ -519,51 +278,78 @@ def wrap(
                     sync_sequence_parallel_grad(p, tp_group)
             report.converted.append((name, "norm, grads synced over TP" if sp else "norm (replicated; SP off)"))
             continue
-        report.converted.append((name, f"{type(m).__name__} -> {_style_name(style)}-parallel"))
-        _replace(model, name, _convert_plain(m, style, tp_group, sp, overlap))
+        report.converted.append((name, f"{type(m).__name__} -> {style_name(style)}-parallel"))
+        _replace(model, name, convert_plain(m, style, tp_group, sp, overlap))
+
+
+def _localize(model: torch.nn.Module, modules: dict[str, torch.nn.Module], found: Matched,
+              attention: dict[str, torch.nn.Module], family: Optional[FamilyPlan],
+              fixup: Optional[Callable[[torch.nn.Module, int], None]], tp: int, report: WrapReport) -> None:
+    """Head counts and widths stored on the attention modules (``heads``; a fused
+    projection's part sizes too), then the family's and the caller's fix-ups."""
     for name, m in attention.items():
-        changes = localize_heads(m, tp)
+        parts = [p for c in found.columns if c.rpartition(".")[0] == name and isinstance(found.planned[c], FusedColumn)
+                 for p in found.planned[c].sizes(linear_sizes(modules[c])[1])]
+        changes = localize_heads(m, tp, parts)
         if changes:
             report.localized.append((name, ", ".join(changes)))
     if family is not None and family.fixup is not None:
         family.fixup(model, tp)
     if fixup is not None:
         fixup(model, tp)
-    if trace is not None:
-        sync_traced(model, trace, tp_group, report)
-    elif columns and tp > 1:
-        trace_lazily(model, columns, rows, tp_group, report, verbose=verbose and rank == 0, norms=norms,
-                     module_check=norm_check)
-    _tag_untouched(model)
-    if reference is not None:
-        transposed = {f"{n}.weight" for n, m in model.named_modules()
-                      if isinstance(m, ParallelLinearAdapter) and m.transposed}
-        found = compare(model, reference, probe, tp_group, transposed)
-        if found:
-            raise ValueError("wrap(verify=...): the wrapped model does not match the original on the probe "
-                             "(the model has been converted; rebuild it):\n  - " + "\n  - ".join(found))
-        report.verified = "outputs and every gradient match the original on the probe"
-    if fp8 is not None:
-        _run_forward_in_autocast(model, fp8, fp8_group)
-    model.tp_fuse_wrap_report = report
-    if verbose and rank == 0:
-        print(report)
-    return model
 
 
-def _replicated_norm_check(modules: dict[str, torch.nn.Module], planned: dict[str, Any], columns: list[str],
-                           tp: int) -> Callable[..., Any]:
-    """The trace's check for a full-width norm left replicated on sharded features
-    (``checks.replicated_norm_check``), for the widths of the plan's column projections
-    (a fused projection's parts too: the model splits them before normalising one)."""
+def _trace_checks(model: torch.nn.Module, planned: dict[str, Any], entries: dict[str, str],
+                  widths: dict[int, list[str]], tp: int) -> TraceChecks:
+    """What the trace checks at TP size ``tp`` > 1: full-width norms left replicated
+    (``checks``), the plan's column projections against how the model cuts their outputs
+    (``fused_split``), per-head tensors left whole (``per_head``)."""
+    styles = {n: s for n, s in planned.items() if s == "column" or isinstance(s, FusedColumn)}
+    sizes, ignore = split_sizes(getattr(model, "config", None), widths)
+    vectors = {n: int(p.shape[0]) for n, p in model.named_parameters() if p.dim() == 1}
+    return TraceChecks(module=_replicated_norm_check(widths, tp),
+                       fused=lambda cuts, local: fused_problems(cuts, styles, entries, tp, local),
+                       head=per_head_check(sizes, ignore, entries, exclude_for, vectors), entries=entries)
+
+
+def _column_widths(modules: dict[str, torch.nn.Module], planned: dict[str, Any], columns: list[str]
+                   ) -> dict[int, list[str]]:
+    """``{output width: the plan's column projections with it}``, a fused projection's
+    parts too (the model splits them before normalising one)."""
     widths: dict[int, list[str]] = {}
     for name in columns:
-        out_f = _linear_sizes(modules[name])[1]
+        out_f = linear_sizes(modules[name])[1]
         style = planned[name]
-        # A fused projection's parts (checked by _plain_problems already) besides its whole.
-        for size in {out_f, *(style.sizes(out_f) if isinstance(style, FusedColumn) else ())}:
+        # A fused projection's parts besides its whole (parts that do not add up are
+        # plain_problems' refusal already).
+        parts = style.sizes(out_f) if isinstance(style, FusedColumn) and not style.problems(out_f, 1) else ()
+        for size in {out_f, *parts}:
             widths.setdefault(size, []).append(name)
-    return replicated_norm_check(widths, tp, lambda m: _rms_norm_params(m) is not None, HF_RMS_NORMS)
+    return widths
+
+
+def _replicated_norm_check(widths: dict[int, list[str]], tp: int) -> Callable[..., Any]:
+    """The trace's check for a full-width norm left replicated on sharded features
+    (``checks.replicated_norm_check``), for the widths of the plan's column projections."""
+    return replicated_norm_check(widths, tp, lambda m: rms_norm_params(m) is not None, HF_RMS_NORMS)
+
+
+def _per_head_norm_problems(modules: dict[str, torch.nn.Module], planned: dict[str, Any], entries: dict[str, str],
+                            widths: dict[int, list[str]]) -> list[str]:
+    """``"sharded_norm"`` on a norm whose width is no column projection's output width: a
+    per-head norm (Qwen3's ``q_norm``, ``[head_dim]``, applied to every head). Its weight
+    is one head's, not split with the heads: sharded, each rank would get half of it."""
+    problems = []
+    for name, style in planned.items():
+        params = rms_norm_params(modules[name]) if style == "sharded_norm" else None
+        if params is None or params[1] in widths:
+            continue
+        problems.append(f"{name}: {entries[name]}, but this {type(modules[name]).__name__} normalises over "
+                        f"{params[1]} features, which is no column projection's output width "
+                        f"({sorted(widths)}): a per-head norm (one head's features, applied to every head), not "
+                        f"a norm over the sharded features. Take {entries[name].split(' = ')[0]} out of the plan: "
+                        f"the norm stays replicated and its gradient is summed over TP (found by the trace)")
+    return problems
 
 
 def _family_norm_problems(model: torch.nn.Module, family: FamilyPlan, planned: dict[str, Any],
@@ -583,20 +369,6 @@ def _family_norm_problems(model: torch.nn.Module, family: FamilyPlan, planned: d
                             f"shards ({len(missed)} modules, e.g. {missed[0]}); it must be in the plan as "
                             f"'sharded_norm' (weight split with the heads, statistics summed over TP), as in the "
                             f"built-in {family.model_type} plan (plan=None)")
-    return problems
-
-
-def _split_pair_problems(excluded: list[str], converted: list[str]) -> list[str]:
-    """An excluded projection whose sibling is sharded: the pair no longer agrees on the
-    per-rank sizes between them (e.g. a sharded ``q_proj`` feeding an unsharded ``o_proj``)."""
-    problems = []
-    for name in excluded:
-        parent = name.rpartition(".")[0]
-        siblings = [c for c in converted if c.rpartition(".")[0] == parent]
-        if siblings:
-            problems.append(f"exclude: {name} is excluded but its sibling(s) {siblings} are sharded; the "
-                            f"tensor-parallel layers of one block are converted or left together: exclude "
-                            f"{parent or '<root>'!s} instead")
     return problems
 
 

@@ -23,11 +23,14 @@ attribute (instance ``int``)                                becomes
 ==========================================================  ===============================
 ``num_heads``, ``num_attention_heads``, ``n_head``,          ``value / tp``
 ``n_heads``
-``num_key_value_heads``, ``num_kv_heads``, ``n_kv_heads``    ``value / tp``
+``num_key_value_heads``, ``num_kv_heads``, ``n_kv_heads``,   ``value / tp``
+``kv_heads``
 ``embed_dim``, ``hidden_size``, ``all_head_size``,           ``value / tp``, only where the
 ``split_size``, ``inner_dim``                                value is the projection width
                                                              ``heads * head_dim`` (module's
                                                              ``head_dim`` / ``head_size``)
+                                                             or a part size of a converted
+                                                             ``FusedColumn`` child
 ==========================================================  ===============================
 
 ``num_key_value_groups`` (a ratio) and ``head_dim`` are unchanged. Every change is listed
@@ -48,7 +51,8 @@ import torch
 __all__ = ["HEAD_ATTRS", "KV_HEAD_ATTRS", "WIDTH_ATTRS", "attention_modules", "head_problems", "localize_heads"]
 
 HEAD_ATTRS = ("num_heads", "num_attention_heads", "n_head", "n_heads")
-KV_HEAD_ATTRS = ("num_key_value_heads", "num_kv_heads", "n_kv_heads")
+# ``kv_heads``: GPT-BigCode (1 under multi-query attention, which no TP size > 1 divides).
+KV_HEAD_ATTRS = ("num_key_value_heads", "num_kv_heads", "n_kv_heads", "kv_heads")
 WIDTH_ATTRS = ("embed_dim", "hidden_size", "all_head_size", "split_size", "inner_dim")
 _HEAD_DIM_ATTRS = ("head_dim", "head_size", "attention_head_size")
 
@@ -121,9 +125,13 @@ def head_problems(name: str, module: torch.nn.Module, tp: int, config: Any = Non
     return problems
 
 
-def localize_heads(module: torch.nn.Module, tp: int) -> list[str]:
+def localize_heads(module: torch.nn.Module, tp: int, part_widths: Iterable[int] = ()) -> list[str]:
     """Apply the declared rule to one attention module; returns the changes made
-    (``["num_heads 4 -> 2", "embed_dim 32 -> 16"]``). Call once, after conversion."""
+    (``["num_heads 4 -> 2", "embed_dim 32 -> 16"]``). Call once, after conversion.
+    ``part_widths``: the part sizes of this module's converted fused projections (the
+    model splits the output at such a width: OpenAI GPT's ``split_size``, a module without
+    a ``head_dim`` attribute), localized like the projection width."""
+    part_widths = set(part_widths)
     changes = []
     heads = _first(module, HEAD_ATTRS)
     head_dim = _first(module, _HEAD_DIM_ATTRS)
@@ -135,7 +143,7 @@ def localize_heads(module: torch.nn.Module, tp: int) -> list[str]:
             changes.append(f"{attr} {v} -> {v // tp}")
     for attr in WIDTH_ATTRS:
         v = _int_attr(module, attr)
-        if v is not None and width is not None and v == width:
+        if v is not None and (v == width or v in part_widths):
             setattr(module, attr, v // tp)
             changes.append(f"{attr} {v} -> {v // tp}")
     return changes

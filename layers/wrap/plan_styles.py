@@ -132,6 +132,15 @@ class FusedColumn:
             return ShardSpec(dim=0, blocks=len(sizes))
         return ShardSpec(dim=0, sizes=sizes)
 
+    def written(self) -> str:
+        """This style as it is written in a plan: ``FusedColumn((48, 16, 16), names=('q', 'k', 'v'))``."""
+        args = [repr(self.parts)]
+        if self.names:
+            args.append(f"names={self.names!r}")
+        if self.head_dim is not None:
+            args.append(f"head_dim={self.head_dim}")
+        return f"FusedColumn({', '.join(args)})"
+
     def describe(self) -> str:
         """Short form for reports: ``fused_column(parts=3)``,
         ``fused_column(q=256, k=64, v=64)``, ``fused_column(heads q=8, k=2, v=2 x 32)``."""

@@ -33,7 +33,11 @@ class WrapReport:
         synced: ``(parameter name, why)``: replicated parameters used on TP-sharded
             activations, whose gradient is summed over TP (``tp_fuse.layers.wrap.trace``).
         traced: how those were found when not on a probe before conversion.
-        verified: set when ``verify=`` compared the wrapped model with the original.
+        verified: set when the wrapped model was compared with the original on a probe
+            (the default whenever wrap shards anything), with the comparison's cost.
+        verify_seconds: what that comparison cost, in seconds.
+        unverified: why a wrap that shards modules did not verify them (no automatic
+            probe, ``verify=False``).
         family: the Hugging Face ``model_type`` whose built-in plan (or checks and fix-ups,
             with an explicit plan) was used, or None.
     """
@@ -44,6 +48,8 @@ class WrapReport:
     synced: list[tuple[str, str]] = dataclasses.field(default_factory=list)
     traced: Optional[str] = None
     verified: Optional[str] = None
+    verify_seconds: Optional[float] = None
+    unverified: Optional[str] = None
     family: str | None = None
 
     def __str__(self) -> str:
@@ -62,4 +68,6 @@ class WrapReport:
             lines.append(f"sharded-activation trace: {self.traced}")
         if self.verified:
             lines.append(f"verified: {self.verified}")
+        if self.unverified:
+            lines.append(f"NOT verified: {self.unverified}")
         return "\n".join(lines)

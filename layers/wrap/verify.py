@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import time
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any, Optional
 
@@ -37,6 +38,7 @@ import torch
 import torch.distributed as dist
 
 from ..sharding import gather_tensor
+from .module_outputs import ModuleOutputs, first_difference
 from .trace import output_leaves
 
 __all__ = ["Reference", "make_probe", "auto_probe", "evaluation", "reference_pass", "compare"]
@@ -51,14 +53,19 @@ LOW_PRECISION_TOLERANCE = 0.1
 
 def auto_probe(model: torch.nn.Module) -> Optional[Callable[[torch.nn.Module], Any]]:
     """A probe for a Hugging Face causal LM (``config.vocab_size`` and an ``input_ids``
-    forward): ``[2, 8]`` random token ids (fewer positions if the model has fewer);
-    None for other models."""
+    forward): ``[2, 8]`` random token ids (fewer positions if the model has fewer, or if 8
+    is a head count); None for other models."""
     config = getattr(model, "config", None)
     vocab = getattr(config, "vocab_size", None)
     if not isinstance(vocab, int) or vocab < 1 or not isinstance(getattr(config, "model_type", None), str):
         return None
     positions = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None) or 8
     seq = max(2, min(8, int(positions)))
+    # A sequence length equal to a head count would make the trace's per-head check
+    # (tp_fuse.layers.wrap.per_head) mistake a [.., seq, seq] mask for a per-head tensor.
+    heads = {getattr(config, a, None) for a in ("num_attention_heads", "num_key_value_heads")}
+    while seq > 2 and seq in heads:
+        seq -= 1
     ids = torch.randint(0, vocab, (2, seq), generator=torch.Generator().manual_seed(1234))
 
     def run(m: torch.nn.Module) -> Any:
@@ -121,6 +128,10 @@ class Reference:
     grads: dict[str, Optional[torch.Tensor]]
     params: dict[str, int]  # name -> id of the original Parameter (same object after wrap: Megatron's)
     stashed: list[tuple[torch.nn.Parameter, torch.Tensor]]  # gradients that existed before
+    #: Every module's outputs in the probe forward, ``{(module name, call index): tensors}``.
+    modules: dict[tuple[str, int], list[torch.Tensor]] = dataclasses.field(default_factory=dict)
+    #: Seconds the reference backward took (part of verification's cost).
+    seconds: float = 0.0
 
 
 def stash_grads(model: torch.nn.Module) -> list[tuple[torch.nn.Parameter, torch.Tensor]]:
@@ -133,9 +144,12 @@ def stash_grads(model: torch.nn.Module) -> list[tuple[torch.nn.Parameter, torch.
     return out
 
 
-def reference_pass(model: torch.nn.Module, out: Any, stashed: list) -> Reference:
+def reference_pass(model: torch.nn.Module, out: Any, stashed: list,
+                   modules: Optional[ModuleOutputs] = None) -> Reference:
     """Backward of the original model's probe output ``out``; moves the gradients off the
-    parameters into the returned :class:`Reference`."""
+    parameters into the returned :class:`Reference` (with ``modules``: what every module
+    returned in that forward)."""
+    start = time.perf_counter()
     loss = _loss(out)
     if loss is not None:
         loss.backward()
@@ -144,7 +158,8 @@ def reference_pass(model: torch.nn.Module, out: Any, stashed: list) -> Reference
         grads[name] = p.grad
         p.grad = None
     outputs = [(path, t.detach()) for path, t in output_leaves(out)]
-    return Reference(outputs, grads, {n: id(p) for n, p in model.named_parameters()}, stashed)
+    return Reference(outputs, grads, {n: id(p) for n, p in model.named_parameters()}, stashed,
+                     modules.by_key() if modules is not None else {}, time.perf_counter() - start)
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor, floor: float = 0.0) -> float:
@@ -156,15 +171,25 @@ def _rel(a: torch.Tensor, b: torch.Tensor, floor: float = 0.0) -> float:
 
 
 def compare(model: torch.nn.Module, ref: Reference, probe: Callable[[torch.nn.Module], Any],
-            tp_group: dist.ProcessGroup, transposed: set[str]) -> list[str]:
+            tp_group: dist.ProcessGroup, transposed: set[str], plan_entries: Optional[dict[str, str]] = None
+            ) -> list[str]:
     """Run the wrapped model on the probe and compare with ``ref``; the problems found
-    (the first output and the first parameter that differ, and how many more), the same
-    on every rank. Gradients end as they were before the reference pass."""
-    with evaluation(model):
-        out = probe(model)
-        loss = _loss(out)
-        if loss is not None:
-            loss.backward()
+    (the first module output in forward order, the first output and the first parameter
+    that differ, and how many more), the same on every rank. Gradients end as they were
+    before the reference pass. ``plan_entries``: ``{module name: its plan entry}``, named
+    with the first differing module output."""
+    try:
+        with evaluation(model), ModuleOutputs(model) as recorded:
+            out = probe(model)
+            loss = _loss(out)
+            if loss is not None:
+                loss.backward()
+    except Exception as e:  # noqa: BLE001 - a shape error after conversion: named, and agreed by every rank
+        for p in model.parameters():
+            p.grad = None
+        for p, g in ref.stashed:
+            p.grad = g
+        return _agree([recorded.failure(e, plan_entries or {})], tp_group)
     dtype = next(model.parameters()).dtype
     tol = TOLERANCE.get(dtype, LOW_PRECISION_TOLERANCE)
     mine = output_leaves(out)
@@ -202,6 +227,10 @@ def compare(model: torch.nn.Module, ref: Reference, probe: Callable[[torch.nn.Mo
         p.grad = None
     for p, g in ref.stashed:
         p.grad = g
+    if bad_out or bad_grad:
+        first = first_difference(recorded, ref.modules, tol, _rel, plan_entries or {})
+        if first is not None:
+            problems.append(first)
     for what, found in (("output", bad_out), ("gradient", bad_grad)):
         if found:
             more = f" (and {len(found) - 1} more)" if len(found) > 1 else ""
