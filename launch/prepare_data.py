@@ -105,7 +105,7 @@ def _tokenizer_file(choice: str) -> str:
     # A model directory (+model=hf's model.path) stands for its tokenizer.json.
     if os.path.isdir(choice):
         path = os.path.join(choice, "tokenizer.json")
-        if not os.path.isfile(path):
+        if not os.path.lexists(path):  # a FIFO or a link to a device: FileTokenizer names it
             raise ValueError(f"--tokenizer {choice}: a directory without tokenizer.json")
         return path
     return choice

@@ -469,7 +469,7 @@ def check_weight_files(path: str) -> None:
 def load_tokenizer(path: str) -> FileTokenizer:
     """The model directory's ``tokenizer.json`` (a ``tokenizers`` file: JSON, no code runs)."""
     file = os.path.join(path, "tokenizer.json")
-    if not os.path.isfile(file):
+    if not os.path.lexists(file):  # a FIFO or a link to a device: FileTokenizer names it
         raise ValueError(f"model.path: {file} does not exist; +model=hf tokenizes with the model directory's "
                          f"tokenizer.json (fast tokenizer file; no hub access)")
     return FileTokenizer(file, name=f"{path}/tokenizer.json")
