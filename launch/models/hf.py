@@ -131,6 +131,17 @@ _SAFETENSORS_HEADER_LIMIT = 100 * 2**20
 #: config.json and model.safetensors.index.json: a few kB (an index: ~100 B per tensor).
 _JSON_LIMIT = 64 * 2**20
 _INDEX_FILE = "model.safetensors.index.json"
+#: JSON files besides config.json that ``from_pretrained`` reads (unbounded) from a model directory.
+_OTHER_CONFIG_FILES = ("generation_config.json",)
+
+
+def _read_config_file(file: str) -> bytes:
+    """A model directory's JSON config file, at most :data:`_JSON_LIMIT` bytes; ValueError
+    naming the file and the limit (or what the file is: a FIFO, a device) otherwise."""
+    try:
+        return read_regular_file(file, _JSON_LIMIT, "model.path: config file", follow_symlinks=True)
+    except OSError as e:  # a dangling link, no permission
+        raise ValueError(f"model.path: cannot read {file}: {e.strerror or e}") from None
 
 
 def read_hf_config(path: Any) -> dict[str, Any]:
@@ -138,11 +149,17 @@ def read_hf_config(path: Any) -> dict[str, Any]:
     if not isinstance(path, str) or not path:
         raise ValueError("model.path: +model=hf needs model.path=<local directory with config.json>")
     file = os.path.join(path, "config.json")
-    if not os.path.isfile(file):
+    if not os.path.lexists(file):  # a FIFO or a link to a device exists: read_regular_file names it
         raise ValueError(f"model.path: {file} does not exist (a local Hugging Face model directory is needed)")
+    # transformers reads generation_config.json too, with no size bound: bound it here first
+    # (a regular file of at most _JSON_LIMIT bytes; transformers parses it).
+    for name in _OTHER_CONFIG_FILES:
+        if os.path.lexists(os.path.join(path, name)):
+            _read_config_file(os.path.join(path, name))
+    raw = _read_config_file(file)
     try:
-        data = json.loads(read_regular_file(file, _JSON_LIMIT, "model.path: config file", follow_symlinks=True))
-    except (OSError, ValueError) as e:
+        data = json.loads(raw)
+    except ValueError as e:
         raise ValueError(f"model.path: {file} is not valid JSON: {e}") from None
     except RecursionError:  # the C parser recurses per nesting level
         raise ValueError(f"model.path: {file} is JSON nested too deeply to be a model config") from None
