@@ -27,6 +27,7 @@ from tp_fuse.layers.wrap.hf_plans import FAMILIES
 from tp_fuse.overlap.config import OverlapConfig as TPOverlapConfig
 from tp_fuse.safe_yaml import read_yaml_file
 
+from .checkpoint.hf_export import check_export_target
 from .models.hf import gpt_fields, is_plan_object, load_plan_object
 from .tokenizer import check_tokenizer_choice
 from tp_fuse.debug import DebugSession
@@ -640,8 +641,7 @@ def validate(cfg: TrainConfig, world_size: int) -> ParallelLayout:
                                       f"(model.name is {cfg.model.name!r})")
         _need(dp_shard == 1, f"checkpoint.export_hf needs parallel.dp_shard=1 (got {dp_shard}): resume the "
                              f"checkpoint with dp_shard=1 to export it (checkpoints reshard on load)")
-        _need(not os.path.lexists(ck.export_hf), f"checkpoint.export_hf: {ck.export_hf} already exists; "
-                                                 f"expected a new path (an export never writes into an existing one)")
+        check_export_target(ck.export_hf)  # not there, no partial export beside it, creatable
 
     if cfg.overlap.enabled:
         _need(tp > 1, "overlap=on needs parallel.tp > 1 (got tp=1): there is no TP communication to overlap")

@@ -35,6 +35,7 @@ SLOW_MODULES = frozenset({
     "test_dist_utils",
     "test_documented_commands",
     "test_documented_commands_more",
+    "test_export_hf_atomic",
     "test_fp8_amax_reduction",
     "test_fp8_stats_fused",
     "test_fsdp",

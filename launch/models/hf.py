@@ -39,7 +39,6 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from tp_fuse.layers import wrap
-from tp_fuse.layers.wrap.export import save_pretrained
 from tp_fuse.layers.wrap.convert import PLAN_STYLES
 from tp_fuse.layers.wrap.hf_plans import FAMILIES
 from tp_fuse.layers.wrap.plan_styles import FusedColumn
@@ -490,37 +489,6 @@ def load_tokenizer(path: str) -> FileTokenizer:
         raise ValueError(f"model.path: {file} does not exist; +model=hf tokenizes with the model directory's "
                          f"tokenizer.json (fast tokenizer file; no hub access)")
     return FileTokenizer(file, name=f"{path}/tokenizer.json")
-
-
-def export_hf_directory(model: torch.nn.Module, tp_group: Any, write: bool, path: str) -> None:
-    """Write the wrapped Hugging Face ``model`` (the unwrapped original's layout, gathered
-    over ``tp_group``) as a new directory ``path`` that ``from_pretrained`` loads
-    (``tp_fuse.layers.wrap.export.save_pretrained``). ``write``: this rank's TP group
-    writes (one per run: the first data-parallel replica); collective over ``tp_group``.
-
-    The directory is created new (never an existing path or a link planted there) by TP
-    rank 0 before the gather, and the TP ranks agree on that first: a failure is one
-    ValueError on every rank of the group, not a hang in the gather.
-    """
-    if not write:
-        return
-    rank = dist.get_rank(tp_group) if tp_group is not None else 0
-    problem = ""
-    if rank == 0:
-        try:
-            os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-            os.mkdir(path, 0o755)  # fails on any existing entry, links included
-        except OSError as e:
-            problem = f"checkpoint.export_hf: cannot create {path} as a new directory: {e}"
-    if tp_group is not None and dist.get_world_size(tp_group) > 1:
-        flag = torch.tensor([1 if problem else 0], dtype=torch.int32,
-                            device="cuda" if dist.get_backend(tp_group) == "nccl" else "cpu")
-        dist.all_reduce(flag, group=tp_group)  # MAX via SUM of 0/1 flags
-        if flag.item() and not problem:
-            problem = f"checkpoint.export_hf: TP rank 0 could not create {path} (see its error)"
-    if problem:
-        raise ValueError(problem)
-    save_pretrained(model, tp_group, path, safe_serialization=True)
 
 
 class CausalLMLoss(torch.nn.Module):
