@@ -19,6 +19,7 @@ SLOW_MODULES = frozenset({
     "test_checkpoint_dir_lock",
     "test_checkpoint_restart",
     "test_checkpoint_safety",
+    "test_checkpoint_save_limits",
     "test_collective_timeout",
     "test_comm_backend",
     "test_comm_collectives",
