@@ -189,16 +189,27 @@ class PrepareJob:
 
     def _bpe_corpus(self) -> bytes:
         # The launcher trains data=text's BPE on the first 1 - val_fraction of the corpus bytes.
+        too_large = (f"over {MAX_BPE_CORPUS_BYTES} bytes, too large to train a BPE on in memory; train a "
+                     "tokenizer.json separately and pass --tokenizer path/to/tokenizer.json")
         if sum(i["size"] for i in self.inputs) > MAX_BPE_CORPUS_BYTES:
-            raise ValueError(f"--tokenizer bpe: the inputs are over {MAX_BPE_CORPUS_BYTES >> 30} GiB, too large to "
-                             "train a BPE on in memory; train a tokenizer.json separately and pass --tokenizer "
-                             "path/to/tokenizer.json")
-        parts = []
+            raise ValueError(f"--tokenizer bpe: the inputs are {too_large}")
+        parts: list[bytes] = []
+        total = 0
         for spec in self.inputs:
+            pieces = ((chunk for chunk, _ in _text_chunks(spec["path"], 0)) if spec["format"] == "text"
+                      else (doc for doc, _ in _records(self, spec, (0, 0))))
+            text = []
+            for piece in pieces:
+                # Counted as read too: a file's size can understate what it yields (procfs
+                # files are size 0; a file can grow after it was listed).
+                total += len(piece)
+                if total > MAX_BPE_CORPUS_BYTES:
+                    raise ValueError(f"--tokenizer bpe: the inputs up to {spec['path']} are {too_large}")
+                text.append(piece)
             if spec["format"] == "text":
-                parts.append(b"".join(chunk for chunk, _ in _text_chunks(spec["path"], 0)))
+                parts.append(b"".join(text))
             else:
-                parts.extend(doc for doc, _ in _records(self, spec, (0, 0)))
+                parts.extend(text)
         data = _SEP.join(parts)
         return data[: max(1, int(len(data) * (1.0 - self.val_fraction)))]
 

@@ -326,3 +326,12 @@ def test_a_full_disk_is_one_line_and_the_same_command_continues(tmp_path):
     assert proc.returncode == 0 and "resuming at input 1/1" in proc.stderr, proc.stderr
     tokens = (out / "train.bin").read_bytes() + (out / "val.bin").read_bytes()
     assert tokens == b"".join(bytes([b, 0]) for b in src.read_bytes())
+
+
+def test_bpe_corpus_cap_counts_what_is_read_not_the_listed_size(tmp_path, monkeypatch):
+    """A procfs file lists as 0 bytes: the in-memory BPE corpus cap must count the bytes read."""
+    monkeypatch.setattr(pd, "MAX_BPE_CORPUS_BYTES", 200)
+    assert os.stat("/proc/self/status").st_size == 0
+    with pytest.raises(ValueError, match=r"--tokenizer bpe: the inputs up to /proc/self/status are over 200 bytes, "
+                                         r"too large to train a BPE on in memory"):
+        _run(["/proc/self/status"], tmp_path / "out", tokenizer="bpe", vocab_size=300)
