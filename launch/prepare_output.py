@@ -31,7 +31,8 @@ from typing import Any, Optional
 
 from tp_fuse.safe_files import describe_kind, read_regular_file, write_atomic
 
-__all__ = ["OUTPUTS", "PARTIAL", "PartialOutput", "check_state", "lock_output_dir", "read_meta", "writing"]
+__all__ = ["OUTPUTS", "PARTIAL", "PartialOutput", "check_state", "lock_output_dir", "open_tokens", "read_meta",
+           "writing"]
 
 PARTIAL = "prepare.partial"
 OUTPUTS = ("train.bin", "val.bin", "meta.json")
@@ -112,7 +113,8 @@ def read_meta(out: str, itemsize_of: dict[str, int]) -> dict[str, Any]:
         try:
             st = os.lstat(file)
         except FileNotFoundError:
-            raise ValueError(f"{file} is missing although {path} records {meta[key]} tokens there: {_RESTART}") from None
+            raise ValueError(f"{file} is missing although {path} records {meta[key]} tokens there: "
+                             f"{_RESTART}") from None
         if not stat.S_ISREG(st.st_mode) or st.st_size != want:
             what = f"{st.st_size} bytes" if stat.S_ISREG(st.st_mode) else describe_kind(st.st_mode)
             raise ValueError(f"{file} is {what}, but {path} records {want} bytes ({meta[key]} tokens): {_RESTART}")

@@ -79,8 +79,9 @@ def test_sigterm_during_a_tp2_export_then_the_same_command_completes_it(tmp_path
     proc.send_signal(signal.SIGTERM)  # torchrun forwards it to both ranks
     out, err = proc.communicate(timeout=120)
     assert proc.returncode != 0
+    partial = partial_path(str(export))
     assert (f"[tp-fuse] error: checkpoint.export_hf: writing {export} failed: interrupted by SIGTERM; removed the "
-            f"partial {partial_path(str(export))}; nothing was written to {export}; the checkpoint ") in err, err[-3000:]
+            f"partial {partial}; nothing was written to {export}; the checkpoint ") in err, err[-3000:]
     assert "is kept: run the same command with checkpoint.resume=auto to export it" in err, err[-3000:]
     assert not export.exists() and not os.path.exists(partial_path(str(export)))
     assert "Traceback" not in err.split("[tp-fuse] error: checkpoint.export_hf")[0][-2000:], err[-3000:]
@@ -152,3 +153,30 @@ def test_export_target_is_checked_before_training(tmp_path, model):
     if not os.access(locked, os.W_OK):  # root writes anywhere: nothing to refuse there
         with pytest.raises(ValueError, match=rf"{locked / 'hf'} cannot be created: {locked} is not writable"):
             check_export_target(str(locked / "hf"))
+
+
+def test_a_target_created_during_the_export_is_not_replaced(tmp_path, monkeypatch):
+    import transformers
+
+    from tp_fuse.launch.checkpoint import hf_export
+
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=2, max_position_embeddings=16))
+    target = tmp_path / "hf"
+    real = hf_export.save_pretrained
+
+    def meanwhile(*args, **kwargs):
+        real(*args, **kwargs)
+        (target / "theirs").mkdir(parents=True)  # someone else's directory appears before the rename
+
+    monkeypatch.setattr(hf_export, "save_pretrained", meanwhile)
+    with pytest.raises(hf_export.ExportError, match=rf"writing {target} failed: created by someone else during the "
+                                                    rf"export \({target}\); removed the partial {target}.partial"):
+        hf_export.export_hf_directory(model, None, True, str(target), next_step="rerun")
+    assert os.listdir(target) == ["theirs"] and not os.path.exists(partial_path(str(target)))
+    monkeypatch.undo()
+    (target / "theirs").rmdir()
+    target.rmdir()
+    hf_export.export_hf_directory(model, None, True, str(target))
+    assert _exported(target) and not os.path.exists(partial_path(str(target)))

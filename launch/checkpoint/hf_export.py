@@ -188,8 +188,7 @@ def export_hf_directory(model: torch.nn.Module, tp_group: Any, write: bool, path
             save_pretrained(model, tp_group, partial, safe_serialization=True)
             if rank == 0:
                 _sync_tree(partial)
-                check_export_target_again = os.path.lexists(path)
-                if check_export_target_again:
+                if os.path.lexists(path):  # created (or planted) while the export was written
                     raise FileExistsError(errno.EEXIST, "created by someone else during the export", path)
                 # A rename onto an absent name; an empty directory created in the instant
                 # between the check and the rename would be replaced (it held nothing).
