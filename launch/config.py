@@ -20,14 +20,14 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, Optional, Union
 
 import torch
-import yaml
 
 from tp_fuse.layers.config import GPTConfig
 from tp_fuse.layers.wrap.convert import PLAN_STYLES
 from tp_fuse.layers.wrap.hf_plans import FAMILIES
 from tp_fuse.overlap.config import OverlapConfig as TPOverlapConfig
-from tp_fuse.safe_files import read_regular_file
+from tp_fuse.safe_yaml import read_yaml_file
 
+from .checkpoint.hf_export import check_export_target
 from .models.hf import gpt_fields, is_plan_object, load_plan_object, needs_plan
 from .tokenizer import check_tokenizer_choice
 from tp_fuse.debug import DebugSession
@@ -500,11 +500,11 @@ def check_plan(plan: Any) -> Union[None, str, dict[str, str]]:
         return None
     if isinstance(plan, str) and plan.endswith((".yaml", ".yml")):
         # Hydra's override grammar cannot spell glob keys ("*", "."), so on the command
-        # line a mapping comes as a YAML file. Read as data (safe_load), size-bounded.
+        # line a mapping comes as a YAML file: read as plain data, bounded (tp_fuse.safe_yaml).
         try:
-            loaded = yaml.safe_load(read_regular_file(plan, 2**20, "model.plan: plan file", follow_symlinks=True))
-        except (OSError, ValueError, yaml.YAMLError) as e:
-            raise ValueError(f"model.plan: cannot read the plan file {plan}: {e}") from None
+            loaded = read_yaml_file(plan, "model.plan: plan file")
+        except OSError as e:
+            raise ValueError(f"model.plan: cannot read the plan file {plan}: {e.strerror or e}") from None
         if not isinstance(loaded, dict):
             raise ValueError(f"model.plan: {plan} must hold a YAML mapping {{module glob: style}}, got "
                              f"{type(loaded).__name__}")
@@ -661,8 +661,7 @@ def validate(cfg: TrainConfig, world_size: int) -> ParallelLayout:
                                       f"(model.name is {cfg.model.name!r})")
         _need(dp_shard == 1, f"checkpoint.export_hf needs parallel.dp_shard=1 (got {dp_shard}): resume the "
                              f"checkpoint with dp_shard=1 to export it (checkpoints reshard on load)")
-        _need(not os.path.lexists(ck.export_hf), f"checkpoint.export_hf: {ck.export_hf} already exists; "
-                                                 f"expected a new path (an export never writes into an existing one)")
+        check_export_target(ck.export_hf)  # not there, no partial export beside it, creatable
 
     if cfg.overlap.enabled:
         _need(tp > 1, "overlap=on needs parallel.tp > 1 (got tp=1): there is no TP communication to overlap")
@@ -726,7 +725,7 @@ def _check_writable_dir(name: str, path: str) -> None:
 
 def _check_overlap_yaml(path: str) -> None:
     """Parse the Megatron overlap YAML now: a bad file fails before any process starts."""
-    _need(os.path.isfile(path), f"overlap.config: no such file: {path!r}")
+    _need(os.path.exists(path), f"overlap.config: no such file: {path!r}")  # a FIFO: from_yaml names it
     try:
         TPOverlapConfig.from_yaml(path, warn_ignored=False)
     except ValueError as exc:

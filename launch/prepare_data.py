@@ -24,7 +24,10 @@ cached like the launcher's), ``auto`` (``byte`` for ``--vocab-size 256``, else `
 
 Resumable: progress is recorded in ``<out>/prepare.partial/`` after every few MiB of input;
 rerunning the same command continues where it stopped (a run with other inputs, other
-input sizes or times, or another tokenizer is refused; ``--restart`` starts over). Output is
+input sizes or times, or another tokenizer is refused; ``--restart`` starts over). One run per
+``--out`` at a time: the directory is locked before anything in it is read, removed or
+written, and what an earlier run left there is checked before it is used
+(:mod:`tp_fuse.launch.prepare_output`). Output is
 deterministic: the same inputs and tokenizer give the same bytes, interrupted or not. Files
 are written through exclusive temporary files renamed into place (a symbolic link planted
 in ``<out>`` is replaced or refused, never written through); inputs are read in bounded
@@ -59,7 +62,9 @@ from rich.console import Console  # noqa: E402
 from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn  # noqa: E402
 
 from tp_fuse.launch.tokenizer import ByteTokenizer, FileTokenizer, Tok, build_tokenizer, resolve_kind  # noqa: E402
-from tp_fuse.safe_files import atomic_writer, describe_kind, open_regular_file, read_regular_file, write_atomic  # noqa: E402
+from tp_fuse.launch.prepare_output import (OUTPUTS, PARTIAL, PartialOutput, lock_output_dir, open_tokens,  # noqa: E402
+                                           read_meta, writing)
+from tp_fuse.safe_files import atomic_writer, describe_kind, open_regular_file, write_atomic  # noqa: E402
 
 __all__ = ["PrepareJob", "main", "prepare"]
 
@@ -76,10 +81,9 @@ MAX_BPE_CORPUS_BYTES = 2 << 30
 PARQUET_BATCH_ROWS = 1024
 FORMATS = ("text", "jsonl", "parquet")
 _SEP = b"\n\n"
-_PARTIAL = "prepare.partial"
-_OUTPUTS = ("train.bin", "val.bin", "meta.json")
-_STATE_LIMIT = 1 << 20
 _STATE_VERSION = 1
+#: Bytes per token of each output dtype.
+_ITEMSIZE = {"uint16": 2, "uint32": 4}
 
 
 def _format_of(path: str, fmt: str) -> str:
@@ -105,7 +109,7 @@ def _tokenizer_file(choice: str) -> str:
     # A model directory (+model=hf's model.path) stands for its tokenizer.json.
     if os.path.isdir(choice):
         path = os.path.join(choice, "tokenizer.json")
-        if not os.path.isfile(path):
+        if not os.path.lexists(path):  # a FIFO or a link to a device: FileTokenizer names it
             raise ValueError(f"--tokenizer {choice}: a directory without tokenizer.json")
         return path
     return choice
@@ -185,16 +189,27 @@ class PrepareJob:
 
     def _bpe_corpus(self) -> bytes:
         # The launcher trains data=text's BPE on the first 1 - val_fraction of the corpus bytes.
+        too_large = (f"over {MAX_BPE_CORPUS_BYTES} bytes, too large to train a BPE on in memory; train a "
+                     "tokenizer.json separately and pass --tokenizer path/to/tokenizer.json")
         if sum(i["size"] for i in self.inputs) > MAX_BPE_CORPUS_BYTES:
-            raise ValueError(f"--tokenizer bpe: the inputs are over {MAX_BPE_CORPUS_BYTES >> 30} GiB, too large to "
-                             "train a BPE on in memory; train a tokenizer.json separately and pass --tokenizer "
-                             "path/to/tokenizer.json")
-        parts = []
+            raise ValueError(f"--tokenizer bpe: the inputs are {too_large}")
+        parts: list[bytes] = []
+        total = 0
         for spec in self.inputs:
+            pieces = ((chunk for chunk, _ in _text_chunks(spec["path"], 0)) if spec["format"] == "text"
+                      else (doc for doc, _ in _records(self, spec, (0, 0))))
+            text = []
+            for piece in pieces:
+                # Counted as read too: a file's size can understate what it yields (procfs
+                # files are size 0; a file can grow after it was listed).
+                total += len(piece)
+                if total > MAX_BPE_CORPUS_BYTES:
+                    raise ValueError(f"--tokenizer bpe: the inputs up to {spec['path']} are {too_large}")
+                text.append(piece)
             if spec["format"] == "text":
-                parts.append(b"".join(chunk for chunk, _ in _text_chunks(spec["path"], 0)))
+                parts.append(b"".join(text))
             else:
-                parts.extend(doc for doc, _ in _records(self, spec, (0, 0)))
+                parts.extend(text)
         data = _SEP.join(parts)
         return data[: max(1, int(len(data) * (1.0 - self.val_fraction)))]
 
@@ -231,12 +246,22 @@ class _Encoder:
         return self._ids(_SEP.join(paragraphs))
 
 
+@contextlib.contextmanager
+def _reading(path: str) -> Iterator[None]:
+    """A failed read of an input (``/proc/self/mem``: EIO; a disk error) as one line naming it."""
+    try:
+        yield
+    except OSError as exc:
+        raise ValueError(f"input {path}: cannot read it: {exc.strerror or exc}") from None
+
+
 def _text_chunks(path: str, offset: int) -> Iterator[tuple[bytes, int]]:
     """``(chunk, file offset after it)`` of a text file from ``offset``, :data:`CHUNK_BYTES` at a time."""
     with open_regular_file(path, "input file", follow_symlinks=True) as f:
         f.seek(offset)
         while True:
-            chunk = f.read(CHUNK_BYTES)
+            with _reading(path):
+                chunk = f.read(CHUNK_BYTES)
             if not chunk:
                 return
             yield chunk, f.tell()
@@ -247,7 +272,8 @@ def _jsonl_documents(path: str, field: str, pos: tuple[int, int]) -> Iterator[tu
         f.seek(pos[0])
         lineno = pos[1]
         while True:
-            raw = f.readline(MAX_LINE_BYTES + 1)
+            with _reading(path):
+                raw = f.readline(MAX_LINE_BYTES + 1)
             if not raw:
                 return
             lineno += 1
@@ -301,77 +327,12 @@ def _records(job: PrepareJob, spec: dict[str, Any], pos: tuple[int, int]) -> Ite
     return _parquet_documents(spec["path"], job.field, pos)
 
 
-def _open_tokens(path: str) -> int:
-    """The partial token file for reading and appending: never through a link, never a special file."""
-    try:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o666)
-    except OSError as exc:
-        if exc.errno == errno.ELOOP:
-            raise ValueError(f"{path} is a symbolic link; refusing to follow it (prepare_data never writes one "
-                             "there: planted?); rerun with --restart") from None
-        raise
-    mode = os.fstat(fd).st_mode
-    if not stat.S_ISREG(mode):
-        os.close(fd)
-        raise ValueError(f"{path} is {describe_kind(mode)}, not a regular file; refusing to use it")
-    return fd
-
-
-class _Output:
-    """The partial output: ``tokens.bin`` (all tokens so far) and ``state.json`` (where the input stands)."""
-
-    def __init__(self, out: str) -> None:
-        self.dir = os.path.join(out, _PARTIAL)
-        try:
-            os.mkdir(self.dir)
-        except FileExistsError:
-            pass
-        st = os.lstat(self.dir)
-        if not stat.S_ISDIR(st.st_mode):
-            raise ValueError(f"{self.dir} is {describe_kind(st.st_mode)}, not the directory prepare_data keeps its "
-                             "progress in; refusing to use it")
-        self.dir_fd = os.open(self.dir, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
-        try:
-            fcntl.flock(self.dir_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError as exc:
-            os.close(self.dir_fd)
-            if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
-                raise ValueError(f"{out}: another prepare_data is writing there") from None
-            raise
-        self.tokens_path = os.path.join(self.dir, "tokens.bin")
-        self.state_path = os.path.join(self.dir, "state.json")
-
-    def read_state(self) -> Optional[dict[str, Any]]:
-        if not os.path.lexists(self.state_path):
-            return None
-        raw = read_regular_file(self.state_path, _STATE_LIMIT, "prepare_data state")
-        try:
-            state = json.loads(raw)
-        except ValueError:
-            state = None
-        if not isinstance(state, dict) or "identity" not in state:
-            raise ValueError(f"{self.state_path} is not a prepare_data state file; rerun with --restart")
-        return state
-
-    def write_state(self, state: dict[str, Any]) -> None:
-        write_atomic(self.state_path, json.dumps(state, sort_keys=True))
-
-    def remove(self) -> None:
-        for name in ("tokens.bin", "state.json"):
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(os.path.join(self.dir, name))
-        os.rmdir(self.dir)
-
-    def close(self) -> None:
-        os.close(self.dir_fd)
-
-
 def _differences(a: dict[str, Any], b: dict[str, Any]) -> str:
     keys = [k for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)]
     return ", ".join(keys) or "nothing"
 
 
-def _split(job: PrepareJob, output: _Output, n_tokens: int, itemsize: int) -> dict[str, Any]:
+def _split(job: PrepareJob, output: PartialOutput, n_tokens: int, itemsize: int) -> dict[str, Any]:
     """``train.bin``/``val.bin`` from the token file, then ``meta.json`` (the completion mark)."""
     n_val = int(n_tokens * job.val_fraction)
     n_train = n_tokens - n_val
@@ -381,7 +342,7 @@ def _split(job: PrepareJob, output: _Output, n_tokens: int, itemsize: int) -> di
     with open_regular_file(output.tokens_path, "prepare_data token file") as src:
         for name, count in (("train.bin", n_train), ("val.bin", n_val)):
             left = count * itemsize
-            with atomic_writer(os.path.join(job.out, name)) as dst:
+            with writing(os.path.join(job.out, name)), atomic_writer(os.path.join(job.out, name)) as dst:
                 while left:
                     block = src.read(min(left, 16 << 20))
                     if not block:
@@ -392,7 +353,8 @@ def _split(job: PrepareJob, output: _Output, n_tokens: int, itemsize: int) -> di
     meta = {**job.identity(), "tokens": n_tokens, "train_tokens": n_train, "val_tokens": n_val,
             "train_args": ["data=bin", f"data.paths=[{','.join(paths)}]", f"data.bin_dtype={job.dtype}",
                            f"data.val_fraction={job.val_fraction}"]}
-    write_atomic(os.path.join(job.out, "meta.json"), json.dumps(meta, indent=1, sort_keys=True) + "\n")
+    with writing(os.path.join(job.out, "meta.json")):
+        write_atomic(os.path.join(job.out, "meta.json"), json.dumps(meta, indent=1, sort_keys=True) + "\n")
     return meta
 
 
@@ -404,6 +366,59 @@ def _progress_bar(total: int, enabled: bool):
                     console=Console(stderr=True), transient=True)
 
 
+def _prepare_locked(job: PrepareJob, restart: bool, progress: bool,
+                    log: Callable[[str], None]) -> tuple[dict[str, Any], bool]:
+    """:func:`prepare` under the output directory's lock: the meta, and whether this run wrote it
+    (False: the output was already there)."""
+    tok = job.load_tokenizer(log)
+    identity = job.identity()
+    if restart:
+        for name in OUTPUTS:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(os.path.join(job.out, name))
+    elif os.path.lexists(os.path.join(job.out, "meta.json")):
+        meta = read_meta(job.out, _ITEMSIZE)
+        old = {k: meta.get(k) for k in identity}
+        if old == identity:
+            log(f"{job.out}: already prepared from these inputs ({meta['tokens']:,} tokens); nothing to do")
+            return meta, False
+        raise ValueError(f"{job.out} holds data prepared with other settings ({_differences(old, identity)} differ); "
+                         "use another --out, or --restart to replace it")
+    else:
+        stray = [n for n in OUTPUTS[:2] if os.path.lexists(os.path.join(job.out, n))]
+        if stray and not os.path.lexists(os.path.join(job.out, PARTIAL)):
+            raise ValueError(f"{job.out} has {', '.join(stray)} but no meta.json: not written by prepare_data (or "
+                             "from a run whose progress was deleted); use another --out, or --restart to replace them")
+    output = PartialOutput(job.out)
+    state = None if restart else output.read_state(len(job.inputs))
+    if state is not None and state["identity"] != identity:
+        raise ValueError(f"{output.dir}: a partial run with other settings ({_differences(state['identity'], identity)} "
+                         "differ: inputs changed since?); rerun it as it was, or pass --restart to start over")
+    if state is None:
+        state = {"identity": identity, "input": 0, "pos": [0, 0], "tokens": 0, "sep_due": False, "prefix": False}
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(output.tokens_path)
+        output.write_state(state)
+    else:
+        log(f"{job.out}: resuming at input {state['input'] + 1}/{len(job.inputs)} with {state['tokens']:,} "
+            "tokens written")
+    enc = _Encoder(tok, job.dtype)
+    itemsize = array.array(enc.code).itemsize
+    fd = open_tokens(output.tokens_path)
+    with os.fdopen(fd, "r+b") as tokens_file:
+        have = os.fstat(fd).st_size
+        want = state["tokens"] * itemsize
+        if have < want:
+            raise ValueError(f"{output.tokens_path} has {have} bytes, fewer than the {want} its state records; "
+                             "rerun with --restart")
+        tokens_file.truncate(want)  # tokens appended after the last recorded state: redone below
+        tokens_file.seek(want)
+        _tokenize(job, enc, state, tokens_file, output, progress)
+    meta = _split(job, output, state["tokens"], itemsize)
+    output.remove()
+    return meta, True
+
+
 def prepare(job: PrepareJob, *, restart: bool = False, progress: bool = True,
             log: Callable[[str], None] = lambda s: print(s, file=sys.stderr, flush=True)) -> dict[str, Any]:
     """Tokenize ``job``'s inputs into ``<out>/train.bin``, ``val.bin``, ``meta.json``; returns the meta.
@@ -411,57 +426,13 @@ def prepare(job: PrepareJob, *, restart: bool = False, progress: bool = True,
     Continues a partial output made with the same job; a finished output of the same job
     is returned as it is. ``restart``: discard an earlier partial or finished output first.
     """
-    os.makedirs(job.out, exist_ok=True)
-    tok = job.load_tokenizer(log)
-    identity = job.identity()
-    meta_path = os.path.join(job.out, "meta.json")
-    if restart:
-        for name in _OUTPUTS:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(os.path.join(job.out, name))
-    elif os.path.lexists(meta_path):
-        meta = json.loads(read_regular_file(meta_path, _STATE_LIMIT, "prepare_data meta.json"))
-        old = {k: meta.get(k) for k in identity}
-        if old == identity:
-            log(f"{job.out}: already prepared from these inputs ({meta['tokens']:,} tokens); nothing to do")
-            return meta
-        raise ValueError(f"{job.out} holds data prepared with other settings ({_differences(old, identity)} differ); "
-                         "use another --out, or --restart to replace it")
-    else:
-        stray = [n for n in _OUTPUTS[:2] if os.path.lexists(os.path.join(job.out, n))]
-        if stray and not os.path.lexists(os.path.join(job.out, _PARTIAL)):
-            raise ValueError(f"{job.out} has {', '.join(stray)} but no meta.json: not written by prepare_data (or "
-                             "from a run whose progress was deleted); use another --out, or --restart to replace them")
-    output = _Output(job.out)
+    lock = lock_output_dir(job.out)  # before anything in --out is read, removed or written
     try:
-        state = None if restart else output.read_state()
-        if state is not None and state["identity"] != identity:
-            raise ValueError(f"{output.dir}: a partial run with other settings ({_differences(state['identity'], identity)} "
-                             "differ: inputs changed since?); rerun it as it was, or pass --restart to start over")
-        if state is None:
-            state = {"identity": identity, "input": 0, "pos": [0, 0], "tokens": 0, "sep_due": False, "prefix": False}
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(output.tokens_path)
-            output.write_state(state)
-        else:
-            log(f"{job.out}: resuming at input {state['input'] + 1}/{len(job.inputs)} with {state['tokens']:,} "
-                "tokens written")
-        enc = _Encoder(tok, job.dtype)
-        itemsize = array.array(enc.code).itemsize
-        fd = _open_tokens(output.tokens_path)
-        with os.fdopen(fd, "r+b") as tokens_file:
-            have = os.fstat(fd).st_size
-            want = state["tokens"] * itemsize
-            if have < want:
-                raise ValueError(f"{output.tokens_path} has {have} bytes, fewer than the {want} its state records; "
-                                 "rerun with --restart")
-            tokens_file.truncate(want)  # tokens appended after the last recorded state: redone below
-            tokens_file.seek(want)
-            _tokenize(job, enc, state, tokens_file, output, progress)
-        meta = _split(job, output, state["tokens"], itemsize)
-        output.remove()
+        meta, written = _prepare_locked(job, restart, progress, log)
     finally:
-        output.close()
+        os.close(lock)
+    if not written:
+        return meta
     log(f"wrote {meta['train_tokens']:,} train and {meta['val_tokens']:,} val tokens ({job.dtype}) to {job.out}; "
         f"train with: python launch/train.py +model=gpt {' '.join(meta['train_args'])}")
     return meta
@@ -485,7 +456,7 @@ def _cut(buf: bytes, byte_level: bool) -> int:
 class _Writer:
     """Appends tokens of paragraphs to the token file and records progress in the state."""
 
-    def __init__(self, job: PrepareJob, enc: _Encoder, state: dict[str, Any], tokens_file, output: _Output,
+    def __init__(self, job: PrepareJob, enc: _Encoder, state: dict[str, Any], tokens_file, output: PartialOutput,
                  bar: Any, task: Any) -> None:
         self.job, self.enc, self.state = job, enc, state
         self.tokens_file, self.output, self.bar, self.task = tokens_file, output, bar, task
@@ -502,7 +473,8 @@ class _Writer:
                 ids = self.enc.sep + ids
             if sys.byteorder == "big":  # the format is little-endian (nanoGPT's files)
                 ids.byteswap()
-            self.tokens_file.write(ids.tobytes())
+            with writing(self.output.tokens_path):
+                self.tokens_file.write(ids.tobytes())
             self.state["tokens"] += len(ids)
 
     def paragraphs(self, parts: list[bytes]) -> None:
@@ -564,8 +536,9 @@ class _Writer:
     def checkpoint(self, input_index: int, pos: tuple[int, int]) -> None:
         """Record that the tokens so far cover the inputs before ``(input_index, pos)``."""
         assert self.pending is None
-        self.tokens_file.flush()
-        os.fsync(self.tokens_file.fileno())  # the tokens are on disk before the state that counts them
+        with writing(self.output.tokens_path):
+            self.tokens_file.flush()
+            os.fsync(self.tokens_file.fileno())  # the tokens are on disk before the state that counts them
         self.state.update(input=input_index, pos=list(pos))
         self.output.write_state(self.state)
         if self.task is not None:
@@ -574,7 +547,7 @@ class _Writer:
             self.bar.update(self.task, completed=sum(i["size"] for i in inputs[:input_index]) + at)
 
 
-def _tokenize(job: PrepareJob, enc: _Encoder, state: dict[str, Any], tokens_file, output: _Output,
+def _tokenize(job: PrepareJob, enc: _Encoder, state: dict[str, Any], tokens_file, output: PartialOutput,
               progress: bool) -> None:
     """Append the tokens of every input from ``state``'s position, recording progress as it goes."""
     total = sum(i["size"] for i in job.inputs)
@@ -670,6 +643,10 @@ def main(argv: Optional[list[str]] = None) -> int:
         prepare(job, restart=args.restart, progress=not args.no_progress)
     except ValueError as exc:
         print(f"prepare_data: error: {exc}", file=sys.stderr)
+        return 1
+    except OSError as exc:  # one the steps above do not name more precisely (permission denied, ...)
+        where = f"{exc.filename}: " if exc.filename else ""
+        print(f"prepare_data: error: {where}{exc.strerror or exc}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         print("prepare_data: interrupted; rerun the same command to continue", file=sys.stderr)

@@ -32,10 +32,11 @@ import tokenizers
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from tp_fuse.safe_files import write_atomic
+from tp_fuse.safe_files import read_regular_file, write_atomic
 
 __all__ = [
     "BPE_RECIPE",
+    "MAX_TOKENIZER_BYTES",
     "ByteTokenizer",
     "FileTokenizer",
     "Tok",
@@ -49,6 +50,9 @@ __all__ = [
 #: Part of the cache key: bump when the training recipe below changes.
 BPE_RECIPE = "bytelevel-bpe-v1"
 _UNUSED_ROWS_ALLOWED = 127
+#: The largest tokenizer.json files in use are tens of MB (a 256k-token vocabulary with its
+#: merges: ~35 MB); a larger file is damaged or crafted, and is refused before it is read.
+MAX_TOKENIZER_BYTES = 256 * 2**20
 
 
 class Tok(Protocol):
@@ -82,12 +86,20 @@ class FileTokenizer:
     """
 
     def __init__(self, path: str, name: Optional[str] = None) -> None:
-        if not os.path.isfile(path):
+        if not os.path.lexists(path):
             raise ValueError(f"data.tokenizer: no such file: {path!r} (expected a tokenizer.json, 'bpe', 'byte' or 'auto')")
+        # Read here, bounded (Tokenizer.from_file reads any size, and blocks on a FIFO): a
+        # link to /dev/zero, a FIFO or a directory is named as what it is, a 20 GiB file
+        # is refused by its size.
         try:
-            self.tokenizer = Tokenizer.from_file(path)
+            raw = read_regular_file(path, MAX_TOKENIZER_BYTES, "tokenizer file", follow_symlinks=True)
+        except OSError as exc:  # a dangling link, no permission
+            raise ValueError(f"data.tokenizer={path}: cannot read it: {exc.strerror or exc}") from None
+        try:
+            self.tokenizer = Tokenizer.from_str(raw.decode("utf-8"))
         except Exception as exc:  # tokenizers raises its own Exception type for malformed JSON
-            raise ValueError(f"data.tokenizer={path}: not a valid tokenizer.json ({exc})") from exc
+            raise ValueError(f"data.tokenizer={path}: not a valid tokenizer.json "
+                             f"({' '.join(str(exc).split())[:300]})") from None
         self.path = path
         self.name = name or path
         self.vocab_size = self.tokenizer.get_vocab_size(with_added_tokens=True)

@@ -51,7 +51,7 @@ def run(raw: DictConfig) -> Optional[float]:
             rt.abort()
             if env_rank() == 0:
                 print(f"[tp-fuse] error: {exc}", file=sys.stderr, flush=True)
-            raise SystemExit(1) from None
+            raise SystemExit(getattr(exc, "exit_status", 1)) from None  # an interrupted export: 128 + signal
         except KeyboardInterrupt:  # Ctrl-C outside the training loop (which stops with a save)
             rt.abort()
             _interrupted()
@@ -75,8 +75,10 @@ def run(raw: DictConfig) -> Optional[float]:
 def _interrupted() -> None:
     """SIGINT before or after the training loop: one line, no traceback, status 130."""
     if env_rank() == 0:
-        print("[tp-fuse] interrupted (SIGINT) outside the training loop; nothing was saved", file=sys.stderr,
-              flush=True)
+        # Not "nothing was saved": after the loop its checkpoints are (SIGINT during an export
+        # is the export's own error, which names the checkpoint).
+        print("[tp-fuse] interrupted (SIGINT) outside the training loop; checkpoints saved before are kept, "
+              "nothing else was saved", file=sys.stderr, flush=True)
     raise SystemExit(130) from None
 
 

@@ -46,7 +46,8 @@ from .grads import allreduce_dp_grads, clip_grads, global_grad_norm
 from .health import NonfiniteGuard, TrainingDivergedError
 from .logging.wandb_logger import WandbLogger
 from .logging.metrics import MetricsSink
-from .models.hf import export_hf_directory, load_tokenizer
+from .checkpoint.hf_export import export_hf_directory
+from .models.hf import load_tokenizer
 from .models.build import ModelFactory, build_model, build_recipe, fp8_autocast, fp8_quantizers
 from .optim import build_optimizer, lr_at, set_lr
 from .logging.progress import Progress
@@ -391,12 +392,12 @@ class Trainer:
                                                     last_ckpt or self.ckpt.latest_of_run(), stopped_by)):
                 print(line, file=sys.stderr, flush=True)
         if stopped_by is None and last == tr.max_steps:
-            self._export_hf(last)  # after the final checkpoint: a failed export loses no training
+            self._export_hf(last, last_ckpt)  # after the final checkpoint: a failed export loses no training
         elif cfg.checkpoint.export_hf is not None and rt.is_rank0:
             say(f"checkpoint.export_hf: not written, the run stopped at step {last} of {tr.max_steps}")
         return TrainResult(self.start_step, last, losses, val_losses, rt.run_dir, last_ckpt, stopped_by=stopped_by)
 
-    def _export_hf(self, step: int) -> None:
+    def _export_hf(self, step: int, checkpoint: Optional[str] = None) -> None:
         """``checkpoint.export_hf``: the trained (or resumed) Hugging Face model as a new
         ``from_pretrained`` directory, written by the first data-parallel replica's TP
         group; every rank waits for it."""
@@ -404,7 +405,11 @@ class Trainer:
         if path is None:
             return
         rt, topo = self.rt, self.rt.topology
-        export_hf_directory(self.model.model, topo.tp_group if rt.layout.tp > 1 else None, topo.dp_rank == 0, path)
+        ckpt = checkpoint or self.ckpt.latest_of_run()
+        next_step = (f"the checkpoint {ckpt} is kept: run the same command with checkpoint.resume=auto to export it"
+                     if ckpt is not None else f"no checkpoint holds step {step} (see checkpoint.save_final)")
+        export_hf_directory(self.model.model, topo.tp_group if rt.layout.tp > 1 else None, topo.dp_rank == 0, path,
+                            next_step=next_step)
         if rt.dist.world_size > 1:
             dist.barrier()
         if rt.is_rank0:

@@ -25,6 +25,7 @@ tokenizers = pytest.importorskip("tokenizers", reason="tokenizers is not install
 from tp_fuse.launch.api import compose, train  # noqa: E402
 from tp_fuse.launch.config import CONFIG_DIR, validate  # noqa: E402
 from tp_fuse.launch.config_errors import precheck  # noqa: E402
+from tp_fuse.launch.checkpoint.hf_export import export_hf_directory  # noqa: E402
 from tp_fuse.launch.models import hf as hf_module  # noqa: E402
 from tp_fuse.launch.data import stdlib_corpus  # noqa: E402
 from tp_fuse.launch.models.hf import build_hf_model, load_tokenizer  # noqa: E402
@@ -552,8 +553,8 @@ def test_export_hf_is_checked_before_start_and_never_writes_into_an_existing_pat
     assert msg is not None and "needs +model=hf" in msg, msg
     msg = precheck([*base, f"checkpoint.export_hf={tmp_path / 'new'}", "parallel.tp=1", "parallel.dp_shard=2"], CONFIG_DIR, 2)
     assert msg is not None and "needs parallel.dp_shard=1" in msg, msg
-    # A link planted after the check: the export's own mkdir refuses it (one ValueError).
-    with pytest.raises(ValueError, match="cannot create .*planted as a new directory"):
-        hf_module.export_hf_directory(torch.nn.Linear(1, 1), None, True, str(tmp_path / "planted"))
+    # A link planted after the check: the export checks again before it writes (one ValueError).
+    with pytest.raises(ValueError, match="planted already exists; expected a new path"):
+        export_hf_directory(torch.nn.Linear(1, 1), None, True, str(tmp_path / "planted"))
     assert os.listdir(tmp_path / "taken") == []
 

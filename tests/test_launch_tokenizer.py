@@ -105,3 +105,41 @@ def test_byte_tokenizer_default_for_byte_models(corpus):
     assert isinstance(tok, ByteTokenizer)
     data = TokenData.build(_cfg(corpus, "auto"), seq_len=32, vocab_size=256)
     assert data.train.numel() + data.val.numel() == len(TEXT.encode())
+
+
+def test_tokenizer_json_is_read_bounded_and_special_files_are_named(tmp_path):
+    """Issue 40 points 6 and 8: a 20 GiB sparse tokenizer.json was read whole (as
+    data.tokenizer, prepare_data --tokenizer, and a +model=hf directory's tokenizer.json);
+    a link to /dev/zero or a FIFO was "no such file"."""
+    from tp_fuse.launch.models.hf import load_tokenizer
+    from tp_fuse.launch.prepare_data import PrepareJob
+    from tp_fuse.launch.tokenizer import MAX_TOKENIZER_BYTES
+
+    model_dir = tmp_path / "model"
+    model_dir.mkdir()
+    sparse = model_dir / "tokenizer.json"
+    with open(sparse, "wb") as f:
+        f.truncate(20 << 30)  # sparse: no disk space used
+    too_large = rf"{sparse} is larger than {MAX_TOKENIZER_BYTES} bytes"
+    with pytest.raises(ValueError, match=too_large):
+        check_tokenizer_choice(str(sparse), "text", 384)
+    with pytest.raises(ValueError, match=too_large):
+        load_tokenizer(str(model_dir))
+    with pytest.raises(ValueError, match=too_large):
+        PrepareJob([str(sparse)], str(tmp_path / "out"), tokenizer=str(model_dir)).load_tokenizer()
+    zero = tmp_path / "zero.json"
+    os.symlink("/dev/zero", zero)
+    with pytest.raises(ValueError, match=rf"{zero} is a character device, not a regular file"):
+        FileTokenizer(str(zero))
+    fifo = tmp_path / "fifo.json"
+    os.mkfifo(fifo)
+    with pytest.raises(ValueError, match=rf"{fifo} is a FIFO, not a regular file"):
+        FileTokenizer(str(fifo))
+    sparse.unlink()
+    os.mkfifo(sparse)
+    with pytest.raises(ValueError, match=rf"{sparse} is a FIFO, not a regular file"):
+        load_tokenizer(str(model_dir))
+    dangling = tmp_path / "dangling.json"
+    os.symlink(tmp_path / "gone.json", dangling)
+    with pytest.raises(ValueError, match=rf"{dangling}: cannot read it: No such file or directory"):
+        FileTokenizer(str(dangling))

@@ -216,3 +216,122 @@ def test_planted_links_are_never_followed(tmp_path, monkeypatch):
     os.symlink(victim, out / "train.bin")  # replaced by the rename, not written through
     _run(paths, out, restart=True)
     assert victim.read_text() == "keep me" and not os.path.islink(out / "train.bin")
+
+
+# ---- issue 40 points 5 and 8: the lock comes first; every failure is one line naming the file
+
+
+def test_restart_takes_the_lock_before_touching_any_output(tmp_path, monkeypatch):
+    """A --restart of the same --out while a run sits between writing train.bin and
+    meta.json deleted that run's train.bin (then 'nothing to do' with the data lost)."""
+    paths = _files(tmp_path)
+    out = tmp_path / "out"
+    real = pd.write_atomic  # _split writes meta.json with it, after train.bin and val.bin
+    refused = []
+
+    def meta_write(path, data, **kw):
+        with pytest.raises(ValueError, match=rf"{out}: another prepare_data is writing there") as e:
+            _run(paths, out, restart=True)
+        refused.append(str(e.value))
+        assert (out / "train.bin").exists() and (out / "val.bin").exists()
+        real(path, data, **kw)
+
+    monkeypatch.setattr(pd, "write_atomic", meta_write)
+    meta = _run(paths, out)
+    monkeypatch.undo()
+    assert refused and _run(paths, out) == meta  # the finished output is whole: nothing to do
+    (out / "train.bin").unlink()  # lost anyway: not "already prepared"
+    with pytest.raises(ValueError, match=rf"{out / 'train.bin'} is missing although .*meta.json records"):
+        _run(paths, out)
+
+
+_STATE_SHAPES = {
+    "non-dict": lambda s: [1, 2],
+    "wrong type": lambda s: {**s, "input": "0"},
+    "missing field": lambda s: {k: v for k, v in s.items() if k != "tokens"},
+    "negative": lambda s: {**s, "pos": [-5, 0]},
+    "huge": lambda s: {**s, "tokens": 10 ** 30},
+}
+
+
+@pytest.mark.parametrize("shape", sorted(_STATE_SHAPES))
+def test_crafted_state_json_is_one_error_naming_it(tmp_path, monkeypatch, shape):
+    monkeypatch.setattr(pd, "CHUNK_BYTES", 5)
+    paths = _files(tmp_path)
+    _interrupt_after(monkeypatch, 2)
+    with pytest.raises(_Interrupt):
+        _run(paths, tmp_path / "out")
+    monkeypatch.undo()
+    state_path = tmp_path / "out" / "prepare.partial" / "state.json"
+    state_path.write_text(json.dumps(_STATE_SHAPES[shape](json.loads(state_path.read_text()))))
+    with pytest.raises(ValueError, match=rf"{state_path}: .*rerun with --restart"):
+        _run(paths, tmp_path / "out")
+    _run(paths, tmp_path / "out", restart=True)
+
+
+_META_SHAPES = {
+    "non-dict": lambda m: [m],
+    "wrong type": lambda m: {**m, "tokens": str(m["tokens"])},
+    "missing field": lambda m: {k: v for k, v in m.items() if k != "val_tokens"},
+    "negative": lambda m: {**m, "train_tokens": -1},
+    "huge": lambda m: {**m, "tokens": 10 ** 30},
+}
+
+
+@pytest.mark.parametrize("shape", sorted(_META_SHAPES))
+def test_crafted_meta_json_is_one_error_naming_it(tmp_path, shape):
+    paths = _files(tmp_path)
+    meta = _run(paths, tmp_path / "out")
+    meta_path = tmp_path / "out" / "meta.json"
+    meta_path.write_text(json.dumps(_META_SHAPES[shape](meta)))
+    with pytest.raises(ValueError, match=rf"{meta_path}: .*rerun with --restart"):
+        _run(paths, tmp_path / "out")
+    assert _run(paths, tmp_path / "out", restart=True) == meta
+
+
+def test_unreadable_input_and_a_file_as_out_are_one_line(tmp_path, capsys):
+    good = _files(tmp_path)
+    assert pd.main(["/proc/self/mem", "--out", str(tmp_path / "o1"), "--no-progress"]) == 1
+    err = capsys.readouterr().err
+    assert err == "prepare_data: error: input /proc/self/mem: cannot read it: Input/output error\n", err
+    (tmp_path / "afile").write_text("x")
+    assert pd.main([*good, "--out", str(tmp_path / "afile"), "--no-progress"]) == 1
+    err = capsys.readouterr().err
+    assert err == f"prepare_data: error: --out {tmp_path / 'afile'} is a file, not a directory; give a directory " \
+                  "(it is created if missing)\n", err
+
+
+def test_a_full_disk_is_one_line_and_the_same_command_continues(tmp_path):
+    """A file-size limit (as a full disk) while tokens are written: one line naming the file,
+    exit status 1; the same command without the limit finishes with the same bytes."""
+    import resource
+    import subprocess
+    import sys
+
+    src = tmp_path / "big.txt"
+    src.write_bytes(b"".join(b"paragraph %d of a corpus\n\n" % i for i in range(40_000)))  # ~1 MB
+    out = tmp_path / "out"
+    cmd = [sys.executable, "-m", "tp_fuse.launch.prepare_data", str(src), "--out", str(out), "--no-progress"]
+    limit = 600_000  # bytes: tokens.bin (2 bytes per byte) passes it part of the way through
+
+    def small_files():
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, preexec_fn=small_files)
+    assert proc.returncode == 1, proc.stderr
+    assert proc.stderr == (f"prepare_data: error: cannot write {out / 'prepare.partial' / 'tokens.bin'}: the "
+                           "file-size limit (ulimit -f) was reached; free space (or raise the limit) and rerun the "
+                           "same command to continue\n"), proc.stderr
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and "resuming at input 1/1" in proc.stderr, proc.stderr
+    tokens = (out / "train.bin").read_bytes() + (out / "val.bin").read_bytes()
+    assert tokens == b"".join(bytes([b, 0]) for b in src.read_bytes())
+
+
+def test_bpe_corpus_cap_counts_what_is_read_not_the_listed_size(tmp_path, monkeypatch):
+    """A procfs file lists as 0 bytes: the in-memory BPE corpus cap must count the bytes read."""
+    monkeypatch.setattr(pd, "MAX_BPE_CORPUS_BYTES", 200)
+    assert os.stat("/proc/self/status").st_size == 0
+    with pytest.raises(ValueError, match=r"--tokenizer bpe: the inputs up to /proc/self/status are over 200 bytes, "
+                                         r"too large to train a BPE on in memory"):
+        _run(["/proc/self/status"], tmp_path / "out", tokenizer="bpe", vocab_size=300)

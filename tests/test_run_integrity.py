@@ -175,7 +175,7 @@ def test_overlap_yaml_is_validated_before_start(tmp_path):
     bad = tmp_path / "tp_comm_overlap_cfg.yaml"
     bad.write_text("qkv_fprop:\n  method: ring_exchange\n  num_splits: [\n")
     _invalid(["overlap=on", f"overlap.config={tmp_path / 'nope.yaml'}"], r"overlap\.config: no such file", 2)
-    _invalid(["overlap=on", f"overlap.config={bad}"], rf"overlap\.config={bad}: .*{bad}:4:1: invalid YAML", 2)
+    _invalid(["overlap=on", f"overlap.config={bad}"], rf"overlap\.config={bad}: .*{bad}: not valid YAML: line 4, column 1", 2)
 
 
 def test_checkpoint_dir_must_be_creatable(tmp_path):

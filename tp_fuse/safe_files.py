@@ -105,8 +105,12 @@ def read_regular_file(path: Union[str, os.PathLike], limit: int, what: str, *,
     """
     path = os.fspath(path)
     with open_regular_file(path, what, error=error, follow_symlinks=follow_symlinks) as f:
-        data = f.read(limit + 1)
-    if len(data) > limit:
+        # A regular file's size is known (unlike a device's): a 20 GiB sparse file is
+        # refused without reading limit bytes of it. read(limit + 1) still bounds a file
+        # that grows after this check.
+        too_large = os.fstat(f.fileno()).st_size > limit
+        data = b"" if too_large else f.read(limit + 1)
+    if too_large or len(data) > limit:
         raise error(f"{what} {path} is larger than {limit} bytes, more than such a file can hold; "
                     "refusing to read it (damaged or crafted?)")
     return data

@@ -7,6 +7,7 @@ import errno
 import hashlib
 import json
 import os
+import resource
 import stat
 from typing import Any, Optional
 
@@ -96,7 +97,20 @@ def describe_dcp_failure(exc: BaseException) -> str:
 def describe_os_error(exc: OSError, directory: str) -> str:
     if exc.errno == errno.ENOSPC:
         return f"no space left on the device of {directory}"
+    if exc.errno == errno.EFBIG:
+        return f"a file in {directory} reached this process's file-size limit ({_file_size_limit_text()})"
     return f"{exc.strerror or exc} ({exc.filename or directory})"
+
+
+def _file_size_limit() -> Optional[int]:
+    """The process's ``RLIMIT_FSIZE`` soft limit in bytes (``ulimit -f``), None when unlimited."""
+    soft, _ = resource.getrlimit(resource.RLIMIT_FSIZE)
+    return None if soft == resource.RLIM_INFINITY else soft
+
+
+def _file_size_limit_text() -> str:
+    limit = _file_size_limit()
+    return "ulimit -f: unlimited" if limit is None else f"ulimit -f: {limit} bytes"
 
 
 def describe_write_failure(exc: BaseException, directory: str, sd: dict[str, Any]) -> str:
@@ -105,8 +119,14 @@ def describe_write_failure(exc: BaseException, directory: str, sd: dict[str, Any
     for e in errors:
         if isinstance(e, OSError) and e.errno is not None:
             return describe_os_error(e, directory)
-    # torch.save reports a full disk as e.g. "unexpected pos 704 vs 598": check the space.
+    # torch.save reports a full disk, or a file cut short by the file-size limit (ulimit -f,
+    # which Python's ignored SIGXFSZ turns into a short write), as e.g. "unexpected pos 704
+    # vs 598": check the limit, then the space.
     need = sum(t.numel() * t.element_size() for t in sd.values() if isinstance(t, torch.Tensor))
+    limit = _file_size_limit()
+    if limit is not None and limit < need:
+        return (f"this process's file-size limit (ulimit -f: {limit} bytes) is below this rank's part of the "
+                f"checkpoint (about {need} bytes) in {directory}; raise the limit")
     try:
         st = os.statvfs(directory if os.path.isdir(directory) else os.path.dirname(directory))
         free = st.f_bavail * st.f_frsize

@@ -41,7 +41,6 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from tp_fuse.layers import wrap
-from tp_fuse.layers.wrap.export import save_pretrained
 from tp_fuse.layers.wrap.convert import PLAN_STYLES
 from tp_fuse.layers.wrap.hf_plans import FAMILIES
 from tp_fuse.layers.wrap.plan_styles import FusedColumn
@@ -135,6 +134,17 @@ _BUFFER_DTYPES = ("BOOL", "I64")
 #: config.json and model.safetensors.index.json: a few kB (an index: ~100 B per tensor).
 _JSON_LIMIT = 64 * 2**20
 _INDEX_FILE = "model.safetensors.index.json"
+#: JSON files besides config.json that ``from_pretrained`` reads (unbounded) from a model directory.
+_OTHER_CONFIG_FILES = ("generation_config.json",)
+
+
+def _read_config_file(file: str) -> bytes:
+    """A model directory's JSON config file, at most :data:`_JSON_LIMIT` bytes; ValueError
+    naming the file and the limit (or what the file is: a FIFO, a device) otherwise."""
+    try:
+        return read_regular_file(file, _JSON_LIMIT, "model.path: config file", follow_symlinks=True)
+    except OSError as e:  # a dangling link, no permission
+        raise ValueError(f"model.path: cannot read {file}: {e.strerror or e}") from None
 
 
 def read_hf_config(path: Any) -> dict[str, Any]:
@@ -142,11 +152,17 @@ def read_hf_config(path: Any) -> dict[str, Any]:
     if not isinstance(path, str) or not path:
         raise ValueError("model.path: +model=hf needs model.path=<local directory with config.json>")
     file = os.path.join(path, "config.json")
-    if not os.path.isfile(file):
+    if not os.path.lexists(file):  # a FIFO or a link to a device exists: read_regular_file names it
         raise ValueError(f"model.path: {file} does not exist (a local Hugging Face model directory is needed)")
+    # transformers reads generation_config.json too, with no size bound: bound it here first
+    # (a regular file of at most _JSON_LIMIT bytes; transformers parses it).
+    for name in _OTHER_CONFIG_FILES:
+        if os.path.lexists(os.path.join(path, name)):
+            _read_config_file(os.path.join(path, name))
+    raw = _read_config_file(file)
     try:
-        data = json.loads(read_regular_file(file, _JSON_LIMIT, "model.path: config file", follow_symlinks=True))
-    except (OSError, ValueError) as e:
+        data = json.loads(raw)
+    except ValueError as e:
         raise ValueError(f"model.path: {file} is not valid JSON: {e}") from None
     except RecursionError:  # the C parser recurses per nesting level
         raise ValueError(f"model.path: {file} is JSON nested too deeply to be a model config") from None
@@ -460,41 +476,10 @@ def check_weight_files(path: str) -> None:
 def load_tokenizer(path: str) -> FileTokenizer:
     """The model directory's ``tokenizer.json`` (a ``tokenizers`` file: JSON, no code runs)."""
     file = os.path.join(path, "tokenizer.json")
-    if not os.path.isfile(file):
+    if not os.path.lexists(file):  # a FIFO or a link to a device: FileTokenizer names it
         raise ValueError(f"model.path: {file} does not exist; +model=hf tokenizes with the model directory's "
                          f"tokenizer.json (fast tokenizer file; no hub access)")
     return FileTokenizer(file, name=f"{path}/tokenizer.json")
-
-
-def export_hf_directory(model: torch.nn.Module, tp_group: Any, write: bool, path: str) -> None:
-    """Write the wrapped Hugging Face ``model`` (the unwrapped original's layout, gathered
-    over ``tp_group``) as a new directory ``path`` that ``from_pretrained`` loads
-    (``tp_fuse.layers.wrap.export.save_pretrained``). ``write``: this rank's TP group
-    writes (one per run: the first data-parallel replica); collective over ``tp_group``.
-
-    The directory is created new (never an existing path or a link planted there) by TP
-    rank 0 before the gather, and the TP ranks agree on that first: a failure is one
-    ValueError on every rank of the group, not a hang in the gather.
-    """
-    if not write:
-        return
-    rank = dist.get_rank(tp_group) if tp_group is not None else 0
-    problem = ""
-    if rank == 0:
-        try:
-            os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-            os.mkdir(path, 0o755)  # fails on any existing entry, links included
-        except OSError as e:
-            problem = f"checkpoint.export_hf: cannot create {path} as a new directory: {e}"
-    if tp_group is not None and dist.get_world_size(tp_group) > 1:
-        flag = torch.tensor([1 if problem else 0], dtype=torch.int32,
-                            device="cuda" if dist.get_backend(tp_group) == "nccl" else "cpu")
-        dist.all_reduce(flag, group=tp_group)  # MAX via SUM of 0/1 flags
-        if flag.item() and not problem:
-            problem = f"checkpoint.export_hf: TP rank 0 could not create {path} (see its error)"
-    if problem:
-        raise ValueError(problem)
-    save_pretrained(model, tp_group, path, safe_serialization=True)
 
 
 class CausalLMLoss(torch.nn.Module):

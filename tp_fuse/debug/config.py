@@ -32,23 +32,9 @@ import os
 import re
 from typing import Any, Optional, Union
 
-import yaml
-
-from ..safe_files import read_regular_file
+from ..safe_yaml import read_yaml_file
 
 __all__ = ["GEMMS", "TENSORS", "FeatureSpec", "Section", "load_debug_config"]
-
-#: A debug config is a few kB of YAML; a larger file is not one (or is a device).
-_MAX_CONFIG_BYTES = 4 * 2**20
-
-
-def _yaml_problem(exc: yaml.YAMLError) -> str:
-    """A YAML error in one line: what, and where (line and column, 1-based)."""
-    if isinstance(exc, yaml.MarkedYAMLError) and exc.problem_mark is not None:
-        mark = exc.problem_mark
-        what = " ".join(filter(None, (exc.context, exc.problem)))
-        return f"line {mark.line + 1}, column {mark.column + 1}: {what}"
-    return " ".join(str(exc).split())
 
 GEMMS = ("fprop", "dgrad", "wgrad")
 TENSORS = ("activation", "weight", "gradient", "output", "wgrad", "dgrad")
@@ -200,20 +186,9 @@ def load_debug_config(source: Union[str, os.PathLike, dict[str, Any]]) -> list[S
     """
     if isinstance(source, (str, os.PathLike)):
         path = os.fspath(source)
-        if not os.path.isfile(path):
+        if not os.path.exists(path):  # a FIFO or device exists: read_yaml_file says what it is
             raise ValueError(f"debug config: no such file: {path!r}")
-        raw = read_regular_file(path, _MAX_CONFIG_BYTES, "debug config", follow_symlinks=True)
-        try:
-            data = yaml.safe_load(raw)
-        except yaml.constructor.ConstructorError as exc:
-            # safe_load refuses !!python/... and other unsafe tags; say so in one line (the
-            # launcher's config check reports ValueError, not YAMLError, without a traceback).
-            raise ValueError(f"debug config {path}: {_yaml_problem(exc)} (only plain YAML is accepted: "
-                             f"mappings, lists, strings, numbers, booleans; no !!python or other tags)") from None
-        except yaml.YAMLError as exc:
-            raise ValueError(f"debug config {path}: not valid YAML: {_yaml_problem(exc)}") from None
-        except RecursionError:
-            raise ValueError(f"debug config {path}: nested too deeply to be a debug config") from None
+        data = read_yaml_file(path, "debug config")
         origin = path
     else:
         data, origin = source, "<dict>"

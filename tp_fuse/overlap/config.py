@@ -61,9 +61,8 @@ import warnings
 from collections.abc import Iterable, Mapping
 from typing import Any, Optional, Union
 
-import yaml
-
 from .auto import OverlapAutoTuner
+from ..safe_yaml import load_yaml, read_yaml_file
 from tp_fuse.comm import UserBufferPool
 
 __all__ = [
@@ -303,23 +302,18 @@ class OverlapConfig:
         """Load a Megatron-LM ``tp_comm_overlap_cfg`` YAML file (or YAML text) as it is
         (``auto``: GEMM stages the file does not name are ``method: auto``).
 
-        A YAML syntax error is a ValueError naming the file, line and column.
+        A YAML syntax error is a ValueError naming the file, line and column; the file is read
+        bounded and without aliases (:mod:`tp_fuse.safe_yaml`).
         """
         text = os.fspath(path_or_text)
-        source = "<yaml text>"
-        if os.path.exists(text):
+        if os.path.exists(text):  # a FIFO or device exists too: read_yaml_file says what it is
             source = text
-            with open(text, encoding="utf-8") as f:
-                text = f.read()
+            data = read_yaml_file(text, "OverlapConfig.from_yaml:")
         elif "\n" not in text and text.endswith((".yaml", ".yml")):
             raise ValueError(f"OverlapConfig.from_yaml: file not found: {text}")
-        try:
-            data = yaml.safe_load(text)
-        except yaml.YAMLError as exc:
-            mark = getattr(exc, "problem_mark", None)
-            where = f"{source}:{mark.line + 1}:{mark.column + 1}" if mark is not None else source
-            problem = getattr(exc, "problem", None) or str(exc)
-            raise ValueError(f"OverlapConfig.from_yaml: {where}: invalid YAML: {problem}") from None
+        else:
+            source = "<yaml text>"
+            data = load_yaml(text, f"OverlapConfig.from_yaml: {source}")
         return cls.from_dict(
             data or {},
             enabled=enabled,

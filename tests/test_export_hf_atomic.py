@@ -1,0 +1,182 @@
+"""``checkpoint.export_hf`` survives a signal and a full disk (issue 40 point 4): the export is
+written into ``<target>.partial`` and renamed into place when complete; an interrupted or
+failed export removes the partial directory, says so in one line, and the same command
+(``checkpoint.resume=auto``) then exports the saved checkpoint. The target is checked
+before training and again before the export."""
+
+from __future__ import annotations
+
+import os
+import resource
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+pytest.importorskip("transformers", reason="transformers is not installed (pip install -e .[hf])")
+
+from tp_fuse.launch.api import train  # noqa: E402
+from tp_fuse.launch.checkpoint.hf_export import check_export_target, partial_path  # noqa: E402
+from tp_fuse.launch.config import CONFIG_DIR  # noqa: E402
+from tp_fuse.launch.config_errors import precheck  # noqa: E402
+from test_launch_hf import _model_dir  # noqa: E402
+from test_launch_train import ROOT, torchrun_command  # noqa: E402
+
+# Loaded by every Python process started with this directory on PYTHONPATH: with
+# TP_FUSE_TEST_PAUSE_EXPORT set, the export's safetensors write (transformers binds
+# safetensors.torch.save_file when it is imported, after this) first marks that it has
+# started, then waits: the test signals the job while it is inside the export.
+_SITECUSTOMIZE = '''
+import os
+if os.environ.get("TP_FUSE_TEST_PAUSE_EXPORT"):
+    import time
+    import safetensors.torch as _st
+    _real = _st.save_file
+    def save_file(*args, **kwargs):
+        open(os.environ["TP_FUSE_TEST_PAUSE_EXPORT"], "w").close()
+        time.sleep(120)
+        return _real(*args, **kwargs)
+    _st.save_file = save_file
+'''
+
+
+def _args(tmp_path, export) -> list[str]:
+    return ["+model=hf", f"model.path={tmp_path / 'model'}", "data.seq_len=32", "trainer.global_batch_size=4",
+            "trainer.micro_batch_size=4", "trainer.max_steps=2", "trainer.log_interval=1", "trainer.val_interval=0",
+            "logger=none", "trainer.progress=false", "checkpoint.save_final=true", "checkpoint.resume=auto",
+            f"checkpoint.dir={tmp_path / 'ck'}", f"checkpoint.export_hf={export}"]
+
+
+@pytest.fixture
+def model(tmp_path):
+    _model_dir(tmp_path / "model", weights=False)
+    hook = tmp_path / "hook"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(_SITECUSTOMIZE)
+    return hook
+
+
+def _exported(path) -> bool:
+    return sorted(os.listdir(path))[:2] == ["config.json", "generation_config.json"] and \
+        os.path.getsize(os.path.join(path, "model.safetensors")) > 0
+
+
+@pytest.mark.multirank
+def test_sigterm_during_a_tp2_export_then_the_same_command_completes_it(tmp_path, model):
+    export = tmp_path / "hf"
+    cmd, env = torchrun_command([*_args(tmp_path, export), "parallel.tp=2", f"hydra.run.dir={tmp_path / 'run'}"],
+                                env={"PYTHONPATH": f"{model}{os.pathsep}{ROOT}"})
+    marker = tmp_path / "export_started"
+    proc = subprocess.Popen(cmd, env={**env, "TP_FUSE_TEST_PAUSE_EXPORT": str(marker)}, cwd=str(tmp_path),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 180
+    while not marker.exists() and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert marker.exists(), proc.communicate(timeout=60)
+    assert os.path.isdir(partial_path(str(export))) and not export.exists()  # written beside, not in place
+    proc.send_signal(signal.SIGTERM)  # torchrun forwards it to both ranks
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode != 0
+    partial = partial_path(str(export))
+    assert (f"[tp-fuse] error: checkpoint.export_hf: writing {export} failed: interrupted by SIGTERM; removed the "
+            f"partial {partial}; nothing was written to {export}; the checkpoint ") in err, err[-3000:]
+    assert "is kept: run the same command with checkpoint.resume=auto to export it" in err, err[-3000:]
+    assert not export.exists() and not os.path.exists(partial_path(str(export)))
+    assert "Traceback" not in err.split("[tp-fuse] error: checkpoint.export_hf")[0][-2000:], err[-3000:]
+    again = subprocess.run(cmd, env=env, cwd=str(tmp_path), capture_output=True, text=True, timeout=240)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "the run is already complete" in again.stderr and _exported(export), again.stderr[-3000:]
+    assert not os.path.exists(partial_path(str(export)))
+
+
+def test_sigint_during_an_export_is_one_line_naming_the_checkpoint(tmp_path, model):
+    """SIGINT there printed "nothing was saved" although the final checkpoint was."""
+    export = tmp_path / "hf"
+    marker = tmp_path / "export_started"
+    env = {**os.environ, "PYTHONPATH": f"{model}{os.pathsep}{ROOT}", "TP_FUSE_TEST_PAUSE_EXPORT": str(marker),
+           "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen([sys.executable, os.path.join(ROOT, "launch", "train.py"), *_args(tmp_path, export),
+                             f"hydra.run.dir={tmp_path / 'run'}"], env=env, cwd=str(tmp_path),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 180
+    while not marker.exists() and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert marker.exists(), proc.communicate(timeout=60)
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, err[-3000:]
+    assert "nothing was saved" not in err and "Traceback" not in err, err[-3000:]
+    assert (f"checkpoint.export_hf: writing {export} failed: interrupted by SIGINT; removed the partial "
+            f"{partial_path(str(export))}; nothing was written to {export}; the checkpoint {tmp_path / 'ck'}"
+            ) in err, err[-3000:]
+    assert not export.exists() and not os.path.exists(partial_path(str(export)))
+
+
+def test_a_full_disk_during_export_then_the_same_command_completes_it(tmp_path, model):
+    export = tmp_path / "hf"
+    train([*_args(tmp_path, tmp_path / "unused"), "checkpoint.export_hf=null"], str(tmp_path / "run0"))
+    args = [*_args(tmp_path, export), f"hydra.run.dir={tmp_path / 'run'}"]
+    limit = 16 << 10  # config.json fits; the ~150 kB model.safetensors does not
+
+    def small_files():
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "launch", "train.py"), *args], cwd=str(tmp_path),
+                          env={**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1"}, capture_output=True,
+                          text=True, timeout=240, preexec_fn=small_files)
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    line = [ln for ln in proc.stderr.splitlines() if ln.startswith("[tp-fuse] error: ")]
+    assert len(line) == 1 and f"writing {export} failed: the file-size limit (ulimit -f) was reached" in line[0], \
+        proc.stderr[-3000:]
+    assert f"removed the partial {partial_path(str(export))}" in line[0], line
+    assert not export.exists() and not os.path.exists(partial_path(str(export)))
+    result = train([*_args(tmp_path, export)], str(tmp_path / "run2"))  # the same command, disk freed
+    assert result.already_complete and _exported(export)
+
+
+def test_export_target_is_checked_before_training(tmp_path, model):
+    base = ["+model=hf", f"model.path={tmp_path / 'model'}"]
+    left = tmp_path / "hf.partial"
+    left.mkdir()  # as a SIGKILL during an export leaves it
+    msg = precheck([*base, f"checkpoint.export_hf={tmp_path / 'hf'}"], CONFIG_DIR, 1)
+    assert msg == (f"checkpoint.export_hf: {left} is left from an export that was killed (or one running now); "
+                   f"remove it (rm -r {left}) and run the same command again"), msg
+    (tmp_path / "afile").write_text("")
+    msg = precheck([*base, f"checkpoint.export_hf={tmp_path / 'afile' / 'hf'}"], CONFIG_DIR, 1)
+    assert msg == f"checkpoint.export_hf: {tmp_path / 'afile' / 'hf'} cannot be created: {tmp_path / 'afile'} is " \
+                  "not a directory", msg
+    locked = tmp_path / "ro"
+    locked.mkdir(mode=0o555)
+    if not os.access(locked, os.W_OK):  # root writes anywhere: nothing to refuse there
+        with pytest.raises(ValueError, match=rf"{locked / 'hf'} cannot be created: {locked} is not writable"):
+            check_export_target(str(locked / "hf"))
+
+
+def test_a_target_created_during_the_export_is_not_replaced(tmp_path, monkeypatch):
+    import transformers
+
+    from tp_fuse.launch.checkpoint import hf_export
+
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=2, max_position_embeddings=16))
+    target = tmp_path / "hf"
+    real = hf_export.save_pretrained
+
+    def meanwhile(*args, **kwargs):
+        real(*args, **kwargs)
+        (target / "theirs").mkdir(parents=True)  # someone else's directory appears before the rename
+
+    monkeypatch.setattr(hf_export, "save_pretrained", meanwhile)
+    with pytest.raises(hf_export.ExportError, match=rf"writing {target} failed: created by someone else during the "
+                                                    rf"export \({target}\); removed the partial {target}.partial"):
+        hf_export.export_hf_directory(model, None, True, str(target), next_step="rerun")
+    assert os.listdir(target) == ["theirs"] and not os.path.exists(partial_path(str(target)))
+    monkeypatch.undo()
+    (target / "theirs").rmdir()
+    target.rmdir()
+    hf_export.export_hf_directory(model, None, True, str(target))
+    assert _exported(target) and not os.path.exists(partial_path(str(target)))
