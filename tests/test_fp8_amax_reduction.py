@@ -20,8 +20,10 @@ import torch
 import torch.distributed as dist
 
 from dist_utils import run_distributed
+from tp_fuse import ops as te_ops
 from tp_fuse.quantization import (
     CurrentScalingQuantizer,
+    FP8WeightCache,
     OpQuantizers,
     active_autocast,
     autocast,
@@ -224,6 +226,31 @@ def current_scaling_with_group(rank: int, world_size: int) -> dict:
     return out
 
 
+@case
+def weight_cache_when_one_ranks_cache_misses(rank: int, world_size: int) -> dict:
+    """FP8WeightCache where rank 0's weight changed (a version bump) and rank 1's did not:
+    current scaling over a group casts the weight on every micro-batch on every rank (its
+    cast all-reduces the amax; a rank reusing its cast would leave the others waiting),
+    delayed scaling reuses per rank (no collective in a cast)."""
+    group = dist.new_group(list(range(world_size)))
+    out = {}
+    for name, recipe in (("current", Float8CurrentScaling()), ("delayed", DelayedScaling())):
+        torch.manual_seed(0)
+        linear = te_ops.Linear(32, 16)
+        cache = FP8WeightCache()
+        x = torch.randn(8, 32, generator=torch.Generator().manual_seed(rank))
+        with count_all_reduce() as calls:
+            for micro in range(3):
+                if micro == 1 and rank == 0:
+                    with torch.no_grad():
+                        linear.weight.mul_(1.0)  # same values, new version: rank 0's cache misses
+                with autocast(recipe=recipe, amax_reduction_group=group, weight_cache=cache):
+                    y = linear(x)
+                y.sum().backward()
+        out[name] = (len(calls), cache.hits, cache.misses)
+    return out
+
+
 def _run_all_cases(rank: int, world_size: int) -> dict[str, tuple[str, Any]]:
     """Run every case in this rank; a failure is reported per case, not fatal."""
     results: dict[str, tuple[str, Any]] = {}
@@ -274,6 +301,16 @@ def test_no_collective_without_reduction(rank_results) -> None:
 def test_current_scaling_with_group_gives_identical_scales(rank_results) -> None:
     r0, r1 = _case_values(rank_results, "current_scaling_with_group")
     assert r0 == r1
+
+
+def test_weight_cache_never_skips_a_collective_cast_on_one_rank(rank_results) -> None:
+    r0, r1 = _case_values(rank_results, "weight_cache_when_one_ranks_cache_misses")
+    # Current scaling: no reuse, the same collectives on both ranks (old code: rank 1 reused
+    # its cast and rank 0 waited in the weight's amax all-reduce until the timeout).
+    assert r0["current"] == r1["current"] and r0["current"][1:] == (0, 0)
+    # Delayed scaling: reuse decided per rank (rank 0 missed once more), same collectives.
+    assert r0["delayed"][0] == r1["delayed"][0]
+    assert r0["delayed"][1:] == (1, 2) and r1["delayed"][1:] == (2, 1)
 
 
 def _raises_on_rank_1(rank: int, world_size: int) -> None:

@@ -259,6 +259,12 @@ class Quantizer(abc.ABC):
     def _quantize_impl(self, x: torch.Tensor, transpose: bool = False) -> Float8Tensor:
         """Quantize without autograd."""
 
+    def reduces_at_cast(self) -> bool:
+        """Whether a cast runs a collective (current scaling's amax all-reduce over a group
+        of several ranks): every rank of the group must then cast, or the others wait for
+        it forever -- a cast may not be skipped on one rank only (``FP8WeightCache``)."""
+        return False
+
     def producer_outputs(self, device: torch.device) -> Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
         """``(scale, amax_out, scale_inv_out)`` for a kernel that produces this quantizer's
         input and can write its FP8 itself (a norm before a GEMM), or None when the scale
@@ -636,6 +642,10 @@ class CurrentScalingQuantizer(Quantizer):
             with torch.inference_mode(False):
                 for name in ("scale", "last_amax", "nonfinite_amax_count", "zero_amax_count"):
                     setattr(self, name, getattr(self, name).to(device))
+
+    def reduces_at_cast(self) -> bool:
+        group = self.amax_reduction_group
+        return group is not None and dist.get_world_size(group) > 1
 
     def _reduce(self, amax: torch.Tensor) -> torch.Tensor:
         group = self.amax_reduction_group

@@ -22,6 +22,11 @@ and a cast with the copies the GEMMs need. ``cache.clear()`` after each optimize
 still required: writes through ``param.data`` (some optimizers and frameworks copy into
 ``.data``) do not bump the version counter.
 
+Current scaling with an amax reduction group of several ranks casts every micro-batch:
+the cast all-reduces the weight's amax, and whether a cached cast is still valid is
+decided per rank (storage and version counters are per-rank facts, e.g. under FSDP2's
+re-gathered weights), so a rank that reused its cast would leave the others waiting.
+
 The weight quantizer is still registered with the step's amax reduction on a reuse: its
 history slot then holds no amax for that micro-batch (0, "no data"), as Transformer
 Engine's weight caching skips the weight's amax on later micro-batches. The cached

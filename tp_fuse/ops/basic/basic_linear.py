@@ -302,7 +302,10 @@ class BasicLinear(QuantizerStateMixin, BasicOperation):
             # Inside the fuser's forward grad mode is off: no detach (an op) needed there.
             w = weight.detach() if torch.is_grad_enabled() else weight
             copies = (ctx.requires_grad and not views, ctx.requires_grad and views)  # (transpose, keep decode)
-            cache = state.weight_cache
+            # A cast with a collective (current scaling's amax over a group) runs on every
+            # micro-batch: whether a cached cast is still valid is decided per rank, and a
+            # rank that skipped the cast would leave the others waiting in its all-reduce.
+            cache = state.weight_cache if not qs["weight"].reduces_at_cast() else None
             if cache is None:
                 w_fp8, cast_now = self._cast_weight(w, qs["weight"], *copies), True
             else:
