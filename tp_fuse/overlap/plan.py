@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 
 from .auto import AUTO, UNFUSED
+from .method import Method
 from .config import METHODS, GemmOverlapConfig, TPOverlap
 
 
@@ -21,7 +22,7 @@ class OverlapPlan:
     entry: GemmOverlapConfig
     tp_size: int
     # The overlap methods this window can use (what ``auto`` measures, with "unfused").
-    methods: tuple[str, ...] = METHODS
+    methods: tuple[Method, ...] = METHODS
 
     def describe(self) -> str:
         """``"fc1_fprop: ring_exchange"`` plus the settings without effect here."""

@@ -21,8 +21,8 @@ from typing import Any, Callable, Mapping, Optional, Union
 import torch
 import torch.distributed as dist
 
-from ...overlap.auto import AUTO, candidate_labels
 from ...overlap.config import METHODS, TPOverlap, static_default
+from ...overlap.method import Method, OverlapMethod, candidates
 from ...overlap.plan import OverlapPlan
 from ...overlap.symm_mem import (
     WindowCall,
@@ -184,47 +184,43 @@ def precision_label(recipe: Any) -> str:
 
 def run_planned(
     plan: OverlapPlan,
-    run: Callable[[str], Any],
+    run: Callable[[OverlapMethod], Any],
     *,
     rows: int,
     group: Optional[dist.ProcessGroup],
     x: torch.Tensor,
     precision: str,
     extra: str = "",
-    extra_labels: Sequence[str] = (),
+    extra_methods: Sequence[OverlapMethod] = (),
 ) -> Any:
-    """``run(label)`` for the plan's method: ``"ring_exchange"``, ``"bulk"``,
-    ``"pipeline/<effective num_splits>"`` (``rows``: the rows a chunk is cut from), or,
-    for ``method: auto``, the label the TPOverlap's tuner picks among the window's methods
-    and ``"unfused"``, measured on the first call with this signature (``x``'s shape and
+    """``run(method)`` for the plan's method: the config entry's (``pipeline`` with its
+    effective split count for ``rows``, the rows a chunk is cut from), or, for
+    ``method: auto``, the candidate the TPOverlap's tuner picks among the window's methods
+    and ``unfused``, measured on the first call with this signature (``x``'s shape and
     dtype, ``precision``, the TP size and ``extra``), the same on every TP rank.
 
-    ``extra_labels``: candidates the window can run besides its config's methods (``symm_mem``
-    where :func:`symm_mem_window` built a call); they are offered to ``method: auto`` only,
-    and must be the same on every rank (they depend on the device, the group's backend and
-    the shapes, which the window's ranks share).
+    ``extra_methods``: candidates the window can run besides its config's methods
+    (``symm_mem`` where :func:`symm_mem_window` built a call); they are offered to
+    ``method: auto`` only, and must be the same on every rank (they depend on the device,
+    the group's backend and the shapes, which the window's ranks share).
 
     ``run`` must be repeatable with the same result: operands (FP8 casts included) are
     prepared before, so measuring records nothing twice.
     """
     entry = plan.entry
-    if entry.method != AUTO:
-        if entry.method == "pipeline":
-            return run(f"pipeline/{effective_splits(entry.num_splits, rows)}")
-        return run(entry.method)
+    if entry.method is not Method.AUTO:
+        return run(OverlapMethod.fixed(entry.method, entry.num_splits, rows))
     tuner = plan.overlap.tuner
-    labels = candidate_labels(plan.methods, (*tuner.splits, entry.num_splits), rows, extra_labels)
+    # The tuner and its choice file speak labels; each maps back to its typed candidate.
+    by_label = {m.label: m for m in candidates(plan.methods, (*tuner.splits, entry.num_splits), rows, extra_methods)}
     signature = (
         f"x {'x'.join(map(str, x.shape))} {str(x.dtype).replace('torch.', '')}, {precision}, tp={plan.tp_size}{extra}"
     )
     fallback = static_default(plan.key)
-    if fallback is not None and fallback[0] == "pipeline":
-        default: Optional[str] = f"pipeline/{effective_splits(fallback[1], rows)}"
-    else:
-        default = None if fallback is None else fallback[0]
-    label = tuner.decide(plan.key, signature, {lb: functools.partial(run, lb) for lb in labels}, group, x.device,
-                         default=default)
-    return run(label)
+    default = None if fallback is None else OverlapMethod.fixed(*fallback, rows).label
+    label = tuner.decide(plan.key, signature, {lb: functools.partial(run, m) for lb, m in by_label.items()}, group,
+                         x.device, default=default)
+    return run(by_label[label])
 
 
 def symm_mem_window(
@@ -244,7 +240,7 @@ def symm_mem_window(
     CPU, gloo, no symmetric memory, ...), the FP8 layout has no form in the op (block
     scales), or the call would break one of the op's rules (:func:`symm_mem_violations`,
     e.g. K % 16 for FP8). ``a [M, K]``, ``w [N, K]``: plain or FP8 operands."""
-    if plan.entry.method != AUTO:
+    if plan.entry.method is not Method.AUTO:
         return None
     op = symm_op_for(mode, is_quantized_tensor(a))
     if symm_mem_unavailable(op, group, a.device, plan.overlap.pool) is not None:
@@ -423,13 +419,6 @@ def gemm_then_reduce_operands(
         return fp8_wire(x_fp8).view(x2d.shape[0], -1), fp8_gemm_from_bytes(x_fp8, w_fp8, x.dtype, bias), (x_fp8, w_fp8)
     w = linear.weight_in(x.dtype)
     return x2d.contiguous(), hp_gemm(w.t(), bias), (x2d, w)
-
-
-def effective_splits(num_splits: int, rows: int) -> int:
-    """Chunks of a pipelined overlap: ``num_splits``, or one per row when a rank has fewer
-    rows than that (a sequence shorter than the configured split count runs a shorter
-    pipeline with the same result rather than failing where the unfused ops work)."""
-    return max(1, min(num_splits, rows))
 
 
 # ---- window matching (the same rules for fprop, dgrad and all-reduce overlap) ----
