@@ -32,7 +32,6 @@ from ...overlap.symm_mem import (
     symm_op_for,
     window_call,
 )
-from ...overlap.userbuffers_setup import registered_overlap
 from ...quantization import (
     BlockScaledTensor,
     BlockScalingQuantizer,
@@ -104,10 +103,15 @@ class UserbuffersLinearBase(FusedOperation):
 
 
 def resolve_overlap(linear: BasicLinear, comm_op: TPCommOperation, *, quantized: bool = False) -> TPOverlap:
-    """The TPOverlap of a window: from the linear's ``userbuffers_options``, from the comm
-    op, the one ``initialize_ub`` registered for the window's quantization mode
-    (``quantized``: it runs under an FP8 recipe), or the comm op's own default. Two
-    different explicit objects are a ValueError."""
+    """The TPOverlap of a window, as its comm op carries it (:meth:`TPCommOperation.window_overlap`:
+    the op's own, ``initialize_ub``'s registration for the window's quantization mode
+    (``quantized``: it runs under an FP8 recipe), or the op's default).
+
+    A ``TPOverlap`` in the linear's ``userbuffers_options`` (a spelling users and
+    ``BasicLinear(..., userbuffers_options={"comm_name": ..., "overlap": ...})`` examples
+    use) is handed to the comm op here, once, so that the comm op is its only carrier from
+    then on; the comm op holding a different one is a ValueError.
+    """
     opts = linear.userbuffers_options
     unknown = sorted(set(opts) - set(_USERBUFFERS_OPTION_KEYS))
     if unknown:
@@ -118,22 +122,20 @@ def resolve_overlap(linear: BasicLinear, comm_op: TPCommOperation, *, quantized:
     if name is not None and (not isinstance(name, str) or not name):
         raise ValueError(f"BasicLinear userbuffers_options['comm_name'] must be a non-empty str, got {name!r}")
     from_linear = opts.get("overlap")
-    if from_linear is not None and not isinstance(from_linear, TPOverlap):
-        raise ValueError(
-            "BasicLinear userbuffers_options['overlap'] must be a tp_fuse.overlap.config.TPOverlap, "
-            f"got {type(from_linear).__name__}"
-        )
-    from_comm = comm_op.overlap
-    if from_linear is not None and from_comm is not None and from_linear is not from_comm:
-        raise ValueError(
-            f"BasicLinear {name!r} and its {type(comm_op).__name__} were given different TPOverlap "
-            "objects; pass the same one (or only one of them)"
-        )
-    explicit = from_linear or from_comm
-    if explicit is not None:
-        return explicit
-    registered = registered_overlap(quantized, comm_op.tp_size, f"{type(comm_op).__name__} window of {gemm_label(linear)}")
-    return registered or comm_op.default_overlap()
+    if from_linear is not None:
+        if not isinstance(from_linear, TPOverlap):
+            raise ValueError(
+                "BasicLinear userbuffers_options['overlap'] must be a tp_fuse.overlap.config.TPOverlap, "
+                f"got {type(from_linear).__name__}"
+            )
+        if comm_op.overlap is None:
+            comm_op.overlap = from_linear
+        elif comm_op.overlap is not from_linear:
+            raise ValueError(
+                f"BasicLinear {name!r} and its {type(comm_op).__name__} were given different TPOverlap "
+                "objects; pass the same one (or only one of them)"
+            )
+    return comm_op.window_overlap(quantized, f"{type(comm_op).__name__} window of {gemm_label(linear)}")
 
 
 def gemm_label(linear: BasicLinear) -> str:
