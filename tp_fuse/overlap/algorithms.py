@@ -42,14 +42,12 @@ import torch
 import torch.distributed as dist
 
 from tp_fuse import comm
+from tp_fuse.comm import GemmFn
 
 from .method import Method, OverlapMethod
 from .symm_mem import WindowCall
 
 __all__ = ["ALGORITHMS", "Window", "WindowOperands", "run_algorithm"]
-
-GemmFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
-
 
 class Window(enum.StrEnum):
     """The kinds of collective-next-to-GEMM windows (rows of :data:`ALGORITHMS`)."""

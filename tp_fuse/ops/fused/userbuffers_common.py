@@ -21,6 +21,8 @@ from typing import Any, Callable, Mapping, Optional, Union
 import torch
 import torch.distributed as dist
 
+from tp_fuse.comm import GemmFn
+
 from ...overlap.config import METHODS, TPOverlap, static_default
 from ...overlap.method import Method, OverlapMethod, candidates
 from ...overlap.plan import OverlapPlan
@@ -53,8 +55,6 @@ from ..basic.all_gather import AllGather
 from ..basic.reduce_scatter import ReduceScatter
 from ..op import FusedOperation, FusibleOperation, OperationContext
 from .forward_linear_bias_activation import linear_bias_mismatch
-
-GemmFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 _USERBUFFERS_OPTION_KEYS = ("comm_name", "overlap")
 
