@@ -6,18 +6,19 @@ How the overlap fusions find their settings (explicit objects first):
   which overlap method to use. It loads Megatron-LM ``--tp-comm-overlap-cfg`` YAML files
   as they are (:meth:`OverlapConfig.from_yaml`); missing entries take Megatron's defaults.
 * :class:`TPOverlap` bundles a config with the :class:`tp_fuse.comm.UserBufferPool` that holds the
-  communication workspaces. It is an ordinary object that the user creates and passes in:
+  communication workspaces. It is an ordinary object that the user creates and passes to
+  the window's communication op, its one carrier: ``AllGather(tp_group, overlap=tp_overlap)``
+  / ``ReduceScatter(..., overlap=...)`` / ``AllReduce(..., overlap=...)``; the GEMM is named
+  by ``BasicLinear(..., userbuffers_options={"comm_name": "fc1"})`` (Transformer Engine's
+  spelling).
 
-  - ``BasicLinear(..., userbuffers_options={"comm_name": "fc1", "overlap": tp_overlap})``
-    (Transformer Engine's spelling: ``comm_name`` names the GEMM), or
-  - ``AllGather(tp_group, overlap=tp_overlap)`` / ``ReduceScatter(..., overlap=...)`` /
-    ``AllReduce(..., overlap=...)``.
-
-  Giving both is fine if it is the same object; two different objects are a ValueError.
-  With neither, the object Transformer Engine's ``initialize_ub(...)`` registered for the
-  window's quantization mode is used, if that was called (the one process-wide state, as
-  TE's call implies; :mod:`tp_fuse.overlap.userbuffers_setup`), else the communication
-  op's own default ``TPOverlap()`` (Megatron defaults, a pool owned by that op object).
+  ``userbuffers_options={"overlap": tp_overlap}`` on the linear is still accepted: the
+  matcher hands it to the comm op (the same object there is fine, a different one is a
+  ValueError). A comm op without one uses the object Transformer Engine's
+  ``initialize_ub(...)`` registered for the window's quantization mode, if that was called
+  (the one process-wide state, as TE's call implies;
+  :mod:`tp_fuse.overlap.userbuffers_setup`), else its own default ``TPOverlap()`` (Megatron
+  defaults, a pool owned by that op object): ``TPCommOperation.window_overlap``.
 
 The config is read when the fuser decides its fusions (first forward pass, and again when
 the FP8 recipe changes); build a new ``Sequential`` after editing it.
