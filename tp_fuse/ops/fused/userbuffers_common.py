@@ -6,8 +6,6 @@
   scale (:func:`fp8_gather_problem`, :func:`quantize_same_scale_over`);
 * GEMM callables with comm's contract ``gemm(chunk, out) -> out`` for high precision and
   FP8 (chunks arrive as uint8 bytes: comm moves FP8 data as raw bytes);
-* matching ``[BasicLinear(, Bias), collective]`` windows, and rejecting a collective that
-  follows something other than a GEMM, with the same rules in every direction;
 * running the method of a plan, fixed or chosen by measurement (``method: auto``,
   :func:`run_planned`).
 """
@@ -50,11 +48,9 @@ from ...recipe import DelayedScaling
 from ..basic._tp import TPCommOperation
 from ..basic.basic_linear import BasicLinear
 from ..basic.bias import Bias
-from ..fusion import Reject
 from ..basic.all_gather import AllGather
 from ..basic.reduce_scatter import ReduceScatter
 from ..op import FusedOperation, FusibleOperation, OperationContext
-from .forward_linear_bias_activation import linear_bias_mismatch
 
 _USERBUFFERS_OPTION_KEYS = ("comm_name", "overlap")
 
@@ -421,43 +417,3 @@ def gemm_then_reduce_operands(
         return fp8_wire(x_fp8).view(x2d.shape[0], -1), fp8_gemm_from_bytes(x_fp8, w_fp8, x.dtype, bias), (x_fp8, w_fp8)
     w = linear.weight_in(x.dtype)
     return x2d.contiguous(), hp_gemm(w.t(), bias), (x2d, w)
-
-
-# ---- window matching (the same rules for fprop, dgrad and all-reduce overlap) ----
-
-
-def match_linear_bias(window: Sequence[FusibleOperation], start: int) -> tuple[Optional[Bias], int]:
-    """``(Bias or None, index after it)`` for the ops following a BasicLinear at ``start``."""
-    if len(window) > start and isinstance(window[start], Bias):
-        return window[start], start + 1  # type: ignore[return-value]
-    return None, start
-
-
-def match_gemm_then(
-    window: Sequence[FusibleOperation], collective: type, collective_name: str
-) -> Union[None, Reject, tuple[BasicLinear, Optional[Bias], TPCommOperation, int]]:
-    """``[BasicLinear(, Bias), collective]`` at the start of ``window`` as
-    ``(linear, bias, comm_op, length)``; None when the window is not that shape (other
-    fusions report on it); a Reject when the Bias cannot go into the GEMM's epilogue."""
-    linear = window[0]
-    bias, k = match_linear_bias(window, 1)
-    if len(window) <= k or not isinstance(window[k], collective):
-        return None
-    why = linear_bias_mismatch(linear, bias) if bias is not None else None  # type: ignore[arg-type]
-    if why is not None:
-        return Reject(f"{why}: the Bias sits between GEMM and {collective_name}", k + 1)
-    return linear, bias, window[k], k + 1  # type: ignore[return-value]
-
-
-def reject_collective_without_gemm(
-    window: Sequence[FusibleOperation], collective: type, no_gemm: str
-) -> Optional[Reject]:
-    """Reject ``[X, collective]`` where X is neither BasicLinear nor Bias, saying ``no_gemm``
-    (what is missing); a Bias first is left alone: its window starts at the BasicLinear."""
-    first = window[0]
-    if len(window) > 1 and isinstance(window[1], collective) and not isinstance(first, Bias):
-        return Reject(
-            f"{collective.__name__} preceded by {type(first).__name__}, not BasicLinear(+Bias): {no_gemm}",
-            2,
-        )
-    return None

@@ -30,13 +30,14 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping, Sequence
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 from ...overlap.method import Method
 from ..basic._tp import TPCommOperation
 from ..basic.all_gather import AllGather
 from ..basic.all_reduce import AllReduce
 from ..basic.basic_linear import BasicLinear
+from ..basic.bias import Bias
 from ..basic.reduce_scatter import ReduceScatter
 from ..fusion import Fuse, FusionLog, MatchResult, Reject, describe_next, fuse_by_window
 from ..op import FusibleOperation
@@ -45,10 +46,7 @@ from .userbuffers_backward_linear import UserbuffersBackwardLinear
 from .userbuffers_common import (
     fp8_gather_problem,
     gemm_label,
-    match_gemm_then,
-    match_linear_bias,
     plan_overlap,
-    reject_collective_without_gemm,
 )
 from .userbuffers_forward_linear import UserbuffersForwardLinear
 from .userbuffers_forward_linear_all_reduce import UserbuffersForwardLinearAllReduce
@@ -125,6 +123,46 @@ _WGRAD_UNSUPPORTED = {
 }
 
 
+# ---- the shape of a window (the same rules for fprop, dgrad and all-reduce overlap) ----
+
+
+def _linear_then_bias(window: Sequence[FusibleOperation], start: int) -> tuple[Optional[Bias], int]:
+    """``(Bias or None, index after it)`` for the ops following a BasicLinear at ``start``."""
+    if len(window) > start and isinstance(window[start], Bias):
+        return window[start], start + 1  # type: ignore[return-value]
+    return None, start
+
+
+def _gemm_then(
+    window: Sequence[FusibleOperation], collective: type, collective_name: str
+) -> Union[None, Reject, tuple[BasicLinear, Optional[Bias], TPCommOperation, int]]:
+    """``[BasicLinear(, Bias), collective]`` at the start of ``window`` as
+    ``(linear, bias, comm_op, length)``; None when the window is not that shape (other
+    fusions report on it); a Reject when the Bias cannot go into the GEMM's epilogue."""
+    linear = window[0]
+    bias, k = _linear_then_bias(window, 1)
+    if len(window) <= k or not isinstance(window[k], collective):
+        return None
+    why = linear_bias_mismatch(linear, bias) if bias is not None else None  # type: ignore[arg-type]
+    if why is not None:
+        return Reject(f"{why}: the Bias sits between GEMM and {collective_name}", k + 1)
+    return linear, bias, window[k], k + 1  # type: ignore[return-value]
+
+
+def _collective_without_gemm(
+    window: Sequence[FusibleOperation], collective: type, no_gemm: str
+) -> Optional[Reject]:
+    """Reject ``[X, collective]`` where X is neither BasicLinear nor Bias, saying ``no_gemm``
+    (what is missing); a Bias first is left alone: its window starts at the BasicLinear."""
+    first = window[0]
+    if len(window) > 1 and isinstance(window[1], collective) and not isinstance(first, Bias):
+        return Reject(
+            f"{collective.__name__} preceded by {type(first).__name__}, not BasicLinear(+Bias): {no_gemm}",
+            2,
+        )
+    return None
+
+
 def _window(
     window: Sequence[FusibleOperation], rule: _Rule, fusion_log: Optional[FusionLog]
 ) -> MatchResult | tuple[BasicLinear, Any, TPCommOperation, int]:
@@ -135,7 +173,7 @@ def _window(
         if not isinstance(linear, BasicLinear):
             return Reject(f"AllGather followed by {describe_next(window, 1)}, not BasicLinear: {rule.no_gemm}",
                           min(2, len(window)))
-        bias, length = match_linear_bias(window, 2)
+        bias, length = _linear_then_bias(window, 2)
         mismatch = linear_bias_mismatch(linear, bias) if bias is not None else None  # type: ignore[arg-type]
         if mismatch is not None:
             # The Bias stays outside; the all-gather still overlaps with the GEMM.
@@ -144,9 +182,9 @@ def _window(
             bias, length = None, 2
         return linear, bias, ag, length  # type: ignore[return-value]
     if not isinstance(window[0], BasicLinear):
-        return reject_collective_without_gemm(window, rule.collective, rule.no_gemm)
+        return _collective_without_gemm(window, rule.collective, rule.no_gemm)
     name = "all-reduce" if rule.collective is AllReduce else "reduce-scatter"
-    return match_gemm_then(window, rule.collective, name)
+    return _gemm_then(window, rule.collective, name)
 
 
 def _match(window: Sequence[FusibleOperation], rule: _Rule, recipe: Any,
