@@ -25,6 +25,11 @@ backward, dx = RS(dy W))   ``bulk``           the whole dgrad GEMM; the fused op
                            ``unfused``        the whole dgrad GEMM; the fused op reduce-scatters dx
 =========================  =================  ====================================================
 
+A :class:`Window` is the data flow of one direction, not the basic ops of the window (the
+fused ops' ``mode``, ``"all_gather"`` / ``"reduce_scatter"`` / ``"all_reduce"``): the
+backward of ``[BasicLinear, ReduceScatter]`` all-gathers dy (``ALL_GATHER_GEMM``), the
+backward of ``[AllGather, BasicLinear]`` reduce-scatters dx (``DGRAD_REDUCE_SCATTER``).
+
 A method missing from a window's row cannot apply to it: the fusion matcher rejects such
 a config entry with the reason (``tp_fuse/ops/fused/userbuffers_matcher.py``), so the
 lookup here never misses. ``symm_mem`` runs only where the fused op built a call
