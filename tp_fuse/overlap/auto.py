@@ -46,6 +46,7 @@ import dataclasses
 import json
 import math
 import os
+import re
 import statistics
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -57,7 +58,7 @@ import torch.distributed as dist
 from tp_fuse import comm
 
 from ..safe_files import read_regular_file, write_atomic
-from .method import Method, OverlapMethod, candidate_labels
+from .method import LABEL_PATTERN, Method, candidate_labels
 
 __all__ = [
     "AUTO",
@@ -79,11 +80,7 @@ _MAX_CHOICE_FILE_BYTES = 16 * 1024 * 1024
 
 def _is_label(label: object) -> bool:
     """Whether ``label`` spells an :class:`OverlapMethod` (the choice file's boundary)."""
-    try:
-        OverlapMethod.from_label(label)  # type: ignore[arg-type]
-    except ValueError:
-        return False
-    return True
+    return isinstance(label, str) and LABEL_PATTERN.fullmatch(label) is not None
 
 
 class Clock(Protocol):
@@ -181,6 +178,7 @@ class OverlapAutoTuner:
 
     #: Candidate labels this tuner decides between (a subclass deciding something else,
     #: e.g. ``tp_fuse.quantization.gemm_choice``, names its own), and its log lines' prefix.
+    label_pattern: re.Pattern[str] = LABEL_PATTERN
     log_prefix = "overlap auto"
 
     def __init__(
@@ -260,7 +258,7 @@ class OverlapAutoTuner:
         (each candidate communicates over ``group``).
         """
         labels = tuple(candidates)
-        assert labels and all(_is_label(lb) for lb in labels), labels
+        assert labels and all(self.label_pattern.fullmatch(lb) for lb in labels), labels
         if default not in labels:
             default = UNFUSED if UNFUSED in labels else labels[0]
         key = (gemm, signature)

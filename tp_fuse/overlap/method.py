@@ -18,7 +18,7 @@ import re
 from collections.abc import Iterable
 from typing import Union
 
-__all__ = ["CONFIG_METHODS", "Method", "OverlapMethod", "candidates", "candidate_labels", "effective_splits"]
+__all__ = ["CONFIG_METHODS", "LABEL_PATTERN", "Method", "OverlapMethod", "candidates", "candidate_labels", "effective_splits"]
 
 
 class Method(enum.StrEnum):
@@ -36,8 +36,8 @@ class Method(enum.StrEnum):
 #: The methods a config entry may name besides ``auto`` (Megatron's three).
 CONFIG_METHODS: tuple[Method, ...] = (Method.RING_EXCHANGE, Method.PIPELINE, Method.BULK)
 
-# fullmatch: `$` would accept a trailing newline.
-_LABEL_RE = re.compile(r"(ring_exchange|bulk|unfused|symm_mem)|pipeline/([1-9][0-9]{0,5})")
+#: What an :attr:`OverlapMethod.label` looks like (fullmatch: `$` would accept a trailing newline).
+LABEL_PATTERN = re.compile(r"(ring_exchange|bulk|unfused|symm_mem)|pipeline/([1-9][0-9]{0,5})")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,7 +68,7 @@ class OverlapMethod:
     @classmethod
     def from_label(cls, label: str) -> "OverlapMethod":
         """Parse a :attr:`label` (the choice file's boundary); ValueError if it is none."""
-        m = _LABEL_RE.fullmatch(label) if isinstance(label, str) else None
+        m = LABEL_PATTERN.fullmatch(label) if isinstance(label, str) else None
         if m is None:
             raise ValueError(
                 f"not an overlap method label: {label!r} (ring_exchange, bulk, unfused, symm_mem or pipeline/<n>)"
