@@ -49,6 +49,7 @@ from ..basic._tp import TPCommOperation
 from ..basic.basic_linear import BasicLinear
 from ..basic.bias import Bias
 from ..basic.all_gather import AllGather
+from ..basic.all_reduce import AllReduce
 from ..basic.reduce_scatter import ReduceScatter
 from ..op import FusedOperation, FusibleOperation, OperationContext
 
@@ -56,13 +57,14 @@ _USERBUFFERS_OPTION_KEYS = ("comm_name", "overlap")
 
 
 class UserbuffersLinearBase(FusedOperation):
-    """What the two Userbuffers fused linears share: the op window and how it is described.
+    """What the Userbuffers fused linears share: the op window and how it is described.
 
     The window is column-parallel ``[AllGather, BasicLinear(, Bias)]`` (``mode``
-    ``"all_gather"``) or row-parallel ``[BasicLinear(, Bias), ReduceScatter]``
-    (``"reduce_scatter"``); ``plan`` is the overlap plan of its GEMM stage; ``fp8`` and
-    ``recipe`` record what the fusion was decided under, for ``explain`` (``BasicLinear``
-    decides the GEMM path at run time). Subclasses run one direction each.
+    ``"all_gather"``), row-parallel ``[BasicLinear(, Bias), ReduceScatter]``
+    (``"reduce_scatter"``) or ``[BasicLinear(, Bias), AllReduce]`` (``"all_reduce"``);
+    ``plan`` is the overlap plan of its GEMM stage; ``fp8`` and ``recipe`` record what the
+    fusion was decided under, for ``explain`` (``BasicLinear`` decides the GEMM path at run
+    time). Subclasses run one direction each.
     """
 
     def __init__(
@@ -73,18 +75,22 @@ class UserbuffersLinearBase(FusedOperation):
         bias: Optional[Bias] = None,
         all_gather: Optional[AllGather] = None,
         reduce_scatter: Optional[ReduceScatter] = None,
+        all_reduce: Optional[AllReduce] = None,
         fp8: bool = False,
         recipe: Any = None,
     ) -> None:
-        if (all_gather is None) == (reduce_scatter is None):
-            raise ValueError(f"{type(self).__name__} needs exactly one of all_gather / reduce_scatter")
+        given = {"all_gather": all_gather, "reduce_scatter": reduce_scatter, "all_reduce": all_reduce}
+        modes = [mode for mode, op in given.items() if op is not None]
+        if len(modes) != 1:
+            raise ValueError(f"{type(self).__name__} needs exactly one of all_gather / reduce_scatter / all_reduce")
+        biases = [bias] if bias is not None else []
         ops: list[FusibleOperation]
         if all_gather is not None:
-            ops = [all_gather, linear] + ([bias] if bias is not None else [])
+            ops = [all_gather, linear, *biases]
         else:
-            ops = [linear] + ([bias] if bias is not None else []) + [reduce_scatter]
+            ops = [linear, *biases, given[modes[0]]]  # type: ignore[list-item]
         super().__init__(ops)
-        self.mode = "all_gather" if all_gather is not None else "reduce_scatter"
+        self.mode = modes[0]
         self.plan = plan
         self.fp8 = fp8
         self.recipe = recipe  # the recipe the fusion was decided under (describes the wire)

@@ -4,19 +4,19 @@ all-reduce overlapped chunk by chunk (tensor parallelism without sequence parall
 from __future__ import annotations
 
 import functools
-from typing import Any, Optional
+from typing import Any
 
 import torch
 
 from ...overlap.algorithms import Window, WindowOperands, run_algorithm
-from ...overlap.plan import OverlapPlan
 from ...quantization import active_autocast
 from ..basic._checks import maybe_dequantize
 from ..basic.all_reduce import AllReduce
 from ..basic.basic_linear import BasicLinear
 from ..basic.bias import Bias
-from ..op import FusedOperation, OperationContext, require
+from ..op import OperationContext, require
 from .userbuffers_common import (
+    UserbuffersLinearBase,
     gemm_label,
     gemm_then_reduce_operands,
     precision_label,
@@ -24,7 +24,7 @@ from .userbuffers_common import (
 )
 
 
-class UserbuffersForwardLinearAllReduce(FusedOperation):
+class UserbuffersForwardLinearAllReduce(UserbuffersLinearBase):
     """Forward pass of ``BasicLinear(, Bias), AllReduce`` with the all-reduce overlapped.
 
     ======== ============================ ==============================================
@@ -49,24 +49,9 @@ class UserbuffersForwardLinearAllReduce(FusedOperation):
     identity), filled from the context saved here exactly as ``BasicLinear`` saves it.
     """
 
-    def __init__(
-        self,
-        *,
-        linear: BasicLinear,
-        all_reduce: AllReduce,
-        plan: OverlapPlan,
-        bias: Optional[Bias] = None,
-        fp8: bool = False,
-    ) -> None:
-        super().__init__([linear] + ([bias] if bias is not None else []) + [all_reduce])
-        self.plan = plan
-        self.fp8 = fp8  # for describing the fusion only
-
     def fusion_summary(self) -> str:
-        linear = self.basic_ops[0]
-        assert isinstance(linear, BasicLinear)
         prec = "; FP8 GEMM chunks, all-reduce in high precision" if self.fp8 else ""
-        return f"GEMM+AllReduce {gemm_label(linear)}, {self.plan.describe()} chunks, TP={self.plan.tp_size}{prec}"
+        return f"GEMM+AllReduce {gemm_label(self.linear)}, {self.plan.describe()} chunks, {self.tp_label}{prec}"
 
     def fuser_forward(
         self,

@@ -117,6 +117,9 @@ _RULES: dict[tuple[str, type], _Rule] = {
     ),
 }
 
+# The fused ops' keyword (and ``mode``) for each collective.
+_MODE = {AllGather: "all_gather", ReduceScatter: "reduce_scatter", AllReduce: "all_reduce"}
+
 # Column-parallel bulk dgrad: the wgrad entry decides whether RS(dx) hides behind the wgrad GEMM.
 _WGRAD_UNSUPPORTED = {
     m: "only bulk overlaps the dx reduce-scatter with the wgrad GEMM" for m in (Method.PIPELINE, Method.RING_EXCHANGE)
@@ -201,12 +204,8 @@ def _match(window: Sequence[FusibleOperation], rule: _Rule, recipe: Any,
         problem = fp8_gather_problem(comm_op.process_group, f"{rule.gathers_fp8} {gemm_label(linear)}")
         if problem is not None:
             return Reject(problem, length)
-    kwargs: dict[str, Any] = {"linear": linear, "bias": bias, "plan": plan, "fp8": quantized}
-    if rule.fused_op is UserbuffersForwardLinearAllReduce:
-        kwargs["all_reduce"] = comm_op
-    else:
-        kwargs["recipe"] = recipe
-        kwargs["all_gather" if rule.collective is AllGather else "reduce_scatter"] = comm_op
+    kwargs: dict[str, Any] = {"linear": linear, "bias": bias, "plan": plan, "fp8": quantized, "recipe": recipe,
+                              _MODE[rule.collective]: comm_op}
     if rule.fused_op is UserbuffersBackwardLinear and rule.collective is AllGather:
         kwargs["wgrad_plan"], kwargs["wgrad_note"] = None, ""
         if plan.entry.method in (Method.BULK, Method.AUTO):
