@@ -61,8 +61,8 @@ class ParallelContext:
         sequence_parallel: activations outside the TP blocks are split along the
             sequence (first) dim over the TP ranks.
         dtype, device: parameter dtype/device.
-        overlap: the :class:`tp_fuse.overlap.config.TPOverlap` handed to every GEMM
-            (``userbuffers_options["overlap"]``) and comm op (``overlap=``); None: each
+        overlap: the :class:`tp_fuse.overlap.config.TPOverlap` handed to every comm op
+            (``overlap=``), the one carrier of a window's overlap settings; None: each
             comm op's own default ``TPOverlap()`` (overlap ON, Megatron's methods). Pass
             ``TPOverlap(OverlapConfig(enabled=False))`` to switch overlap off.
         seed: base seed of this layer's parameters (None: draw from torch's global RNG,
@@ -120,14 +120,10 @@ def full_init(ctx: ParallelContext, shape: tuple[int, ...], name: str, init_meth
     return seeded_full_tensor(shape, ctx.seed, name, init_method)
 
 
-def userbuffers_options(comm_name: GemmName, overlap: Optional[TPOverlap]) -> dict[str, Any]:
-    """``userbuffers_options`` for a BasicLinear: its GEMM name and the overlap config."""
-    options: dict[str, Any] = {}
-    if comm_name is not None:
-        options["comm_name"] = comm_name
-    if overlap is not None:
-        options["overlap"] = overlap
-    return options
+def userbuffers_options(comm_name: GemmName) -> dict[str, Any]:
+    """``userbuffers_options`` for a BasicLinear: its GEMM name (the ``TPOverlap`` goes to
+    the comm op, its one carrier)."""
+    return {"comm_name": comm_name} if comm_name is not None else {}
 
 
 def linear_op(
@@ -150,7 +146,7 @@ def linear_op(
         device=ctx.device,
         dtype=ctx.dtype,
         init_method=copy_shard,
-        userbuffers_options=userbuffers_options(comm_name, ctx.overlap),
+        userbuffers_options=userbuffers_options(comm_name),
     )
     set_shard_spec(op.weight, spec)
     set_deferred_init(op.weight, full_weight, spec, ctx.tp_rank, ctx.tp_size)

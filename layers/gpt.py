@@ -69,8 +69,8 @@ class GPT(torch.nn.Module):
         sequence_parallel: split activations outside the TP blocks along the sequence.
         dtype, device: parameter dtype and device.
         seed: initialization seed.
-        overlap: communication-overlap configuration, passed to every GEMM through
-            ``userbuffers_options["overlap"]``.
+        overlap: communication-overlap configuration, handed to every comm op
+            (``overlap=``), the one carrier of a window's overlap settings.
         dropout_seed: seed of the dropout streams (default ``seed``); give each
             data-parallel replica its own if their masks should differ.
         ignore_index: label value excluded from the loss.

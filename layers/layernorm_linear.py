@@ -51,7 +51,7 @@ class LayerNormLinear(torch.nn.Module):
         init_method: applied to the FULL weight (default N(0, 0.02^2)); shards are slices.
         seed: init seed (None: torch's global RNG).
         comm_name: GEMM name for the overlap configuration (``"qkv"`` or ``"fc1"``).
-        overlap: overlap configuration (``userbuffers_options["overlap"]``).
+        overlap: overlap configuration (its comm op's ``overlap=``).
     """
 
     def __init__(

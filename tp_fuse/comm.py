@@ -21,6 +21,7 @@ from tp_fuse.comm.backend import (
 from tp_fuse.comm.nccl_rules import check_collective, collective_violations
 from tp_fuse.strict import CudaConformanceError, strict_cuda_enabled
 from tp_fuse.comm.overlap import (
+    GemmFn,
     PendingCollective,
     all_gather_dim0,
     all_gather_dim0_async,
@@ -42,6 +43,7 @@ from tp_fuse.comm.userbuffers import UserBufferPool, symmetric_memory_available
 
 __all__ = [
     "CudaConformanceError",
+    "GemmFn",
     "DistributedContext",
     "FP8_GROUP_KINDS",
     "ParallelTopology",

@@ -5,6 +5,7 @@ split along dim 0 (the sequence/row dimension); comm knows nothing of FP8 (bytes
 uint8). TP size 1 is the identity (no communication) everywhere.
 """
 
+from ._common import GemmFn
 from .ag_gemm import ring_exchange_ag_gemm
 from .bulk import bulk_overlap
 from .collectives import (
@@ -24,6 +25,7 @@ from .gemm_rs_pipelined import gemm_reduce_scatter_pipelined
 from .gemm_rs_ring import gemm_reduce_scatter_ring
 
 __all__ = [
+    "GemmFn",
     "PendingCollective",
     "all_gather_dim0",
     "all_gather_dim0_async",

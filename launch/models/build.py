@@ -16,8 +16,7 @@ from tp_fuse.layers.meta_init import deferred_inits, materialize
 from tp_fuse import FP8WeightCache, autocast
 from tp_fuse.debug import name_linears
 from tp_fuse.overlap.auto import OverlapAutoTuner
-from tp_fuse.overlap.config import OverlapConfig as TPOverlapConfig
-from tp_fuse.overlap.config import TPOverlap
+from tp_fuse.overlap.config import OverlapConfig, TPOverlap
 from tp_fuse.recipe import (
     DelayedScaling,
     Float8BlockScaling,
@@ -94,15 +93,15 @@ def build_overlap(cfg: OverlapSettings, run_dir: Optional[str] = None, is_rank0:
     instead of ``tp_fuse.overlap.OverlapConfig``'s full per-field warning on every rank.
     """
     if not cfg.enabled:
-        return TPOverlap(TPOverlapConfig(enabled=False))
+        return TPOverlap(OverlapConfig(enabled=False))
     auto = cfg.method == "auto"
     if cfg.config is not None:
-        config = TPOverlapConfig.from_yaml(cfg.config, auto=auto, warn_ignored=False)
+        config = OverlapConfig.from_yaml(cfg.config, auto=auto, warn_ignored=False)
         line = ignored_summary(config, cfg.config)
         if line and report is not None:
             report(line)
     else:
-        config = TPOverlapConfig(auto=auto)
+        config = OverlapConfig(auto=auto)
     if not auto or run_dir is None:
         return TPOverlap(config)
     tuner = OverlapAutoTuner(
@@ -113,7 +112,7 @@ def build_overlap(cfg: OverlapSettings, run_dir: Optional[str] = None, is_rank0:
     return TPOverlap(config, tuner=tuner)
 
 
-def ignored_summary(config: TPOverlapConfig, path: str) -> Optional[str]:
+def ignored_summary(config: OverlapConfig, path: str) -> Optional[str]:
     """``overlap.config=<path>: N settings have no effect here (num_sm, cga_size, ...)``, or None."""
     ignored = config.ignored_fields()  # "<gemm>.<field>=<value> (why)"
     if not ignored:

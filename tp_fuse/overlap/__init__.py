@@ -1,5 +1,10 @@
-"""Communication/GEMM overlap: configuration (``config``), measured per-shape choice of the
-method (``auto``) and what a fused op decided for one GEMM stage (``plan``).
+"""Communication/GEMM overlap: the overlap object and its configuration (``config``:
+``TPOverlap``, ``OverlapConfig``), the typed method (``method``: ``Method``,
+``OverlapMethod``), the one table from a method to its algorithm per window
+(``algorithms``), the measured per-shape choice of the method (``auto``), what a fused op
+decided for one GEMM stage (``plan``), PyTorch's symmetric-memory fused ops (``symm_mem``)
+and Transformer Engine's ``initialize_ub`` (``userbuffers_setup``).
 
-The overlap algorithms themselves are in ``tp_fuse.comm.overlap``.
+The comm algorithms themselves are in ``tp_fuse.comm.overlap``; docs/overlap.md shows how
+the pieces meet.
 """

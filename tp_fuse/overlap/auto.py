@@ -58,6 +58,7 @@ import torch.distributed as dist
 from tp_fuse import comm
 
 from ..safe_files import read_regular_file, write_atomic
+from .method import LABEL_PATTERN, Method, candidate_labels
 
 __all__ = [
     "AUTO",
@@ -67,48 +68,19 @@ __all__ = [
     "OverlapAutoTuner",
     "WallClock",
     "candidate_labels",
-    "parse_label",
 ]
 
-AUTO = "auto"
-#: Candidate label of "no overlap": the collective, then the whole GEMM (or the reverse).
-UNFUSED = "unfused"
+#: ``method: auto`` and the candidate of "no overlap" (the collective, then the whole GEMM).
+AUTO = Method.AUTO
+UNFUSED = Method.UNFUSED
 CHOICE_FILE_FORMAT = "tp_fuse.overlap_choices"
 CHOICE_FILE_VERSION = 1
-# fullmatch: `$` would accept a trailing newline.
-# symm_mem: PyTorch's fused symmetric-memory ops (tp_fuse.overlap.symm_mem), offered on CUDA only.
-_LABEL_RE = re.compile(r"ring_exchange|bulk|unfused|symm_mem|pipeline/[1-9][0-9]{0,5}")
 _MAX_CHOICE_FILE_BYTES = 16 * 1024 * 1024
 
 
-def parse_label(label: str) -> tuple[str, int]:
-    """``"pipeline/4"`` -> ``("pipeline", 4)``; other labels -> ``(label, 0)``."""
-    if label.startswith("pipeline/"):
-        return "pipeline", int(label.split("/", 1)[1])
-    return label, 0
-
-
-def candidate_labels(methods: Iterable[str], splits: Iterable[int], rows: int,
-                     extra: Iterable[str] = ()) -> list[str]:
-    """Candidates for a window that can use ``methods``: ``pipeline`` once per distinct
-    effective split count (at most one chunk per row), then ``extra`` (labels the window
-    can run besides the config's methods, e.g. ``symm_mem`` where PyTorch's fused ops
-    exist), then ``unfused`` last."""
-    out: list[str] = []
-    for method in methods:
-        if method == "pipeline":
-            for n in sorted(set(splits)):
-                label = f"pipeline/{max(1, min(n, rows))}"
-                if label not in out:
-                    out.append(label)
-        else:
-            out.append(method)
-    for label in extra:
-        if not _LABEL_RE.fullmatch(label) or label == UNFUSED or label in out:
-            raise ValueError(f"candidate_labels: extra label {label!r} is not a new method label")
-        out.append(label)
-    out.append(UNFUSED)
-    return out
+def _is_label(label: object) -> bool:
+    """Whether ``label`` spells an :class:`OverlapMethod` (the choice file's boundary)."""
+    return isinstance(label, str) and LABEL_PATTERN.fullmatch(label) is not None
 
 
 class Clock(Protocol):
@@ -206,7 +178,7 @@ class OverlapAutoTuner:
 
     #: Candidate labels this tuner decides between (a subclass deciding something else,
     #: e.g. ``tp_fuse.quantization.gemm_choice``, names its own), and its log lines' prefix.
-    label_pattern: re.Pattern[str] = _LABEL_RE
+    label_pattern: re.Pattern[str] = LABEL_PATTERN
     log_prefix = "overlap auto"
 
     def __init__(
@@ -426,11 +398,11 @@ def load_choice_file(path: str) -> list[AutoDecision]:
         for key in ("gemm", "signature", "choice"):
             if not isinstance(e.get(key), str) or not e[key]:
                 raise bad(f"{where}.{key}", f"expected a non-empty string, got {e.get(key)!r}")
-        if not _LABEL_RE.fullmatch(e["choice"]):
+        if not _is_label(e["choice"]):
             raise bad(f"{where}.choice", f"{e['choice']!r} is not a method label "
                       "(ring_exchange, bulk, unfused, symm_mem or pipeline/<num_splits>)")
         cands = e.get("candidates", [e["choice"]])
-        if not isinstance(cands, list) or not all(isinstance(c, str) and _LABEL_RE.fullmatch(c) for c in cands):
+        if not isinstance(cands, list) or not all(_is_label(c) for c in cands):
             raise bad(f"{where}.candidates", f"expected a list of method labels, got {cands!r}")
         if e["choice"] not in cands:
             raise bad(f"{where}.choice", f"{e['choice']!r} is not among candidates {cands}")

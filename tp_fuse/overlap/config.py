@@ -6,18 +6,19 @@ How the overlap fusions find their settings (explicit objects first):
   which overlap method to use. It loads Megatron-LM ``--tp-comm-overlap-cfg`` YAML files
   as they are (:meth:`OverlapConfig.from_yaml`); missing entries take Megatron's defaults.
 * :class:`TPOverlap` bundles a config with the :class:`tp_fuse.comm.UserBufferPool` that holds the
-  communication workspaces. It is an ordinary object that the user creates and passes in:
+  communication workspaces. It is an ordinary object that the user creates and passes to
+  the window's communication op, its one carrier: ``AllGather(tp_group, overlap=tp_overlap)``
+  / ``ReduceScatter(..., overlap=...)`` / ``AllReduce(..., overlap=...)``; the GEMM is named
+  by ``BasicLinear(..., userbuffers_options={"comm_name": "fc1"})`` (Transformer Engine's
+  spelling).
 
-  - ``BasicLinear(..., userbuffers_options={"comm_name": "fc1", "overlap": tp_overlap})``
-    (Transformer Engine's spelling: ``comm_name`` names the GEMM), or
-  - ``AllGather(tp_group, overlap=tp_overlap)`` / ``ReduceScatter(..., overlap=...)`` /
-    ``AllReduce(..., overlap=...)``.
-
-  Giving both is fine if it is the same object; two different objects are a ValueError.
-  With neither, the object Transformer Engine's ``initialize_ub(...)`` registered for the
-  window's quantization mode is used, if that was called (the one process-wide state, as
-  TE's call implies; :mod:`tp_fuse.overlap.userbuffers_setup`), else the communication
-  op's own default ``TPOverlap()`` (Megatron defaults, a pool owned by that op object).
+  ``userbuffers_options={"overlap": tp_overlap}`` on the linear is still accepted: the
+  matcher hands it to the comm op (the same object there is fine, a different one is a
+  ValueError). A comm op without one uses the object Transformer Engine's
+  ``initialize_ub(...)`` registered for the window's quantization mode, if that was called
+  (the one process-wide state, as TE's call implies;
+  :mod:`tp_fuse.overlap.userbuffers_setup`), else its own default ``TPOverlap()`` (Megatron
+  defaults, a pool owned by that op object): ``TPCommOperation.window_overlap``.
 
 The config is read when the fuser decides its fusions (first forward pass, and again when
 the FP8 recipe changes); build a new ``Sequential`` after editing it.
@@ -61,9 +62,11 @@ import warnings
 from collections.abc import Iterable, Mapping
 from typing import Any, Optional, Union
 
-from .auto import OverlapAutoTuner
-from ..safe_yaml import load_yaml, read_yaml_file
 from tp_fuse.comm import UserBufferPool
+
+from ..safe_yaml import load_yaml, read_yaml_file
+from .auto import OverlapAutoTuner
+from .method import CONFIG_METHODS, Method
 
 __all__ = [
     "AUTO",
@@ -79,9 +82,11 @@ __all__ = [
 GEMM_LAYERS = ("qkv", "proj", "fc1", "fc2")
 #: GEMM stages: forward, data gradient, weight gradient.
 GEMM_STAGES = ("fprop", "dgrad", "wgrad")
-METHODS = ("ring_exchange", "pipeline", "bulk")
+#: The methods an entry may name besides ``auto`` (:data:`tp_fuse.overlap.method.CONFIG_METHODS`).
+METHODS = CONFIG_METHODS
 #: ``method: auto``: measured per GEMM stage and shape (see :mod:`tp_fuse.overlap.auto`).
-AUTO = "auto"
+AUTO = Method.AUTO
+_ALLOWED = tuple(str(m) for m in (*METHODS, AUTO))
 
 # Knobs of Megatron/TE userbuffers that only mean something for the CUDA kernels.
 _GPU_ONLY_FIELDS: dict[str, str] = {
@@ -99,9 +104,9 @@ _FIELDS = ("method", "num_splits", "aggregate", "enabled", *_GPU_ONLY_FIELDS)
 
 # Megatron-LM / Transformer Engine defaults (te.module.base.initialize_ub):
 # ring-exchange all-gathers, pipelined reduce-scatters with 4 splits, bulk backward overlaps.
-_ROLE_DEFAULTS: dict[str, dict[str, tuple[str, int]]] = {
-    "column": {"fprop": ("ring_exchange", 4), "dgrad": ("bulk", 4), "wgrad": ("bulk", 4)},
-    "row": {"fprop": ("pipeline", 4), "dgrad": ("ring_exchange", 4), "wgrad": ("bulk", 4)},
+_ROLE_DEFAULTS: dict[str, dict[str, tuple[Method, int]]] = {
+    "column": {"fprop": (Method.RING_EXCHANGE, 4), "dgrad": (Method.BULK, 4), "wgrad": (Method.BULK, 4)},
+    "row": {"fprop": (Method.PIPELINE, 4), "dgrad": (Method.RING_EXCHANGE, 4), "wgrad": (Method.BULK, 4)},
 }
 _LAYER_ROLE = {"qkv": "column", "fc1": "column", "proj": "row", "fc2": "row"}
 
@@ -111,7 +116,9 @@ class GemmOverlapConfig:
     """Overlap settings of one GEMM stage (one top-level entry of a Megatron YAML file).
 
     Attributes:
-        method: ``"ring_exchange"``, ``"pipeline"``, ``"bulk"`` or ``"auto"`` (measured:
+        method: a :class:`~tp_fuse.overlap.method.Method` (given as one or as its YAML
+            spelling ``"ring_exchange"``, ``"pipeline"``, ``"bulk"`` or ``"auto"``,
+            converted here once; ``auto`` is measured:
             the methods that apply to the window and no overlap are timed at the first
             call with a new shape; see :mod:`tp_fuse.overlap.auto`).
         num_splits: chunks of a pipelined overlap (``pipeline``; with ``auto``, one more
@@ -124,7 +131,7 @@ class GemmOverlapConfig:
         explicit: field names given explicitly (so ignored settings can be reported).
     """
 
-    method: str
+    method: Method
     num_splits: int = 4
     aggregate: bool = False
     enabled: bool = True
@@ -132,8 +139,10 @@ class GemmOverlapConfig:
     explicit: frozenset[str] = frozenset()
 
     def __post_init__(self) -> None:
-        if self.method not in (*METHODS, AUTO):
-            raise ValueError(f"overlap method must be one of {(*METHODS, AUTO)}, got {self.method!r}")
+        # The config boundary: the YAML/Hydra string becomes a Method here, once.
+        if not isinstance(self.method, str) or self.method not in _ALLOWED:
+            raise ValueError(f"overlap method must be one of {_ALLOWED}, got {self.method!r}")
+        object.__setattr__(self, "method", Method(self.method))
         n = self.num_splits
         if isinstance(n, bool) or not isinstance(n, int) or n < 1:
             raise ValueError(f"num_splits must be a positive int, got {n!r}")
@@ -143,7 +152,7 @@ class GemmOverlapConfig:
     def ignored(self) -> list[str]:
         """``"field=value (why)"`` for every setting that has no effect here."""
         out = [f"{k}={v!r} ({_GPU_ONLY_FIELDS[k]})" for k, v in self.gpu_only]
-        if "num_splits" in self.explicit and self.method not in ("pipeline", AUTO):
+        if "num_splits" in self.explicit and self.method not in (Method.PIPELINE, AUTO):
             out.append(f"num_splits={self.num_splits} (only the pipeline method splits)")
         if self.aggregate:
             out.append(
@@ -153,7 +162,7 @@ class GemmOverlapConfig:
 
     def describe(self) -> str:
         """``"pipeline (num_splits=4)"``, ``"ring_exchange"``, ..."""
-        return f"pipeline (num_splits={self.num_splits})" if self.method == "pipeline" else self.method
+        return f"pipeline (num_splits={self.num_splits})" if self.method is Method.PIPELINE else str(self.method)
 
 
 def _parse_entry(key: str, raw: Any) -> GemmOverlapConfig:
@@ -165,7 +174,7 @@ def _parse_entry(key: str, raw: Any) -> GemmOverlapConfig:
             f"overlap config entry {key!r}: unknown field(s) {unknown}; known fields: {list(_FIELDS)}"
         )
     if "method" not in raw:
-        raise ValueError(f"overlap config entry {key!r}: 'method' is required (one of {(*METHODS, AUTO)})")
+        raise ValueError(f"overlap config entry {key!r}: 'method' is required (one of {_ALLOWED})")
     aggregate = raw.get("aggregate", False)
     if aggregate not in (0, 1, True, False):
         raise ValueError(f"overlap config entry {key!r}: aggregate must be 0/1, got {aggregate!r}")
@@ -192,7 +201,7 @@ def megatron_defaults(layers: Iterable[str] = GEMM_LAYERS) -> dict[str, GemmOver
     return table
 
 
-def static_default(key: str) -> Optional[tuple[str, int]]:
+def static_default(key: str) -> Optional[tuple[Method, int]]:
     """Megatron's ``(method, num_splits)`` for a GEMM stage key (``"fc1_fprop"``, or an
     unnamed linear's ``"column_dgrad"``); None for a layer of unknown role. ``method: auto``
     falls back to it when measuring cannot tell the candidates apart."""

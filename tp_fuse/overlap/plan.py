@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from .auto import AUTO, UNFUSED
 from .config import METHODS, GemmOverlapConfig, TPOverlap
+from .method import Method
 
 
 @dataclasses.dataclass
@@ -21,19 +21,19 @@ class OverlapPlan:
     entry: GemmOverlapConfig
     tp_size: int
     # The overlap methods this window can use (what ``auto`` measures, with "unfused").
-    methods: tuple[str, ...] = METHODS
+    methods: tuple[Method, ...] = METHODS
 
     def describe(self) -> str:
         """``"fc1_fprop: ring_exchange"`` plus the settings without effect here."""
         ignored = self.entry.ignored()
         tail = f" [ignored: {', '.join(i.split(' (')[0] for i in ignored)}]" if ignored else ""
-        if self.entry.method == AUTO:
-            return f"{self.key}: auto (measured per shape among {', '.join((*self.methods, UNFUSED))}){tail}"
+        if self.entry.method is Method.AUTO:
+            return f"{self.key}: auto (measured per shape among {', '.join((*self.methods, Method.UNFUSED))}){tail}"
         return f"{self.key}: {self.entry.describe()}{tail}"
 
     def auto_lines(self) -> list[str]:
         """For ``explain``: the measured choices of this GEMM stage (``auto`` only)."""
-        if self.entry.method != AUTO:
+        if self.entry.method is not Method.AUTO:
             return []
         found = self.overlap.tuner.decisions_for(self.key)
         if not found:

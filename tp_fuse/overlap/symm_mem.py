@@ -61,6 +61,7 @@ from tp_fuse.comm.userbuffers import symmetric_memory_available
 from ..kernels.cuda_rules import scaled_mm_violations
 from ..quantization import BlockScaledTensor, Float8Tensor, is_quantized_tensor
 from ..strict import STRICT_ENV, CudaConformanceError, strict_cuda_enabled
+from .method import Method
 
 __all__ = [
     "OPS",
@@ -82,7 +83,7 @@ __all__ = [
 ]
 
 #: The candidate label of these ops in ``method: auto`` (and in choice files).
-SYMM_MEM = "symm_mem"
+SYMM_MEM = Method.SYMM_MEM
 
 AG, AG_SCALED = "fused_all_gather_matmul", "fused_all_gather_scaled_matmul"
 RS, RS_SCALED = "fused_matmul_reduce_scatter", "fused_scaled_matmul_reduce_scatter"

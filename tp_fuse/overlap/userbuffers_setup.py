@@ -7,9 +7,9 @@ quantization_modes=..., dtype=..., ub_cfgs=..., bootstrap_backend=...)`` and
 :class:`TPOverlap` per :class:`UserBufferQuantizationMode` from ``ub_cfgs`` (TE's dict,
 which is Megatron-LM's ``tp_comm_overlap_cfg``).
 
-Explicit objects stay the primary API: a ``TPOverlap`` passed to a ``BasicLinear``
-(``userbuffers_options={"overlap": ...}``) or to a comm op (``overlap=``) wins. Only a
-window without one reads the registered objects -- the one process-wide state that
+Explicit objects stay the primary API: a ``TPOverlap`` passed to a comm op (``overlap=``,
+or handed to it from its ``BasicLinear``'s ``userbuffers_options={"overlap": ...}``) wins.
+Only a comm op without one reads the registered objects (``TPCommOperation.window_overlap``) -- the one process-wide state that
 TE's call implies (TE keeps a dict of communicators per GEMM name and mode; here one
 ``TPOverlap`` per mode serves every GEMM name, its pool keeps one workspace per name).
 A window running quantized reads the ``FP8`` object, otherwise the ``NONE`` one; a

@@ -11,6 +11,7 @@ import torch.distributed as dist
 from tp_fuse.comm import ShapeAgreement
 
 from ...overlap.config import TPOverlap
+from ...overlap.userbuffers_setup import registered_overlap
 from ..op import BasicOperation
 
 
@@ -40,10 +41,10 @@ class TPCommOperation(BasicOperation):
         process_group: the tensor-parallel group (None: the default group; TP size 1 when
             torch.distributed is not initialized).
         overlap: a :class:`tp_fuse.overlap.config.TPOverlap` for the overlap fusion this op
-            takes part in. Without one (and without one in the neighbouring
-            ``BasicLinear``'s ``userbuffers_options``), the op's own default
-            ``TPOverlap()`` is used: Megatron's default methods and a workspace pool that
-            lives as long as this op.
+            takes part in. The comm op is the one carrier of a window's ``TPOverlap``: the
+            fusion matcher and the fused op read it here (:meth:`window_overlap`). (A
+            ``BasicLinear``'s ``userbuffers_options["overlap"]`` is handed to its comm op
+            when the window is matched: ``ops.fused.userbuffers_common.resolve_overlap``.)
     """
 
     def __init__(
@@ -80,6 +81,15 @@ class TPCommOperation(BasicOperation):
     @property
     def tp_size(self) -> int:
         return group_size(self.process_group)
+
+    def window_overlap(self, quantized: bool, what: str) -> "TPOverlap":
+        """The ``TPOverlap`` of this op's overlap window: the one given to this op, else the
+        one Transformer Engine's ``initialize_ub`` registered for the window's quantization
+        mode (``quantized``: it runs under an FP8 recipe; ValueError for a missing mode or
+        another TP size, naming ``what``), else this op's own default."""
+        if self.overlap is not None:
+            return self.overlap
+        return registered_overlap(quantized, self.tp_size, what) or self.default_overlap()
 
     def default_overlap(self) -> "TPOverlap":
         """This op's own ``TPOverlap()`` (created on first use; owns its workspace pool)."""

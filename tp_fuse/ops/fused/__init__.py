@@ -23,10 +23,12 @@ from .forward_linear_bias_add import ForwardLinearBiasAdd, fuse_forward_linear_b
 from .forward_linear_scale_add import ForwardLinearScaleAdd, fuse_forward_linear_scale_add
 from .grouped_mlp import fuse_grouped_mlp
 from .forward_norm_quantize_linear import ForwardNormQuantizeLinear, fuse_forward_norm_quantize_linear
-from .userbuffers_backward_linear import UserbuffersBackwardLinear, fuse_userbuffers_backward_linear
-from .userbuffers_forward_linear import UserbuffersForwardLinear, fuse_userbuffers_forward_linear
-from .userbuffers_forward_linear_all_reduce import (
-    UserbuffersForwardLinearAllReduce,
+from .userbuffers_backward_linear import UserbuffersBackwardLinear
+from .userbuffers_forward_linear import UserbuffersForwardLinear
+from .userbuffers_forward_linear_all_reduce import UserbuffersForwardLinearAllReduce
+from .userbuffers_matcher import (
+    fuse_userbuffers_backward_linear,
+    fuse_userbuffers_forward_linear,
     fuse_userbuffers_forward_linear_all_reduce,
 )
 

@@ -4,23 +4,23 @@ Engine's ``UserbuffersBackwardLinear``): ``[AllGather, BasicLinear(, Bias)]`` an
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import functools
 from typing import Any, Optional
 
 import torch
 
 from tp_fuse import comm
 
-from ...overlap.auto import AUTO, UNFUSED, parse_label
+from ...overlap.algorithms import Window, WindowOperands, run_algorithm
+from ...overlap.plan import OverlapPlan
+from ...overlap.method import Method, OverlapMethod
 from ...quantization import BlockScaledTensor, BlockScalingQuantizer, fp8_gemm
 from ..basic._checks import compute_dtype
 from ..basic._tp import check_first_dim_divisible
 from ..basic.all_gather import AllGather
 from ..basic.basic_linear import BasicLinear
 from ..basic.reduce_scatter import ReduceScatter
-from ..fusion import Fuse, FusionLog, MatchResult, Reject, describe_next, fuse_by_window
-from ..op import FusibleOperation, OperationContext
-from .forward_linear_bias_activation import linear_bias_mismatch
+from ..op import OperationContext
 from .userbuffers_common import (
     UserbuffersLinearBase,
     fp8_from_wire,
@@ -30,23 +30,11 @@ from .userbuffers_common import (
     fp8_wire_note,
     gemm_label,
     hp_gemm,
-    match_gemm_then,
-    match_linear_bias,
     observe_cast,
-    plan_overlap,
     precision_label,
     quantize_same_scale_over,
-    reject_collective_without_gemm,
     run_planned,
 )
-from ...overlap.plan import OverlapPlan
-
-_RS_DGRAD_UNSUPPORTED = {
-    "pipeline": "pipeline overlaps a reduce-scatter; this backward all-gathers dy, which "
-    "overlaps with the dgrad GEMM by ring_exchange",
-    "bulk": "bulk hides a collective behind an independent computation, but the dgrad GEMM "
-    "needs the gathered dy; use ring_exchange",
-}
 
 
 class UserbuffersBackwardLinear(UserbuffersLinearBase):
@@ -127,11 +115,11 @@ class UserbuffersBackwardLinear(UserbuffersLinearBase):
             if self.plan.overlap.save_gathered_input
             else "input shard re-gathered"
         )
-        if self.plan.entry.method == AUTO:
+        if self.plan.entry.method is Method.AUTO:
             how = f"{regather}; bulk overlaps dx reduce-scatter || wgrad GEMM" + (
                 f" ({self.wgrad_plan.describe()})" if self.wgrad_plan is not None else f" only if {self.wgrad_note}"
             )
-        elif self.plan.entry.method == "bulk":
+        elif self.plan.entry.method is Method.BULK:
             how = f"{regather} || dgrad GEMM; " + (
                 f"{self.wgrad_plan.describe()}: dx reduce-scatter || wgrad GEMM"
                 if self.wgrad_plan is not None
@@ -199,22 +187,18 @@ class UserbuffersBackwardLinear(UserbuffersLinearBase):
                 return fp8_gemm(dy_q.transpose_fp8(), x_full.transpose_fp8(), out_dtype=dy.dtype)
             return dy_q.t() @ x_full
 
-        def run(label: str):
-            """``(dx2d, dw)`` with method ``label`` (repeatable: operands are prepared above)."""
-            method, splits = parse_label(label)
+        # The dgrad GEMM and the reduce-scatter of dx (bulk / unfused: the GEMM alone, dx is
+        # reduce-scattered below); no collective shape check here, as in the unfused backward.
+        dgrad_operands = WindowOperands(dgrad_in, dgrad, group, pool, out_features=linear.in_features,
+                                        out_dtype=dy.dtype, name=key)
+
+        def run(m: OverlapMethod):
+            """``(dx2d, dw)`` with method ``m`` (repeatable: operands are prepared above)."""
 
             def dgrad_and_rs() -> torch.Tensor:
-                common = dict(out_features=linear.in_features, out_dtype=dy.dtype, name=key)
-                if method == "pipeline":
-                    return comm.gemm_reduce_scatter_pipelined(
-                        dgrad_in, dgrad, group, pool, num_splits=splits, **common
-                    )
-                if method == "ring_exchange":
-                    return comm.gemm_reduce_scatter_ring(dgrad_in, dgrad, group, pool, **common)
-                out = torch.empty(dgrad_in.shape[0], linear.in_features, dtype=dy.dtype, device=dy.device)
-                return dgrad(dgrad_in, out)  # bulk / unfused: the whole dgrad GEMM, reduce-scattered below
+                return run_algorithm(Window.DGRAD_REDUCE_SCATTER, m, dgrad_operands)
 
-            if regather and method == UNFUSED:
+            if regather and m.method is Method.UNFUSED:
                 x_gathered, dx2d = comm.all_gather_dim0(x_wire, group), dgrad_and_rs()
             elif regather:
                 x_gathered, dx2d = comm.bulk_overlap(start_gather, dgrad_and_rs)
@@ -225,11 +209,11 @@ class UserbuffersBackwardLinear(UserbuffersLinearBase):
             else:
                 # wgrad reads x transposed: a block-scaled x came as its column-wise copy.
                 x_full = fp8_from_wire(x_gathered, x_saved, "columnwise") if lin_ctx.fp8 else x_gathered
-            if method == "bulk" and self.wgrad_plan is not None and need_dw:
+            if m.method is Method.BULK and self.wgrad_plan is not None and need_dw:
                 return comm.bulk_overlap(
                     lambda: comm.reduce_scatter_dim0_async(dx2d, group, pool=pool), lambda: wgrad(x_full)
                 )
-            if method in ("bulk", UNFUSED):
+            if m.method in (Method.BULK, Method.UNFUSED):
                 return comm.reduce_scatter_dim0(dx2d, group, pool=pool), wgrad(x_full)
             return dx2d, wgrad(x_full)
 
@@ -276,23 +260,12 @@ class UserbuffersBackwardLinear(UserbuffersLinearBase):
             wire = dy2d.contiguous()
             dgrad = hp_gemm(w_saved)
 
-        def run(label: str) -> tuple[torch.Tensor, torch.Tensor]:
-            if label == UNFUSED:  # no overlap: gather dy, then the dgrad GEMM
-                gathered = comm.all_gather_dim0(wire, group)
-                out = torch.empty(gathered.shape[0], linear.in_features, dtype=dy.dtype, device=dy.device)
-                return dgrad(gathered, out), gathered
-            assert label == "ring_exchange", label
-            return comm.ring_exchange_ag_gemm(
-                wire,
-                dgrad,
-                group,
-                self.plan.overlap.pool,
-                out_features=linear.in_features,
-                out_dtype=dy.dtype,
-                return_gathered=True,
-                name=self.plan.key,
-                check_shapes=self.plan.overlap.check_shapes,
-            )
+        # The ring also returns the gathered dy: the wgrad GEMM (and db) read it.
+        operands = WindowOperands(
+            wire, dgrad, group, self.plan.overlap.pool, out_features=linear.in_features, out_dtype=dy.dtype,
+            name=self.plan.key, check_shapes=self.plan.overlap.check_shapes, return_gathered=True,
+        )
+        run = functools.partial(run_algorithm, Window.ALL_GATHER_GEMM, operands=operands)
 
         precision = precision_label(lin_ctx.grad_quantizer.recipe) if lin_ctx.fp8 else "hp"
         dx2d, gathered = run_planned(self.plan, run, rows=wire.shape[0], group=group, x=dy2d, precision=precision)
@@ -322,73 +295,3 @@ class UserbuffersBackwardLinear(UserbuffersLinearBase):
         dx = dx2d.view(full_rows, *dy.shape[1:-1], linear.in_features)
         grads = [(linear.finish_wgrad(dw),)] + ([(db,)] if bias_op is not None else []) + [()]
         return dx, grads, [() for _ in self.basic_ops]
-
-
-def fuse_userbuffers_backward_linear(
-    ops: list[FusibleOperation],
-    *,
-    recipe: Any = None,
-    fusion_log: Optional[FusionLog] = None,
-    **unused: Any,
-) -> list[FusibleOperation]:
-    """Replace ``[AllGather, BasicLinear(, Bias)]`` and ``[BasicLinear(, Bias), ReduceScatter]``
-    windows with :class:`UserbuffersBackwardLinear`, as the overlap config says."""
-    fp8 = recipe is not None
-
-    def match_all_gather(window: Sequence[FusibleOperation]) -> MatchResult:
-        ag = window[0]
-        assert isinstance(ag, AllGather)
-        linear = window[1] if len(window) > 1 else None
-        if not isinstance(linear, BasicLinear):
-            return Reject(
-                f"AllGather followed by {describe_next(window, 1)}, not BasicLinear: no dgrad GEMM to overlap the "
-                "reduce-scatter of dx with",
-                min(2, len(window)),
-            )
-        bias, length = match_linear_bias(window, 2)
-        if bias is not None and linear_bias_mismatch(linear, bias) is not None:
-            bias, length = None, 2
-        plan = plan_overlap(ag, linear, "dgrad", "column", {}, quantized=recipe is not None)
-        if isinstance(plan, str):
-            return Reject(plan, length)
-        wgrad_plan, note = None, ""
-        if plan.entry.method in ("bulk", AUTO):
-            wplan = plan_overlap(ag, linear, "wgrad", "column", {
-                m: "only bulk overlaps the dx reduce-scatter with the wgrad GEMM" for m in ("pipeline", "ring_exchange")
-            }, quantized=recipe is not None)
-            if isinstance(wplan, str):
-                note = wplan
-            else:
-                wgrad_plan = wplan
-        op = UserbuffersBackwardLinear(
-            linear=linear, bias=bias, all_gather=ag, plan=plan, wgrad_plan=wgrad_plan, wgrad_note=note, fp8=fp8,
-            recipe=recipe,
-        )
-        return Fuse(op, length, op.fusion_summary())
-
-    def match_reduce_scatter(window: Sequence[FusibleOperation]) -> MatchResult:
-        found = match_gemm_then(window, ReduceScatter, "reduce-scatter")
-        if not isinstance(found, tuple):
-            return found
-        linear, bias, rs, length = found
-        plan = plan_overlap(rs, linear, "dgrad", "row", _RS_DGRAD_UNSUPPORTED, quantized=recipe is not None)
-        if isinstance(plan, str):
-            return Reject(plan, length)
-        if fp8:
-            problem = fp8_gather_problem(rs.process_group, f"dy of {gemm_label(linear)}")
-            if problem is not None:
-                return Reject(problem, length)
-        op = UserbuffersBackwardLinear(linear=linear, bias=bias, reduce_scatter=rs, plan=plan, fp8=fp8, recipe=recipe)
-        return Fuse(op, length, op.fusion_summary())
-
-    def matcher(window: Sequence[FusibleOperation]) -> MatchResult:
-        first = window[0]
-        if isinstance(first, AllGather):
-            return match_all_gather(window)
-        if isinstance(first, BasicLinear):
-            return match_reduce_scatter(window)
-        return reject_collective_without_gemm(
-            window, ReduceScatter, "no dgrad GEMM to overlap the all-gather of dy with"
-        )
-
-    return fuse_by_window(ops, matcher, fusion_log)

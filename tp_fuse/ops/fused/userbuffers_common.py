@@ -6,8 +6,6 @@
   scale (:func:`fp8_gather_problem`, :func:`quantize_same_scale_over`);
 * GEMM callables with comm's contract ``gemm(chunk, out) -> out`` for high precision and
   FP8 (chunks arrive as uint8 bytes: comm moves FP8 data as raw bytes);
-* matching ``[BasicLinear(, Bias), collective]`` windows, and rejecting a collective that
-  follows something other than a GEMM, with the same rules in every direction;
 * running the method of a plan, fixed or chosen by measurement (``method: auto``,
   :func:`run_planned`).
 """
@@ -21,8 +19,10 @@ from typing import Any, Callable, Mapping, Optional, Union
 import torch
 import torch.distributed as dist
 
-from ...overlap.auto import AUTO, candidate_labels
+from tp_fuse.comm import GemmFn
+
 from ...overlap.config import METHODS, TPOverlap, static_default
+from ...overlap.method import Method, OverlapMethod, candidates
 from ...overlap.plan import OverlapPlan
 from ...overlap.symm_mem import (
     WindowCall,
@@ -32,7 +32,6 @@ from ...overlap.symm_mem import (
     symm_op_for,
     window_call,
 )
-from ...overlap.userbuffers_setup import registered_overlap
 from ...quantization import (
     BlockScaledTensor,
     BlockScalingQuantizer,
@@ -49,25 +48,23 @@ from ...recipe import DelayedScaling
 from ..basic._tp import TPCommOperation
 from ..basic.basic_linear import BasicLinear
 from ..basic.bias import Bias
-from ..fusion import Reject
 from ..basic.all_gather import AllGather
+from ..basic.all_reduce import AllReduce
 from ..basic.reduce_scatter import ReduceScatter
 from ..op import FusedOperation, FusibleOperation, OperationContext
-from .forward_linear_bias_activation import linear_bias_mismatch
-
-GemmFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 _USERBUFFERS_OPTION_KEYS = ("comm_name", "overlap")
 
 
 class UserbuffersLinearBase(FusedOperation):
-    """What the two Userbuffers fused linears share: the op window and how it is described.
+    """What the Userbuffers fused linears share: the op window and how it is described.
 
     The window is column-parallel ``[AllGather, BasicLinear(, Bias)]`` (``mode``
-    ``"all_gather"``) or row-parallel ``[BasicLinear(, Bias), ReduceScatter]``
-    (``"reduce_scatter"``); ``plan`` is the overlap plan of its GEMM stage; ``fp8`` and
-    ``recipe`` record what the fusion was decided under, for ``explain`` (``BasicLinear``
-    decides the GEMM path at run time). Subclasses run one direction each.
+    ``"all_gather"``), row-parallel ``[BasicLinear(, Bias), ReduceScatter]``
+    (``"reduce_scatter"``) or ``[BasicLinear(, Bias), AllReduce]`` (``"all_reduce"``);
+    ``plan`` is the overlap plan of its GEMM stage; ``fp8`` and ``recipe`` record what the
+    fusion was decided under, for ``explain`` (``BasicLinear`` decides the GEMM path at run
+    time). Subclasses run one direction each.
     """
 
     def __init__(
@@ -78,18 +75,22 @@ class UserbuffersLinearBase(FusedOperation):
         bias: Optional[Bias] = None,
         all_gather: Optional[AllGather] = None,
         reduce_scatter: Optional[ReduceScatter] = None,
+        all_reduce: Optional[AllReduce] = None,
         fp8: bool = False,
         recipe: Any = None,
     ) -> None:
-        if (all_gather is None) == (reduce_scatter is None):
-            raise ValueError(f"{type(self).__name__} needs exactly one of all_gather / reduce_scatter")
+        given = {"all_gather": all_gather, "reduce_scatter": reduce_scatter, "all_reduce": all_reduce}
+        modes = [mode for mode, op in given.items() if op is not None]
+        if len(modes) != 1:
+            raise ValueError(f"{type(self).__name__} needs exactly one of all_gather / reduce_scatter / all_reduce")
+        biases = [bias] if bias is not None else []
         ops: list[FusibleOperation]
         if all_gather is not None:
-            ops = [all_gather, linear] + ([bias] if bias is not None else [])
+            ops = [all_gather, linear, *biases]
         else:
-            ops = [linear] + ([bias] if bias is not None else []) + [reduce_scatter]
+            ops = [linear, *biases, given[modes[0]]]  # type: ignore[list-item]
         super().__init__(ops)
-        self.mode = "all_gather" if all_gather is not None else "reduce_scatter"
+        self.mode = modes[0]
         self.plan = plan
         self.fp8 = fp8
         self.recipe = recipe  # the recipe the fusion was decided under (describes the wire)
@@ -104,10 +105,15 @@ class UserbuffersLinearBase(FusedOperation):
 
 
 def resolve_overlap(linear: BasicLinear, comm_op: TPCommOperation, *, quantized: bool = False) -> TPOverlap:
-    """The TPOverlap of a window: from the linear's ``userbuffers_options``, from the comm
-    op, the one ``initialize_ub`` registered for the window's quantization mode
-    (``quantized``: it runs under an FP8 recipe), or the comm op's own default. Two
-    different explicit objects are a ValueError."""
+    """The TPOverlap of a window, as its comm op carries it (:meth:`TPCommOperation.window_overlap`:
+    the op's own, ``initialize_ub``'s registration for the window's quantization mode
+    (``quantized``: it runs under an FP8 recipe), or the op's default).
+
+    A ``TPOverlap`` in the linear's ``userbuffers_options`` (a spelling users and
+    ``BasicLinear(..., userbuffers_options={"comm_name": ..., "overlap": ...})`` examples
+    use) is handed to the comm op here, once, so that the comm op is its only carrier from
+    then on; the comm op holding a different one is a ValueError.
+    """
     opts = linear.userbuffers_options
     unknown = sorted(set(opts) - set(_USERBUFFERS_OPTION_KEYS))
     if unknown:
@@ -118,22 +124,20 @@ def resolve_overlap(linear: BasicLinear, comm_op: TPCommOperation, *, quantized:
     if name is not None and (not isinstance(name, str) or not name):
         raise ValueError(f"BasicLinear userbuffers_options['comm_name'] must be a non-empty str, got {name!r}")
     from_linear = opts.get("overlap")
-    if from_linear is not None and not isinstance(from_linear, TPOverlap):
-        raise ValueError(
-            "BasicLinear userbuffers_options['overlap'] must be a tp_fuse.overlap.config.TPOverlap, "
-            f"got {type(from_linear).__name__}"
-        )
-    from_comm = comm_op.overlap
-    if from_linear is not None and from_comm is not None and from_linear is not from_comm:
-        raise ValueError(
-            f"BasicLinear {name!r} and its {type(comm_op).__name__} were given different TPOverlap "
-            "objects; pass the same one (or only one of them)"
-        )
-    explicit = from_linear or from_comm
-    if explicit is not None:
-        return explicit
-    registered = registered_overlap(quantized, comm_op.tp_size, f"{type(comm_op).__name__} window of {gemm_label(linear)}")
-    return registered or comm_op.default_overlap()
+    if from_linear is not None:
+        if not isinstance(from_linear, TPOverlap):
+            raise ValueError(
+                "BasicLinear userbuffers_options['overlap'] must be a tp_fuse.overlap.config.TPOverlap, "
+                f"got {type(from_linear).__name__}"
+            )
+        if comm_op.overlap is None:
+            comm_op.overlap = from_linear
+        elif comm_op.overlap is not from_linear:
+            raise ValueError(
+                f"BasicLinear {name!r} and its {type(comm_op).__name__} were given different TPOverlap "
+                "objects; pass the same one (or only one of them)"
+            )
+    return comm_op.window_overlap(quantized, f"{type(comm_op).__name__} window of {gemm_label(linear)}")
 
 
 def gemm_label(linear: BasicLinear) -> str:
@@ -184,47 +188,43 @@ def precision_label(recipe: Any) -> str:
 
 def run_planned(
     plan: OverlapPlan,
-    run: Callable[[str], Any],
+    run: Callable[[OverlapMethod], Any],
     *,
     rows: int,
     group: Optional[dist.ProcessGroup],
     x: torch.Tensor,
     precision: str,
     extra: str = "",
-    extra_labels: Sequence[str] = (),
+    extra_methods: Sequence[OverlapMethod] = (),
 ) -> Any:
-    """``run(label)`` for the plan's method: ``"ring_exchange"``, ``"bulk"``,
-    ``"pipeline/<effective num_splits>"`` (``rows``: the rows a chunk is cut from), or,
-    for ``method: auto``, the label the TPOverlap's tuner picks among the window's methods
-    and ``"unfused"``, measured on the first call with this signature (``x``'s shape and
+    """``run(method)`` for the plan's method: the config entry's (``pipeline`` with its
+    effective split count for ``rows``, the rows a chunk is cut from), or, for
+    ``method: auto``, the candidate the TPOverlap's tuner picks among the window's methods
+    and ``unfused``, measured on the first call with this signature (``x``'s shape and
     dtype, ``precision``, the TP size and ``extra``), the same on every TP rank.
 
-    ``extra_labels``: candidates the window can run besides its config's methods (``symm_mem``
-    where :func:`symm_mem_window` built a call); they are offered to ``method: auto`` only,
-    and must be the same on every rank (they depend on the device, the group's backend and
-    the shapes, which the window's ranks share).
+    ``extra_methods``: candidates the window can run besides its config's methods
+    (``symm_mem`` where :func:`symm_mem_window` built a call); they are offered to
+    ``method: auto`` only, and must be the same on every rank (they depend on the device,
+    the group's backend and the shapes, which the window's ranks share).
 
     ``run`` must be repeatable with the same result: operands (FP8 casts included) are
     prepared before, so measuring records nothing twice.
     """
     entry = plan.entry
-    if entry.method != AUTO:
-        if entry.method == "pipeline":
-            return run(f"pipeline/{effective_splits(entry.num_splits, rows)}")
-        return run(entry.method)
+    if entry.method is not Method.AUTO:
+        return run(OverlapMethod.fixed(entry.method, entry.num_splits, rows))
     tuner = plan.overlap.tuner
-    labels = candidate_labels(plan.methods, (*tuner.splits, entry.num_splits), rows, extra_labels)
+    # The tuner and its choice file speak labels; each maps back to its typed candidate.
+    by_label = {m.label: m for m in candidates(plan.methods, (*tuner.splits, entry.num_splits), rows, extra_methods)}
     signature = (
         f"x {'x'.join(map(str, x.shape))} {str(x.dtype).replace('torch.', '')}, {precision}, tp={plan.tp_size}{extra}"
     )
     fallback = static_default(plan.key)
-    if fallback is not None and fallback[0] == "pipeline":
-        default: Optional[str] = f"pipeline/{effective_splits(fallback[1], rows)}"
-    else:
-        default = None if fallback is None else fallback[0]
-    label = tuner.decide(plan.key, signature, {lb: functools.partial(run, lb) for lb in labels}, group, x.device,
-                         default=default)
-    return run(label)
+    default = None if fallback is None else OverlapMethod.fixed(*fallback, rows).label
+    label = tuner.decide(plan.key, signature, {lb: functools.partial(run, m) for lb, m in by_label.items()}, group,
+                         x.device, default=default)
+    return run(by_label[label])
 
 
 def symm_mem_window(
@@ -244,7 +244,7 @@ def symm_mem_window(
     CPU, gloo, no symmetric memory, ...), the FP8 layout has no form in the op (block
     scales), or the call would break one of the op's rules (:func:`symm_mem_violations`,
     e.g. K % 16 for FP8). ``a [M, K]``, ``w [N, K]``: plain or FP8 operands."""
-    if plan.entry.method != AUTO:
+    if plan.entry.method is not Method.AUTO:
         return None
     op = symm_op_for(mode, is_quantized_tensor(a))
     if symm_mem_unavailable(op, group, a.device, plan.overlap.pool) is not None:
@@ -423,50 +423,3 @@ def gemm_then_reduce_operands(
         return fp8_wire(x_fp8).view(x2d.shape[0], -1), fp8_gemm_from_bytes(x_fp8, w_fp8, x.dtype, bias), (x_fp8, w_fp8)
     w = linear.weight_in(x.dtype)
     return x2d.contiguous(), hp_gemm(w.t(), bias), (x2d, w)
-
-
-def effective_splits(num_splits: int, rows: int) -> int:
-    """Chunks of a pipelined overlap: ``num_splits``, or one per row when a rank has fewer
-    rows than that (a sequence shorter than the configured split count runs a shorter
-    pipeline with the same result rather than failing where the unfused ops work)."""
-    return max(1, min(num_splits, rows))
-
-
-# ---- window matching (the same rules for fprop, dgrad and all-reduce overlap) ----
-
-
-def match_linear_bias(window: Sequence[FusibleOperation], start: int) -> tuple[Optional[Bias], int]:
-    """``(Bias or None, index after it)`` for the ops following a BasicLinear at ``start``."""
-    if len(window) > start and isinstance(window[start], Bias):
-        return window[start], start + 1  # type: ignore[return-value]
-    return None, start
-
-
-def match_gemm_then(
-    window: Sequence[FusibleOperation], collective: type, collective_name: str
-) -> Union[None, Reject, tuple[BasicLinear, Optional[Bias], TPCommOperation, int]]:
-    """``[BasicLinear(, Bias), collective]`` at the start of ``window`` as
-    ``(linear, bias, comm_op, length)``; None when the window is not that shape (other
-    fusions report on it); a Reject when the Bias cannot go into the GEMM's epilogue."""
-    linear = window[0]
-    bias, k = match_linear_bias(window, 1)
-    if len(window) <= k or not isinstance(window[k], collective):
-        return None
-    why = linear_bias_mismatch(linear, bias) if bias is not None else None  # type: ignore[arg-type]
-    if why is not None:
-        return Reject(f"{why}: the Bias sits between GEMM and {collective_name}", k + 1)
-    return linear, bias, window[k], k + 1  # type: ignore[return-value]
-
-
-def reject_collective_without_gemm(
-    window: Sequence[FusibleOperation], collective: type, no_gemm: str
-) -> Optional[Reject]:
-    """Reject ``[X, collective]`` where X is neither BasicLinear nor Bias, saying ``no_gemm``
-    (what is missing); a Bias first is left alone: its window starts at the BasicLinear."""
-    first = window[0]
-    if len(window) > 1 and isinstance(window[1], collective) and not isinstance(first, Bias):
-        return Reject(
-            f"{collective.__name__} preceded by {type(first).__name__}, not BasicLinear(+Bias): {no_gemm}",
-            2,
-        )
-    return None

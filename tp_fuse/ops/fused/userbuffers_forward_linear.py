@@ -6,22 +6,15 @@ all-gather overlapped with the GEMM) and ``[BasicLinear(, Bias), ReduceScatter]`
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
 from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
 
-from tp_fuse.comm import (
-    all_gather_dim0,
-    gemm_reduce_scatter_pipelined,
-    gemm_reduce_scatter_ring,
-    reduce_scatter_dim0,
-    ring_exchange_ag_gemm,
-)
+from tp_fuse.comm import all_gather_dim0
 
-from ...overlap.auto import UNFUSED, parse_label
-from ...overlap.symm_mem import SYMM_MEM
+from ...overlap.algorithms import Window, WindowOperands, run_algorithm
+from ...overlap.method import Method, OverlapMethod
 from ...quantization import BlockScaledTensor, active_autocast, is_quantized_tensor
 from ...quantization.block.quantizer import is_block_recipe
 from ..basic._checks import maybe_dequantize
@@ -30,9 +23,7 @@ from ..basic.all_gather import AllGather, gather_maybe_fp8
 from ..basic.basic_linear import BasicLinear
 from ..basic.bias import Bias
 from ..basic.reduce_scatter import ReduceScatter
-from ..fusion import Fuse, FusionLog, MatchResult, Reject, describe_next, fuse_by_window
-from ..op import FusibleOperation, OperationContext, require
-from .forward_linear_bias_activation import linear_bias_mismatch
+from ..op import OperationContext, require
 from .userbuffers_common import (
     UserbuffersLinearBase,
     fp8_from_wire,
@@ -43,28 +34,12 @@ from .userbuffers_common import (
     gemm_label,
     gemm_then_reduce_operands,
     hp_gemm,
-    match_gemm_then,
-    match_linear_bias,
     observe_cast,
-    plan_overlap,
     precision_label,
     quantize_same_scale_over,
-    reject_collective_without_gemm,
     run_planned,
     symm_mem_window,
 )
-
-# Why a method does not apply to a forward window (the matcher rejects with this reason).
-_AG_FPROP_UNSUPPORTED = {
-    "pipeline": "pipeline overlaps a reduce-scatter (Megatron uses it for proj/fc2 fprop); "
-    "an all-gather+GEMM overlaps by ring_exchange",
-    "bulk": "bulk hides a collective behind an independent computation, but this GEMM needs "
-    "the gathered input; use ring_exchange",
-}
-_RS_FPROP_UNSUPPORTED = {
-    "bulk": "bulk hides a collective behind an independent computation, but the "
-    "reduce-scatter needs this GEMM's output; use pipeline or ring_exchange",
-}
 
 
 def _regather(group: Optional[dist.ProcessGroup], x2d: torch.Tensor) -> torch.Tensor:
@@ -223,35 +198,16 @@ class UserbuffersForwardLinear(UserbuffersLinearBase):
         symm = symm_mem_window(self.plan, "all_gather", group, x_fp8 if fp8 else x2d, w_saved,
                                out_dtype=x.dtype, bias=bias, return_a=keep_gathered)
 
-        def run(label: str):
-            if label == SYMM_MEM:
-                assert symm is not None
-                gathered_a, y_symm = symm.run()
-                # FP8: the gathered float8 data; re-wrapped with the shard's scale below.
-                return (y_symm, gathered_a) if keep_gathered else y_symm
-            if label == UNFUSED:  # no overlap: gather, then one GEMM
-                gathered = all_gather_dim0(wire, group)
-                out = torch.empty(gathered.shape[0], linear.out_features, dtype=x.dtype, device=x.device)
-                gemm(gathered, out)
-                return (out, gathered) if keep_gathered else out
-            assert label == "ring_exchange", label
-            return ring_exchange_ag_gemm(
-                wire,
-                gemm,
-                group,
-                overlap.pool,
-                out_features=linear.out_features,
-                out_dtype=x.dtype,
-                return_gathered=keep_gathered,
-                name=self.plan.key,
-                check_shapes=overlap.check_shapes,
-            )
-
+        operands = WindowOperands(
+            wire, gemm, group, overlap.pool, out_features=linear.out_features, out_dtype=x.dtype,
+            name=self.plan.key, check_shapes=overlap.check_shapes, return_gathered=keep_gathered, symm=symm,
+        )
         result = run_planned(
-            self.plan, run, rows=wire.shape[0], group=group, x=x,
+            self.plan, functools.partial(run_algorithm, Window.ALL_GATHER_GEMM, operands=operands),
+            rows=wire.shape[0], group=group, x=x,
             precision=precision_label(active_autocast().recipe if fp8 else None),
             extra=", keep gathered" if keep_gathered else "",
-            extra_labels=(SYMM_MEM,) if symm is not None else (),
+            extra_methods=(OverlapMethod(Method.SYMM_MEM),) if symm is not None else (),
         )
         if keep_gathered:
             y2d, gathered = result
@@ -283,93 +239,21 @@ class UserbuffersForwardLinear(UserbuffersLinearBase):
         full_shape = (*x.shape[:-1], linear.out_features)
         wire, gemm, saved = gemm_then_reduce_operands(linear, bias_op, lin_ctx, x, full_shape, fp8)
         overlap = self.plan.overlap
-        common = dict(
-            out_features=linear.out_features,
-            out_dtype=x.dtype,
-            name=self.plan.key,
-            check_shapes=overlap.check_shapes,
-        )
 
         # PyTorch's fused matmul+reduce-scatter, where it can run (CUDA, NCCL, symmetric memory).
         bias = bias_op.bias.to(x.dtype) if bias_op is not None else None  # type: ignore[union-attr]
         symm = symm_mem_window(self.plan, "reduce_scatter", group, saved[0], saved[1], out_dtype=x.dtype, bias=bias)
-
-        def run(label: str) -> torch.Tensor:
-            if label == SYMM_MEM:
-                assert symm is not None
-                return symm.run()[1]
-            method, splits = parse_label(label)
-            if method == "pipeline":
-                return gemm_reduce_scatter_pipelined(wire, gemm, group, overlap.pool, num_splits=splits, **common)
-            if method == "ring_exchange":
-                return gemm_reduce_scatter_ring(wire, gemm, group, overlap.pool, **common)
-            assert label == UNFUSED, label  # no overlap: one GEMM, then the reduce-scatter
-            out = torch.empty(wire.shape[0], linear.out_features, dtype=x.dtype, device=x.device)
-            return reduce_scatter_dim0(gemm(wire, out), group, pool=overlap.pool)
-
+        operands = WindowOperands(
+            wire, gemm, group, overlap.pool, out_features=linear.out_features, out_dtype=x.dtype,
+            name=self.plan.key, check_shapes=overlap.check_shapes, symm=symm,
+        )
         y2d = run_planned(
-            self.plan, run, rows=wire.shape[0] // tp, group=group, x=x,
+            self.plan, functools.partial(run_algorithm, Window.GEMM_REDUCE_SCATTER, operands=operands),
+            rows=wire.shape[0] // tp, group=group, x=x,
             precision=precision_label(active_autocast().recipe if fp8 else None),
-            extra_labels=(SYMM_MEM,) if symm is not None else (),
+            extra_methods=(OverlapMethod(Method.SYMM_MEM),) if symm is not None else (),
         )
         lin_ctx.input_shape = x.shape
         if lin_ctx.requires_grad:
             lin_ctx.save_for_backward(*saved)
         return y2d.view(x.shape[0] // tp, *full_shape[1:])
-
-
-def fuse_userbuffers_forward_linear(
-    ops: list[FusibleOperation],
-    *,
-    recipe: Any = None,
-    fusion_log: Optional[FusionLog] = None,
-    **unused: Any,
-) -> list[FusibleOperation]:
-    """Replace ``[AllGather, BasicLinear(, Bias)]`` and ``[BasicLinear(, Bias), ReduceScatter]``
-    windows with :class:`UserbuffersForwardLinear`, as the overlap config says."""
-    fp8 = recipe is not None
-
-    def match_all_gather(window: Sequence[FusibleOperation]) -> MatchResult:
-        ag = window[0]
-        assert isinstance(ag, AllGather)
-        linear = window[1] if len(window) > 1 else None
-        if not isinstance(linear, BasicLinear):
-            return Reject(
-                f"AllGather followed by {describe_next(window, 1)}, not BasicLinear: no GEMM to overlap the gather with",
-                min(2, len(window)),
-            )
-        bias, length = match_linear_bias(window, 2)
-        if bias is not None and linear_bias_mismatch(linear, bias) is not None:
-            if fusion_log is not None:
-                fusion_log.rejected(window[:3], f"{linear_bias_mismatch(linear, bias)}; fusing AllGather+BasicLinear alone")
-            bias, length = None, 2
-        plan = plan_overlap(ag, linear, "fprop", "column", _AG_FPROP_UNSUPPORTED, quantized=recipe is not None)
-        if isinstance(plan, str):
-            return Reject(plan, length)
-        if fp8:
-            problem = fp8_gather_problem(ag.process_group, f"the input of {gemm_label(linear)}")
-            if problem is not None:
-                return Reject(problem, length)
-        op = UserbuffersForwardLinear(linear=linear, bias=bias, all_gather=ag, plan=plan, fp8=fp8, recipe=recipe)
-        return Fuse(op, length, op.fusion_summary())
-
-    def match_reduce_scatter(window: Sequence[FusibleOperation]) -> MatchResult:
-        found = match_gemm_then(window, ReduceScatter, "reduce-scatter")
-        if not isinstance(found, tuple):
-            return found
-        linear, bias, rs, length = found
-        plan = plan_overlap(rs, linear, "fprop", "row", _RS_FPROP_UNSUPPORTED, quantized=recipe is not None)
-        if isinstance(plan, str):
-            return Reject(plan, length)
-        op = UserbuffersForwardLinear(linear=linear, bias=bias, reduce_scatter=rs, plan=plan, fp8=fp8, recipe=recipe)
-        return Fuse(op, length, op.fusion_summary())
-
-    def matcher(window: Sequence[FusibleOperation]) -> MatchResult:
-        first = window[0]
-        if isinstance(first, AllGather):
-            return match_all_gather(window)
-        if isinstance(first, BasicLinear):
-            return match_reduce_scatter(window)
-        return reject_collective_without_gemm(window, ReduceScatter, "no GEMM to overlap the reduce-scatter with")
-
-    return fuse_by_window(ops, matcher, fusion_log)

@@ -3,41 +3,28 @@ all-reduce overlapped chunk by chunk (tensor parallelism without sequence parall
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Any, Optional
+import functools
+from typing import Any
 
 import torch
 
-from tp_fuse.comm import all_reduce, gemm_all_reduce_chunked
-
-from ...overlap.auto import UNFUSED, parse_label
+from ...overlap.algorithms import Window, WindowOperands, run_algorithm
 from ...quantization import active_autocast
 from ..basic._checks import maybe_dequantize
 from ..basic.all_reduce import AllReduce
 from ..basic.basic_linear import BasicLinear
 from ..basic.bias import Bias
-from ..fusion import Fuse, FusionLog, MatchResult, Reject, fuse_by_window
-from ..op import FusedOperation, FusibleOperation, OperationContext, require
+from ..op import OperationContext, require
 from .userbuffers_common import (
+    UserbuffersLinearBase,
     gemm_label,
     gemm_then_reduce_operands,
-    match_gemm_then,
-    plan_overlap,
     precision_label,
-    reject_collective_without_gemm,
     run_planned,
 )
-from ...overlap.plan import OverlapPlan
-
-_AR_FPROP_UNSUPPORTED = {
-    "ring_exchange": "a GEMM+all-reduce overlaps by chunks (method pipeline, num_splits chunks); "
-    "ring_exchange applies to all-gathers and reduce-scatters",
-    "bulk": "bulk hides a collective behind an independent computation, but the all-reduce "
-    "needs this GEMM's output; use pipeline",
-}
 
 
-class UserbuffersForwardLinearAllReduce(FusedOperation):
+class UserbuffersForwardLinearAllReduce(UserbuffersLinearBase):
     """Forward pass of ``BasicLinear(, Bias), AllReduce`` with the all-reduce overlapped.
 
     ======== ============================ ==============================================
@@ -62,24 +49,9 @@ class UserbuffersForwardLinearAllReduce(FusedOperation):
     identity), filled from the context saved here exactly as ``BasicLinear`` saves it.
     """
 
-    def __init__(
-        self,
-        *,
-        linear: BasicLinear,
-        all_reduce: AllReduce,
-        plan: OverlapPlan,
-        bias: Optional[Bias] = None,
-        fp8: bool = False,
-    ) -> None:
-        super().__init__([linear] + ([bias] if bias is not None else []) + [all_reduce])
-        self.plan = plan
-        self.fp8 = fp8  # for describing the fusion only
-
     def fusion_summary(self) -> str:
-        linear = self.basic_ops[0]
-        assert isinstance(linear, BasicLinear)
         prec = "; FP8 GEMM chunks, all-reduce in high precision" if self.fp8 else ""
-        return f"GEMM+AllReduce {gemm_label(linear)}, {self.plan.describe()} chunks, TP={self.plan.tp_size}{prec}"
+        return f"GEMM+AllReduce {gemm_label(self.linear)}, {self.plan.describe()} chunks, {self.tp_label}{prec}"
 
     def fuser_forward(
         self,
@@ -108,53 +80,16 @@ class UserbuffersForwardLinearAllReduce(FusedOperation):
         wire, gemm, saved = gemm_then_reduce_operands(linear, bias_op, lin_ctx, x, out_shape, fp8)
         group = ar.process_group
 
-        def run(label: str) -> torch.Tensor:
-            method, splits = parse_label(label)
-            if method == "pipeline":
-                return gemm_all_reduce_chunked(
-                    wire,
-                    gemm,
-                    group,
-                    num_splits=splits,
-                    out_features=linear.out_features,
-                    out_dtype=x.dtype,
-                    check_shapes=self.plan.overlap.check_shapes,
-                )
-            assert label == UNFUSED, label  # no overlap: one GEMM, then the all-reduce
-            out = torch.empty(wire.shape[0], linear.out_features, dtype=x.dtype, device=x.device)
-            return all_reduce(gemm(wire, out), group, inplace=True)
-
+        operands = WindowOperands(
+            wire, gemm, group, None, out_features=linear.out_features, out_dtype=x.dtype, name=self.plan.key,
+            check_shapes=self.plan.overlap.check_shapes,
+        )
         y2d = run_planned(
-            self.plan, run, rows=wire.shape[0], group=group, x=x,
+            self.plan, functools.partial(run_algorithm, Window.GEMM_ALL_REDUCE, operands=operands),
+            rows=wire.shape[0], group=group, x=x,
             precision=precision_label(active_autocast().recipe if fp8 else None),
         )
         lin_ctx.input_shape = x.shape
         if lin_ctx.requires_grad:
             lin_ctx.save_for_backward(*saved)
         return y2d.view(out_shape), [() for _ in self.basic_ops]
-
-
-def fuse_userbuffers_forward_linear_all_reduce(
-    ops: list[FusibleOperation],
-    *,
-    recipe: Any = None,
-    fusion_log: Optional[FusionLog] = None,
-    **unused: Any,
-) -> list[FusibleOperation]:
-    """Replace ``[BasicLinear(, Bias), AllReduce]`` windows with
-    :class:`UserbuffersForwardLinearAllReduce`, as the overlap config says."""
-
-    def matcher(window: Sequence[FusibleOperation]) -> MatchResult:
-        if not isinstance(window[0], BasicLinear):
-            return reject_collective_without_gemm(window, AllReduce, "no GEMM to overlap the all-reduce with")
-        found = match_gemm_then(window, AllReduce, "all-reduce")
-        if not isinstance(found, tuple):
-            return found
-        linear, bias, ar, length = found
-        plan = plan_overlap(ar, linear, "fprop", "row", _AR_FPROP_UNSUPPORTED, quantized=recipe is not None)
-        if isinstance(plan, str):
-            return Reject(plan, length)
-        op = UserbuffersForwardLinearAllReduce(linear=linear, bias=bias, all_reduce=ar, plan=plan, fp8=recipe is not None)
-        return Fuse(op, length, op.fusion_summary())
-
-    return fuse_by_window(ops, matcher, fusion_log)
