@@ -83,13 +83,16 @@ class CompileKey(NamedTuple):
     recipes (``Float8BlockScaling``, ``MXFP8BlockScaling``, ``Float8RowwiseScaling``,
     ``NVFP4BlockScaling``), ``((role, BlockLayout), ...)`` for :data:`BLOCK_ROLES` --
     block shapes and dtypes depend on the recipe's fields, not only on its class, and
-    the graph's shapes depend on them -- else None.
+    the graph's shapes depend on them -- else None; ``power_2_scale``: current scaling's.
     """
 
     recipe: str
     fwd_dtype: Optional[torch.dtype]
     bwd_dtype: Optional[torch.dtype]
     layouts: Optional[tuple[tuple[str, BlockLayout], ...]] = None
+    #: Current scaling's ``power_2_scale``: the ATen casts traced on the CUDA path
+    #: (``ops/compiled/traced_cast.py``) bake it in, so a change must trace again.
+    power_2_scale: bool = False
 
     @property
     def per_tensor(self) -> bool:
@@ -155,7 +158,7 @@ def recipe_key(recipe: Any) -> Optional[CompileKey]:
     fmt = getattr(recipe, "fp8_format", None)
     name = type(recipe).__name__
     if name in ("DelayedScaling", "Float8CurrentScaling") and fmt is not None:
-        return CompileKey(name, fmt.fwd_dtype, fmt.bwd_dtype)
+        return CompileKey(name, fmt.fwd_dtype, fmt.bwd_dtype, None, bool(getattr(recipe, "power_2_scale", False)))
     layouts = _block_layouts(recipe)
     if layouts is not None:
         return CompileKey(name, None, None, layouts)

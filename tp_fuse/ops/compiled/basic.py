@@ -28,6 +28,7 @@ from ...quantization.compile_state import HAVE_COMPILE_REFS, CompileKey
 from ...quantization.custom_ops import NO_OBSERVER
 from ...quantization.float8.tensor import Float8Tensor
 from ...quantization.gemm_choice import traced_gemms_auto
+from ...kernels import fp8_gemm_reads_views
 from ..basic import (
     GEGLU,
     AllGather,
@@ -62,6 +63,7 @@ from ..op import BasicOperation, require
 from .activations import GeluFunction
 from .comm import AllGatherSeq, AllReduceBackward, AllReduceForward, ReduceScatterSeq
 from .fp8_linear import BlockLinearFunction, Fp8LinearFunction
+from .fp8_linear_cuda import Fp8LinearCudaFunction
 
 __all__ = ["TRACED_FORWARDS", "register_traced_forward", "tp_group", "unsupported_reason"]
 
@@ -74,10 +76,15 @@ def tp_group(group: Optional[torch.distributed.ProcessGroup]) -> torch.distribut
     return group if group is not None else torch.distributed.group.WORLD
 
 
-def _linear(op: BasicLinear, x: torch.Tensor, extras: Extras, fp8: Optional[CompileKey]):
-    """``y = x W^T``: ``F.linear`` in high precision, :class:`Fp8LinearFunction` in per-tensor
-    FP8, :class:`BlockLinearFunction` under the block-scaled recipes (NVFP4 included).
-    Column parallel without sequence parallelism: dx is all-reduced over TP (as eager)."""
+def _linear(op: BasicLinear, x: torch.Tensor, extras: Extras, fp8: Optional[CompileKey],
+            bias: Optional[torch.Tensor] = None):
+    """``y = x W^T (+ b)``: ``F.linear`` in high precision, :class:`Fp8LinearFunction` in
+    per-tensor FP8 on CPU (exact emulation), :class:`Fp8LinearCudaFunction` on the CUDA
+    path (``torch._scaled_mm`` with its bias; ATen casts under current scaling),
+    :class:`BlockLinearFunction` under the block-scaled recipes (NVFP4 included).
+    ``bias``: the next op's (``Bias``) when the fuser path folds it into the GEMM
+    (:func:`folds_bias`). Column parallel without sequence parallelism: dx is all-reduced
+    over TP (as eager)."""
     op.check_input(x)
     lead = x.shape[:-1]
     x2d = x.reshape(-1, op.in_features)
@@ -92,11 +99,22 @@ def _linear(op: BasicLinear, x: torch.Tensor, extras: Extras, fp8: Optional[Comp
         observer = NO_OBSERVER if op.debug_hooks is None else op.debug_hooks.compile_ref
         if fp8.block_scaled:
             y = BlockLinearFunction.apply(x2d, weight, op._quantizers.compile_ref, fp8, need_grad, observer)
+        elif not fp8_gemm_reads_views(x.device):
+            y = Fp8LinearCudaFunction.apply(x2d, weight, bias, op._quantizers, fp8, need_grad, observer)
+            bias = None
         else:
             y = Fp8LinearFunction.apply(
                 x2d, weight, op._quantizers.compile_ref, fp8.recipe, fp8.fwd_dtype, fp8.bwd_dtype, need_grad, observer
             )
+    if bias is not None:
+        y = y + bias.to(y.dtype)
     return y.reshape(*lead, op.out_features), []
+
+
+def folds_bias(op: BasicLinear, x: torch.Tensor, fp8: Optional[CompileKey]) -> bool:
+    """Whether a ``Bias`` right after ``op`` is traced as the FP8 GEMM's bias epilogue
+    (per-tensor FP8 on the CUDA path: ``torch._scaled_mm(..., bias=)``, as eager)."""
+    return fp8 is not None and fp8.per_tensor and not fp8_gemm_reads_views(x.device)
 
 
 def _norm(op: Any, x: torch.Tensor, extras: Extras, fp8: Optional[CompileKey]):

@@ -22,7 +22,7 @@ import torch
 from ...quantization.compile_state import CompileKey, traced_key
 from ...quantization.quantized_tensor import QuantizedTensor
 from ..basic import AllGather, AllReduce, BasicLinear, Bias, ReduceScatter
-from .basic import TRACED_FORWARDS, unsupported_reason
+from .basic import TRACED_FORWARDS, folds_bias, unsupported_reason
 from .overlap_plan import structural_windows
 
 if TYPE_CHECKING:
@@ -103,9 +103,33 @@ def _traced_forward(
                 external[i][k] if src is None else produced[src[0]][src[1]]
                 for k, src in enumerate(routing.input_sources[i])
             ]
+            bias_op = _foldable_bias(fuser, i, x, fp8, autocast_dtype)
+            if bias_op is not None:
+                # The FP8 GEMM's bias epilogue, as the eager fused Linear+Bias.
+                bias_op.check_input_spec((*x.shape[:-1], op.out_features), x.dtype, x.device)
+                x, outs = TRACED_FORWARDS[type(op)](op, x, extras, fp8, bias=bias_op.bias)
+                produced += [outs, []]
+                skip = 1
+                continue
             x, outs = TRACED_FORWARDS[type(op)](op, x, extras, fp8)
             produced.append(outs)
     return _unshared([x, *routing.public_outputs(produced)], (input_, *extra_inputs))
+
+
+def _foldable_bias(
+    fuser: "OperationFuser", i: int, x: torch.Tensor, fp8: Optional[CompileKey], autocast_dtype: Optional[torch.dtype]
+) -> Optional[Bias]:
+    """The ``Bias`` right after the ``BasicLinear`` at ``i`` when the traced GEMM takes it
+    as its epilogue (``basic.folds_bias``: per-tensor FP8 on the CUDA path), else None.
+    Not when the bias would see another input dtype than the GEMM's output, or takes
+    extra inputs."""
+    ops = fuser.basic_ops
+    op, nxt = ops[i], ops[i + 1] if i + 1 < len(ops) else None
+    if type(op) is not BasicLinear or type(nxt) is not Bias or fuser.routing.input_sources[i + 1]:
+        return None
+    if nxt.input_dtype(autocast_dtype) != x.dtype or not folds_bias(op, x, fp8):
+        return None
+    return nxt
 
 
 def _overlap_window(ops: Sequence[Any], x: torch.Tensor, mode: str, fp8: Optional[CompileKey]) -> torch.Tensor:
