@@ -271,3 +271,20 @@ def test_explain_says_what_compile_does_with_each_group() -> None:
         assert "compile:  traced into the caller's graph" in str(ops.explain(model))
     with tp_fuse.autocast(recipe=Float8BlockScaling()):
         assert "compile:  traced into the caller's graph" in str(ops.explain(model))
+
+
+def test_compiled_forward_is_a_method_of_the_op_class() -> None:
+    """An op traces by its own class's ``compiled_forward``; a subclass that may change the
+    math (without one of its own) runs through the eager fuser, as before the methods."""
+    from tp_fuse.ops.compiled.basic import unsupported_reason
+
+    class ShiftedGELU(ops.GELU):
+        def _activation_forward(self, x):
+            y, saved = super()._activation_forward(x)
+            return y + 1, saved
+
+    assert unsupported_reason(ops.GELU(), None) is None
+    assert unsupported_reason(ops.SiLU(), None) is None and unsupported_reason(ops.GEGLU(), None) is None
+    assert unsupported_reason(ShiftedGELU(), None) == "ShiftedGELU has no traced forward"
+    assert "cache_quantized_input" in unsupported_reason(ops.GELU(cache_quantized_input=True), None)
+    assert unsupported_reason(ops.Reshape((-1,)), None) == "Reshape has no traced forward"

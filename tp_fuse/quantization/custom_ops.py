@@ -143,7 +143,7 @@ def _fp8_cast_fake(
     return data, data_t, x.new_empty((), dtype=torch.float32)
 
 
-if HAVE_COMPILE_REFS:  # else: no op; compiled FP8 GEMMs take the eager fuser (ops/compiled/basic.py)
+if HAVE_COMPILE_REFS:  # else: no op; compiled FP8 GEMMs take the eager fuser (BasicLinear.compiled_unsupported)
     fp8_cast = torch.library.custom_op("tp_fuse::fp8_cast", mutates_args=())(fp8_cast)
     fp8_cast.register_fake(_fp8_cast_fake)
 
@@ -317,7 +317,7 @@ def _block_gemm_fake(
     return a_data.new_empty((a_data.shape[0], b_data.shape[0]), dtype=out_dtype)
 
 
-if HAVE_COMPILE_REFS:  # else: compiled block-scaled GEMMs take the eager fuser (ops/compiled/basic.py)
+if HAVE_COMPILE_REFS:  # else: compiled block-scaled GEMMs take the eager fuser (BasicLinear.compiled_unsupported)
     block_cast = torch.library.custom_op("tp_fuse::block_cast", mutates_args=())(block_cast)
     block_cast.register_fake(_block_cast_fake)
 block_gemm = torch.library.custom_op("tp_fuse::block_gemm", mutates_args=())(block_gemm)

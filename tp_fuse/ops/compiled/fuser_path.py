@@ -1,8 +1,8 @@
 """A fusion group under ``torch.compile``: traced as basic ops, or run eagerly behind a graph break.
 
 ``OperationFuser.__call__`` comes here while dynamo traces it. When every basic op has a
-traced forward for the recipe in force (``basic.unsupported_reason``), the group is traced
-op by op -- the same order, dtype casts, extra-tensor routing and output copies as the
+traced forward for the recipe in force (its ``compiled_forward`` method;
+``basic.unsupported_reason``), the group is traced op by op -- the same order, dtype casts, extra-tensor routing and output copies as the
 eager fuser, without its autograd function -- and becomes part of the caller's graph: one
 graph for a whole ``TransformerLayer``, forward and backward. Otherwise the group runs
 through the eager fuser behind ``torch.compiler.disable`` (``tp_fuse.graph_breaks``) (a graph break, as before this
@@ -22,7 +22,7 @@ import torch
 from ...quantization.compile_state import CompileKey, traced_key
 from ...quantization.quantized_tensor import QuantizedTensor
 from ..basic import AllGather, AllReduce, BasicLinear, Bias, ReduceScatter
-from .basic import TRACED_FORWARDS, folds_bias, unsupported_reason
+from .basic import unsupported_reason
 from .overlap_plan import structural_windows
 
 if TYPE_CHECKING:
@@ -107,11 +107,11 @@ def _traced_forward(
             if bias_op is not None:
                 # The FP8 GEMM's bias epilogue, as the eager fused Linear+Bias.
                 bias_op.check_input_spec((*x.shape[:-1], op.out_features), x.dtype, x.device)
-                x, outs = TRACED_FORWARDS[type(op)](op, x, extras, fp8, bias=bias_op.bias)
+                x, outs = op.compiled_forward(x, extras, fp8, bias=bias_op.bias)
                 produced += [outs, []]
                 skip = 1
                 continue
-            x, outs = TRACED_FORWARDS[type(op)](op, x, extras, fp8)
+            x, outs = op.compiled_forward(x, extras, fp8)
             produced.append(outs)
     return _unshared([x, *routing.public_outputs(produced)], (input_, *extra_inputs))
 
@@ -120,14 +120,15 @@ def _foldable_bias(
     fuser: "OperationFuser", i: int, x: torch.Tensor, fp8: Optional[CompileKey], autocast_dtype: Optional[torch.dtype]
 ) -> Optional[Bias]:
     """The ``Bias`` right after the ``BasicLinear`` at ``i`` when the traced GEMM takes it
-    as its epilogue (``basic.folds_bias``: per-tensor FP8 on the CUDA path), else None.
+    as its epilogue (``BasicLinear.compiled_folds_bias``: per-tensor FP8 on the CUDA
+    path), else None.
     Not when the bias would see another input dtype than the GEMM's output, or takes
     extra inputs."""
     ops = fuser.basic_ops
     op, nxt = ops[i], ops[i + 1] if i + 1 < len(ops) else None
     if type(op) is not BasicLinear or type(nxt) is not Bias or fuser.routing.input_sources[i + 1]:
         return None
-    if nxt.input_dtype(autocast_dtype) != x.dtype or not folds_bias(op, x, fp8):
+    if nxt.input_dtype(autocast_dtype) != x.dtype or not op.compiled_folds_bias(x, fp8):
         return None
     return nxt
 
