@@ -150,14 +150,14 @@ def test_opcheck_block_cast_and_gemm(name: str) -> None:
 def test_autocast_mirrors_the_recipe_for_compiled_code() -> None:
     assert traced_key() is None
     with tp_fuse.autocast(recipe=DelayedScaling()):
-        assert traced_key() == CompileKey("DelayedScaling", E4M3, E5M2)
+        assert traced_key()[:3] == ("DelayedScaling", E4M3, E5M2)
         with tp_fuse.autocast(enabled=False):
             assert traced_key() is None
         with pytest.raises(KeyError):
             with tp_fuse.autocast(recipe=Float8CurrentScaling()):
-                assert traced_key() == CompileKey("Float8CurrentScaling", E4M3, E5M2)
+                assert traced_key()[:3] == ("Float8CurrentScaling", E4M3, E5M2)
                 raise KeyError
-        assert traced_key() == CompileKey("DelayedScaling", E4M3, E5M2)
+        assert traced_key()[:3] == ("DelayedScaling", E4M3, E5M2)
         with tp_fuse.autocast(recipe=Float8BlockScaling()):
             key = traced_key()
             assert not key.per_tensor and key.block_scaled and key.traced

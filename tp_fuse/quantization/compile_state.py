@@ -83,16 +83,17 @@ class CompileKey(NamedTuple):
     recipes (``Float8BlockScaling``, ``MXFP8BlockScaling``, ``Float8RowwiseScaling``,
     ``NVFP4BlockScaling``), ``((role, BlockLayout), ...)`` for :data:`BLOCK_ROLES` --
     block shapes and dtypes depend on the recipe's fields, not only on its class, and
-    the graph's shapes depend on them -- else None; ``power_2_scale``: current scaling's.
+    the graph's shapes depend on them -- else None; ``detail``: see below.
     """
 
     recipe: str
     fwd_dtype: Optional[torch.dtype]
     bwd_dtype: Optional[torch.dtype]
     layouts: Optional[tuple[tuple[str, BlockLayout], ...]] = None
-    #: Current scaling's ``power_2_scale``: the ATen casts traced on the CUDA path
-    #: (``ops/compiled/traced_cast.py``) bake it in, so a change must trace again.
-    power_2_scale: bool = False
+    #: A per-tensor recipe's ``repr`` (its fields): the ATen casts traced on the CUDA path
+    #: (``ops/compiled/traced_cast.py``) bind the op's quantizers for the recipe while
+    #: tracing, so a changed recipe (which rebuilds them) must trace again.
+    detail: str = ""
 
     @property
     def per_tensor(self) -> bool:
@@ -125,6 +126,8 @@ def compile_key(ctx: Any) -> Optional[CompileKey]:
 # (recipe snapshot, its key): autocast is entered every step with an equal recipe, and a
 # block recipe's key builds its quantizers to read their layouts (tens of microseconds).
 _LAST_BLOCK_KEY: list[Any] = [None, None]
+# The same for the per-tensor recipes (their key holds the recipe's repr).
+_LAST_PER_TENSOR_KEY: list[Any] = [None, None]
 
 
 def _block_layouts(recipe: Any) -> Optional[tuple[tuple[str, BlockLayout], ...]]:
@@ -158,7 +161,12 @@ def recipe_key(recipe: Any) -> Optional[CompileKey]:
     fmt = getattr(recipe, "fp8_format", None)
     name = type(recipe).__name__
     if name in ("DelayedScaling", "Float8CurrentScaling") and fmt is not None:
-        return CompileKey(name, fmt.fwd_dtype, fmt.bwd_dtype, None, bool(getattr(recipe, "power_2_scale", False)))
+        snap, key = _LAST_PER_TENSOR_KEY
+        if snap is None or type(snap) is not type(recipe) or snap != recipe:
+            # repr costs ~20 us and autocast is entered every step with an equal recipe.
+            key = CompileKey(name, fmt.fwd_dtype, fmt.bwd_dtype, None, repr(recipe))
+            _LAST_PER_TENSOR_KEY[:] = [copy.copy(recipe), key]
+        return key
     layouts = _block_layouts(recipe)
     if layouts is not None:
         return CompileKey(name, None, None, layouts)

@@ -3,11 +3,12 @@
 On CUDA (and in strict-CUDA mode, where CPU tensors take the CUDA branches) the three
 GEMMs of a per-tensor FP8 Linear are ``torch._scaled_mm`` calls in the traced graph --
 with the bias epilogue cuBLASLt fuses -- instead of the opaque ``tp_fuse::fp8_gemm``
-(which had no bias: the eager path's fused bias was lost). Under current scaling the casts
-are ATen ops too (``traced_cast``), so inductor sees the whole cast; under delayed scaling,
-and whenever a ``tp_fuse.debug`` observer must see the quantized tensors, the casts stay
-the opaque ``tp_fuse::fp8_cast``: Python runs there at every step (the amax-reduction
-registration, the observer's statistics). ``explain`` says which (``cast_mode``).
+(which had no bias: the eager path's fused bias was lost). The casts are ATen ops too
+(``traced_cast``: current and delayed scaling), so inductor sees the whole cast; delayed
+scaling adds ``tp_fuse::fp8_track`` per cast (joining the step's amax reduction: Python,
+no tensors out). When a ``tp_fuse.debug`` observer must see the quantized tensors the
+casts stay the opaque ``tp_fuse::fp8_cast``, which runs the eager quantizer and tells the
+observer. ``explain`` says which (``cast_mode``).
 
 The CPU's exact emulation (``Fp8LinearFunction``'s traced emulation) is untouched.
 """
@@ -21,19 +22,19 @@ import torch
 from ...kernels.cuda_rules import scaled_mm_violations
 from ...kernels._common import compute_dtype
 from ...quantization.compile_state import CompileKey, CompileRef
-from ...quantization.custom_ops import fp8_cast  # noqa: F401  (registers tp_fuse::fp8_cast)
-from ...quantization.quantizer import OpQuantizers
+from ...quantization.custom_ops import fp8_cast, fp8_track  # noqa: F401  (registers the tp_fuse:: ops)
+from ...quantization.quantizer import CurrentScalingQuantizer, OpQuantizers
 from ...strict import STRICT_ENV, CudaConformanceError, strict_cuda_enabled
-from .traced_cast import current_scaling_cast, traced_quantizers
+from .traced_cast import current_scaling_cast, delayed_scaling_cast, traced_quantizers
 
 __all__ = ["Fp8LinearCudaFunction", "cast_mode", "scaled_gemm"]
 
 
 def cast_mode(key: CompileKey, observed: bool) -> str:
     """How a compiled per-tensor FP8 Linear on the CUDA path casts: ``"aten"`` (traced ATen
-    ops, inductor fuses them) or ``"custom op"`` (the opaque ``tp_fuse::fp8_cast``: delayed
-    scaling registers with the step's amax reduction, an observer reads the tensors)."""
-    return "aten" if key.recipe == "Float8CurrentScaling" and not observed else "custom op"
+    ops, inductor fuses them) or ``"custom op"`` (the opaque ``tp_fuse::fp8_cast``: a
+    ``tp_fuse.debug`` observer reads the quantized tensors in Python)."""
+    return "custom op" if observed else "aten"
 
 
 def scaled_gemm(
@@ -76,9 +77,13 @@ def _cast(
     dtype: torch.dtype, transpose: bool, observer: CompileRef,
 ) -> tuple[torch.Tensor, Optional[torch.Tensor], torch.Tensor]:
     """``(data, data_t, scale_inv)`` of ``x`` for ``role``: the traced ATen cast when
-    ``quantizers`` are bound (current scaling), else ``tp_fuse::fp8_cast``."""
+    ``quantizers`` are bound (delayed scaling: and ``tp_fuse::fp8_track``), else
+    ``tp_fuse::fp8_cast``."""
     if quantizers is not None:
-        return current_scaling_cast(x, quantizers[role], transpose)
+        q = quantizers[role]
+        if isinstance(q, CurrentScalingQuantizer):
+            return current_scaling_cast(x, q, transpose)
+        return delayed_scaling_cast(x, q, transpose, (owner.compile_ref, role, key.recipe, key.fwd_dtype))
     data, data_t, sinv = torch.ops.tp_fuse.fp8_cast(x.detach(), owner.compile_ref, role, key.recipe, dtype,
                                                     transpose, observer)
     return data, data_t if transpose else None, sinv

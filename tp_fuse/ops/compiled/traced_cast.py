@@ -21,9 +21,12 @@ run time: a recipe change that rebuilds the quantizers changes the traced
 again. An op whose quantizers did not exist yet when a graph shared by several layers
 was traced makes dynamo trace once more for it (the guard on the quantizer dict fails).
 
-Current scaling only (item 3 of issue 36): its state is a function of the tensor alone.
-Delayed scaling also registers its quantizers with the step's amax reduction, Python
-that must run at every step; its casts stay ``tp_fuse::fp8_cast`` (see ``fp8_linear_cuda``).
+Delayed scaling: the cast reads the quantizer's scale and maxes its amax into this step's
+history slot (``amax_history[0]``, an in-place write of a graph input); the once-per-step
+reduction and scale update stay outside the graph (the outermost ``autocast`` exit, the
+end-of-backward callback), as in eager mode. Joining those reductions is Python that must
+run at every step: ``tp_fuse::fp8_track`` (an opaque op without tensor outputs) does that
+and only that, so inductor still sees the cast itself.
 """
 
 from __future__ import annotations
@@ -35,13 +38,13 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 
 from ...kernels import amax_of
-from ...kernels._common import FP8_MAX, current_scale_torch, fp8_cast, rows_2d
+from ...kernels._common import FP8_MAX, abs_max, current_scale_torch, fp8_cast, rows_2d
 from ...quantization.autocast import active_autocast
 from ...quantization.compile_state import compile_key, raise_key_mismatch, traced_amax_group, traced_key
-from ...quantization.quantizer import CurrentScalingQuantizer, OpQuantizers
+from ...quantization.quantizer import CurrentScalingQuantizer, DelayedScalingQuantizer, OpQuantizers
 from ...quantization.scaling import nan_to_inf
 
-__all__ = ["bind_quantizers", "current_scaling_cast", "traced_quantizers"]
+__all__ = ["bind_quantizers", "current_scaling_cast", "delayed_scaling_cast", "traced_quantizers"]
 
 
 def bind_quantizers(owner: OpQuantizers, device: torch.device) -> dict[str, Any]:
@@ -124,6 +127,33 @@ def current_scaling_cast(
     q.last_amax.copy_(amax)
     q.nonfinite_amax_count.add_(nonfinite)
     q.zero_amax_count.add_(zero)
+    data2d = fp8_cast(rows_2d(x), scale, q.fp8_dtype).contiguous()
+    data_t = data2d.t().contiguous() if transpose else None
+    return data2d.reshape(x.shape), data_t, torch.reciprocal(scale)
+
+
+def delayed_scaling_cast(
+    x: torch.Tensor, q: DelayedScalingQuantizer, transpose: bool, track: tuple
+) -> tuple[torch.Tensor, Optional[torch.Tensor], torch.Tensor]:
+    """Delayed scaling's cast of ``x`` with quantizer ``q``, as ATen ops (no autograd).
+
+    Shapes as :func:`current_scaling_cast`. The math of eager
+    ``DelayedScalingQuantizer.quantize`` (``kernels.quantize`` with the history slot as
+    ``amax_out``, torch path)::
+
+        data = cast(x * q.scale) saturated, RTNE;  scale_inv = 1 / q.scale
+        q.amax_history[0] = max(q.amax_history[0], max |x|)   (in place; NaN propagates)
+
+    The scale is last update's; this step's amax is reduced and turned into the next scale
+    at the end of the step, outside the graph: ``tp_fuse::fp8_track`` joins the reduction
+    (``track``: its ``(owner ref, role, recipe, forward dtype)``) and hands back the scale
+    to cast with, a value the backward saves rather than re-reads (see that op).
+    """
+    x = x.detach()
+    slot = q.amax_history[0]
+    folded = torch.maximum(slot, abs_max(x))
+    slot.copy_(folded)
+    scale = torch.ops.tp_fuse.fp8_track(folded, q.scale, *track)
     data2d = fp8_cast(rows_2d(x), scale, q.fp8_dtype).contiguous()
     data_t = data2d.t().contiguous() if transpose else None
     return data2d.reshape(x.shape), data_t, torch.reciprocal(scale)
