@@ -26,9 +26,11 @@ import torch
 import torch._dynamo
 from functorch.compile import make_boxed_func
 from torch._dynamo.backends.common import aot_autograd
+from torch._dynamo.utils import counters
 
 import tp_fuse
 from tp_fuse import ops
+from tp_fuse.debug.fp8_stats import Fp8StatsCollector
 from tp_fuse.recipe import DelayedScaling, Float8CurrentScaling
 
 CURRENT, DELAYED = Float8CurrentScaling(), DelayedScaling(amax_history_len=4)
@@ -126,9 +128,31 @@ def test_graph_has_scaled_mm_with_bias(recipe) -> None:
 @pytest.mark.parametrize("recipe", [CURRENT, DELAYED], ids=["current", "delayed"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 def test_compiled_equals_eager_over_steps(recipe, dtype) -> None:
+    """Also: one graph for all steps (the state buffers are graph inputs re-read per call;
+    delayed scaling's first update rebinds them to views of shared buffers)."""
     eager = _mlp(dtype, norm=dtype == torch.float32)
     compiled = torch.compile(copy.deepcopy(eager), backend="aot_eager", fullgraph=True)
+    counters.clear()
     _assert_same(_steps(eager, copy.deepcopy(recipe), dtype), _steps(compiled, copy.deepcopy(recipe), dtype))
+    assert counters["stats"]["unique_graphs"] == 1
+
+
+def test_a_debug_observer_keeps_the_opaque_cast_and_explain_says_so() -> None:
+    """``tp_fuse.debug``'s FP8 statistics read each quantized tensor in Python: with an
+    observer the casts are ``tp_fuse::fp8_cast`` (the GEMMs stay ``_scaled_mm``), the
+    statistics are recorded from the compiled run, and ``explain`` names the opaque op."""
+    model = _mlp(torch.bfloat16, norm=False)
+    tap = Fp8StatsCollector()
+    tap.attach(model)
+    tap.active = True
+    with tp_fuse.autocast(recipe=CURRENT):
+        assert "casts with the opaque tp_fuse::fp8_cast" in str(ops.explain(model))
+        assert "casts as ATen ops" in str(ops.explain(_mlp(torch.bfloat16, norm=False)))
+    rec = Recorder()
+    _steps(torch.compile(model, backend=rec.backend, fullgraph=True), CURRENT, torch.bfloat16, steps=1)
+    assert len(rec.calls("tp_fuse.fp8_cast")) == 6 and len(rec.calls("aten._scaled_mm")) == 6
+    stats = tap.collect()
+    assert any("/grad_output/" in k for k in stats) and any("/input/" in k for k in stats), sorted(stats)
 
 
 @pytest.mark.parametrize("recipe", [CURRENT, DELAYED], ids=["current", "delayed"])

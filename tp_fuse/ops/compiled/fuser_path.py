@@ -20,15 +20,17 @@ from typing import TYPE_CHECKING, Any, Optional, Sequence
 import torch
 
 from ...quantization.compile_state import CompileKey, traced_key
+from ...kernels import fp8_gemm_reads_views
 from ...quantization.quantized_tensor import QuantizedTensor
 from ..basic import AllGather, AllReduce, BasicLinear, Bias, ReduceScatter
 from .basic import unsupported_reason
+from .fp8_linear_cuda import cast_mode
 from .overlap_plan import structural_windows
 
 if TYPE_CHECKING:
     from ..fuser import OperationFuser
 
-__all__ = ["compiled_call", "trace_plan"]
+__all__ = ["compiled_call", "describe_fp8_linears", "trace_plan"]
 
 
 def trace_plan(fuser: "OperationFuser", fp8: Optional[CompileKey]) -> Optional[str]:
@@ -38,6 +40,27 @@ def trace_plan(fuser: "OperationFuser", fp8: Optional[CompileKey]) -> Optional[s
         if reason is not None:
             return f"{type(op).__name__}[{i}]: {reason}"
     return None
+
+
+def describe_fp8_linears(fuser: "OperationFuser", fp8: Optional[CompileKey], device: torch.device) -> Optional[str]:
+    """How a traced group's per-tensor FP8 Linears cast and multiply on ``device`` (for
+    ``explain``), or None without any: the CPU's exact emulation; on the CUDA path ATen
+    casts (inductor fuses them) and ``torch._scaled_mm`` with the bias epilogue -- or the
+    opaque ``tp_fuse::fp8_cast`` where a ``tp_fuse.debug`` observer reads the FP8 tensors."""
+    linears = [(i, op) for i, op in enumerate(fuser.basic_ops) if type(op) is BasicLinear]
+    if fp8 is None or not fp8.per_tensor or not linears:
+        return None
+    if fp8_gemm_reads_views(device):
+        return "FP8 Linears: the CPU's exact emulation (tp_fuse::fp8_cast, emulated GEMMs traced)"
+    track = ", tp_fuse::fp8_track joins the amax reduction" if fp8.recipe == "DelayedScaling" else ""
+    parts = []
+    for i, op in linears:
+        if cast_mode(fp8, op.debug_hooks is not None) == "aten":
+            parts.append(f"BasicLinear[{i}] casts as ATen ops (inductor fuses them){track}")
+        else:
+            parts.append(f"BasicLinear[{i}] casts with the opaque tp_fuse::fp8_cast (tp_fuse.debug observes its "
+                         "FP8 tensors in Python)")
+    return "; ".join(parts) + "; GEMMs torch._scaled_mm, bias as its epilogue"
 
 
 def _autocast_dtype(device_type: str) -> Optional[torch.dtype]:
