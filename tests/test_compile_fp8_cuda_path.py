@@ -161,3 +161,25 @@ def test_inductor_equals_eager(recipe) -> None:
     compiled = torch.compile(copy.deepcopy(eager), backend="inductor", fullgraph=True)
     _assert_same(_steps(eager, copy.deepcopy(recipe), torch.bfloat16, steps=2),
                  _steps(compiled, copy.deepcopy(recipe), torch.bfloat16, steps=2))
+
+
+@pytest.mark.parametrize("recipe", [CURRENT, DELAYED], ids=["current", "delayed"])
+def test_layers_compiled_before_any_eager_step_share_one_graph(recipe) -> None:
+    """The graph reads each op's quantizer buffers (graph inputs): the first trace binds the
+    quantizers of every op that has none yet, so the other layers' first calls pass the
+    guards (one trace per layer would exceed dynamo's recompile limit in a deep model)."""
+    torch.manual_seed(0)
+    layers = [ops.Sequential(ops.Linear(32, 32, dtype=torch.bfloat16), ops.GELU()) for _ in range(3)]
+    for layer in layers:
+        layer.compile(backend="aot_eager", fullgraph=True)
+    counters.clear()
+    for step in range(2):
+        h = torch.randn(16, 32, dtype=torch.bfloat16, requires_grad=True)
+        with tp_fuse.autocast(recipe=recipe):
+            for layer in layers:
+                h = layer(h)
+        h.float().sum().backward()
+    assert counters["stats"]["unique_graphs"] == 1
+    for layer in layers:  # every layer's own quantizers ran (delayed: reduced and rolled)
+        q = layer[0].basic_op_list[0]._quantizers.quantizers["grad_output"]
+        assert (q.amax_history[-1] if isinstance(recipe, DelayedScaling) else q.last_amax) > 0

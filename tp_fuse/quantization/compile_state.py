@@ -42,6 +42,7 @@ __all__ = [
     "CompileKey",
     "CompileRef",
     "compile_key",
+    "live_targets",
     "raise_key_mismatch",
     "recipe_key",
     "set_traced_key",
@@ -238,6 +239,8 @@ class CompileRef(_RefBase):
 
     def __init__(self, target: Any) -> None:
         self._target = None if target is None else weakref.ref(target)
+        if target is not None:
+            _LIVE_REFS.add(self)
 
     def target(self) -> Any:
         """The object named (RuntimeError when it no longer exists)."""
@@ -251,6 +254,21 @@ class CompileRef(_RefBase):
 
     def __bool__(self) -> bool:
         return self._target is not None
+
+
+#: Every ref made for an object (held weakly: a ref lives as long as its owner holds it).
+_LIVE_REFS: "weakref.WeakSet[CompileRef]" = weakref.WeakSet()
+
+
+def live_targets(kind: type) -> list[Any]:
+    """The live objects of type ``kind`` that made a :class:`CompileRef` (e.g. every
+    ``OpQuantizers``: the compiled CUDA path binds their quantizers while tracing)."""
+    out = []
+    for ref in list(_LIVE_REFS):
+        obj = ref._target() if ref._target is not None else None
+        if isinstance(obj, kind):
+            out.append(obj)
+    return out
 
 
 if HAVE_COMPILE_REFS:

@@ -19,7 +19,10 @@ traces, not recorded in the graph), exactly what an eager op does at its first f
 run time: a recipe change that rebuilds the quantizers changes the traced
 ``CompileKey`` (it carries the recipe's fields), which fails dynamo's guard and traces
 again. An op whose quantizers did not exist yet when a graph shared by several layers
-was traced makes dynamo trace once more for it (the guard on the quantizer dict fails).
+was traced would make dynamo trace once more for it (the guard on the quantizer dict
+fails) -- once per layer of a model compiled before any eager step, past dynamo's
+recompile limit -- so the trace-time binding also binds every ``OpQuantizers`` that has
+built no quantizers yet (:func:`bind_unbuilt`), as their ops' first forward would.
 
 Delayed scaling: the cast reads the quantizer's scale and maxes its amax into this step's
 history slot (``amax_history[0]``, an in-place write of a graph input); the once-per-step
@@ -40,11 +43,17 @@ import torch.distributed._functional_collectives as funcol
 from ...kernels import amax_of
 from ...kernels._common import FP8_MAX, abs_max, current_scale_torch, fp8_cast, rows_2d
 from ...quantization.autocast import active_autocast
-from ...quantization.compile_state import compile_key, raise_key_mismatch, traced_amax_group, traced_key
+from ...quantization.compile_state import (
+    compile_key,
+    live_targets,
+    raise_key_mismatch,
+    traced_amax_group,
+    traced_key,
+)
 from ...quantization.quantizer import CurrentScalingQuantizer, DelayedScalingQuantizer, OpQuantizers
 from ...quantization.scaling import nan_to_inf
 
-__all__ = ["bind_quantizers", "current_scaling_cast", "delayed_scaling_cast", "traced_quantizers"]
+__all__ = ["bind_quantizers", "bind_unbuilt", "current_scaling_cast", "delayed_scaling_cast", "traced_quantizers"]
 
 
 def bind_quantizers(owner: OpQuantizers, device: torch.device) -> dict[str, Any]:
@@ -61,6 +70,16 @@ def bind_quantizers(owner: OpQuantizers, device: torch.device) -> dict[str, Any]
     return quantizers
 
 
+def bind_unbuilt(device: torch.device) -> None:
+    """:func:`bind_quantizers` for every live ``OpQuantizers`` that has built no quantizers
+    yet (the other layers of a model compiled from its first step): their first compiled
+    call then finds what the shared graph reads, instead of failing its guards. Ops that
+    later run under another recipe rebuild theirs, as in eager mode."""
+    for owner in live_targets(OpQuantizers):
+        if not owner.quantizers:
+            bind_quantizers(owner, device)
+
+
 def _bind_at_trace_time(ctx: Any) -> None:
     # Runs inside dynamo's tracing of traced_quantizers (comptime): its locals are the
     # real OpQuantizers and a fake tensor of the operand's device. comptime exposes the
@@ -71,6 +90,7 @@ def _bind_at_trace_time(ctx: Any) -> None:
     if not isinstance(owner, OpQuantizers):
         raise TypeError(f"traced_quantizers: expected an OpQuantizers, got {type(owner).__name__}")
     bind_quantizers(owner, device)
+    bind_unbuilt(device)
 
 
 def traced_quantizers(owner: OpQuantizers, x: torch.Tensor) -> dict[str, Any]:
