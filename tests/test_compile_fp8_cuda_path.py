@@ -183,3 +183,20 @@ def test_layers_compiled_before_any_eager_step_share_one_graph(recipe) -> None:
     for layer in layers:  # every layer's own quantizers ran (delayed: reduced and rolled)
         q = layer[0].basic_op_list[0]._quantizers.quantizers["grad_output"]
         assert (q.amax_history[-1] if isinstance(recipe, DelayedScaling) else q.last_amax) > 0
+
+
+def test_opcheck_fp8_track() -> None:
+    """Fake == real for ``tp_fuse::fp8_track`` (a copy of the scale); a forward role joins the
+    step's amax reduction, so the autocast exit updates the quantizer from its slot."""
+    op = ops.BasicLinear(32, 32)
+    with tp_fuse.autocast(recipe=DelayedScaling()):
+        q = op._quantizers.get(DelayedScaling())["input"]
+        q.amax_history[0] = 2.0
+        args = (q.amax_history[0].clone(), q.scale, op._quantizers.compile_ref, "input", "DelayedScaling",
+                torch.float8_e4m3fn)
+        result = torch.library.opcheck(torch.ops.tp_fuse.fp8_track.default, args,
+                                       test_utils=("test_schema", "test_autograd_registration", "test_faketensor"))
+        assert result and all(v == "SUCCESS" for v in result.values()), result
+        out = torch.ops.tp_fuse.fp8_track(*args)
+        assert torch.equal(out, q.scale) and out is not q.scale
+    assert q.scale == 448.0 / 2.0 and q.amax_history[0] == 0  # reduced, updated and rolled at the exit

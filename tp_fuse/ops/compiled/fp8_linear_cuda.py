@@ -2,8 +2,8 @@
 
 On CUDA (and in strict-CUDA mode, where CPU tensors take the CUDA branches) the three
 GEMMs of a per-tensor FP8 Linear are ``torch._scaled_mm`` calls in the traced graph --
-with the bias epilogue cuBLASLt fuses -- instead of the opaque ``tp_fuse::fp8_gemm``
-(which had no bias: the eager path's fused bias was lost). The casts are ATen ops too
+with the bias epilogue cuBLASLt fuses -- instead of the opaque ``tp_fuse::fp8_gemm`` they
+were (removed: it had no bias, so the eager path's fused bias was lost). The casts are ATen ops too
 (``traced_cast``: current and delayed scaling), so inductor sees the whole cast; delayed
 scaling adds ``tp_fuse::fp8_track`` per cast (joining the step's amax reduction: Python,
 no tensors out). When a ``tp_fuse.debug`` observer must see the quantized tensors the
