@@ -144,7 +144,9 @@ class GELU(_ActivationOperation):
         dx, _, _ = kernels.dgelu_dbias(dy, x, with_amax=False, with_dbias=False, overwrite_grad=overwrite_dy)
         return as_shape(dx, shape)
 
-    def compiled_forward(self, x: torch.Tensor, extra_inputs: list[torch.Tensor], fp8: Any) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    def compiled_forward(
+        self, x: torch.Tensor, extra_inputs: list[torch.Tensor], fp8: Any
+    ) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """Traced: the eager kernels' formulas, forward and backward (``GeluFunction``:
         accurate gradients in the negative tail)."""
         self.check_input(x)
@@ -167,7 +169,9 @@ class ReLU(_ActivationOperation):
         # masked_fill, not dy * mask: a NaN/inf in dy where x <= 0 must not leak through.
         return dy.masked_fill(~positive, 0)
 
-    def compiled_forward(self, x: torch.Tensor, extra_inputs: list[torch.Tensor], fp8: Any) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    def compiled_forward(
+        self, x: torch.Tensor, extra_inputs: list[torch.Tensor], fp8: Any
+    ) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """Traced: ``torch.relu`` (its gradient masks dy where x <= 0, as eager)."""
         self.check_input(x)
         return torch.relu(x), []
@@ -216,7 +220,9 @@ class _TorchActivation(_ActivationOperation):
             (dx,) = torch.autograd.grad(self._math(xc), xc, dy.to(cdtype))
         return interleave(dx, self.glu_interleave_size).to(x.dtype)
 
-    def compiled_forward(self, x: torch.Tensor, extra_inputs: list[torch.Tensor], fp8: Any) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    def compiled_forward(
+        self, x: torch.Tensor, extra_inputs: list[torch.Tensor], fp8: Any
+    ) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """Traced: :meth:`_math` in float32 (float64 for float64 x), rounded once to x's
         dtype; autograd differentiates it, as the eager backward does. Each subclass binds
         it as its own ``compiled_forward`` (a subclass of those, which may change the

@@ -113,7 +113,9 @@ class AddExtraInput(BasicOperation):
 
     # ---- torch.compile (tp_fuse/ops/compiled/basic.py) ------------------------
 
-    def compiled_forward(self, x: torch.Tensor, extra_inputs: list[torch.Tensor], fp8: Any) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    def compiled_forward(
+        self, x: torch.Tensor, extra_inputs: list[torch.Tensor], fp8: Any
+    ) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """Traced: ``y = x + extra``."""
         check_tensor("AddExtraInput", x)
         (extra,) = extra_inputs

@@ -53,7 +53,9 @@ class AllGather(TPCommOperation):
 
     # ---- torch.compile (tp_fuse/ops/compiled/basic.py) ------------------------
 
-    def compiled_forward(self, x: torch.Tensor, extra_inputs: list[torch.Tensor], fp8: Any) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    def compiled_forward(
+        self, x: torch.Tensor, extra_inputs: list[torch.Tensor], fp8: Any
+    ) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """Traced: a functional all-gather over dim 0, reduce-scatter backward (``AllGatherSeq``)."""
         require(x.dim() >= 1, "AllGather: expected a tensor with a sequence dimension, got a scalar")
         return (x if self.tp_size == 1 else AllGatherSeq.apply(x, tp_group(self.process_group))), []

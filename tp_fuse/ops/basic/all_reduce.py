@@ -38,6 +38,8 @@ class AllReduce(TPCommOperation):
 
     # ---- torch.compile (tp_fuse/ops/compiled/basic.py) ------------------------
 
-    def compiled_forward(self, x: torch.Tensor, extra_inputs: list[torch.Tensor], fp8: Any) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    def compiled_forward(
+        self, x: torch.Tensor, extra_inputs: list[torch.Tensor], fp8: Any
+    ) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """Traced: a functional all-reduce, identity backward (``AllReduceForward``)."""
         return (x if self.tp_size == 1 else AllReduceForward.apply(x, tp_group(self.process_group))), []

@@ -528,7 +528,9 @@ class BasicLinear(QuantizerStateMixin, BasicOperation):
 
     # ---- torch.compile (tp_fuse/ops/compiled/basic.py) ------------------------
 
-    def compiled_forward(self, x: torch.Tensor, extra_inputs: list[torch.Tensor], fp8: Any, bias: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    def compiled_forward(
+        self, x: torch.Tensor, extra_inputs: list[torch.Tensor], fp8: Any, bias: Optional[torch.Tensor] = None
+    ) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """Traced ``y = x W^T (+ b)``: ``F.linear`` in high precision; in per-tensor FP8,
         ``Fp8LinearFunction`` on CPU (the exact emulation) and ``Fp8LinearCudaFunction`` on
         the CUDA path (``torch._scaled_mm`` with its bias; ATen casts under current

@@ -128,7 +128,9 @@ class Bias(BasicOperation):
 
     # ---- torch.compile (tp_fuse/ops/compiled/basic.py) ------------------------
 
-    def compiled_forward(self, x: torch.Tensor, extra_inputs: list[torch.Tensor], fp8: Any) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    def compiled_forward(
+        self, x: torch.Tensor, extra_inputs: list[torch.Tensor], fp8: Any
+    ) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """Traced: ``y = x + b`` (b in x's dtype; autograd sums dy into db). A ``Bias``
         right after an FP8 ``BasicLinear`` on the CUDA path is its GEMM's epilogue
         instead (``BasicLinear.compiled_folds_bias``)."""

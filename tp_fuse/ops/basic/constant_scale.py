@@ -39,7 +39,9 @@ class ConstantScale(BasicOperation):
 
     # ---- torch.compile (tp_fuse/ops/compiled/basic.py) ------------------------
 
-    def compiled_forward(self, x: torch.Tensor, extra_inputs: list[torch.Tensor], fp8: Any) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    def compiled_forward(
+        self, x: torch.Tensor, extra_inputs: list[torch.Tensor], fp8: Any
+    ) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """Traced: ``y = scale * x``."""
         check_tensor("ConstantScale", x)
         return x * self.scale, []

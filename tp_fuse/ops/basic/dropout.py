@@ -61,7 +61,9 @@ class Dropout(BasicOperation):
 
     # ---- torch.compile (tp_fuse/ops/compiled/basic.py) ------------------------
 
-    def compiled_forward(self, x: torch.Tensor, extra_inputs: list[torch.Tensor], fp8: Any) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    def compiled_forward(
+        self, x: torch.Tensor, extra_inputs: list[torch.Tensor], fp8: Any
+    ) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """Traced inverted dropout; the mask comes from the compiled graph's RNG (not eager's stream)."""
         check_tensor("Dropout", x)
         if not self.training or self.p == 0.0:

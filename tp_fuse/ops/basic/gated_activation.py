@@ -93,7 +93,9 @@ class SwiGLU(_ActivationOperation):
         dx, _ = kernels.dswiglu(dy, x, with_amax=False)
         return dx
 
-    def compiled_forward(self, x: torch.Tensor, extra_inputs: list[torch.Tensor], fp8: Any) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    def compiled_forward(
+        self, x: torch.Tensor, extra_inputs: list[torch.Tensor], fp8: Any
+    ) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """Traced: ``y = silu(a) * b`` with ``[a | b]`` the (de-interleaved) halves of the
         last dim, in float32 (float64 for float64 x), rounded once to x's dtype."""
         self.check_input(x)

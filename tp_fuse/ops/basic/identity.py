@@ -31,6 +31,8 @@ class Identity(BasicOperation):
 
     # ---- torch.compile (tp_fuse/ops/compiled/basic.py) ------------------------
 
-    def compiled_forward(self, x: torch.Tensor, extra_inputs: list[torch.Tensor], fp8: Any) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    def compiled_forward(
+        self, x: torch.Tensor, extra_inputs: list[torch.Tensor], fp8: Any
+    ) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """Traced: ``y = x`` (the fuser path copies it when the caller must not share it)."""
         return x, []

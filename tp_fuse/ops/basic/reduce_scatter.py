@@ -48,7 +48,9 @@ class ReduceScatter(TPCommOperation):
 
     # ---- torch.compile (tp_fuse/ops/compiled/basic.py) ------------------------
 
-    def compiled_forward(self, x: torch.Tensor, extra_inputs: list[torch.Tensor], fp8: Any) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    def compiled_forward(
+        self, x: torch.Tensor, extra_inputs: list[torch.Tensor], fp8: Any
+    ) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """Traced: a functional reduce-scatter over dim 0, all-gather backward (``ReduceScatterSeq``)."""
         check_first_dim_divisible("ReduceScatter", x, self.tp_size)
         return (x if self.tp_size == 1 else ReduceScatterSeq.apply(x, tp_group(self.process_group))), []

@@ -87,7 +87,9 @@ class RMSNorm(NormBase):
 
     # ---- torch.compile (tp_fuse/ops/compiled/basic.py) ------------------------
 
-    def compiled_forward(self, x: torch.Tensor, extra_inputs: list[torch.Tensor], fp8: Any) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    def compiled_forward(
+        self, x: torch.Tensor, extra_inputs: list[torch.Tensor], fp8: Any
+    ) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """Traced: ``F.rms_norm`` over the trailing ``H`` elements, statistics in float32
         (float64 for float64 input), parameters read in that dtype, output in x's dtype."""
         self.check_input(x)

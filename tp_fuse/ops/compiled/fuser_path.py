@@ -2,11 +2,14 @@
 
 ``OperationFuser.__call__`` comes here while dynamo traces it. When every basic op has a
 traced forward for the recipe in force (its ``compiled_forward`` method;
-``basic.unsupported_reason``), the group is traced op by op -- the same order, dtype casts, extra-tensor routing and output copies as the
-eager fuser, without its autograd function -- and becomes part of the caller's graph: one
-graph for a whole ``TransformerLayer``, forward and backward. Otherwise the group runs
-through the eager fuser behind ``torch.compiler.disable`` (``tp_fuse.graph_breaks``) (a graph break, as before this
-path existed); :func:`trace_plan` says why.
+``basic.unsupported_reason``), the group is traced op by op -- the same order, dtype
+casts, extra-tensor routing and output copies as the eager fuser, without its autograd
+function -- and becomes part of the caller's graph: one graph for a whole
+``TransformerLayer``, forward and backward. A ``Bias`` right after an FP8 ``BasicLinear``
+on the CUDA path is traced as that GEMM's epilogue, as the eager fused Linear+Bias.
+Otherwise the group runs through the eager fuser behind ``torch.compiler.disable``
+(``tp_fuse.graph_breaks``) (a graph break, as before this path existed); :func:`trace_plan`
+says why.
 
 The recipe in force is read from ``compile_state.traced_key()`` (dynamo guards on it), not
 from the autocast ``ContextVar``, which dynamo cannot read.
