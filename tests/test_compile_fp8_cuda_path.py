@@ -125,7 +125,8 @@ def test_graph_has_scaled_mm_with_bias(recipe) -> None:
     assert len(rec.calls("tp_fuse.fp8_track")) == (6 if isinstance(recipe, DelayedScaling) else 0)
 
 
-@pytest.mark.parametrize("recipe", [CURRENT, DELAYED], ids=["current", "delayed"])
+@pytest.mark.parametrize("recipe", [CURRENT, Float8CurrentScaling(power_2_scale=True), DELAYED],
+                         ids=["current", "current-pow2", "delayed"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 def test_compiled_equals_eager_over_steps(recipe, dtype) -> None:
     """Also: one graph for all steps (the state buffers are graph inputs re-read per call;
