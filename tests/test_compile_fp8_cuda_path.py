@@ -201,3 +201,26 @@ def test_opcheck_fp8_track() -> None:
         out = torch.ops.tp_fuse.fp8_track(*args)
         assert torch.equal(out, q.scale) and out is not q.scale
     assert q.scale == 448.0 / 2.0 and q.amax_history[0] == 0  # reduced, updated and rolled at the exit
+
+
+class _Checkpointed(torch.nn.Module):
+    """``tp_fuse.checkpoint(inner, x)``: the recompute in backward runs ``inner`` again
+    (compiled code for a compiled ``inner``) with the first forward's FP8 scales replayed."""
+
+    def __init__(self, inner: torch.nn.Module, owner: torch.nn.Module) -> None:
+        super().__init__()
+        self.inner, self.owner = inner, owner
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return tp_fuse.checkpoint(self.inner, x, modules=[self.owner])
+
+
+@pytest.mark.parametrize("recipe", [CURRENT, DELAYED], ids=["current", "delayed"])
+def test_activation_recompute_of_a_compiled_body_equals_eager(recipe) -> None:
+    """The traced casts read the quantizer buffers at run time, so checkpoint's scale replay
+    reaches the recompute; the recompute's casts fold and count as eager's do."""
+    eager = _mlp(torch.bfloat16, norm=False)
+    twin = copy.deepcopy(eager)
+    compiled = _Checkpointed(torch.compile(twin, backend="aot_eager", fullgraph=True), twin)
+    _assert_same(_steps(_Checkpointed(eager, eager), copy.deepcopy(recipe), torch.bfloat16),
+                 _steps(compiled, copy.deepcopy(recipe), torch.bfloat16))
