@@ -96,8 +96,8 @@ def _bind_at_trace_time(ctx: Any) -> None:
 def traced_quantizers(owner: OpQuantizers, x: torch.Tensor) -> dict[str, Any]:
     """``owner``'s quantizers by role for the recipe in force, state on ``x``'s device.
 
-    Traced: bound once at trace time (module doc), then read as graph inputs. Eager (the
-    traced function run outside dynamo, e.g. by ``torch._dynamo.explain``'s fallback): bound now.
+    Traced: bound once at trace time (module doc), then read as graph inputs. Called
+    outside dynamo (``Fp8LinearCudaFunction`` run eagerly): bound now.
     """
     if torch.compiler.is_compiling():
         # Imported while dynamo traces: eager programs must not load torch._dynamo
