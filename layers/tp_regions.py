@@ -24,8 +24,7 @@ import torch
 import torch.distributed as dist
 
 from tp_fuse.ops import BasicOperation, OperationContext
-from tp_fuse.ops.compiled.basic import register_traced_forward, tp_group
-from tp_fuse.ops.compiled.comm import AllReduceBackward
+from tp_fuse.ops.compiled.comm import AllReduceBackward, tp_group
 
 from .sharding import tp_rank_and_size
 from tp_fuse.comm import all_reduce
@@ -83,13 +82,9 @@ class CopyToTensorParallelRegion(_TensorParallelRegionOp):
             return grad_output, ()
         return _all_reduce(grad_output, self.process_group), ()
 
-
-def _copy_traced(op: CopyToTensorParallelRegion, x: torch.Tensor, extras: Any, fp8: Any):
-    """Under torch.compile: the same identity / all-reduce pair, traced (tp_fuse/ops/compiled)."""
-    return (x if op.tp_size == 1 else AllReduceBackward.apply(x, tp_group(op.process_group))), []
-
-
-register_traced_forward(CopyToTensorParallelRegion, _copy_traced)
+    def compiled_forward(self, x: torch.Tensor, extra_inputs: Any, fp8: Any) -> tuple[torch.Tensor, list]:
+        """Under torch.compile: the same identity / all-reduce pair, traced (tp_fuse/ops/compiled)."""
+        return (x if self.tp_size == 1 else AllReduceBackward.apply(x, tp_group(self.process_group))), []
 
 
 class GatherFromTensorParallelRegion(_TensorParallelRegionOp):

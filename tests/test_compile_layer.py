@@ -1,8 +1,9 @@
 """``torch.compile(fullgraph=True)`` of a ``TransformerLayer``: one graph, compiled == eager.
 
 The fusion groups are traced as basic ops into the layer's graph (``tp_fuse/ops/compiled``);
-FP8 casts and GEMMs are the custom ops ``tp_fuse::fp8_cast`` / ``tp_fuse::fp8_gemm``, which
-run the eager quantizers at graph run time. Checked here on one process, tiny shapes (each
+on CPU the FP8 casts are the custom op ``tp_fuse::fp8_cast``, which runs the eager
+quantizers at graph run time, and the GEMMs the traced emulation (the CUDA path:
+``test_compile_fp8_cuda_path.py``). Checked here on one process, tiny shapes (each
 inductor compile costs tens of seconds on 2 CPU cores):
 
 * inductor, 3 training steps (forward, backward, SGD) under fp32 / FP8 delayed / FP8

@@ -218,6 +218,10 @@ _ONES: dict[torch.device, torch.Tensor] = {}
 
 
 def _one(device: torch.device) -> torch.Tensor:
+    if torch.compiler.is_compiling():
+        # Traced (the compiled CUDA path's casts): a constant the compiler folds; reading
+        # or filling the cache would guard on it and retrace once it is filled.
+        return torch.ones((), dtype=torch.float32, device=device)
     one = _ONES.get(device)
     if one is None:
         with torch.inference_mode(False):

@@ -22,7 +22,7 @@ import torch
 from .. import kernels
 from ..quantization.compile_state import recipe_key
 from ..quantization.gemm_choice import decision_of
-from .compiled.fuser_path import trace_plan
+from .compiled.fuser_path import describe_fp8_linears, trace_plan
 from .compiled.overlap_plan import CompileWindow, compile_windows
 from .fusion import FusionRecord
 from .op import FusibleOperation, op_display_name
@@ -87,19 +87,21 @@ def _plan_kernels(fuser: "OperationFuser", device: torch.device, dtype: Optional
     return plans
 
 
-def _compile_plan(fuser: "OperationFuser", recipe: Any) -> tuple[str, list[CompileWindow]]:
+def _compile_plan(fuser: "OperationFuser", recipe: Any, device: torch.device) -> tuple[str, list[CompileWindow]]:
     """What ``torch.compile`` does with this group under ``recipe`` (see ``ops/compiled``):
     the ``compile:`` line, and each comm/GEMM overlap window's fate (overlapped as one
     ``tp_fuse::ub_linear`` node, or traced without overlap and why) -- the decision the
     compiled path itself takes (``overlap_plan.compile_windows``)."""
-    reason = trace_plan(fuser, recipe_key(recipe))
+    key = recipe_key(recipe)
+    reason = trace_plan(fuser, key)
     windows = compile_windows(fuser, recipe, reason)
     if reason is None:
         line = "traced into the caller's graph as basic ops (no fused ops: inductor fuses)"
         if any(w.overlapped for w in windows):
             line = ("traced into the caller's graph as basic ops (inductor fuses), overlap windows as "
                     "tp_fuse::ub_linear nodes")
-        return line, windows
+        fp8_line = describe_fp8_linears(fuser, key, device)
+        return line if fp8_line is None else f"{line}; {fp8_line}", windows
     return f"graph break, runs the eager fuser: {reason}", windows
 
 
@@ -152,7 +154,7 @@ class FuserExplanation:
     def from_fuser(cls, fuser: "OperationFuser", basis: str = "recipe in force") -> "FuserExplanation":
         recipe = fuser._fusion_recipe  # the recipe the fuser's current decisions were made for
         device, dtype, device_label = _kernel_target(fuser)
-        compile_line, windows = _compile_plan(fuser, recipe)
+        compile_line, windows = _compile_plan(fuser, recipe, device)
         return cls(
             basic_ops=[op_display_name(op, i) for i, op in enumerate(fuser.basic_ops)],
             forward_ops=_describe_runs(fuser.forward_ops),

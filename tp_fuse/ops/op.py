@@ -191,6 +191,12 @@ class BasicOperation(ExtraTensorChannels, FusibleOperation):
     override :meth:`fuser_forward`/:meth:`fuser_backward` instead. Extra slots can
     be wired to each other inside a fuser with ``set_extra_output_channel`` /
     ``set_extra_input_channel`` (see :mod:`tp_fuse.ops.channels`).
+
+    Under ``torch.compile`` an op is traced by its ``compiled_forward(x, extra_inputs,
+    fp8) -> (y, extra_outputs)`` method, written beside its eager code, when its own
+    class defines one (a subclass, which may change the math, runs through the eager
+    fuser unless it defines its own); :meth:`compiled_unsupported` says when it cannot
+    (see :mod:`tp_fuse.ops.compiled.basic`).
     """
 
     #: Number of tensors this op takes besides the main input.
@@ -232,6 +238,12 @@ class BasicOperation(ExtraTensorChannels, FusibleOperation):
     ) -> tuple[Optional[torch.Tensor], Iterable[Optional[torch.Tensor]]]:
         """Backward pass: returns ``(grad_input, param_grads)``."""
         raise NotImplementedError(f"{type(self).__name__} does not implement op_backward")
+
+    def compiled_unsupported(self, fp8: Any) -> Optional[str]:
+        """Why this op's ``compiled_forward`` cannot trace it under ``fp8`` (the traced
+        ``CompileKey``, None: high precision), or None when it can. Asked only of ops
+        whose class defines ``compiled_forward``."""
+        return None
 
     def fuser_forward(
         self,

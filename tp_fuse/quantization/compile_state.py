@@ -42,6 +42,7 @@ __all__ = [
     "CompileKey",
     "CompileRef",
     "compile_key",
+    "live_targets",
     "raise_key_mismatch",
     "recipe_key",
     "set_traced_key",
@@ -83,13 +84,17 @@ class CompileKey(NamedTuple):
     recipes (``Float8BlockScaling``, ``MXFP8BlockScaling``, ``Float8RowwiseScaling``,
     ``NVFP4BlockScaling``), ``((role, BlockLayout), ...)`` for :data:`BLOCK_ROLES` --
     block shapes and dtypes depend on the recipe's fields, not only on its class, and
-    the graph's shapes depend on them -- else None.
+    the graph's shapes depend on them -- else None; ``detail``: see below.
     """
 
     recipe: str
     fwd_dtype: Optional[torch.dtype]
     bwd_dtype: Optional[torch.dtype]
     layouts: Optional[tuple[tuple[str, BlockLayout], ...]] = None
+    #: A per-tensor recipe's ``repr`` (its fields): the ATen casts traced on the CUDA path
+    #: (``ops/compiled/traced_cast.py``) bind the op's quantizers for the recipe while
+    #: tracing, so a changed recipe (which rebuilds them) must trace again.
+    detail: str = ""
 
     @property
     def per_tensor(self) -> bool:
@@ -122,6 +127,8 @@ def compile_key(ctx: Any) -> Optional[CompileKey]:
 # (recipe snapshot, its key): autocast is entered every step with an equal recipe, and a
 # block recipe's key builds its quantizers to read their layouts (tens of microseconds).
 _LAST_BLOCK_KEY: list[Any] = [None, None]
+# The same for the per-tensor recipes (their key holds the recipe's repr).
+_LAST_PER_TENSOR_KEY: list[Any] = [None, None]
 
 
 def _block_layouts(recipe: Any) -> Optional[tuple[tuple[str, BlockLayout], ...]]:
@@ -155,7 +162,12 @@ def recipe_key(recipe: Any) -> Optional[CompileKey]:
     fmt = getattr(recipe, "fp8_format", None)
     name = type(recipe).__name__
     if name in ("DelayedScaling", "Float8CurrentScaling") and fmt is not None:
-        return CompileKey(name, fmt.fwd_dtype, fmt.bwd_dtype)
+        snap, key = _LAST_PER_TENSOR_KEY
+        if snap is None or type(snap) is not type(recipe) or snap != recipe:
+            # repr costs ~20 us and autocast is entered every step with an equal recipe.
+            key = CompileKey(name, fmt.fwd_dtype, fmt.bwd_dtype, None, repr(recipe))
+            _LAST_PER_TENSOR_KEY[:] = [copy.copy(recipe), key]
+        return key
     layouts = _block_layouts(recipe)
     if layouts is not None:
         return CompileKey(name, None, None, layouts)
@@ -227,6 +239,8 @@ class CompileRef(_RefBase):
 
     def __init__(self, target: Any) -> None:
         self._target = None if target is None else weakref.ref(target)
+        if target is not None:
+            _LIVE_REFS.add(self)
 
     def target(self) -> Any:
         """The object named (RuntimeError when it no longer exists)."""
@@ -240,6 +254,21 @@ class CompileRef(_RefBase):
 
     def __bool__(self) -> bool:
         return self._target is not None
+
+
+#: Every ref made for an object (held weakly: a ref lives as long as its owner holds it).
+_LIVE_REFS: "weakref.WeakSet[CompileRef]" = weakref.WeakSet()
+
+
+def live_targets(kind: type) -> list[Any]:
+    """The live objects of type ``kind`` that made a :class:`CompileRef` (e.g. every
+    ``OpQuantizers``: the compiled CUDA path binds their quantizers while tracing)."""
+    out = []
+    for ref in list(_LIVE_REFS):
+        obj = ref._target() if ref._target is not None else None
+        if isinstance(obj, kind):
+            out.append(obj)
+    return out
 
 
 if HAVE_COMPILE_REFS:

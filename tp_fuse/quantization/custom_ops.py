@@ -41,13 +41,14 @@ import weakref
 from typing import Any, Callable
 
 import torch
+from torch.fx.node import has_side_effect
 
 from .autocast import active_autocast
 from .compile_state import HAVE_COMPILE_REFS, NO_REF, CompileRef, compile_key, raise_key_mismatch
 from ..recipe import FP4_DTYPE
 from .quantizer import OpQuantizers, is_backward_role
 
-__all__ = ["NO_OBSERVER", "block_cast", "block_gemm", "fp8_cast"]
+__all__ = ["NO_OBSERVER", "block_cast", "block_gemm", "fp8_cast", "fp8_track"]
 
 # Per OpQuantizers: (quantizers by role, backward amax tracker) of its last forward cast,
 # for the gradient casts of the backward that follows (eager ops keep both in their ctx).
@@ -143,9 +144,55 @@ def _fp8_cast_fake(
     return data, data_t, x.new_empty((), dtype=torch.float32)
 
 
-if HAVE_COMPILE_REFS:  # else: no op; compiled FP8 GEMMs take the eager fuser (ops/compiled/basic.py)
+if HAVE_COMPILE_REFS:  # else: no op; compiled FP8 GEMMs take the eager fuser (BasicLinear.compiled_unsupported)
     fp8_cast = torch.library.custom_op("tp_fuse::fp8_cast", mutates_args=())(fp8_cast)
     fp8_cast.register_fake(_fp8_cast_fake)
+
+
+def fp8_track(
+    slot: torch.Tensor, scale: torch.Tensor, owner: CompileRef, role: str, recipe: str, fp8_dtype: torch.dtype
+) -> torch.Tensor:
+    """The per-step Python of a delayed-scaling cast traced as ATen ops; returns the scale
+    the cast uses.
+
+    On the CUDA path a compiled FP8 Linear casts with ATen ops (``ops/compiled/traced_cast``:
+    amax maxed into ``amax_history[0]``, cast with the scale) on the quantizer state bound at
+    trace time; what must still run at every step is the bookkeeping ``tp_fuse::fp8_cast``
+    does besides the cast: forward roles join the step's amax reduction
+    (``AutocastContext.track_forward``) and bind the quantizers and backward tracker for
+    the backward; the gradient role (called from the compiled backward) tells that tracker,
+    which queues its end-of-backward reduction.
+
+    Shapes: ``slot`` ``[]`` fp32, the quantizer's amax slot as the cast folded it (read by
+    nobody: it places the op after the fold, a value only the cast's graph has -- an op
+    taking a tensor the backward also has would be copied into the backward graph by
+    AOTAutograd's partitioner and run twice); ``scale`` ``[]`` fp32, the quantizer's scale;
+    returns a copy of ``scale``: the value the cast and the saved ``scale_inv`` must use. The
+    scale is replaced at the autocast exit, between the forward and the backward graph, so
+    a backward that recomputed ``1 / scale`` from the quantizer's buffer would read the next
+    step's scale; this op's output is never recomputed (custom op), only saved.
+    Declared side-effectful: never removed.
+    """
+    q, tracker = _bind_quantizer(
+        owner, role, "tp_fuse::fp8_track",
+        lambda key: key is not None and key.recipe == recipe and key.fwd_dtype == fp8_dtype,
+        f"{recipe} with forward dtype {fp8_dtype}",
+    )
+    if tracker is not None:
+        tracker.track(q)
+    return scale.clone()
+
+
+def _fp8_track_fake(
+    slot: torch.Tensor, scale: torch.Tensor, owner: CompileRef, role: str, recipe: str, fp8_dtype: torch.dtype
+) -> torch.Tensor:
+    return torch.empty_like(scale)
+
+
+if HAVE_COMPILE_REFS:
+    fp8_track = torch.library.custom_op("tp_fuse::fp8_track", mutates_args=())(fp8_track)
+    fp8_track.register_fake(_fp8_track_fake)
+    has_side_effect(torch.ops.tp_fuse.fp8_track.default)
 
 
 # ---- block-scaled recipes (Float8BlockScaling, MXFP8BlockScaling, Float8RowwiseScaling, NVFP4)
@@ -317,7 +364,7 @@ def _block_gemm_fake(
     return a_data.new_empty((a_data.shape[0], b_data.shape[0]), dtype=out_dtype)
 
 
-if HAVE_COMPILE_REFS:  # else: compiled block-scaled GEMMs take the eager fuser (ops/compiled/basic.py)
+if HAVE_COMPILE_REFS:  # else: compiled block-scaled GEMMs take the eager fuser (BasicLinear.compiled_unsupported)
     block_cast = torch.library.custom_op("tp_fuse::block_cast", mutates_args=())(block_cast)
     block_cast.register_fake(_block_cast_fake)
 block_gemm = torch.library.custom_op("tp_fuse::block_gemm", mutates_args=())(block_gemm)

@@ -28,6 +28,8 @@ from ...quantization import Float8CurrentScalingQuantizer
 from ..op import BasicOperation, OperationContext, require
 from ._checks import check_tensor, compute_dtype, maybe_dequantize
 from ._glu import check_interleave, deinterleave, interleave
+from ..compiled.activations import GeluFunction
+from ..compiled.basic import in_compute_dtype
 
 
 class _ActivationOperation(BasicOperation):
@@ -84,6 +86,13 @@ class _ActivationOperation(BasicOperation):
     def op_backward(self, ctx: OperationContext, grad_output: torch.Tensor) -> tuple[torch.Tensor, tuple[()]]:
         return self.activation_backward(ctx, grad_output), ()
 
+    # ---- torch.compile (tp_fuse/ops/compiled/basic.py) ------------------------
+
+    def compiled_unsupported(self, fp8: Any) -> Optional[str]:
+        if self.cache_quantized_input:
+            return f"{type(self).__name__}(cache_quantized_input=True) saves FP8 tensors for its backward"
+        return None
+
 
 def _cache_fp8(t: torch.Tensor) -> torch.Tensor:
     """A saved floating-point tensor in FP8 (E4M3, its own current scale)."""
@@ -135,6 +144,14 @@ class GELU(_ActivationOperation):
         dx, _, _ = kernels.dgelu_dbias(dy, x, with_amax=False, with_dbias=False, overwrite_grad=overwrite_dy)
         return as_shape(dx, shape)
 
+    def compiled_forward(
+        self, x: torch.Tensor, extra_inputs: list[torch.Tensor], fp8: Any
+    ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """Traced: the eager kernels' formulas, forward and backward (``GeluFunction``:
+        accurate gradients in the negative tail)."""
+        self.check_input(x)
+        return GeluFunction.apply(x), []
+
 
 class ReLU(_ActivationOperation):
     """ReLU: ``y = max(x, 0)``.
@@ -151,6 +168,13 @@ class ReLU(_ActivationOperation):
         (positive,) = saved
         # masked_fill, not dy * mask: a NaN/inf in dy where x <= 0 must not leak through.
         return dy.masked_fill(~positive, 0)
+
+    def compiled_forward(
+        self, x: torch.Tensor, extra_inputs: list[torch.Tensor], fp8: Any
+    ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """Traced: ``torch.relu`` (its gradient masks dy where x <= 0, as eager)."""
+        self.check_input(x)
+        return torch.relu(x), []
 
 
 class _TorchActivation(_ActivationOperation):
@@ -196,12 +220,24 @@ class _TorchActivation(_ActivationOperation):
             (dx,) = torch.autograd.grad(self._math(xc), xc, dy.to(cdtype))
         return interleave(dx, self.glu_interleave_size).to(x.dtype)
 
+    def compiled_forward(
+        self, x: torch.Tensor, extra_inputs: list[torch.Tensor], fp8: Any
+    ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """Traced: :meth:`_math` in float32 (float64 for float64 x), rounded once to x's
+        dtype; autograd differentiates it, as the eager backward does. Each subclass binds
+        it as its own ``compiled_forward`` (a subclass of those, which may change the
+        math, runs eagerly unless it does too)."""
+        self.check_input(x)
+        return in_compute_dtype(lambda t: self._math(deinterleave(t, self.glu_interleave_size)), x), []
+
 
 class SiLU(_TorchActivation):
     """SiLU (swish): ``y = x sigmoid(x)``."""
 
     def _math(self, x: torch.Tensor) -> torch.Tensor:
         return F.silu(x)
+
+    compiled_forward = _TorchActivation.compiled_forward
 
 
 class QGELU(_TorchActivation):
@@ -210,9 +246,13 @@ class QGELU(_TorchActivation):
     def _math(self, x: torch.Tensor) -> torch.Tensor:
         return x * torch.sigmoid(1.702 * x)
 
+    compiled_forward = _TorchActivation.compiled_forward
+
 
 class SReLU(_TorchActivation):
     """Squared ReLU: ``y = relu(x)^2``."""
 
     def _math(self, x: torch.Tensor) -> torch.Tensor:
         return torch.relu(x).square()
+
+    compiled_forward = _TorchActivation.compiled_forward

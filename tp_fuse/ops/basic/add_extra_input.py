@@ -110,3 +110,17 @@ class AddExtraInput(BasicOperation):
         # shape), so no state is needed here: fused forwards such as the seed's
         # ForwardAxpy may leave this op's ctx empty, as in Transformer Engine.
         return grad_output, [()], [(grad_output,)]
+
+    # ---- torch.compile (tp_fuse/ops/compiled/basic.py) ------------------------
+
+    def compiled_forward(
+        self, x: torch.Tensor, extra_inputs: list[torch.Tensor], fp8: Any
+    ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """Traced: ``y = x + extra``."""
+        check_tensor("AddExtraInput", x)
+        (extra,) = extra_inputs
+        self.check_extra_input(tuple(x.shape), x.dtype, x.device, extra)
+        return x + extra, []
+
+    def compiled_unsupported(self, fp8: Any) -> Optional[str]:
+        return "AddExtraInput(in_place=True) writes into the caller's tensor" if self.in_place else None

@@ -13,6 +13,7 @@ from ...quantization import BlockScaledTensor, Float8Tensor
 from ...quantization.block import wire as block_wire
 from ..op import OperationContext, require
 from ._tp import TPCommOperation, check_first_dim_divisible
+from ..compiled.comm import AllGatherSeq, tp_group
 
 
 class AllGather(TPCommOperation):
@@ -49,6 +50,15 @@ class AllGather(TPCommOperation):
             return grad_output, ()
         check_first_dim_divisible("AllGather (backward)", grad_output, size)
         return reduce_scatter_dim0(grad_output.contiguous(), self.process_group), ()
+
+    # ---- torch.compile (tp_fuse/ops/compiled/basic.py) ------------------------
+
+    def compiled_forward(
+        self, x: torch.Tensor, extra_inputs: list[torch.Tensor], fp8: Any
+    ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """Traced: a functional all-gather over dim 0, reduce-scatter backward (``AllGatherSeq``)."""
+        require(x.dim() >= 1, "AllGather: expected a tensor with a sequence dimension, got a scalar")
+        return (x if self.tp_size == 1 else AllGatherSeq.apply(x, tp_group(self.process_group))), []
 
 
 def gather_maybe_fp8(

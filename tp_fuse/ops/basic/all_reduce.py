@@ -10,6 +10,7 @@ from ..op import OperationContext
 from ._checks import maybe_dequantize
 from ._tp import TPCommOperation
 from tp_fuse.comm import all_reduce
+from ..compiled.comm import AllReduceForward, tp_group
 
 
 class AllReduce(TPCommOperation):
@@ -34,3 +35,11 @@ class AllReduce(TPCommOperation):
 
     def op_backward(self, ctx: OperationContext, grad_output: torch.Tensor):
         return grad_output, ()
+
+    # ---- torch.compile (tp_fuse/ops/compiled/basic.py) ------------------------
+
+    def compiled_forward(
+        self, x: torch.Tensor, extra_inputs: list[torch.Tensor], fp8: Any
+    ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """Traced: a functional all-reduce, identity backward (``AllReduceForward``)."""
+        return (x if self.tp_size == 1 else AllReduceForward.apply(x, tp_group(self.process_group))), []

@@ -125,3 +125,14 @@ class Bias(BasicOperation):
         self, ctx: OperationContext, grad_output: torch.Tensor
     ) -> tuple[torch.Tensor, tuple[Optional[torch.Tensor]]]:
         return grad_output, (self.bias_grad(grad_output),)
+
+    # ---- torch.compile (tp_fuse/ops/compiled/basic.py) ------------------------
+
+    def compiled_forward(
+        self, x: torch.Tensor, extra_inputs: list[torch.Tensor], fp8: Any
+    ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """Traced: ``y = x + b`` (b in x's dtype; autograd sums dy into db). A ``Bias``
+        right after an FP8 ``BasicLinear`` on the CUDA path is its GEMM's epilogue
+        instead (``BasicLinear.compiled_folds_bias``)."""
+        self.check_input(x)
+        return x + self.bias.to(x.dtype), []

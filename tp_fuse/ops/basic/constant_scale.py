@@ -36,3 +36,12 @@ class ConstantScale(BasicOperation):
 
     def op_backward(self, ctx: OperationContext, grad_output: torch.Tensor) -> tuple[torch.Tensor, tuple[()]]:
         return grad_output * self.scale, ()
+
+    # ---- torch.compile (tp_fuse/ops/compiled/basic.py) ------------------------
+
+    def compiled_forward(
+        self, x: torch.Tensor, extra_inputs: list[torch.Tensor], fp8: Any
+    ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """Traced: ``y = scale * x``."""
+        check_tensor("ConstantScale", x)
+        return x * self.scale, []

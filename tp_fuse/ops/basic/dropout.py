@@ -58,3 +58,17 @@ class Dropout(BasicOperation):
             return grad_output, ()
         (keep,) = ctx.saved_tensors
         return self._scaled(grad_output, keep), ()
+
+    # ---- torch.compile (tp_fuse/ops/compiled/basic.py) ------------------------
+
+    def compiled_forward(
+        self, x: torch.Tensor, extra_inputs: list[torch.Tensor], fp8: Any
+    ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """Traced inverted dropout; the mask comes from the compiled graph's RNG (not eager's stream)."""
+        check_tensor("Dropout", x)
+        if not self.training or self.p == 0.0:
+            return x, []
+        if self.p == 1.0:
+            return torch.zeros_like(x), []
+        keep = torch.empty(x.shape, dtype=torch.bool, device=x.device).bernoulli_(1.0 - self.p)
+        return torch.where(keep, x * (1.0 / (1.0 - self.p)), torch.zeros((), dtype=x.dtype, device=x.device)), []

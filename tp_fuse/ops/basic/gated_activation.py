@@ -37,6 +37,7 @@ from ..op import OperationContext, require
 from ._checks import maybe_dequantize
 from ._glu import check_interleave, deinterleave, interleave
 from .activation import _ActivationOperation, _TorchActivation
+from ..compiled.basic import in_compute_dtype
 
 __all__ = ["SwiGLU", "GLU", "GEGLU", "QGEGLU", "ReGLU", "SReGLU", "ClampedSwiGLU", "SiTUGLU"]
 
@@ -92,6 +93,19 @@ class SwiGLU(_ActivationOperation):
         dx, _ = kernels.dswiglu(dy, x, with_amax=False)
         return dx
 
+    def compiled_forward(
+        self, x: torch.Tensor, extra_inputs: list[torch.Tensor], fp8: Any
+    ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """Traced: ``y = silu(a) * b`` with ``[a | b]`` the (de-interleaved) halves of the
+        last dim, in float32 (float64 for float64 x), rounded once to x's dtype."""
+        self.check_input(x)
+
+        def math(t: torch.Tensor) -> torch.Tensor:
+            a, b = deinterleave(t, self.glu_interleave_size).chunk(2, dim=-1)
+            return F.silu(a) * b
+
+        return in_compute_dtype(math, x), []
+
 
 def _halves(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return x.chunk(2, dim=-1)
@@ -106,6 +120,8 @@ class GLU(_TorchActivation):
         a, b = _halves(x)
         return torch.sigmoid(a) * b
 
+    compiled_forward = _TorchActivation.compiled_forward
+
 
 class GEGLU(_TorchActivation):
     """GELU-gated linear unit: ``y = gelu_tanh(a) b``."""
@@ -115,6 +131,8 @@ class GEGLU(_TorchActivation):
     def _math(self, x: torch.Tensor) -> torch.Tensor:
         a, b = _halves(x)
         return F.gelu(a, approximate="tanh") * b
+
+    compiled_forward = _TorchActivation.compiled_forward
 
 
 class QGEGLU(_TorchActivation):
@@ -126,6 +144,8 @@ class QGEGLU(_TorchActivation):
         a, b = _halves(x)
         return a * torch.sigmoid(1.702 * a) * b
 
+    compiled_forward = _TorchActivation.compiled_forward
+
 
 class ReGLU(_TorchActivation):
     """ReLU-gated linear unit: ``y = relu(a) b``."""
@@ -136,6 +156,8 @@ class ReGLU(_TorchActivation):
         a, b = _halves(x)
         return torch.relu(a) * b
 
+    compiled_forward = _TorchActivation.compiled_forward
+
 
 class SReGLU(_TorchActivation):
     """Squared-ReLU-gated linear unit: ``y = relu(a)^2 b``."""
@@ -145,6 +167,8 @@ class SReGLU(_TorchActivation):
     def _math(self, x: torch.Tensor) -> torch.Tensor:
         a, b = _halves(x)
         return torch.relu(a).square() * b
+
+    compiled_forward = _TorchActivation.compiled_forward
 
 
 class ClampedSwiGLU(_TorchActivation):
@@ -179,6 +203,8 @@ class ClampedSwiGLU(_TorchActivation):
         b = b.clamp(min=-self.limit, max=self.limit)
         return a * torch.sigmoid(self.alpha * a) * (b + self.glu_linear_offset)
 
+    compiled_forward = _TorchActivation.compiled_forward
+
 
 class SiTUGLU(_TorchActivation):
     """Soft-capped SiLU-gated unit (Kimi K3): ``beta1 tanh(a/beta1) s(a) beta2 tanh(b/beta2)``.
@@ -207,3 +233,5 @@ class SiTUGLU(_TorchActivation):
         a, b = _halves(x)
         gate = self.beta1 * torch.tanh(a / self.beta1) * torch.sigmoid(a)
         return gate * (self.beta2 * torch.tanh(b / self.beta2))
+
+    compiled_forward = _TorchActivation.compiled_forward

@@ -28,3 +28,11 @@ class Identity(BasicOperation):
 
     def op_backward(self, ctx: OperationContext, grad_output: torch.Tensor) -> tuple[torch.Tensor, tuple[()]]:
         return grad_output, ()
+
+    # ---- torch.compile (tp_fuse/ops/compiled/basic.py) ------------------------
+
+    def compiled_forward(
+        self, x: torch.Tensor, extra_inputs: list[torch.Tensor], fp8: Any
+    ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """Traced: ``y = x`` (the fuser path copies it when the caller must not share it)."""
+        return x, []

@@ -15,6 +15,8 @@ from ...kernels.dispatch import takes_cuda_path
 from ...kernels.launch_count import cpu_only
 from ..op import OperationContext
 from ._norm import NormBase
+import torch.nn.functional as F
+from ._checks import compute_dtype
 
 
 _NO_REGION = contextlib.nullcontext()
@@ -123,3 +125,17 @@ class LayerNorm(NormBase):
                 None if dbias is None else dbias.to(self.bias.dtype).reshape(self.normalized_shape),
             ),
         )
+
+    # ---- torch.compile (tp_fuse/ops/compiled/basic.py) ------------------------
+
+    def compiled_forward(
+        self, x: torch.Tensor, extra_inputs: list[torch.Tensor], fp8: Any
+    ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """Traced: ``F.layer_norm`` over the trailing ``H`` elements, statistics in float32
+        (float64 for float64 input), parameters read in that dtype, output in x's dtype."""
+        self.check_input(x)
+        cdtype = compute_dtype(x.dtype)
+        x2d = x.reshape(-1, self.hidden).to(cdtype)
+        gamma = self._gamma(cdtype).to(cdtype)
+        y = F.layer_norm(x2d, [self.hidden], gamma, self.bias.reshape(-1).to(cdtype), self.eps)
+        return y.to(x.dtype).reshape(x.shape), []

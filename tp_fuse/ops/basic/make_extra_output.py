@@ -72,3 +72,12 @@ class MakeExtraOutput(BasicOperation):
             grad_extra += grad_output
             return grad_extra, [()], [()]
         return grad_extra + grad_output, [()], [()]
+
+    # ---- torch.compile (tp_fuse/ops/compiled/basic.py) ------------------------
+
+    def compiled_forward(
+        self, x: torch.Tensor, extra_inputs: list[torch.Tensor], fp8: Any
+    ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """Traced: the same tensor twice; the fuser path copies what the caller must not share."""
+        check_tensor("MakeExtraOutput", x)
+        return x, [x]

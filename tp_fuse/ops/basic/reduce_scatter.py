@@ -11,6 +11,7 @@ from tp_fuse.comm import all_gather_dim0, reduce_scatter_dim0
 from ..op import OperationContext
 from ._checks import maybe_dequantize
 from ._tp import TPCommOperation, check_first_dim_divisible
+from ..compiled.comm import ReduceScatterSeq, tp_group
 
 
 class ReduceScatter(TPCommOperation):
@@ -44,3 +45,12 @@ class ReduceScatter(TPCommOperation):
         if self.tp_size == 1:
             return grad_output, ()
         return all_gather_dim0(grad_output.contiguous(), self.process_group), ()
+
+    # ---- torch.compile (tp_fuse/ops/compiled/basic.py) ------------------------
+
+    def compiled_forward(
+        self, x: torch.Tensor, extra_inputs: list[torch.Tensor], fp8: Any
+    ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """Traced: a functional reduce-scatter over dim 0, all-gather backward (``ReduceScatterSeq``)."""
+        check_first_dim_divisible("ReduceScatter", x, self.tp_size)
+        return (x if self.tp_size == 1 else ReduceScatterSeq.apply(x, tp_group(self.process_group))), []

@@ -10,6 +10,8 @@ import torch
 from ... import kernels
 from ..op import OperationContext
 from ._norm import NormBase
+import torch.nn.functional as F
+from ._checks import compute_dtype
 
 
 class RMSNorm(NormBase):
@@ -82,3 +84,17 @@ class RMSNorm(NormBase):
             dx.to(x2d.dtype).reshape(grad_output.shape),
             (None if dweight is None else dweight.to(self.weight.dtype).reshape(self.normalized_shape),),
         )
+
+    # ---- torch.compile (tp_fuse/ops/compiled/basic.py) ------------------------
+
+    def compiled_forward(
+        self, x: torch.Tensor, extra_inputs: list[torch.Tensor], fp8: Any
+    ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """Traced: ``F.rms_norm`` over the trailing ``H`` elements, statistics in float32
+        (float64 for float64 input), parameters read in that dtype, output in x's dtype."""
+        self.check_input(x)
+        cdtype = compute_dtype(x.dtype)
+        x2d = x.reshape(-1, self.hidden).to(cdtype)
+        gamma = self._gamma(cdtype).to(cdtype)
+        y = F.rms_norm(x2d, [self.hidden], gamma, self.eps)
+        return y.to(x.dtype).reshape(x.shape), []

@@ -21,7 +21,12 @@ import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 
-__all__ = ["AllGatherSeq", "AllReduceForward", "AllReduceBackward", "ReduceScatterSeq"]
+__all__ = ["AllGatherSeq", "AllReduceForward", "AllReduceBackward", "ReduceScatterSeq", "tp_group"]
+
+
+def tp_group(group: "dist.ProcessGroup | None") -> dist.ProcessGroup:
+    """An op's TP group for the functional collectives (None: the default group)."""
+    return group if group is not None else dist.group.WORLD
 
 
 def _all_gather(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:

@@ -1,11 +1,12 @@
-"""The FP8 linear layer of compiled graphs: custom-op casts and GEMMs under one autograd function.
+"""The FP8 linear layer of compiled graphs on CPU: custom-op casts, traced emulated GEMMs.
 
 ``BasicLinear``'s eager FP8 path works on ``Float8Tensor`` subclasses, which dynamo cannot
-trace through the fuser. Here the same three GEMMs run on plain tensors -- FP8 bytes, the
-transposed bytes the backward GEMMs read, and ``scale_inv`` -- made by the custom ops
-``tp_fuse::fp8_cast`` (the op's own quantizers, run at graph run time) and
-``tp_fuse::fp8_gemm`` (the FP8 GEMM kernel). Dynamo traces this function's forward and
-backward into the graph; AOTAutograd partitions them.
+trace through the fuser. Here the same three GEMMs run on plain tensors -- FP8 bytes and
+``scale_inv`` -- made by the custom op ``tp_fuse::fp8_cast`` (the op's own quantizers, run
+at graph run time) and multiplied by the CPU's exact emulation traced as ops. Dynamo traces
+this function's forward and backward into the graph; AOTAutograd partitions them. The
+CUDA path (``torch._scaled_mm`` and ATen casts) is ``fp8_linear_cuda``; the block-scaled
+recipes are :class:`BlockLinearFunction` here.
 """
 
 from __future__ import annotations
@@ -14,9 +15,7 @@ from typing import Any
 
 import torch
 
-from ...kernels import fp8_gemm_reads_views
 from ...kernels.fp8_emulation import accumulation_dtype, emulated_mm_decoded
-from ...kernels.library import fp8_gemm_op  # noqa: F401  (registers tp_fuse::fp8_gemm)
 from ...quantization.compile_state import BlockLayout, CompileKey, CompileRef
 from ...quantization.custom_ops import block_cast, fp8_cast  # noqa: F401  (registers the tp_fuse:: ops)
 
@@ -24,31 +23,31 @@ __all__ = ["BlockLinearFunction", "Fp8LinearFunction", "emulated_gemm"]
 
 
 class Fp8LinearFunction(torch.autograd.Function):
-    """``y = x W^T`` with FP8 operands (per-tensor scales), differentiable in x and W.
+    """``y = x W^T`` with FP8 operands (per-tensor scales) on CPU's exact emulation
+    (``kernels.fp8_gemm_reads_views``), differentiable in x and W. The CUDA path (GPU, and
+    strict-CUDA mode on CPU) is ``fp8_linear_cuda.Fp8LinearCudaFunction``.
 
     Shapes: ``x [M, K]`` (high precision), ``W [N, K]`` (the parameter), ``y [M, N]`` in
     x's dtype. ``q(.)`` is the quantizer cast ``tp_fuse::fp8_cast`` (forward dtype for x and
     W, backward dtype for dy), ``s_*`` its ``scale_inv``.
 
-    Equations (each GEMM ``tp_fuse::fp8_gemm``, fp32 accumulation)::
+    Equations (each GEMM :func:`emulated_gemm`, fp32 accumulation)::
 
         forward: y  = (q(x) @ q(W)^T) s_x s_W
-        dgrad:   dx = (q(dy) @ q(W)) s_dy s_W          (reads W's transposed bytes)
-        wgrad:   dW = (q(dy)^T @ q(x)) s_dy s_x        (dy's and x's transposed bytes),
-                      in W's dtype
+        dgrad:   dx = (q(dy) @ q(W)) s_dy s_W          (a t() view of W's bytes)
+        wgrad:   dW = (q(dy)^T @ q(x)) s_dy s_x        (t() views), in W's dtype
 
     Quantization is not differentiated (straight-through), as in every FP8 recipe and in
     ``BasicLinear``'s eager path, whose numbers these are: same quantizers, same casts, same
-    GEMM kernel. Saved for backward: the transposed FP8 bytes of x and W and their scales.
-    On CPU (the exact emulation, ``kernels.fp8_gemm_reads_views``) each GEMM is
-    :func:`emulated_gemm`'s traceable ops instead of ``tp_fuse::fp8_gemm``, and the casts
-    write no transposes: the backward reads ``t()`` views of the row-wise bytes.
+    GEMM emulation, traced as its own ops (the compiler sees the decodes and the scale
+    epilogues); the emulation reads any layout, so the casts write no transposed bytes and
+    the backward reads ``t()`` views. Saved for backward: the FP8 bytes of x and W and
+    their scales.
 
     Args (after ``x``, ``weight``): ``owner`` -- the op's ``OpQuantizers.compile_ref``;
     ``recipe`` / ``fwd_dtype`` / ``bwd_dtype`` -- the ``CompileKey`` it was traced for;
-    ``need_grad`` -- whether a backward will run (the casts then also write transposes);
-    ``observer`` -- the ``compile_ref`` of the op's ``tp_fuse.debug`` hooks (FP8
-    statistics), or ``NO_OBSERVER``.
+    ``need_grad`` -- whether a backward will run; ``observer`` -- the ``compile_ref`` of the
+    op's ``tp_fuse.debug`` hooks (FP8 statistics), or ``NO_OBSERVER``.
     """
 
     @staticmethod
@@ -64,47 +63,31 @@ class Fp8LinearFunction(torch.autograd.Function):
         observer: CompileRef,
     ) -> torch.Tensor:
         fp8 = torch.ops.tp_fuse
-        wgrad = need_grad and weight.requires_grad
-        # The CPU emulation (a trace-time constant): the GEMMs are traced as their exact
-        # emulation, which reads any layout -- no transposed bytes are cast, the backward
-        # reads t() views, and the compiler sees the decodes and the scale epilogues.
-        in_graph = fp8_gemm_reads_views(x.device)
-        x_data, x_t, x_sinv = fp8.fp8_cast(x.detach(), owner, "input", recipe, fwd_dtype, wgrad and not in_graph,
-                                           observer)
-        w_data, w_t, w_sinv = fp8.fp8_cast(weight.detach(), owner, "weight", recipe, fwd_dtype,
-                                           need_grad and not in_graph, observer)
-        if in_graph:
-            y = emulated_gemm(x_data, w_data, x_sinv, w_sinv, x.dtype)
-            x_t, w_t = x_data.t(), w_data.t()
-        else:
-            y = fp8.fp8_gemm(x_data, w_data, x_sinv, w_sinv, x.dtype)
-        ctx.save_for_backward(x_t, x_sinv, w_t, w_sinv)
-        ctx.owner, ctx.recipe, ctx.bwd_dtype, ctx.wgrad, ctx.observer = owner, recipe, bwd_dtype, wgrad, observer
-        ctx.weight_dtype, ctx.in_graph = weight.dtype, in_graph
+        x_data, _, x_sinv = fp8.fp8_cast(x.detach(), owner, "input", recipe, fwd_dtype, False, observer)
+        w_data, _, w_sinv = fp8.fp8_cast(weight.detach(), owner, "weight", recipe, fwd_dtype, False, observer)
+        y = emulated_gemm(x_data, w_data, x_sinv, w_sinv, x.dtype)
+        ctx.save_for_backward(x_data, x_sinv, w_data, w_sinv)
+        ctx.owner, ctx.recipe, ctx.bwd_dtype, ctx.observer = owner, recipe, bwd_dtype, observer
+        ctx.wgrad, ctx.weight_dtype = need_grad and weight.requires_grad, weight.dtype
         return y
 
     @staticmethod
     def backward(ctx: Any, dy: torch.Tensor):  # type: ignore[override]
-        fp8 = torch.ops.tp_fuse
-        x_t, x_sinv, w_t, w_sinv = ctx.saved_tensors
-        dy_data, dy_t, dy_sinv = fp8.fp8_cast(
-            dy.contiguous(), ctx.owner, "grad_output", ctx.recipe, ctx.bwd_dtype, ctx.wgrad and not ctx.in_graph,
-            ctx.observer
+        x_data, x_sinv, w_data, w_sinv = ctx.saved_tensors
+        dy_data, _, dy_sinv = torch.ops.tp_fuse.fp8_cast(
+            dy.contiguous(), ctx.owner, "grad_output", ctx.recipe, ctx.bwd_dtype, False, ctx.observer
         )
-        gemm = emulated_gemm if ctx.in_graph else fp8.fp8_gemm
-        if ctx.in_graph:
-            dy_t = dy_data.t()
-        dx = gemm(dy_data, w_t, dy_sinv, w_sinv, dy.dtype)
+        dx = emulated_gemm(dy_data, w_data.t(), dy_sinv, w_sinv, dy.dtype)
         dw = None
         if ctx.wgrad:
-            dw = gemm(dy_t, x_t, dy_sinv, x_sinv, dy.dtype).to(ctx.weight_dtype)
+            dw = emulated_gemm(dy_data.t(), x_data.t(), dy_sinv, x_sinv, dy.dtype).to(ctx.weight_dtype)
         return dx, dw, None, None, None, None, None, None
 
 
 def emulated_gemm(
     a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor, out_dtype: torch.dtype
 ) -> torch.Tensor:
-    """``tp_fuse::fp8_gemm``'s CPU emulation as traceable ops: ``(a @ b.T) * scale_a *
+    """``kernels.fp8_gemm``'s CPU emulation as traceable ops: ``(a @ b.T) * scale_a *
     scale_b`` in ``out_dtype`` from FP8 ``a [M, K]`` and ``b [N, K]`` of any layout.
 
     Exact decodes (every FP8 value is exact in fp32) into the emulation's own matmul and

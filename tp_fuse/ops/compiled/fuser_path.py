@@ -1,12 +1,15 @@
 """A fusion group under ``torch.compile``: traced as basic ops, or run eagerly behind a graph break.
 
 ``OperationFuser.__call__`` comes here while dynamo traces it. When every basic op has a
-traced forward for the recipe in force (``basic.unsupported_reason``), the group is traced
-op by op -- the same order, dtype casts, extra-tensor routing and output copies as the
-eager fuser, without its autograd function -- and becomes part of the caller's graph: one
-graph for a whole ``TransformerLayer``, forward and backward. Otherwise the group runs
-through the eager fuser behind ``torch.compiler.disable`` (``tp_fuse.graph_breaks``) (a graph break, as before this
-path existed); :func:`trace_plan` says why.
+traced forward for the recipe in force (its ``compiled_forward`` method;
+``basic.unsupported_reason``), the group is traced op by op -- the same order, dtype
+casts, extra-tensor routing and output copies as the eager fuser, without its autograd
+function -- and becomes part of the caller's graph: one graph for a whole
+``TransformerLayer``, forward and backward. A ``Bias`` right after an FP8 ``BasicLinear``
+on the CUDA path is traced as that GEMM's epilogue, as the eager fused Linear+Bias.
+Otherwise the group runs through the eager fuser behind ``torch.compiler.disable``
+(``tp_fuse.graph_breaks``) (a graph break, as before this path existed); :func:`trace_plan`
+says why.
 
 The recipe in force is read from ``compile_state.traced_key()`` (dynamo guards on it), not
 from the autocast ``ContextVar``, which dynamo cannot read.
@@ -20,15 +23,17 @@ from typing import TYPE_CHECKING, Any, Optional, Sequence
 import torch
 
 from ...quantization.compile_state import CompileKey, traced_key
+from ...kernels import fp8_gemm_reads_views
 from ...quantization.quantized_tensor import QuantizedTensor
 from ..basic import AllGather, AllReduce, BasicLinear, Bias, ReduceScatter
-from .basic import TRACED_FORWARDS, unsupported_reason
+from .basic import unsupported_reason
+from .fp8_linear_cuda import cast_mode
 from .overlap_plan import structural_windows
 
 if TYPE_CHECKING:
     from ..fuser import OperationFuser
 
-__all__ = ["compiled_call", "trace_plan"]
+__all__ = ["compiled_call", "describe_fp8_linears", "trace_plan"]
 
 
 def trace_plan(fuser: "OperationFuser", fp8: Optional[CompileKey]) -> Optional[str]:
@@ -38,6 +43,27 @@ def trace_plan(fuser: "OperationFuser", fp8: Optional[CompileKey]) -> Optional[s
         if reason is not None:
             return f"{type(op).__name__}[{i}]: {reason}"
     return None
+
+
+def describe_fp8_linears(fuser: "OperationFuser", fp8: Optional[CompileKey], device: torch.device) -> Optional[str]:
+    """How a traced group's per-tensor FP8 Linears cast and multiply on ``device`` (for
+    ``explain``), or None without any: the CPU's exact emulation; on the CUDA path ATen
+    casts (inductor fuses them) and ``torch._scaled_mm`` with the bias epilogue -- or the
+    opaque ``tp_fuse::fp8_cast`` where a ``tp_fuse.debug`` observer reads the FP8 tensors."""
+    linears = [(i, op) for i, op in enumerate(fuser.basic_ops) if type(op) is BasicLinear]
+    if fp8 is None or not fp8.per_tensor or not linears:
+        return None
+    if fp8_gemm_reads_views(device):
+        return "FP8 Linears: the CPU's exact emulation (tp_fuse::fp8_cast, emulated GEMMs traced)"
+    track = ", tp_fuse::fp8_track joins the amax reduction" if fp8.recipe == "DelayedScaling" else ""
+    parts = []
+    for i, op in linears:
+        if cast_mode(fp8, op.debug_hooks is not None) == "aten":
+            parts.append(f"BasicLinear[{i}] casts as ATen ops (inductor fuses them){track}")
+        else:
+            parts.append(f"BasicLinear[{i}] casts with the opaque tp_fuse::fp8_cast (tp_fuse.debug observes its "
+                         "FP8 tensors in Python)")
+    return "; ".join(parts) + "; GEMMs torch._scaled_mm, bias as its epilogue"
 
 
 def _autocast_dtype(device_type: str) -> Optional[torch.dtype]:
@@ -103,9 +129,34 @@ def _traced_forward(
                 external[i][k] if src is None else produced[src[0]][src[1]]
                 for k, src in enumerate(routing.input_sources[i])
             ]
-            x, outs = TRACED_FORWARDS[type(op)](op, x, extras, fp8)
+            bias_op = _foldable_bias(fuser, i, x, fp8, autocast_dtype)
+            if bias_op is not None:
+                # The FP8 GEMM's bias epilogue, as the eager fused Linear+Bias.
+                bias_op.check_input_spec((*x.shape[:-1], op.out_features), x.dtype, x.device)
+                x, outs = op.compiled_forward(x, extras, fp8, bias=bias_op.bias)
+                produced += [outs, []]
+                skip = 1
+                continue
+            x, outs = op.compiled_forward(x, extras, fp8)
             produced.append(outs)
     return _unshared([x, *routing.public_outputs(produced)], (input_, *extra_inputs))
+
+
+def _foldable_bias(
+    fuser: "OperationFuser", i: int, x: torch.Tensor, fp8: Optional[CompileKey], autocast_dtype: Optional[torch.dtype]
+) -> Optional[Bias]:
+    """The ``Bias`` right after the ``BasicLinear`` at ``i`` when the traced GEMM takes it
+    as its epilogue (``BasicLinear.compiled_folds_bias``: per-tensor FP8 on the CUDA
+    path), else None.
+    Not when the bias would see another input dtype than the GEMM's output, or takes
+    extra inputs."""
+    ops = fuser.basic_ops
+    op, nxt = ops[i], ops[i + 1] if i + 1 < len(ops) else None
+    if type(op) is not BasicLinear or type(nxt) is not Bias or fuser.routing.input_sources[i + 1]:
+        return None
+    if nxt.input_dtype(autocast_dtype) != x.dtype or not op.compiled_folds_bias(x, fp8):
+        return None
+    return nxt
 
 
 def _overlap_window(ops: Sequence[Any], x: torch.Tensor, mode: str, fp8: Optional[CompileKey]) -> torch.Tensor:
