@@ -242,9 +242,9 @@ def test_batched_delayed_update_is_bit_identical_to_per_quantizer_update(algos, 
             assert torch.equal(qa.nonfinite_amax_count, qb.nonfinite_amax_count)
 
 
-def test_batched_update_keeps_state_in_shared_buffers_and_notices_rebinding():
+def test_batched_update_keeps_state_in_shared_buffers_and_refuses_rebinding():
     """After a batched update the quantizers' tensors are rows of shared buffers (no
-    per-step stacking); in-place loads go through them; a rebound tensor is noticed."""
+    per-step stacking); in-place loads go through them; a rebound tensor is refused."""
     recipe = DelayedScaling(amax_history_len=4)
     qs = [DelayedScalingQuantizer(recipe, role) for role in ("input", "weight", "grad_output")]
     ref = [DelayedScalingQuantizer(recipe, role) for role in ("input", "weight", "grad_output")]
@@ -269,9 +269,10 @@ def test_batched_update_keeps_state_in_shared_buffers_and_notices_rebinding():
         ref[1].scale.copy_(torch.tensor(0.5))
     step(3.0)
     assert qs[0]._shared_state is state  # reused, not rebuilt
-    # Rebinding a tensor (what a device move does) makes the next update rebuild the
-    # shared state from the quantizers' current values.
-    qs[2].scale = qs[2].scale.clone()
     step(float("nan"))
-    assert qs[0]._shared_state is not state and qs[2].scale._base is qs[0]._shared_state.scale
     step(7.0)
+    assert qs[0]._shared_state is state  # static: never rebuilt
+    # Rebinding a tensor after the first update is refused (graphs hold its address).
+    qs[2].scale = qs[2].scale.clone()
+    with pytest.raises(ValueError, match="rebound after its first scale update"):
+        update_delayed_quantizers(qs)
