@@ -42,7 +42,7 @@ from .quantizer import (
     update_delayed_quantizers,
 )
 
-__all__ = ["AmaxReductionBuffer", "BackwardAmaxTracker", "reduce_and_update_quantizers"]
+__all__ = ["AmaxReductionBuffer", "BackwardAmaxTracker", "reduce_amaxes", "reduce_and_update_quantizers"]
 
 
 class AmaxReductionBuffer:
@@ -114,14 +114,23 @@ def reduce_and_update_quantizers(
     The end-of-step work of a buffer, and of a recorded membership replayed by the
     graphed path."""
     with no_grad_if_enabled():
-        if _needs_collective(group, reduce_amax):
+        reduce_amaxes(quantizers, group, reduce_amax)
+        update_delayed_quantizers(list(quantizers))
+
+
+def reduce_amaxes(
+    quantizers: Sequence[DelayedScalingQuantizer], group: Optional[dist.ProcessGroup], reduce_amax: bool
+) -> None:
+    """The all-reduce(MAX) of the quantizers' amax slots over ``group``, written back into
+    the slots (nothing when no collective is needed)."""
+    if _needs_collective(group, reduce_amax):
+        with no_grad_if_enabled():
             # One flat tensor -> one collective, however many quantizers.
             amaxes = scaling.nan_to_inf(torch.stack([q.current_amax for q in quantizers]))
             check_collective("all_reduce", [amaxes], world_size=dist.get_world_size(group), op=dist.ReduceOp.MAX)
             dist.all_reduce(amaxes, op=dist.ReduceOp.MAX, group=group)
             for q, amax in zip(quantizers, amaxes.unbind(0)):
                 q.amax_history[0] = amax
-        update_delayed_quantizers(list(quantizers))
 
 
 def _needs_collective(group: Optional[dist.ProcessGroup], reduce_amax: bool) -> bool:

@@ -38,13 +38,14 @@ import torch
 import torch.distributed as dist
 
 from . import amax_reduction
-from .amax_reduction import reduce_and_update_quantizers
+from .amax_reduction import reduce_amaxes
 from .quantizer import (
     CurrentScalingQuantizer,
     DelayedScalingQuantizer,
     Quantizer,
     fix_delayed_groups,
     make_quantizer,
+    update_delayed_quantizers,
 )
 
 __all__ = ["FP8StepMembership", "find_quantizers", "record_fp8_step", "reset_fp8_state", "snapshot_fp8_state"]
@@ -76,15 +77,19 @@ class FP8StepMembership:
                 for q in members.values()]
 
     def reduce_and_update(self, forward: Optional[bool] = None) -> None:
-        """The recorded end-of-step work: per entry one all-reduce(MAX) and one fused
-        update (``forward`` True/False: one direction; None: both, forward first).
-        Outside any graph; Python, collectives and the update kernels only."""
-        for direction in ("forward", "backward"):
-            if forward is not None and forward != (direction == "forward"):
-                continue
-            for (d, _, reduce_amax), (group, members) in self._entries.items():
-                if d == direction and members:
-                    reduce_and_update_quantizers(list(members.values()), group, reduce_amax)
+        """The recorded end-of-step work (``forward`` True/False: one direction; None:
+        both): one all-reduce(MAX) per recorded (direction, group), then one fused scale
+        update over all their quantizers (one kernel per group of
+        :func:`~tp_fuse.quantization.quantizer.fix_delayed_groups`; rows are updated
+        independently, so this equals eager's per-direction updates bit for bit).
+        Outside any graph: Python, collectives and the update kernels only."""
+        selected: dict[int, DelayedScalingQuantizer] = {}
+        for (d, _, reduce_amax), (group, members) in self._entries.items():
+            if members and (forward is None or forward == (d == "forward")):
+                reduce_amaxes(list(members.values()), group, reduce_amax)
+                selected.update(members)
+        if selected:
+            update_delayed_quantizers(list(selected.values()))
 
     def __len__(self) -> int:
         return sum(len(m) for _, m in self._entries.values())
