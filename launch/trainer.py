@@ -39,6 +39,7 @@ from tp_fuse.debug import DebugSession, Fp8StatsCollector
 
 from .checkpoint.manager import CheckpointManager, TrainingState
 from .config import TrainConfig
+from .cuda_graphs import graph_layers, make_grads_static
 from .data import BatchLoader, TokenData, make_tokenizer
 from .fsdp import make_sharded_dp
 from .grads import allreduce_dp_grads, clip_grads, global_grad_norm
@@ -157,6 +158,13 @@ class Trainer:
         )
         rt.add_cleanup(self.ckpt.release)  # the directory's lock is held until the job ends
         self.start_step = self._maybe_resume()
+        # trainer.cuda_graphs (launch/cuda_graphs.py): static .grad buffers, then each layer
+        # captured, after the resume (loads write in place: the graphs see them).
+        self.static_grads = tr.cuda_graphs
+        if tr.cuda_graphs:
+            make_grads_static(self.params)
+            graph_layers(self.model, seq_len=cfg.seq_len, micro_batch_size=tr.micro_batch_size, dtype=rt.dtype,
+                         device=rt.device, recipe=self.recipe, fp8_group=self.fp8_group)
         self._quantizer_map: dict[str, object] = {}
         self.guard = NonfiniteGuard(tr.max_nonfinite_steps, topo.world_group, rt.device, self._watched_quantizers)
         if self.debug is not None:
@@ -307,7 +315,8 @@ class Trainer:
                         print(f"[tp-fuse] step {step}: {'; '.join(health.reasons)}: optimizer step skipped "
                               f"({health.in_a_row} in a row, trainer.max_nonfinite_steps="
                               f"{tr.max_nonfinite_steps})", file=sys.stderr, flush=True)
-                self.optimizer.zero_grad(set_to_none=True)
+                # Static grads (cuda_graphs) are zeroed in place: the same buffers every step.
+                self.optimizer.zero_grad(set_to_none=not self.static_grads)
                 self.loader.advance()
                 self.state.step = step
                 if self.debug is not None:
