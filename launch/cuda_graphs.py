@@ -15,7 +15,7 @@ What the graphs need from the loop, and where it is done:
 * **static gradient buffers** (:func:`make_grads_static`): every parameter's ``.grad``
   is allocated once, zeroed in place by ``zero_grad(set_to_none=False)``, so
   ``AccumulateGrad`` adds each micro-batch's graph output into the same buffer and never
-  keeps a graph output as ``.grad`` (``tests/test_graph_contracts.py``);
+  keeps a graph output as ``.grad`` (``tests/test_launch_cuda_graphs.py``);
 * **a capturable optimizer** (``optim.capturable``): AdamW's step counts on the GPU.
 
 Validation (``no_grad``, ``eval``) runs the layers eagerly: torch's graphed forward
