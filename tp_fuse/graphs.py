@@ -110,6 +110,11 @@ def make_graphed_callables(
             for fn, a in zip(callables, args):
                 _eager_pass(fn, a, recipe, fp8_group, allow_unused_input)
     quantizers = find_quantizers(callables)
+    found = {id(q) for q in quantizers}
+    # A quantizer the modules do not hold could not be reset nor grouped before capture:
+    # its first update would rebind state the graphs hold.
+    assert all(id(q) in found for q in membership.quantizers()), \
+        "a delayed-scaling quantizer used by the graphed callables is not reachable from their modules"
     reset_fp8_state(quantizers, snapshot)  # also fixes the delayed groups: no rebinding from here on
     with record_fp8_step(FP8StepMembership()), autocast(recipe=recipe, amax_reduction_group=fp8_group):
         graphed = torch.cuda.make_graphed_callables(callables, args, num_warmup_iters=1,
