@@ -47,7 +47,7 @@ from .health import NonfiniteGuard, TrainingDivergedError
 from .logging.wandb_logger import WandbLogger
 from .logging.metrics import MetricsSink
 from .models.hf import export_hf_directory, load_tokenizer
-from .models.build import ModelFactory, build_model, build_recipe, fp8_autocast, fp8_quantizers
+from .models.build import CUDA_GRAPH_MODES, ModelFactory, build_model, build_recipe, fp8_autocast, fp8_quantizers
 from .optim import build_optimizer, lr_at, set_lr
 from .logging.progress import Progress
 from .logging.report import format_eta, peak_memory_bytes
@@ -160,9 +160,12 @@ class Trainer:
         self.start_step = self._maybe_resume()
         # trainer.cuda_graphs (launch/cuda_graphs.py): static .grad buffers, then each layer
         # captured, after the resume (loads write in place: the graphs see them).
-        self.static_grads = tr.cuda_graphs
-        if tr.cuda_graphs:
+        # torch.compile's CUDA-graph modes get them too (refused on CUDA until verified there:
+        # static grads are the remedy for their failure, launch/models/build.py).
+        self.static_grads = tr.cuda_graphs or (tr.compile and tr.compile_mode in CUDA_GRAPH_MODES)
+        if self.static_grads:
             make_grads_static(self.params)
+        if tr.cuda_graphs:
             graph_layers(self.model, seq_len=cfg.seq_len, micro_batch_size=tr.micro_batch_size, dtype=rt.dtype,
                          device=rt.device, recipe=self.recipe, fp8_group=self.fp8_group)
         self._quantizer_map: dict[str, object] = {}

@@ -204,9 +204,10 @@ def check_compile_mode(mode: str, device: torch.device) -> None:
     verified on a GPU, the modes are refused there; on CPU inductor records no CUDA graph
     and they run. The likely cause (issue 36): with ``zero_grad(set_to_none=True)``,
     ``AccumulateGrad`` keeps the first micro-batch's weight gradients -- outputs of the
-    graph -- as ``.grad``, and the next micro-batch's replay overwrites them; the static
-    gradient buffers of ``trainer.cuda_graphs`` (``launch/cuda_graphs.py``) are the remedy,
-    not yet verified with these modes on a GPU.
+    graph -- as ``.grad``, and the next micro-batch's replay overwrites them. The trainer
+    gives these modes the static gradient buffers of ``trainer.cuda_graphs``
+    (``launch/cuda_graphs.py``: allocated once, zeroed in place), which rule that out;
+    lifting this refusal awaits a GPU run that confirms it.
     """
     if device.type == "cuda" and mode in CUDA_GRAPH_MODES:
         raise ValueError(
