@@ -11,7 +11,10 @@ These tests catch, without a GPU, what would otherwise be silently wrong on one:
   steps -- delayed and current scaling; without that end-of-step work the delayed scales
   freeze (checked too, so the comparison is known to be sensitive);
 * no quantizer state tensor is rebound after the first step: not by a second step, a step
-  where a quantizer is unused, a step where a new op first runs, nor a checkpoint load.
+  where a quantizer is unused, a step where a new op first runs, nor a checkpoint load;
+  a device move after it is refused;
+* the lazy first move of quantizer state to the data's device (a host-to-device copy) is
+  refused during a CUDA graph capture.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
 import tp_fuse as te
+from tp_fuse.quantization.quantizer import make_quantizer
 from tp_fuse.quantization.step_record import (
     FP8StepMembership,
     find_quantizers,
@@ -162,3 +166,29 @@ def test_no_quantizer_state_tensor_is_rebound_after_the_first_step():
     assert _addresses(first) == seen, "a checkpoint load rebound state"
     step(a, b, c)
     assert _addresses(first) == seen
+
+
+@pytest.mark.parametrize("recipe_name", sorted(RECIPES))
+def test_lazy_state_move_is_refused_during_capture(monkeypatch, recipe_name):
+    """Quantizer state born elsewhere is moved at its first cast: a host-to-device copy,
+    illegal inside a CUDA graph capture, so it is refused there (simulated on CPU: the
+    state sits on the meta device and torch reports a capture in progress)."""
+    q = make_quantizer(RECIPES[recipe_name](), "input")
+    for name in STATE:
+        if hasattr(q, name):
+            setattr(q, name, getattr(q, name).to("meta"))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    with pytest.raises(RuntimeError, match="would be copied to cpu during CUDA graph capture"):
+        q.quantize(torch.randn(4, 8))
+
+
+def test_delayed_state_cannot_move_after_its_first_update():
+    q = te.ops.Linear(H, H)
+    with te.autocast(recipe=DelayedScaling()):
+        y = q(torch.randn(TOKENS, H))
+    (quantizer,) = [x for x in find_quantizers([q]) if x.role == "input"]
+    assert quantizer._shared_state is not None
+    with pytest.raises(ValueError, match="static from then on; got data on meta"):
+        quantizer.quantize(torch.randn(4, 8, device="meta"))
+    assert y.shape == (TOKENS, H)
