@@ -57,13 +57,17 @@ _STATE = {
 }
 
 
+#: One recorded reduction: its group and its quantizers by ``id``, in first-seen order.
+_Entry = tuple[Optional[dist.ProcessGroup], dict[int, DelayedScalingQuantizer]]
+
+
 class FP8StepMembership:
     """The delayed-scaling reductions of one step, fixed: ``(direction, group,
     reduce_amax) -> quantizers`` in first-seen order (every rank records in program
     order, so slot ``i`` of a collective names the same quantizer on all ranks)."""
 
     def __init__(self) -> None:
-        self._entries: dict[tuple[str, int, bool], tuple[Optional[dist.ProcessGroup], dict[int, DelayedScalingQuantizer]]] = {}
+        self._entries: dict[tuple[str, int, bool], _Entry] = {}
 
     def _record(self, direction: str, group: Optional[dist.ProcessGroup], reduce_amax: bool,
                 quantizers: list[DelayedScalingQuantizer]) -> None:
