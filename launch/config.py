@@ -191,6 +191,9 @@ class OptimConfig:
     eps: float = 1e-8
     warmup_steps: int = 20
     grad_clip: float = 1.0  # 0 disables clipping (the norm is still logged)
+    # torch.optim.AdamW(capturable=True): the step counts live on the GPU and the update
+    # reads nothing on the host (needed to capture the optimizer step; CUDA only).
+    capturable: bool = False
 
 
 @dataclass
@@ -243,6 +246,10 @@ class TrainerConfig:
     # torch.compile's mode for trainer.compile=true; reduce-overhead records CUDA graphs on a
     # GPU (the step has no host sync inside the compiled layers; CPU ignores the graphs).
     compile_mode: Literal["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"] = "default"
+    # CUDA graphs per TransformerLayer (tp_fuse.make_graphed_callables; FP8 scales updated
+    # after backward, outside the graphs), static gradient buffers (zero_grad keeps them)
+    # and static layer inputs. GPU only: refused at the config check elsewhere.
+    cuda_graphs: bool = False
     # The peak FLOP/s of one rank that MFU divides by: null = the data sheet of known GPUs or,
     # on CPU, a measurement cached per machine; "remeasure" = measure the CPU peak again.
     peak_flops: Union[float, Literal["remeasure"], None] = None
@@ -545,6 +552,49 @@ def _positive(name: str, value: int) -> None:
     _need(value > 0, f"{name} must be > 0, got {value}")
 
 
+def _gpu_missing(device: str) -> Optional[str]:
+    """Why ``trainer.device`` gives no GPU here, or None when it does."""
+    if device == "cpu":
+        return "trainer.device=cpu"
+    if not torch.cuda.is_available():
+        return "no CUDA device on this machine"
+    return None
+
+
+def _check_cuda_graphs(cfg: TrainConfig, tp: int) -> None:
+    """``trainer.cuda_graphs`` and ``optim.capturable``: a GPU, and the features the
+    per-layer graphs keep right (each refusal names the field to change)."""
+    tr = cfg.trainer
+    if cfg.optim.capturable:
+        why = _gpu_missing(tr.device)
+        _need(why is None, f"optim.capturable=true keeps AdamW's state for CUDA graph capture and needs a GPU "
+                           f"({why}); drop optim.capturable")
+    if not tr.cuda_graphs:
+        return
+    why = _gpu_missing(tr.device)
+    _need(why is None, f"trainer.cuda_graphs=true records CUDA graphs, which need a GPU ({why}); "
+                       f"drop trainer.cuda_graphs")
+    gpt = cfg.model.gpt
+    refusals = [
+        (tr.compile, "trainer.compile=true (torch.compile's own graphs: use trainer.compile_mode instead)"),
+        (tr.activation_checkpointing != "none",
+         f"trainer.activation_checkpointing={tr.activation_checkpointing} (recompute inside a graph)"),
+        (tp > 1, f"parallel.tp={tp} (tensor-parallel collectives inside the layer graphs are not verified yet)"),
+        (cfg.parallel.dp_shard > 1, f"parallel.dp_shard={cfg.parallel.dp_shard} (FSDP2 hooks run Python per layer)"),
+        (cfg.model.name != "gpt", f"+model={cfg.model.name} (only tp-fuse's GPT layers are graphed)"),
+        (gpt.hidden_dropout > 0 or gpt.attention_dropout > 0,
+         "model dropout > 0 (tp-fuse's dropout RNG streams are not registered with the graphs)"),
+        (cfg.fp8.recipe not in ("none", "delayed", "current"),
+         f"fp8={cfg.fp8.recipe} (graphs keep delayed and current scaling static)"),
+        (cfg.fp8.recipe != "none" and cfg.fp8.stats, "fp8.stats=true (its observers run Python at every cast, "
+                                                      "which a replay skips): add fp8.stats=false"),
+        (cfg.fp8.recipe != "none" and cfg.fp8.gemms == "auto", "fp8.gemms=auto (measured in the first forward)"),
+        (cfg.debug.config is not None, "debug.config (debug hooks run Python at every cast)"),
+    ]
+    for refused, what in refusals:
+        _need(not refused, f"trainer.cuda_graphs=true does not support {what}")
+
+
 def validate(cfg: TrainConfig, world_size: int) -> ParallelLayout:
     """Check every cross-field constraint; return the resolved parallel layout.
 
@@ -588,6 +638,7 @@ def validate(cfg: TrainConfig, world_size: int) -> ParallelLayout:
     _need(tr.compile or tr.compile_mode == "default",
           f"trainer.compile_mode={tr.compile_mode} needs trainer.compile=true (it is torch.compile's mode); "
           f"add trainer.compile=true or drop trainer.compile_mode")
+    _check_cuda_graphs(cfg, tp)
     if tr.exit_at_step is not None:
         _need(1 <= tr.exit_at_step <= tr.max_steps,
               f"trainer.exit_at_step must be in [1, trainer.max_steps={tr.max_steps}], got {tr.exit_at_step}")

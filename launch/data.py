@@ -114,11 +114,15 @@ def load_tokens(cfg: DataConfig, vocab_size: int, tokenizer: Optional[Tok] = Non
             tokens = tokenizer.encode(text_bytes.decode("utf-8", errors="replace")).to(torch.int64)
     if tokens.numel() == 0:
         raise ValueError(f"data: the {cfg.source} corpus is empty")
-    top = int(tokens.max())
+    # The one check of the ids, on the host, before any batch reaches the device (the
+    # model's own check is device-side: it fails the step later, without naming the file).
+    low, top = (int(v) for v in torch.aminmax(tokens))
     if top >= vocab_size:
         raise ValueError(
             f"data: token id {top} in the {cfg.source} corpus is >= model.vocab_size ({vocab_size})"
         )
+    if low < 0:
+        raise ValueError(f"data: token id {low} in the {cfg.source} corpus is negative")
     return tokens
 
 
@@ -204,7 +208,16 @@ class BatchLoader:
 
     def _rows(self, stream: torch.Tensor, windows: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         s = self.data.seq_len
-        rows = torch.stack([stream[w * s : w * s + s + 1] for w in windows])  # [micro, seq+1]
+        # Token ids were checked against the vocabulary on the host when loaded (load_tokens):
+        # the device copy needs no check that would read it back.
+        pieces = [stream[w * s : w * s + s + 1] for w in windows]
+        if self.device.type == "cuda":
+            # Pinned staging: the copy is asynchronous (from pageable memory non_blocking
+            # would wait); the caching host allocator keeps the buffer until it is done.
+            staging = torch.empty((len(windows), s + 1), dtype=stream.dtype, pin_memory=True)
+            rows = torch.stack(pieces, out=staging)
+        else:
+            rows = torch.stack(pieces)  # [micro, seq+1]
         rows = rows.to(self.device, non_blocking=True)
         return rows[:, :-1].contiguous(), rows[:, 1:].contiguous()  # tokens, labels: [micro, seq]
 

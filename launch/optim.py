@@ -27,7 +27,9 @@ def build_optimizer(model: torch.nn.Module, cfg: OptimConfig) -> torch.optim.Ada
         {"params": no_decay, "weight_decay": 0.0},
     ]
     # foreach=False: one kernel per tensor, the same arithmetic on every device count.
-    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, foreach=False)
+    # capturable: step counts on the device, no host read in the update (CUDA graphs).
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, foreach=False,
+                             capturable=cfg.capturable)
 
 
 def lr_at(step: int, cfg: OptimConfig, max_steps: int) -> float:

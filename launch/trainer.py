@@ -40,6 +40,7 @@ from tp_fuse.debug import DebugSession, Fp8StatsCollector
 
 from .checkpoint.manager import CheckpointManager, TrainingState
 from .config import TrainConfig
+from .cuda_graphs import graph_layers, make_grads_static
 from .data import BatchLoader, TokenData, make_tokenizer
 from .fsdp import make_sharded_dp
 from .grads import allreduce_dp_grads, clip_grads, global_grad_norm
@@ -48,7 +49,7 @@ from .logging.wandb_logger import WandbLogger
 from .logging.metrics import MetricsSink
 from .checkpoint.hf_export import export_hf_directory
 from .models.hf import load_tokenizer
-from .models.build import ModelFactory, build_model, build_recipe, fp8_autocast, fp8_quantizers
+from .models.build import CUDA_GRAPH_MODES, ModelFactory, build_model, build_recipe, fp8_autocast, fp8_quantizers
 from .optim import build_optimizer, lr_at, set_lr
 from .logging.progress import Progress
 from .logging.report import format_eta, peak_memory_bytes
@@ -161,6 +162,16 @@ class Trainer:
         )
         rt.add_cleanup(self.ckpt.release)  # the directory's lock is held until the job ends
         self.start_step = self._maybe_resume()
+        # trainer.cuda_graphs (launch/cuda_graphs.py): static .grad buffers, then each layer
+        # captured, after the resume (loads write in place: the graphs see them).
+        # torch.compile's CUDA-graph modes get them too (refused on CUDA until verified there:
+        # static grads are the remedy for their failure, launch/models/build.py).
+        self.static_grads = tr.cuda_graphs or (tr.compile and tr.compile_mode in CUDA_GRAPH_MODES)
+        if self.static_grads:
+            make_grads_static(self.params)
+        if tr.cuda_graphs:
+            graph_layers(self.model, seq_len=cfg.seq_len, micro_batch_size=tr.micro_batch_size, dtype=rt.dtype,
+                         device=rt.device, recipe=self.recipe, fp8_group=self.fp8_group)
         self._quantizer_map: dict[str, object] = {}
         self.guard = NonfiniteGuard(tr.max_nonfinite_steps, topo.world_group, rt.device, self._watched_quantizers)
         if self.debug is not None:
@@ -315,7 +326,8 @@ class Trainer:
                         print(f"[tp-fuse] step {step}: {'; '.join(health.reasons)}: optimizer step skipped "
                               f"({health.in_a_row} in a row, trainer.max_nonfinite_steps="
                               f"{tr.max_nonfinite_steps})", file=sys.stderr, flush=True)
-                self.optimizer.zero_grad(set_to_none=True)
+                # Static grads (cuda_graphs) are zeroed in place: the same buffers every step.
+                self.optimizer.zero_grad(set_to_none=not self.static_grads)
                 self.loader.advance()
                 self.state.step = step
                 if self.debug is not None:

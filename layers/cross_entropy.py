@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -88,13 +88,24 @@ def vocab_parallel_cross_entropy(
     rank, size = tp_rank_and_size(tp_group)
     vocab = logits.shape[-1] * size
     valid = labels != ignore_index
+    count = valid.sum()
+    # Checked on the device (torch._assert_async), not read by the host: the step stays
+    # free of syncs and capturable. On a GPU a bad label fails the step at the next
+    # synchronization; on the CPU the assert raises here and becomes a ValueError.
     if labels.numel():
         bad = valid & ((labels < 0) | (labels >= vocab))
-        if bool(bad.any()):
-            raise ValueError(f"labels must be in [0, {vocab}) or ignore_index={ignore_index}")
+        _assert_or_value_error(~bad.any(), f"labels must be in [0, {vocab}) or ignore_index={ignore_index}",
+                               lambda: f" (got {labels[bad].unique()[:8].tolist()})")
+    _assert_or_value_error(count > 0, "every label equals ignore_index: the mean loss is undefined", lambda: "")
     group = tp_group if size > 1 else None
     per_token = _VocabParallelCrossEntropy.apply(logits, labels, group, rank * logits.shape[-1])
-    count = valid.sum()
-    if int(count) == 0:
-        raise ValueError("every label equals ignore_index: the mean loss is undefined")
     return (per_token * valid).sum() / count
+
+
+def _assert_or_value_error(ok: torch.Tensor, message: str, detail: Callable[[], str]) -> None:
+    """``torch._assert_async(ok, message)``; where it raises at once (the CPU) a
+    ValueError with ``message`` and ``detail()`` (read on that failure path only)."""
+    try:
+        torch._assert_async(ok, message)
+    except RuntimeError:
+        raise ValueError(message + detail()) from None

@@ -69,10 +69,9 @@ class VocabParallelEmbedding(torch.nn.Module):
         if tokens.dtype not in (torch.int64, torch.int32) or tokens.dim() != 2:
             raise ValueError(f"VocabParallelEmbedding: expected int tokens [s, b], got {tuple(tokens.shape)} {tokens.dtype}")
         if tokens.numel():
-            lo, hi = torch.aminmax(tokens)
-            # Out-of-range ids would silently embed as zeros on every rank: refuse them.
-            if lo.item() < 0 or hi.item() >= self.vocab_size:
-                raise ValueError(f"token ids must be in [0, {self.vocab_size}), got min {lo.item()} max {hi.item()}")
+            # Out-of-range ids would silently embed as zeros on every rank: refuse them,
+            # without a host read (the step stays capturable; see _check_token_range).
+            _check_token_range(tokens, self.vocab_size)
         if self.tp_size == 1:
             return F.embedding(tokens, self.weight)  # [s, b, h]
         outside = (tokens < self.vocab_start) | (tokens >= self.vocab_start + self.vocab_per_rank)
@@ -83,6 +82,24 @@ class VocabParallelEmbedding(torch.nn.Module):
 
     def extra_repr(self) -> str:
         return f"vocab_size={self.vocab_size}, hidden_size={self.hidden_size}, tp={self.tp_size}"
+
+
+def _check_token_range(tokens: torch.Tensor, vocab_size: int) -> None:
+    """Refuse ids outside ``[0, vocab_size)`` without reading the device from the host.
+
+    ``torch._assert_async`` checks on the device: on a GPU a bad id fails the step at the
+    next synchronization (a device-side assert naming the vocabulary size), inside CUDA
+    graphs too; the launcher checks its CPU-side tokens before they are copied
+    (``launch/data.py``), where a bad id is a ValueError naming it. On the CPU the assert
+    raises at once and is turned into the same ValueError (the failure path may read the
+    values: it ends the step anyway).
+    """
+    lo, hi = torch.aminmax(tokens)
+    ok = (lo >= 0) & (hi < vocab_size)
+    try:
+        torch._assert_async(ok, f"token ids must be in [0, {vocab_size})")
+    except RuntimeError:  # raised here on the CPU only
+        raise ValueError(f"token ids must be in [0, {vocab_size}), got min {int(lo)} max {int(hi)}") from None
 
 
 class PositionEmbedding(torch.nn.Module):

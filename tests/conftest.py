@@ -50,6 +50,7 @@ SLOW_MODULES = frozenset({
     "test_launch_block_recipes",
     "test_launch_cli_errors",
     "test_launch_config",
+    "test_launch_cuda_graphs",
     "test_launch_grads",
     "test_launch_hf",
     "test_launch_observability",

@@ -242,9 +242,9 @@ def test_batched_delayed_update_is_bit_identical_to_per_quantizer_update(algos, 
             assert torch.equal(qa.nonfinite_amax_count, qb.nonfinite_amax_count)
 
 
-def test_batched_update_keeps_state_in_shared_buffers_and_notices_rebinding():
+def test_batched_update_keeps_state_in_shared_buffers_and_refuses_rebinding():
     """After a batched update the quantizers' tensors are rows of shared buffers (no
-    per-step stacking); in-place loads go through them; a rebound tensor is noticed."""
+    per-step stacking); in-place loads go through them; a rebound tensor is refused."""
     recipe = DelayedScaling(amax_history_len=4)
     qs = [DelayedScalingQuantizer(recipe, role) for role in ("input", "weight", "grad_output")]
     ref = [DelayedScalingQuantizer(recipe, role) for role in ("input", "weight", "grad_output")]
@@ -269,9 +269,36 @@ def test_batched_update_keeps_state_in_shared_buffers_and_notices_rebinding():
         ref[1].scale.copy_(torch.tensor(0.5))
     step(3.0)
     assert qs[0]._shared_state is state  # reused, not rebuilt
-    # Rebinding a tensor (what a device move does) makes the next update rebuild the
-    # shared state from the quantizers' current values.
-    qs[2].scale = qs[2].scale.clone()
     step(float("nan"))
-    assert qs[0]._shared_state is not state and qs[2].scale._base is qs[0]._shared_state.scale
     step(7.0)
+    assert qs[0]._shared_state is state  # static: never rebuilt
+    # Rebinding a tensor after the first update is refused (graphs hold its address).
+    qs[2].scale = qs[2].scale.clone()
+    with pytest.raises(ValueError, match="rebound after its first scale update"):
+        update_delayed_quantizers(qs)
+
+
+def test_batched_update_of_some_members_equals_their_own_updates():
+    """A step that uses only some members of a group (or adds new quantizers) updates
+    exactly those, bit for bit as their own ``update()``, and leaves the others' rows alone."""
+    recipes = [DelayedScaling(amax_history_len=4), DelayedScaling(amax_history_len=4, margin=1,
+                                                                  amax_compute_algo="most_recent")]
+    roles = ("input", "weight", "grad_output")
+    qs = [DelayedScalingQuantizer(r, role) for r in recipes for role in roles]
+    ref = [DelayedScalingQuantizer(r, role) for r in recipes for role in roles]
+    extra, extra_ref = DelayedScalingQuantizer(recipes[0], "input"), DelayedScalingQuantizer(recipes[0], "input")
+    names = ("scale", "amax_history", "last_amax", "nonfinite_amax_count")
+    steps = [(range(6), 3.0), ((0, 2, 5), 40.0), ((1, 3), float("inf")), ((0, 2, 5), 0.5), (range(6), 9.0)]
+    for i, (used, value) in enumerate(steps):
+        batch = [qs[j] for j in used] + ([extra] if i >= 2 else [])
+        own = [ref[j] for j in used] + ([extra_ref] if i >= 2 else [])
+        for q, r in zip(batch, own):
+            q.amax_history[0] = value * (1 + q.fp8_max / 1000)
+            r.amax_history[0] = value * (1 + r.fp8_max / 1000)
+        update_delayed_quantizers(batch)
+        for r in own:
+            r.update()
+        for q, r in zip([*qs, extra], [*ref, extra_ref]):
+            for name in names:
+                assert torch.equal(getattr(q, name), getattr(r, name)), (i, q.role, name)
+    assert extra._shared_state is not qs[0]._shared_state  # joined a group of its own

@@ -15,6 +15,10 @@ those calls (they raise) while the code under test runs:
   ``block_gemm``), and under ``torch.compile(mode="reduce-overhead")`` -- the CUDA-graph
   mode; on CPU inductor falls back to its default mode (no CUDA graphs), but dynamo must
   trace the same one graph, which ``torch._dynamo.explain`` and ``fullgraph=True`` check;
+* the whole eager training step of a GPT -- embedding (its token-range check), layers,
+  cross-entropy (its label checks), backward, both FP8 reductions -- in bf16/fp32, FP8
+  delayed and current (the range and label checks run on the device with
+  ``torch._assert_async``);
 * the overlap auto-tuner once a GEMM's choice is measured: later look-ups are dictionary
   reads, no agreement all-reduce and no ``.tolist()``.
 
@@ -28,6 +32,10 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import json
+import os
+import subprocess
+import sys
 from typing import Iterator
 
 import pytest
@@ -38,7 +46,8 @@ import torch.distributed as dist
 import tp_fuse
 from tolerances import tols
 from tp_fuse import ops
-from tp_fuse.layers import TransformerLayer
+from tp_fuse.kernels.launch_count import simulated_cuda_env
+from tp_fuse.layers import GPT, GPTConfig, TransformerLayer
 from tp_fuse.quantization import AmaxReductionBuffer
 from tp_fuse.overlap.auto import OverlapAutoTuner
 from tp_fuse.recipe import DelayedScaling, MXFP8BlockScaling
@@ -183,3 +192,56 @@ def _tuner_decides_twice() -> None:
     first = tuner.decide("fc1_fprop", "sig", candidates, None, torch.device("cpu"))
     with refuse_host_syncs():
         assert tuner.decide("fc1_fprop", "sig", candidates, None, torch.device("cpu")) == first == "ring_exchange"
+
+
+# The CUDA path, simulated in a subprocess (tp_fuse.kernels.launch_count): on the CPU path
+# some kernels branch on the data where CUDA runs Triton (the torch dGELU's tail check).
+_GPT_STEP_SYNCS = """
+import json
+import torch
+import tp_fuse
+from tp_fuse.kernels.launch_count import count_launches
+from tp_fuse.layers import GPT, GPTConfig
+from tp_fuse.recipe import DelayedScaling, Float8CurrentScaling
+out = {}
+for name, recipe in (("bf16", None), ("delayed", DelayedScaling()), ("current", Float8CurrentScaling())):
+    torch.manual_seed(0)
+    cfg = GPTConfig(vocab_size=64, max_seq_len=16, hidden_size=32, num_layers=1, num_heads=2)
+    model = GPT(cfg, dtype=torch.bfloat16)
+    tokens, labels = torch.randint(0, 64, (2, 16)), torch.randint(0, 64, (2, 16))
+    def step():
+        with tp_fuse.autocast(enabled=recipe is not None, recipe=recipe):
+            loss = model(tokens, labels)
+        loss.backward()
+    step(); step()  # first-step set-up (quantizers, constants, groups)
+    c = count_launches(step)
+    out[name] = {"syncs": c.syncs, "cuda_path": c.cuda_path, "kernels": dict(c.by_kernel)}
+print("RESULT " + json.dumps(out))
+"""
+
+
+def test_whole_gpt_step_does_not_sync_on_the_cuda_path() -> None:
+    """Embedding (token-range check), layers, cross-entropy (label checks), backward and
+    both FP8 reductions of a GPT step, bf16 and FP8 delayed/current, on the CUDA path
+    counted on CPU: no device-to-host read (main had 4: the embedding's two ``.item()``,
+    the loss's ``bool`` and ``int``)."""
+    env = {**os.environ, **simulated_cuda_env()}
+    proc = subprocess.run([sys.executable, "-c", _GPT_STEP_SYNCS], env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    result = json.loads(proc.stdout.split("RESULT ", 1)[1])
+    for name, entry in result.items():
+        assert entry["cuda_path"], name
+        assert entry["syncs"] == 0, f"{name}: a device-to-host read in the step: {entry['kernels']}"
+        assert entry["kernels"].get("aten._assert_async", 0) >= 2, name  # the range and label checks ran
+
+
+def test_bad_token_ids_and_labels_are_clear_value_errors_on_cpu() -> None:
+    model = GPT(GPTConfig(vocab_size=64, max_seq_len=16, hidden_size=32, num_layers=1, num_heads=2))
+    good = torch.randint(0, 64, (2, 16))
+    with pytest.raises(ValueError, match=r"token ids must be in \[0, 64\), got min \d+ max 70"):
+        model(good.clone().index_fill_(1, torch.tensor([3]), 70).clamp_(min=0), good)
+    with pytest.raises(ValueError, match=r"labels must be in \[0, 64\) or ignore_index=-100 \(got \[99\]\)"):
+        model(good, good.clone().index_fill_(1, torch.tensor([5]), 99))
+    with pytest.raises(ValueError, match="every label equals ignore_index"):
+        model(good, torch.full_like(good, -100))

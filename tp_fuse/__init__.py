@@ -23,6 +23,7 @@ from .availability import (
     is_nvfp4_available,
 )
 from .distributed import checkpoint
+from .graphs import make_graphed_callables
 from .ops.explain import explain
 from .utils import get_device_compute_capability
 from .quantization import (
@@ -96,6 +97,7 @@ __all__ = [
     "is_fp8_block_scaling_available",
     "is_mxfp8_available",
     "is_nvfp4_available",
+    "make_graphed_callables",
     "module",
     "ops",
     "quantized_model_init",

@@ -201,14 +201,20 @@ def check_compile_mode(mode: str, device: torch.device) -> None:
     layer and micro-batch; marking each micro-batch with
     ``torch.compiler.cudagraph_mark_step_begin()`` did not help). Until that is fixed and
     verified on a GPU, the modes are refused there; on CPU inductor records no CUDA graph
-    and they run.
+    and they run. The likely cause (issue 36): with ``zero_grad(set_to_none=True)``,
+    ``AccumulateGrad`` keeps the first micro-batch's weight gradients -- outputs of the
+    graph -- as ``.grad``, and the next micro-batch's replay overwrites them. The trainer
+    gives these modes the static gradient buffers of ``trainer.cuda_graphs``
+    (``launch/cuda_graphs.py``: allocated once, zeroed in place), which rule that out;
+    lifting this refusal awaits a GPU run that confirms it.
     """
     if device.type == "cuda" and mode in CUDA_GRAPH_MODES:
         raise ValueError(
             f"trainer.compile_mode={mode} records CUDA graphs, which fail with tp-fuse's compiled layers on CUDA "
             f"(first backward: 'accessing tensor output of CUDAGraphs that has been overwritten by a subsequent "
             f"run', measured on an H200); use trainer.compile_mode=default (compiled bf16: 1.4-1.5x the eager "
-            f"tokens/s of the default GPT there) or max-autotune-no-cudagraphs"
+            f"tokens/s of the default GPT there) or max-autotune-no-cudagraphs, or trainer.cuda_graphs=true "
+            f"(one CUDA graph per layer with static gradient buffers: docs/cuda-graphs.md)"
         )
 
 

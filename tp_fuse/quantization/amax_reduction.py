@@ -24,7 +24,8 @@ into +inf before the collective so that all ranks agree (see
 from __future__ import annotations
 
 import threading
-from typing import Optional
+from collections.abc import Sequence
+from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -41,7 +42,7 @@ from .quantizer import (
     update_delayed_quantizers,
 )
 
-__all__ = ["AmaxReductionBuffer", "BackwardAmaxTracker"]
+__all__ = ["AmaxReductionBuffer", "BackwardAmaxTracker", "reduce_amaxes", "reduce_and_update_quantizers"]
 
 
 class AmaxReductionBuffer:
@@ -53,9 +54,13 @@ class AmaxReductionBuffer:
         reduce_amax: False keeps each rank's own amaxes (no collective).
     """
 
-    def __init__(self, group: Optional[dist.ProcessGroup] = None, reduce_amax: bool = True) -> None:
+    def __init__(
+        self, group: Optional[dist.ProcessGroup] = None, reduce_amax: bool = True, direction: str = "forward"
+    ) -> None:
+        assert direction in ("forward", "backward")
         self.group = group
         self.reduce_amax = reduce_amax
+        self.direction = direction
         # Insertion-ordered: every rank registers in program order, so slot i
         # names the same quantizer on all ranks of the group.
         self._slots: dict[int, DelayedScalingQuantizer] = {}
@@ -77,9 +82,7 @@ class AmaxReductionBuffer:
 
     def needs_collective(self) -> bool:
         """Whether :meth:`reduce_and_update` will issue an all-reduce."""
-        if not self.reduce_amax or not dist.is_available() or not dist.is_initialized():
-            return False
-        return dist.get_world_size(self.group) > 1
+        return _needs_collective(self.group, self.reduce_amax)
 
     def reduce_and_update(self) -> None:
         """One all-reduce(MAX) over all registered slots, then update them all.
@@ -94,14 +97,53 @@ class AmaxReductionBuffer:
         self._slots.clear()
         if not quantizers:
             return
-        if self.needs_collective():
+        recorder = _RECORDER[-1] if _RECORDER else None
+        if recorder is not None:
+            # A recorded (warm-up) step: note the membership, update nothing; the graphed
+            # path runs the update itself, outside the graphs (step_record.FP8StepMembership).
+            recorder(self.direction, self.group, self.reduce_amax, quantizers)
+            return
+        reduce_and_update_quantizers(quantizers, self.group, self.reduce_amax)
+
+
+def reduce_and_update_quantizers(
+    quantizers: Sequence[DelayedScalingQuantizer], group: Optional[dist.ProcessGroup], reduce_amax: bool
+) -> None:
+    """One all-reduce(MAX) of the quantizers' amax slots over ``group`` (when
+    :meth:`AmaxReductionBuffer.needs_collective` says so), then their fused scale update.
+    The end-of-step work of a buffer, and of a recorded membership replayed by the
+    graphed path."""
+    with no_grad_if_enabled():
+        reduce_amaxes(quantizers, group, reduce_amax)
+        update_delayed_quantizers(list(quantizers))
+
+
+def reduce_amaxes(
+    quantizers: Sequence[DelayedScalingQuantizer], group: Optional[dist.ProcessGroup], reduce_amax: bool
+) -> None:
+    """The all-reduce(MAX) of the quantizers' amax slots over ``group``, written back into
+    the slots (nothing when no collective is needed)."""
+    if _needs_collective(group, reduce_amax):
+        with no_grad_if_enabled():
             # One flat tensor -> one collective, however many quantizers.
             amaxes = scaling.nan_to_inf(torch.stack([q.current_amax for q in quantizers]))
-            check_collective("all_reduce", [amaxes], world_size=dist.get_world_size(self.group), op=dist.ReduceOp.MAX)
-            dist.all_reduce(amaxes, op=dist.ReduceOp.MAX, group=self.group)
+            check_collective("all_reduce", [amaxes], world_size=dist.get_world_size(group), op=dist.ReduceOp.MAX)
+            dist.all_reduce(amaxes, op=dist.ReduceOp.MAX, group=group)
             for q, amax in zip(quantizers, amaxes.unbind(0)):
                 q.amax_history[0] = amax
-        update_delayed_quantizers(quantizers)
+
+
+def _needs_collective(group: Optional[dist.ProcessGroup], reduce_amax: bool) -> bool:
+    if not reduce_amax or not dist.is_available() or not dist.is_initialized():
+        return False
+    return dist.get_world_size(group) > 1
+
+
+#: Recorders of steps whose end-of-step updates are deferred (innermost last): a plain
+#: list, not a ContextVar, because the backward's end-of-pass callback runs on the
+#: autograd engine's device thread, which does not inherit the caller's context.
+#: Pushed and popped by :func:`tp_fuse.quantization.step_record.record_fp8_step`.
+_RECORDER: list[Callable[[str, Optional[dist.ProcessGroup], bool, list[DelayedScalingQuantizer]], None]] = []
 
 
 class BackwardAmaxTracker:
@@ -117,7 +159,7 @@ class BackwardAmaxTracker:
     """
 
     def __init__(self, group: Optional[dist.ProcessGroup] = None, reduce_amax: bool = True) -> None:
-        self._buffer = AmaxReductionBuffer(group, reduce_amax)
+        self._buffer = AmaxReductionBuffer(group, reduce_amax, "backward")
         self._queued = False
         # CUDA backward runs on per-device threads; track() may race.
         self._lock = threading.Lock()

@@ -52,6 +52,7 @@ __all__ = [
     "make_quantizer",
     "register_recipe_quantizer",
     "update_delayed_quantizers",
+    "fix_delayed_groups",
     "UsageMixin",
 ]
 
@@ -106,6 +107,24 @@ def new_scale_inv(device: torch.device) -> torch.Tensor:
     kernel that writes the tensor (an allocation, no kernel: the scale it inverts
     changes with later updates, this tensor's must not)."""
     return torch.empty((), dtype=torch.float32, device=device)
+
+
+def move_state_before_capture(owner: object, names: Sequence[str], device: torch.device) -> None:
+    """Rebind ``owner``'s state tensors ``names`` to copies on ``device`` (the lazy first
+    move of quantizer state born on the CPU).
+
+    That copy is a pageable host-to-device copy, illegal inside a CUDA graph capture: run
+    one eager step (or ``tp_fuse.make_graphed_callables``' warm-up) before capturing. It
+    is refused with a clear error if it would happen during capture.
+    """
+    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+        raise RuntimeError(
+            f"{owner!r}: its FP8 state is still on the CPU and would be copied to {device} during CUDA graph "
+            "capture (illegal); run one eager FP8 step, or warm up (make_graphed_callables does), before capturing"
+        )
+    with torch.inference_mode(False):  # written in place by later steps
+        for name in names:
+            setattr(owner, name, getattr(owner, name).to(device))
 
 
 def parse_shape(shape: Any, who: str) -> tuple[int, ...]:
@@ -418,11 +437,15 @@ class DelayedScalingQuantizer(Quantizer):
         return _with_transpose(Float8Tensor.wrap_checked(data, scale_inv, dtype), data_t)
 
     def _to_device(self, device: torch.device) -> None:
-        # State follows the data on first use (modules may be moved after init).
+        # State follows the data on first use (modules may be moved after init), until
+        # its first update fixes it in a group's buffers (_SharedDelayedState).
         if self.scale.device != device:
-            with torch.inference_mode(False):  # see __init__
-                for name in ("scale", "amax_history", "last_amax", "nonfinite_amax_count"):
-                    setattr(self, name, getattr(self, name).to(device))
+            if self.__dict__.get("_shared_state") is not None:
+                raise ValueError(
+                    f"{self!r}: its FP8 state lives on {self.scale.device} since its first scale update and is "
+                    f"static from then on; got data on {device}. Move the model before its first FP8 step"
+                )
+            move_state_before_capture(self, ("scale", "amax_history", "last_amax", "nonfinite_amax_count"), device)
 
     @torch.no_grad()
     def rescale_to_fit(self, x: torch.Tensor) -> None:
@@ -506,19 +529,30 @@ def _batchable(q: DelayedScalingQuantizer) -> bool:
 
 
 class _SharedDelayedState:
-    """The state of quantizers that are updated together, in shared buffers.
+    """The state of delayed-scaling quantizers updated together: one group, fixed once.
 
     ``hist [n, L]``, ``scale [n]``, ``last_amax [n]``, ``count [n]``: row ``i`` belongs to
     ``quantizers[i]``, whose own ``amax_history``/``scale``/``last_amax``/
     ``nonfinite_amax_count`` become views of that row (Transformer Engine keeps one
     amax-history matrix per module the same way). The per-step update then works on the
-    buffers directly: no per-quantizer stacking before and copying back after. Anything
-    that rebinds a quantizer's tensor (a device move) is noticed by :meth:`serves`, and
-    the state is rebuilt from the quantizers' current values; in-place writes (loading
-    a checkpoint with ``copy_``) go through the views.
+    buffers directly: no per-quantizer stacking before and copying back after.
+
+    Static by construction (CUDA graphs and compiled steps hold these addresses):
+
+    * the buffers are allocated once, on the device of the first update, and never
+      rebound; writes go in place (a checkpoint load's ``copy_`` goes through the views);
+    * membership is fixed when the group is made (the first update that sees a
+      quantizer): a quantizer first updated in a later step joins a *new* group, it never
+      rebinds an existing one;
+    * a member missing from a step keeps its row untouched (its slot stays 0, "no data";
+      its scale and history are kept, exactly as eager's per-quantizer update would leave
+      an unused quantizer); the step updates only the rows it used (a cached row index);
+    * a member whose tensor was rebound (assigned, or moved to another device) after it
+      joined is refused with a clear error instead of silently rebuilding the group.
     """
 
     def __init__(self, qs: list[DelayedScalingQuantizer], device: torch.device) -> None:
+        assert all(q.__dict__.get("_shared_state") is None for q in qs), "a quantizer joins one group, once"
         with torch.inference_mode(False):  # updated in place by later steps (see __init__)
             self.hist = torch.stack([q.amax_history for q in qs])
             self.scale = torch.stack([q.scale for q in qs])
@@ -527,36 +561,64 @@ class _SharedDelayedState:
         for i, q in enumerate(qs):
             q.amax_history, q.scale = self.hist[i], self.scale[i]
             q.last_amax, q.nonfinite_amax_count = self.last_amax[i], self.count[i]
-            q._shared_state = self
+            # The row lives on the quantizer: a deep copy of a model copies both consistently.
+            q._shared_state, q._shared_row = self, i
         self.quantizers = tuple(qs)
+        self.device = device
         self.bound = tuple((q.amax_history, q.scale, q.last_amax, q.nonfinite_amax_count, q.recipe, q.margin)
                            for q in qs)
         # Per-row recipe constants, made once (on a GPU a tensor built from a Python list
         # is a host-to-device copy that waits for the stream).
-        most_recent = [q.recipe.amax_compute_algo == "most_recent" for q in qs]
-        self.all_most_recent, self.any_most_recent = all(most_recent), any(most_recent)
-        self.most_recent = torch.tensor(most_recent, device=device)
-        self.fp8_max = torch.tensor([q.fp8_max for q in qs], dtype=torch.float64, device=device)
-        self.any_margin = any(q.margin != 0 for q in qs)
-        self.pow2_margin = torch.tensor([2.0 ** q.margin for q in qs], dtype=torch.float64, device=device)
+        self._consts = self._constants(list(range(len(qs))), device)
+        # Row subsets seen so far (a step that used only some members): index + constants.
+        self._subsets: dict[tuple[int, ...], tuple[torch.Tensor, tuple]] = {}
         self.current = self.hist[:, 0]  # a view: this step's slots
 
-    def serves(self, qs: list[DelayedScalingQuantizer]) -> bool:
-        """Whether ``qs`` are exactly this state's quantizers, still bound to its rows."""
-        if len(qs) != len(self.quantizers):
-            return False
-        for q, own, (hist, scale, last, count, recipe, margin) in zip(qs, self.quantizers, self.bound):
-            if (q is not own or q.amax_history is not hist or q.scale is not scale or q.last_amax is not last
-                    or q.nonfinite_amax_count is not count or q.recipe is not recipe or q.margin != margin):
-                return False
-        return True
+    def _constants(self, rows: list[int], device: torch.device) -> tuple:
+        qs = [self.quantizers[i] for i in rows]
+        most_recent = [q.recipe.amax_compute_algo == "most_recent" for q in qs]
+        return (
+            torch.tensor([q.fp8_max for q in qs], dtype=torch.float64, device=device),
+            torch.tensor([2.0 ** q.margin for q in qs], dtype=torch.float64, device=device),
+            torch.tensor(most_recent, device=device),
+            {"any_margin": any(q.margin != 0 for q in qs), "any_most_recent": any(most_recent),
+             "all_most_recent": all(most_recent)},
+        )
 
-    @classmethod
-    def of(cls, qs: list[DelayedScalingQuantizer], device: torch.device) -> "_SharedDelayedState":
-        state = getattr(qs[0], "_shared_state", None)
-        if state is not None and state.serves(qs):
-            return state
-        return cls(qs, device)
+    def row_of(self, q: DelayedScalingQuantizer) -> int:
+        """``q``'s row; a clear error if ``q``'s state no longer is that row."""
+        i = q._shared_row
+        assert self.quantizers[i] is q
+        hist, scale, last, count, recipe, margin = self.bound[i]
+        if (q.amax_history is not hist or q.scale is not scale or q.last_amax is not last
+                or q.nonfinite_amax_count is not count):
+            raise ValueError(
+                f"{q!r}: its FP8 state (amax_history/scale/last_amax/nonfinite_amax_count) was rebound "
+                "after its first scale update; the state is static once training started (CUDA graphs and "
+                "compiled steps hold its addresses): write it in place (tensor.copy_(...)) instead"
+            )
+        assert q.recipe is recipe and q.margin == margin, "a quantizer's recipe is fixed at construction"
+        return i
+
+    def update(self, rows: list[int]) -> None:
+        """The fused delayed-scaling update of ``rows`` (sorted, distinct), in place."""
+        if len(rows) == len(self.quantizers):
+            fp8_max, pow2_margin, most_recent, flags = self._consts
+            kernels.delayed_scale_update(self.hist, self.scale, self.last_amax, self.count,
+                                         fp8_max, pow2_margin, most_recent, **flags)
+            return
+        key = tuple(rows)
+        cached = self._subsets.get(key)
+        if cached is None:
+            cached = self._subsets[key] = (torch.tensor(rows, device=self.device),
+                                           self._constants(rows, self.device))
+        idx, (fp8_max, pow2_margin, most_recent, flags) = cached
+        # Rows are updated independently: the used rows' bits equal the full update's.
+        hist, scale = self.hist.index_select(0, idx), self.scale.index_select(0, idx)
+        last, count = self.last_amax.index_select(0, idx), self.count.index_select(0, idx)
+        kernels.delayed_scale_update(hist, scale, last, count, fp8_max, pow2_margin, most_recent, **flags)
+        for buf, rows_new in ((self.hist, hist), (self.scale, scale), (self.last_amax, last), (self.count, count)):
+            buf.index_copy_(0, idx, rows_new)
 
 
 def update_delayed_quantizers(quantizers: list[DelayedScalingQuantizer]) -> None:
@@ -564,31 +626,46 @@ def update_delayed_quantizers(quantizers: list[DelayedScalingQuantizer]) -> None
 
     Quantizers with the built-in amax algorithms ("max", "most_recent") and no custom
     scale function are grouped per (device, history length); each group's state lives in
-    shared buffers (:class:`_SharedDelayedState`, built on the first update) and is
-    updated with the same float operations as :meth:`DelayedScalingQuantizer.update` in
-    the same order (bit-identical results: tested); the others run their own
-    ``update``. This is the once-per-step scale update of every FP8 GEMM's quantizers
-    (Transformer Engine does it in one fused kernel over all of them), so its cost is
-    per-step host time.
+    shared buffers (:class:`_SharedDelayedState`, made by the first update that sees its
+    members, fixed from then on) and is updated with the same float operations as
+    :meth:`DelayedScalingQuantizer.update` in the same order (bit-identical results:
+    tested); the others run their own ``update``. This is the once-per-step scale update
+    of every FP8 GEMM's quantizers (Transformer Engine does it in one fused kernel over
+    all of them), so its cost is per-step host time.
     """
     with no_grad_if_enabled():
         _update_delayed_quantizers(quantizers)
 
 
-def _update_delayed_quantizers(quantizers: list[DelayedScalingQuantizer]) -> None:
-    groups: dict[tuple, list[DelayedScalingQuantizer]] = {}
+def fix_delayed_groups(quantizers: Iterable[Quantizer]) -> None:
+    """Put the batchable delayed-scaling quantizers of ``quantizers`` that are in no
+    group yet into new groups (per device and history length), updating nothing.
+
+    The first update does this by itself; call it before capturing a CUDA graph (or
+    tracing a replayable step) so that the captured state addresses are the groups' rows.
+    """
+    joining: dict[tuple, dict[int, DelayedScalingQuantizer]] = {}
     for q in quantizers:
-        if _batchable(q):
-            groups.setdefault((q.amax_history.device, q.amax_history.numel()), []).append(q)
-        else:
+        if isinstance(q, DelayedScalingQuantizer) and _batchable(q) and q.__dict__.get("_shared_state") is None:
+            joining.setdefault((q.amax_history.device, q.amax_history.numel()), {})[id(q)] = q
+    with torch.no_grad():
+        for (device, _), members in joining.items():
+            _SharedDelayedState(list(members.values()), device)
+
+
+def _update_delayed_quantizers(quantizers: list[DelayedScalingQuantizer]) -> None:
+    fix_delayed_groups(quantizers)
+    used: dict[int, tuple[_SharedDelayedState, set[int]]] = {}
+    for q in quantizers:
+        if not _batchable(q):
             q.update()
-    for (device, _), qs in groups.items():
-        st = _SharedDelayedState.of(qs, device)
-        # One kernel on CUDA for the whole group (Transformer Engine's fused update).
-        kernels.delayed_scale_update(
-            st.hist, st.scale, st.last_amax, st.count, st.fp8_max, st.pow2_margin, st.most_recent,
-            any_margin=st.any_margin, any_most_recent=st.any_most_recent, all_most_recent=st.all_most_recent,
-        )
+            continue
+        st = q.__dict__["_shared_state"]
+        used.setdefault(id(st), (st, set()))[1].add(st.row_of(q))
+    # One kernel on CUDA per group (Transformer Engine's fused update); groups hold
+    # independent rows, so their order changes no bits.
+    for st, rows in used.values():
+        st.update(sorted(rows))
 
 
 class CurrentScalingQuantizer(Quantizer):
@@ -639,9 +716,7 @@ class CurrentScalingQuantizer(Quantizer):
         # State follows the data on first use (modules may be moved after init); after
         # that it is only written in place.
         if self.scale.device != device:
-            with torch.inference_mode(False):
-                for name in ("scale", "last_amax", "nonfinite_amax_count", "zero_amax_count"):
-                    setattr(self, name, getattr(self, name).to(device))
+            move_state_before_capture(self, ("scale", "last_amax", "nonfinite_amax_count", "zero_amax_count"), device)
 
     def reduces_at_cast(self) -> bool:
         group = self.amax_reduction_group
