@@ -160,6 +160,40 @@ def _fp8_hybrid(rank: int, world: int) -> Any:
 _CASES["fp8_hybrid_tp2_sp"] = _fp8_hybrid
 
 
+def _launcher_build(rank: int, world: int) -> Any:
+    """What ``+model=megatron_gpt model.spec=te parallel.tp=2`` builds (launch/models/megatron.py)."""
+    if not HAVE_MEGATRON:
+        return {"skipped": "megatron.core is not installed"}
+    _setup(2)
+    import tp_fuse as te
+    from tp_fuse.launch.models.megatron import build_megatron_gpt
+    from tp_fuse.layers import GPTConfig
+    from tp_fuse.overlap.config import OverlapConfig, TPOverlap
+
+    group = dist.new_group(list(range(world)))
+    gpt = GPTConfig(vocab_size=V, max_seq_len=S, hidden_size=32, num_layers=2, num_heads=4)
+    model = build_megatron_gpt(gpt, tp_group=group, sequence_parallel=False, dtype=torch.float32,
+                               device=torch.device("cpu"), seed=3, overlap=TPOverlap(OverlapConfig(enabled=False)),
+                               spec="te")
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    tokens, _, labels = _batch(2)
+    losses = []
+    for _ in range(3):
+        opt.zero_grad()
+        loss = model(tokens, labels)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return {"losses": losses,
+            "te_layers": sum(isinstance(m, (te.LayerNormLinear, te.Linear, te.DotProductAttention))
+                             for m in model.modules()),
+            "all_tagged": all(hasattr(p, "tp_shard") for p in model.parameters()),
+            "sharded": sorted(n for n, p in model.named_parameters() if p.tp_shard is not None)}
+
+
+_CASES["launcher_build_tp2"] = _launcher_build
+
+
 def _run_all(rank: int, world: int) -> dict[str, tuple[str, Any]]:
     return run_cases(_CASES, rank, world)
 
@@ -196,6 +230,13 @@ def test_te_spec_with_megatron_core_attention_is_bitwise_equal(results, name: st
             assert v["grad_bitwise"] == v["grad_count"], v
         else:
             assert v["grad_rel"] <= 1e-6, v
+
+
+def test_launcher_builds_the_te_spec(results) -> None:
+    for v in case_values(results, "launcher_build_tp2"):
+        assert v["te_layers"] == 2 * 5, v  # per layer: linear_qkv, linear_proj, fc1, fc2, core attention
+        assert v["all_tagged"] and "model.decoder.layers.0.self_attention.linear_qkv.weight" in v["sharded"], v
+        assert v["losses"][-1] < v["losses"][0], v
 
 
 def test_te_spec_fp8_hybrid_trains(results) -> None:
