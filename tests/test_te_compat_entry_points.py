@@ -88,6 +88,24 @@ def test_dpa_sliding_window_softmax_scale_bshd_and_dv():
                                rtol=1e-5, atol=1e-5)
 
 
+def test_dpa_window_checked_as_te_does():
+    from tp_fuse.attention.dot_product_attention import check_set_window_size
+
+    assert check_set_window_size("causal") == (-1, 0) and check_set_window_size("no_mask") == (-1, -1)
+    with pytest.warns(UserWarning, match="window_size"):
+        assert check_set_window_size("padding_causal", (4, 2)) == (4, 0)  # TE closes the right side
+    with pytest.warns(UserWarning, match="window_size"):
+        assert check_set_window_size("padding", (-1, 0)) == (-1, -1)
+    with pytest.raises(ValueError, match="Invalid attn_mask_type"):
+        check_set_window_size("bogus")
+    with pytest.warns(UserWarning):
+        dpa = te.DotProductAttention(4, 8, num_gqa_groups=2, window_size=(1, 3))  # causal: becomes (1, 0)
+    q, k, v = _qkv()
+    i, j = torch.arange(6)[:, None], torch.arange(6)[None, :]
+    torch.testing.assert_close(dpa(q, k, v).double(), _ref_attention(q, k, v, (j > i) | (j < i - 1), 8 ** -0.5),
+                               rtol=1e-5, atol=1e-5)
+
+
 def test_dpa_cross_attention_bottom_right_and_tp_heads():
     # TE's num_attention_heads / num_gqa_groups are global: with tp_size 2 a rank holds half.
     q, k, v = _qkv(sq=3, skv=5, n=2, g=1)
@@ -132,7 +150,7 @@ def test_dpa_dropout_draws_from_the_tracker_stream():
     (dict(cp_global_ranks=[0, 1]), "cp_global_ranks"),
     (dict(qkv_format="thd"), "qkv_format"),
     (dict(softmax_type="learnable"), "softmax_type"),
-    (dict(attn_mask_type="causal", window_size=(4, 2)), "window_size"),
+    (dict(attn_mask_type="causal", window_size=(-2, 0)), "window_size"),
 ])
 def test_dpa_refuses_unsupported_constructor_args(kwargs, arg):
     with pytest.raises(ValueError, match=arg):

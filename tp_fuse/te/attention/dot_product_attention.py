@@ -35,6 +35,7 @@ arguments (``cu_seqlens_*``, ``max_seqlen_*``), ``softmax_type`` other than ``"v
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from typing import Any, Optional, Union
 
@@ -44,7 +45,7 @@ from tp_fuse.distributed import checkpoint
 from tp_fuse.layers.attention import DotProductAttention as CoreAttention
 from tp_fuse.te.module._ops_module import refuse_unless
 
-__all__ = ["DotProductAttention"]
+__all__ = ["DotProductAttention", "check_set_window_size"]
 
 _MASK_TYPES = ("no_mask", "causal", "causal_bottom_right", "padding", "padding_causal",
                "padding_causal_bottom_right", "arbitrary")
@@ -52,20 +53,46 @@ _CP = "context parallelism is not supported by tp_fuse"
 _THD = "sbhd or bshd; packed (thd) sequences are not supported by tp_fuse"
 
 
+def check_set_window_size(attn_mask_type: str, window_size: Optional[tuple[int, int]] = None) -> tuple[int, int]:
+    """TE's ``attention.dot_product_attention.utils.check_set_window_size``: the window that
+    ``attn_mask_type`` allows (``(-1, 0)`` / ``(>=0, 0)`` for causal masks, ``(-1, -1)`` /
+    ``(>=0, >=0)`` otherwise). Like TE, a window a causal mask contradicts on the right is
+    closed there with a warning, ``(-1, 0)`` without a causal mask opens to ``(-1, -1)`` with a
+    warning; other windows are refused (ValueError here, an assert in TE)."""
+    if window_size is not None:
+        if (not isinstance(window_size, (tuple, list)) or len(window_size) != 2
+                or not all(isinstance(w, int) and not isinstance(w, bool) for w in window_size)):
+            raise ValueError(f"window_size must be a pair of ints, got {window_size!r}")
+        window_size = (int(window_size[0]), int(window_size[1]))
+    if "causal" in attn_mask_type:
+        if window_size is None:
+            return (-1, 0)
+        if window_size == (-1, -1) or (window_size[0] >= 0 and window_size[1] != 0):
+            warnings.warn(f"window_size should be (-1, 0) or (>=0, 0) for attn_mask_type={attn_mask_type}")
+            return (window_size[0], 0)
+        if window_size != (-1, 0) and (window_size[0] < 0 or window_size[1] != 0):
+            raise ValueError(f"window_size should be (-1, 0) or (>=0, 0) for attn_mask_type={attn_mask_type}, "
+                             f"got {window_size}")
+        return window_size
+    if attn_mask_type in ("no_mask", "padding", "arbitrary"):
+        if window_size is None:
+            return (-1, -1)
+        if window_size == (-1, 0):
+            warnings.warn(f"window_size should be (-1, -1) or (>=0, >=0) for attn_mask_type={attn_mask_type}")
+            return (-1, -1)
+        if window_size != (-1, -1) and (window_size[0] < 0 or window_size[1] < 0):
+            raise ValueError(f"window_size should be (-1, -1) or (>=0, >=0) for attn_mask_type={attn_mask_type}, "
+                             f"got {window_size}")
+        return window_size
+    raise ValueError(f"Invalid attn_mask_type: {attn_mask_type}")
+
+
 def _window(cls: str, window_size: Any, mask_type: str) -> Optional[tuple[int, int]]:
-    """TE's ``window_size`` as ``(left, right)``, or None for no window; causal masks close
-    the right side (TE: ``(-1, 0)``)."""
-    if window_size is None:
-        return None
-    if (not isinstance(window_size, (tuple, list)) or len(window_size) != 2
-            or not all(isinstance(w, int) and not isinstance(w, bool) and w >= -1 for w in window_size)):
-        raise ValueError(f"{cls}: window_size must be (left, right) ints >= -1, got {window_size!r}")
-    left, right = window_size
-    if "causal" in mask_type and right not in (0, -1):
-        raise ValueError(f"{cls}: window_size={window_size!r} with attn_mask_type={mask_type!r}: a causal "
-                         "mask needs right = 0 (or -1)")
-    if left == -1 and right == -1:
-        return None
+    """TE's window for ``mask_type`` (:func:`check_set_window_size`), or None when it restricts
+    nothing beyond the mask itself."""
+    left, right = check_set_window_size(mask_type, window_size)
+    if left == -1 and right in (-1, 0):
+        return None  # (-1, 0) with a causal mask is the causal mask itself
     return left, right
 
 
