@@ -200,6 +200,24 @@ def test_norm_zero_centered_gamma_stores_gamma_minus_one():
     torch.testing.assert_close(ln(x), F.layer_norm(x, (8,)) * 1.5)
 
 
+def test_reset_parameters_materializes_meta_and_initializes_as_te():
+    # TE's deferred init: build on "meta", then reset_parameters() allocates and initializes.
+    for m in (te.Linear(64, 32, device="meta"), te.LayerNormMLP(64, 128, device="meta"),
+              te.LayerNorm(64, device="meta", zero_centered_gamma=True)):
+        m.reset_parameters(defer_init=True)
+        assert all(p.is_meta for p in m.parameters())
+        m.reset_parameters()
+        for n, p in m.named_parameters():
+            assert not p.is_meta, n
+            if n.endswith("bias") or n == "weight" and isinstance(m, te.LayerNorm):
+                assert torch.count_nonzero(p) == 0, n
+            elif n == "layer_norm_weight":
+                assert torch.all(p == 1), n
+            else:
+                assert abs(p.std().item() - 0.023) < 0.005, n  # TE's default init_method
+        assert m(torch.randn(3, 64)).shape[-1] in (32, 64)
+
+
 def test_norm_argument_errors():
     with pytest.raises(ValueError, match="normalized_shape"):
         te.LayerNorm()

@@ -70,11 +70,8 @@ class _Norm(OpsModule):
             # TE: Megatron all-reduces these gradients over TP when sequence_parallel is set.
             getattr(self, n).sequence_parallel = self.sequence_parallel
 
-    def reset_parameters(self, defer_init: Optional[bool] = False) -> None:
-        """TE's initialization: ``weight`` = 1 (0 with ``zero_centered_gamma``), ``bias`` = 0."""
-        if not defer_init:
-            self._sync()
-            self._ops.reset_parameters()
+    # reset_parameters (TE's: weight 1, or 0 with zero_centered_gamma; bias 0; meta parameters
+    # materialized) is OpsModule's.
 
     def reset_layer_norm_parameters(self) -> None:
         """TE's older name of :meth:`reset_parameters`."""
