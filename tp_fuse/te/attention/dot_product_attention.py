@@ -49,8 +49,8 @@ __all__ = ["DotProductAttention", "check_set_window_size"]
 
 _MASK_TYPES = ("no_mask", "causal", "causal_bottom_right", "padding", "padding_causal",
                "padding_causal_bottom_right", "arbitrary")
-_CP = "context parallelism is not supported by tp_fuse"
-_THD = "sbhd or bshd; packed (thd) sequences are not supported by tp_fuse"
+_CP = "None: context parallelism is not implemented"
+_THD = "sbhd or bshd: packed (thd) sequences are not implemented"
 
 
 def check_set_window_size(attn_mask_type: str, window_size: Optional[tuple[int, int]] = None) -> tuple[int, int]:
