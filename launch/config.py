@@ -52,7 +52,11 @@ __all__ = [
 ]
 
 MEGATRON_NEEDS_CUDA = ("+model=megatron_gpt needs CUDA: megatron-core allocates buffers and RNG states with "
-                       "torch.cuda (on CPU use +model=gpt or +model=llama, tp-fuse's own GPT)")
+                       "torch.cuda (on CPU use model.spec=te with learned positions and no sequence parallelism, "
+                       "or +model=gpt / +model=llama, tp-fuse's own GPT)")
+#: ``model.spec`` of ``+model=megatron_gpt``: megatron-core's local layer spec (wrapped by
+#: tp_fuse.layers.wrap) or its Transformer Engine spec on tp_fuse's TE classes.
+MEGATRON_SPECS = ("local", "te")
 
 
 @dataclass
@@ -77,6 +81,12 @@ class ModelConfig:
     #: ``FusedColumn`` objects) or a ``plan(config) -> mapping`` function in the user's code.
     #: The model's own family checks and fix-ups still apply (``wrap``'s explicit plans).
     plan: Union[None, str, dict[str, str]] = None
+    #: ``+model=megatron_gpt``: ``"local"`` (megatron-core's local layer spec, its layers swapped
+    #: by ``tp_fuse.layers.wrap``) or ``"te"`` (``get_gpt_layer_with_transformer_engine_spec()``
+    #: with ``transformer_engine`` served by tp_fuse: ``tp_fuse.te.te_alias``). On CPU only
+    #: ``"te"`` builds, with learned positions and without sequence parallelism (megatron-core's
+    #: RoPE and SP collectives allocate on ``torch.cuda.current_device()``).
+    spec: str = "local"
 
 
 @dataclass
@@ -464,6 +474,11 @@ def from_dict(data: dict[str, Any]) -> TrainConfig:
     if not isinstance(name, str):
         raise ValueError(f"model.name: expected a string, got {name!r}")
     path = model.pop("path", None)
+    spec = model.pop("spec", "local")
+    if spec != "local" and name != "megatron_gpt":
+        raise ValueError(f"model.spec: only +model=megatron_gpt takes a layer spec (model.name is {name!r})")
+    if spec not in MEGATRON_SPECS:
+        raise ValueError(f"model.spec: expected one of {', '.join(MEGATRON_SPECS)}, got {spec!r}")
     verify = True
     plan = None
     if name == "hf":
@@ -496,7 +511,8 @@ def from_dict(data: dict[str, Any]) -> TrainConfig:
             f"unknown top-level key(s) {', '.join(unknown)}; known: model, {', '.join(sections)}"
         )
     built = {k: _build(cls, data[k] if data.get(k) is not None else {}, k) for k, cls in sections.items()}
-    return TrainConfig(model=ModelConfig(name=name, gpt=gpt, path=path, verify=verify, plan=plan), **built)
+    return TrainConfig(model=ModelConfig(name=name, gpt=gpt, path=path, verify=verify, plan=plan, spec=spec),
+                       **built)
 
 
 def check_plan(plan: Any) -> Union[None, str, dict[str, str]]:
@@ -654,7 +670,12 @@ def validate(cfg: TrainConfig, world_size: int) -> ParallelLayout:
         _need(bool(cfg.data.paths), f"data.paths must list at least one file for data.source={cfg.data.source}")
         _check_data_files(cfg)
     # megatron-core allocates its buffers and RNG states with torch.cuda: say so before start-up.
-    _need(cfg.model.name != "megatron_gpt" or torch.cuda.is_available(), MEGATRON_NEEDS_CUDA)
+    if cfg.model.name == "megatron_gpt" and not torch.cuda.is_available():
+        _need(cfg.model.spec == "te", MEGATRON_NEEDS_CUDA)
+        _need(gpt.position_embedding == "learned", "+model=megatron_gpt model.spec=te on CPU needs "
+              "model.position_embedding=learned (megatron-core's RoPE allocates on torch.cuda)")
+        _need(not par.sequence_parallel, "+model=megatron_gpt model.spec=te on CPU needs "
+              "parallel.sequence_parallel=false (megatron-core's SP collectives allocate on torch.cuda)")
     if cfg.model.name == "hf":  # tokenized with the model directory's tokenizer.json; no SP for [b, s, h] models
         _need(not par.sequence_parallel, "parallel.sequence_parallel=true does not apply to +model=hf "
               "(Hugging Face activations are [batch, seq, hidden])")

@@ -38,7 +38,9 @@ class DotProductAttention(torch.nn.Module):
     key/value groups (``n % g == 0``; query head ``i`` uses group ``i // (n/g)``, as
     Megatron-LM's grouped-query attention) -> ``out [s, b, n*d]``.
 
-    Equation: ``out = softmax(q k^T / sqrt(d) + mask) v`` per head, via
+    Equation: ``out = softmax(q k^T * scale + mask) v`` per head (``scale``: ``softmax_scale``,
+    default ``1/sqrt(d)``; ``k``/``v`` may have their own sequence length and ``v`` its own
+    head size ``dv``, then ``out [s, b, n*dv]``), via
     ``torch.nn.functional.scaled_dot_product_attention`` (which picks a fused kernel
     where one exists); dropout on the attention probabilities in training.
 
@@ -48,16 +50,21 @@ class DotProductAttention(torch.nn.Module):
     key is masked out). ``tp_fuse.MultiheadAttention`` (TE's) uses the same class.
     """
 
-    def __init__(self, attention_dropout: float = 0.0) -> None:
+    def __init__(self, attention_dropout: float = 0.0, softmax_scale: Optional[float] = None) -> None:
         super().__init__()
         if not 0.0 <= attention_dropout < 1.0:
             raise ValueError(f"attention_dropout must be in [0, 1), got {attention_dropout}")
+        if softmax_scale is not None and (isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float))
+                                          or softmax_scale <= 0):
+            raise ValueError(f"softmax_scale must be a positive float or None, got {softmax_scale!r}")
         self.attention_dropout = float(attention_dropout)
+        # None: SDPA's 1/sqrt(d).
+        self.softmax_scale = None if softmax_scale is None else float(softmax_scale)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = True,
                 mask: Optional[torch.Tensor] = None) -> torch.Tensor:
-        s, b, n, d = q.shape
-        g = k.shape[2]
+        s, b, n, _ = q.shape
+        g, dv = k.shape[2], v.shape[3]
         if mask is not None:
             if causal:
                 raise ValueError("DotProductAttention: mask is only used with causal=False")
@@ -71,9 +78,10 @@ class DotProductAttention(torch.nn.Module):
             attn_mask=mask,
             dropout_p=self.attention_dropout if self.training else 0.0,
             is_causal=causal,
+            scale=self.softmax_scale,
             enable_gqa=g != n,
-        )  # [b, n, s, d]
-        return out.permute(2, 0, 1, 3).reshape(s, b, n * d)  # [s, b, n*d]
+        )  # [b, n, s, dv]
+        return out.permute(2, 0, 1, 3).reshape(s, b, n * dv)  # [s, b, n*dv]
 
 
 class MultiheadAttention(torch.nn.Module):

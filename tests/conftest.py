@@ -62,6 +62,7 @@ SLOW_MODULES = frozenset({
     "test_layers_gpt",
     "test_layers_oracle",
     "test_makefile",
+    "test_megatron_te_spec",
     "test_no_host_sync",
     "test_nvfp4_triton",
     "test_overlap_auto",

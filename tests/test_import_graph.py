@@ -31,6 +31,9 @@ _TRITON = "Triton is optional and loaded only where a Triton kernel runs"
 #: (importer, imported) -> why the import is inside a function.
 ALLOWED_LAZY: dict[tuple[str, str], str] = {
     ("tp_fuse", "tp_fuse.te"): "the TE room sits on tp_fuse.layers, which imports tp_fuse (module __getattr__)",
+    ("tp_fuse.distributed", "tp_fuse.te.distributed"): "TE's names at TE's path tp_fuse.distributed: the TE room "
+                                                       "sits on tp_fuse.layers, which imports tp_fuse.distributed "
+                                                       "(module __getattr__)",
     ("tp_fuse.ops.op", "tp_fuse.ops.fuser"): _CYCLE + ": the fuser runs ops",
     ("tp_fuse.ops.explain", "tp_fuse.ops.fuser"): _CYCLE + ": the fuser records explanations",
     ("tp_fuse.ops.explain", "tp_fuse.ops.sequential"): _CYCLE + ": Sequential.explain",

@@ -90,3 +90,16 @@ def test_torchrun_config_error_printed_once(tmp_path):
 def test_megatron_model_without_cuda_is_a_config_error_before_start_up():
     # Used to pass validation and fail inside the Trainer with a Hydra traceback.
     assert precheck(["+model=megatron_gpt"], CONFIG_DIR, 1) == MEGATRON_NEEDS_CUDA
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the check is for machines without CUDA")
+def test_megatron_te_spec_on_cpu_passes_validation_with_learned_positions_and_no_sp():
+    # model.spec=te builds on CPU (issue 38); what still needs CUDA is named before start-up.
+    assert precheck(["+model=megatron_gpt", "model.spec=te"], CONFIG_DIR, 1) is None
+    rope = precheck(["+model=megatron_gpt", "model.spec=te", "model.position_embedding=rope"], CONFIG_DIR, 1)
+    assert "model.position_embedding=learned" in rope
+    sp = precheck(["+model=megatron_gpt", "model.spec=te", "parallel.tp=2", "parallel.sequence_parallel=true"],
+                  CONFIG_DIR, 2)
+    assert "parallel.sequence_parallel=false" in sp
+    assert "model.spec" in precheck(["+model=gpt", "+model.spec=te"], CONFIG_DIR, 1)
+    assert "expected one of local, te" in precheck(["+model=megatron_gpt", "model.spec=tex"], CONFIG_DIR, 1)

@@ -16,7 +16,7 @@ this repository), a shim that makes ``import transformer_engine...`` resolve to 
 * ``sitecustomize.py`` selects the CPU where TE's tests name CUDA (they are GPU tests):
   a ``TorchFunctionMode`` rewrites ``device="cuda..."`` arguments to ``"cpu"``,
   ``Tensor.cuda()`` returns the tensor, ``torch.cuda.set_device`` / ``synchronize`` do
-  nothing, ``torch.cuda.device_count()`` answers ``TE_SHIM_CUDA_DEVICES`` (default 1) and
+  nothing, ``torch.cuda.get_rng_state`` / ``set_rng_state`` are the CPU generator's, ``torch.cuda.device_count()`` answers ``TE_SHIM_CUDA_DEVICES`` (default 1) and
   ``init_process_group("nccl", device_id=...)`` becomes ``("gloo")``, ``new_group(backend=
   "nccl")`` a gloo group, and ``is_backend_available("nccl")`` / ``is_nccl_available()``
   answer True (NCCL requests are served by gloo).
@@ -159,7 +159,8 @@ _TE_INIT = textwrap.dedent(
     import _te_shim_core
 
     _te_shim_core.install()
-    __version__ = "tp_fuse-shim"
+    # The TE API level tp_fuse's TE entry points implement (not tp_fuse's package version).
+    from tp_fuse.te.constants import TE_API_VERSION as __version__
     '''
 )
 
@@ -216,6 +217,9 @@ _SITECUSTOMIZE = textwrap.dedent(
         torch.cuda.set_device = lambda *args, **kwargs: None
         torch.cuda.synchronize = lambda *args, **kwargs: None
         torch.cuda.current_device = lambda: 0
+        # TE's tests save/restore "the CUDA RNG" around cases: the CPU generator serves.
+        torch.cuda.get_rng_state = lambda device="cuda": torch.get_rng_state()
+        torch.cuda.set_rng_state = lambda new_state, device="cuda": torch.set_rng_state(new_state)
         _devices = int(os.environ.get("TE_SHIM_CUDA_DEVICES", "1"))
         torch.cuda.device_count = lambda: _devices
 

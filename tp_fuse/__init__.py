@@ -48,8 +48,9 @@ from .quantization import (
 _te_paths.install()
 
 #: Names served by the TE room on first use (it imports tp_fuse.layers, a floor above this one).
-_TE_NAMES = frozenset({"LayerNormLinear", "LayerNormMLP", "Linear", "MultiheadAttention", "TransformerLayer",
-                       *_te_paths.TE_MODULES})
+_TE_NAMES = frozenset({"DotProductAttention", "GroupedLinear", "LayerNorm", "LayerNormLinear", "LayerNormMLP",
+                       "Linear", "MultiheadAttention", "RMSNorm", "TransformerLayer", "fp8_autocast",
+                       "fp8_model_init", *_te_paths.TE_MODULES})
 
 
 def __getattr__(name: str):

@@ -20,7 +20,7 @@ from types import ModuleType
 from typing import Optional
 
 #: TE's top-level names under ``tp_fuse`` that are modules of the TE room.
-TE_MODULES = ("module", "attention", "transformer", "cpp_extensions", "constants")
+TE_MODULES = ("module", "attention", "transformer", "cpp_extensions", "constants", "fp8", "tensor", "router")
 
 _PREFIX = "tp_fuse."
 

@@ -176,3 +176,16 @@ def checkpoint_eager(
         function, *args, use_reentrant=False,
         context_fn=lambda: (state.first_forward(), state.recompute()), **kwargs,
     )
+
+
+#: Transformer Engine's ``transformer_engine.pytorch.distributed`` names, defined in the TE room.
+_TE_NAMES = frozenset({"CudaRNGStatesTracker", "activation_recompute_forward", "is_fp8_activation_recompute_enabled"})
+
+
+def __getattr__(name: str) -> Any:
+    if name in _TE_NAMES:
+        # Lazy: the TE room (tp_fuse.te) sits on tp_fuse.layers, which imports this module.
+        from .te import distributed as te_distributed
+
+        return getattr(te_distributed, name)
+    raise AttributeError(f"module 'tp_fuse.distributed' has no attribute {name!r}")

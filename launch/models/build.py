@@ -151,10 +151,11 @@ def build_model(cfg: TrainConfig, rt: Runtime, factory: Optional[ModelFactory] =
         model.train()
         return model
     if factory is None and cfg.model.name == "megatron_gpt":
-        require_cuda()
+        if cfg.model.spec == "local":
+            require_cuda()
         model = build_megatron_gpt(cfg.model.gpt, tp_group=tp_group, sequence_parallel=cfg.parallel.sequence_parallel,
                                    dtype=rt.dtype, device=rt.device, seed=cfg.trainer.seed,
-                                   overlap=overlap)
+                                   overlap=overlap, spec=cfg.model.spec)
         model.train()
         return model
     factory = factory or GPT

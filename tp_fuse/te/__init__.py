@@ -13,24 +13,46 @@ TE path (``tp_fuse.X``)        here
 ``tp_fuse.attention``          ``tp_fuse.te.attention``: MultiheadAttention
 ``tp_fuse.transformer``        ``tp_fuse.te.transformer``: TransformerLayer
 ``tp_fuse.cpp_extensions``     ``tp_fuse.te.cpp_extensions``: general_gemm
-``tp_fuse.constants``          ``tp_fuse.te.constants``: TE_DType maps
+``tp_fuse.constants``          ``tp_fuse.te.constants``: TE_DType maps, ``TE_API_VERSION``
+``tp_fuse.fp8``                ``tp_fuse.te.fp8``: fp8_autocast, fp8_model_init, FP8GlobalStateManager
+``tp_fuse.tensor``             ``tp_fuse.te.tensor``: QuantizedTensor and the other quantized tensors
+``tp_fuse.router``             ``tp_fuse.te.router``: fused MoE-router names (refused when called)
+``tp_fuse.distributed``        tp_fuse's own module (``checkpoint``); TE's ``CudaRNGStatesTracker``,
+                               ``activation_recompute_forward`` served from ``tp_fuse.te.distributed``
 =============================  =======================================
+
+``TE_API_VERSION`` is the Transformer Engine API level these entry points implement (what
+``transformer_engine.__version__`` reports where ``transformer_engine`` is mapped to tp_fuse:
+:mod:`tp_fuse.te.te_alias`, ``tools/run_te_tests.py``); tp_fuse's own ``tp_fuse.__version__``
+is the package version and unrelated.
 """
 
-from . import attention, constants, cpp_extensions, module, transformer
-from .attention import MultiheadAttention
-from .module import LayerNormLinear, LayerNormMLP, Linear
+from . import attention, constants, cpp_extensions, fp8, module, router, tensor, transformer
+from .attention import DotProductAttention, MultiheadAttention
+from .constants import TE_API_VERSION
+from .fp8 import fp8_autocast, fp8_model_init
+from .module import GroupedLinear, LayerNorm, LayerNormLinear, LayerNormMLP, Linear, RMSNorm
 from .transformer import TransformerLayer
 
 __all__ = [
+    "DotProductAttention",
+    "GroupedLinear",
+    "LayerNorm",
     "LayerNormLinear",
     "LayerNormMLP",
     "Linear",
     "MultiheadAttention",
+    "RMSNorm",
+    "TE_API_VERSION",
     "TransformerLayer",
     "attention",
     "constants",
     "cpp_extensions",
+    "fp8",
+    "fp8_autocast",
+    "fp8_model_init",
     "module",
+    "router",
+    "tensor",
     "transformer",
 ]

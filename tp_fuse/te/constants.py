@@ -13,7 +13,14 @@ import torch
 
 from tp_fuse.quantization.te_dtype import DType
 
-__all__ = ["DType", "TE_DType", "TE_DType_To_Torch"]
+__all__ = ["DType", "TE_API_VERSION", "TE_DType", "TE_DType_To_Torch"]
+
+#: The Transformer Engine API level tp_fuse's TE entry points implement (TE 2.11's
+#: ``transformer_engine.pytorch`` names and signatures, with the refusals each class documents).
+#: ``transformer_engine.__version__`` reports it where ``transformer_engine`` is mapped to tp_fuse
+#: (:mod:`tp_fuse.te.te_alias`, ``tools/run_te_tests.py``): Megatron-Core 0.16 requires
+#: ``>=2.9,<2.12`` and branches on it. Not tp_fuse's package version (``tp_fuse.__version__``).
+TE_API_VERSION = "2.11.0"
 
 # TE's table, entry for entry (transformer_engine/pytorch/constants.py).
 TE_DType: dict[torch.dtype, DType] = {

@@ -9,6 +9,10 @@ layers built on ``tp_fuse.ops``, and the userbuffers setup under TE's module pat
 * :class:`LayerNormMLP` (``te.LayerNormMLP``): norm, fc1, activation, fc2; parameters
   ``layer_norm_*``, ``fc1_weight``/``fc1_bias``/``fc2_weight``/``fc2_bias``; debug names
   ``<name>.fc1`` / ``<name>.fc2``.
+* :class:`LayerNorm` / :class:`RMSNorm` (``te.LayerNorm``, ``te.RMSNorm``): one norm op,
+  parameters ``weight`` (``bias``).
+* :class:`GroupedLinear` (``te.GroupedLinear``): ``ops.GroupedLinear``, parameters
+  ``weight{i}`` / ``bias{i}``, ``forward(inp, m_splits)``.
 * ``tp_fuse.module.base.initialize_ub`` / ``destroy_ub`` / ``UserBufferQuantizationMode``
   (implemented in ``tp_fuse.overlap.userbuffers_setup``).
 
@@ -18,9 +22,12 @@ TE's ``MultiheadAttention`` and ``TransformerLayer``, built on these classes, ar
 (``tp_fuse.layers`` has tp_fuse's own transformer layers).
 """
 
-from . import base
+from . import base, grouped_linear, layernorm, rmsnorm
+from .grouped_linear import GroupedLinear
+from .layernorm import LayerNorm, RMSNorm
 from .layernorm_linear import LayerNormLinear
 from .layernorm_mlp import LayerNormMLP
 from .linear import Linear
 
-__all__ = ["LayerNormLinear", "LayerNormMLP", "Linear", "base"]
+__all__ = ["GroupedLinear", "LayerNorm", "LayerNormLinear", "LayerNormMLP", "Linear", "RMSNorm", "base",
+           "grouped_linear", "layernorm", "rmsnorm"]

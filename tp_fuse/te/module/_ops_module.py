@@ -176,6 +176,42 @@ class OpsModule(torch.nn.Module):
 
     # ---- TE's module API ---------------------------------------------------
 
+    def reset_parameters(self, defer_init: Optional[bool] = False) -> None:
+        """TE's ``reset_parameters``: parameters on the ``meta`` device are materialized (on the
+        current CUDA device where CUDA is available, else the CPU), then every parameter is
+        initialized as at construction: GEMM weights with their ``init_method`` (in the RNG
+        tracker's fork when one was given), norm weights 1 (0 with ``zero_centered_gamma``),
+        biases 0. ``defer_init=True`` does nothing (TE's). FP8 parameters
+        (``quantized_model_init``) are refused (ValueError)."""
+        if defer_init:
+            return
+        inits = self.__dict__.get("_inits", {})
+        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+        for name, p in list(self._parameters.items()):
+            if p is None:
+                continue
+            if is_fp8_parameter(p):
+                raise ValueError(f"{type(self).__name__}.reset_parameters: {name} is an FP8 parameter "
+                                 "(quantized_model_init); re-initializing it is not supported by tp_fuse")
+            if p.is_meta:
+                new = torch.nn.Parameter(torch.empty_like(p, device=device), requires_grad=p.requires_grad)
+                new.__dict__.update(p.__dict__)  # Megatron's attributes (sequence_parallel, partition_dim...)
+                self._parameters[name] = new
+        self._sync()
+        with torch.no_grad():
+            for name, p in self._parameters.items():
+                if p is None:
+                    continue
+                op = self._param_map.get(name, (None, None))[0]
+                if name in inits:
+                    inits[name](p)
+                elif isinstance(op, (LayerNorm, RMSNorm)) and name.endswith("weight"):
+                    op.reset_parameters()  # LayerNorm's resets its bias too: zero below either way
+                elif name.endswith("bias"):
+                    p.zero_()
+                else:
+                    raise ValueError(f"{type(self).__name__}.reset_parameters: no initialization known for {name}")
+
     def set_tensor_parallel_group(self, tp_group: Any) -> None:
         """TE's late TP-group setup: only the group given at construction is supported."""
         if tp_group is not self.tp_group:

@@ -92,9 +92,10 @@ class LayerNormLinear(OpsModule):
         self.ub_name = ub_name
         norm, params = norm_op(cls, normalization, in_features, eps, zero_centered_gamma, device, dtype,
                                self.sequence_parallel)
+        init = init_fn(init_method, get_rng_state_tracker, None)
         ops, linear, bias_op, bias_tensor = linear_ops(
             cls, in_features, out_features, bias=bias, apply_bias=self.apply_bias, device=device, dtype=dtype,
-            init=init_fn(init_method, get_rng_state_tracker, None), parallel_mode=parallel_mode,
+            init=init, parallel_mode=parallel_mode,
             tp_group=tp_group, tp_size=tp, sequence_parallel=sequence_parallel,
             fuse_wgrad_accumulation=fuse_wgrad_accumulation,
         )
@@ -104,6 +105,7 @@ class LayerNormLinear(OpsModule):
             params["bias"] = (bias_op, "bias")
         extra = [MakeExtraOutput()] if return_layernorm_output else []
         self._bind(Sequential(norm, *extra, *ops), params, {"": linear})
+        self.__dict__["_inits"] = {"weight": init}
         if normalization == "RMSNorm":
             self.layer_norm_bias = None
         if bias_op is None:

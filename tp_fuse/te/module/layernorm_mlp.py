@@ -127,13 +127,15 @@ class LayerNormMLP(OpsModule):
                                self.sequence_parallel)
         common = dict(device=device, dtype=dtype, tp_group=tp_group, tp_size=tp,
                       sequence_parallel=sequence_parallel, fuse_wgrad_accumulation=fuse_wgrad_accumulation)
+        init1 = init_fn(init_method, get_rng_state_tracker, None)
+        init2 = init_fn(output_layer_init_method, get_rng_state_tracker, None)
         fc1_ops, fc1, fc1_bias_op, _ = linear_ops(
             cls, hidden_size, ffn_hidden_size * (2 if gated else 1), bias=bias, apply_bias=bias,
-            init=init_fn(init_method, get_rng_state_tracker, None),
+            init=init1,
             parallel_mode="column" if set_parallel_mode else None, **common)
         fc2_ops, fc2, fc2_bias_op, fc2_bias = linear_ops(
             cls, ffn_hidden_size, hidden_size, bias=bias, apply_bias=self.apply_bias,
-            init=init_fn(output_layer_init_method, get_rng_state_tracker, None),
+            init=init2,
             parallel_mode="row" if set_parallel_mode else None, **common)
         act = getattr(_ops, op_name)(**act_kwargs)
         params["fc1_weight"] = (fc1, "weight")
@@ -144,6 +146,7 @@ class LayerNormMLP(OpsModule):
             params["fc2_bias"] = (fc2_bias_op, "bias")
         extra = [MakeExtraOutput()] if return_layernorm_output else []
         self._bind(Sequential(norm, *extra, *fc1_ops, act, *fc2_ops), params, {"fc1": fc1, "fc2": fc2})
+        self.__dict__["_inits"] = {"fc1_weight": init1, "fc2_weight": init2}
         if normalization == "RMSNorm":
             self.layer_norm_bias = None
         if fc1_bias_op is None:

@@ -129,9 +129,10 @@ class Linear(OpsModule):
         self.sequence_parallel = tp > 1 and sequence_parallel
         self.fuse_wgrad_accumulation = fuse_wgrad_accumulation
         self.ub_name = ub_name
+        init = init_fn(init_method, get_rng_state_tracker, rng_tracker_name)
         ops, linear, bias_op, bias_tensor = linear_ops(
             cls, in_features, out_features, bias=bias, apply_bias=self.apply_bias, device=device,
-            dtype=dtype, init=init_fn(init_method, get_rng_state_tracker, rng_tracker_name),
+            dtype=dtype, init=init,
             parallel_mode=parallel_mode, tp_group=tp_group, tp_size=tp,
             sequence_parallel=sequence_parallel, fuse_wgrad_accumulation=fuse_wgrad_accumulation,
         )
@@ -141,6 +142,7 @@ class Linear(OpsModule):
         if bias_op is not None:
             params["bias"] = (bias_op, "bias")
         self._bind(Sequential(*ops), params, {"": linear})
+        self.__dict__["_inits"] = {"weight": init}
         if bias_op is None:
             # return_bias: a parameter the caller adds; no bias: TE's empty tensor attribute.
             self.bias = bias_tensor
