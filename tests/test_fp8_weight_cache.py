@@ -136,3 +136,31 @@ def test_nested_autocast_inherits_the_cache():
     with te.autocast(recipe=DelayedScaling(), weight_cache=cache) as outer:
         with te.autocast(recipe=DelayedScaling()) as inner:
             assert inner.weight_cache is cache and outer.weight_cache is cache
+
+
+@pytest.mark.parametrize("recipe", [DelayedScaling(amax_history_len=4, amax_compute_algo="most_recent"),
+                                    DelayedScaling(amax_history_len=4), Float8CurrentScaling()],
+                         ids=["delayed-most-recent", "delayed-max", "current"])
+def test_a_recast_in_the_window_equals_a_reuse(recipe):
+    """A cached cast that cannot be reused (a new storage or version with the same values,
+    as FSDP2's re-gathered weights) is cast again exactly as the window's first cast: the
+    run equals the one that reused it, bit for bit, scales and histories included (FSDP2
+    and DDP trained apart by 2e-3 when the recast took the updated scale and its amax)."""
+    runs = []
+    for force_recast in (False, True):
+        model, cache = _mlp(), te.FP8WeightCache()
+        for micro, x in enumerate(_micro_batches(3)):
+            if force_recast and micro > 0:
+                with torch.no_grad():
+                    for linear in (model[1].basic_ops[0], model[3].basic_ops[0]):
+                        linear.weight.mul_(1.0)  # same values, new version: the cache misses
+            with te.autocast(recipe=recipe, weight_cache=cache):
+                y = model(x)
+            y.square().mean().backward()
+        assert (cache.hits, cache.misses) == ((0, 6) if force_recast else (4, 2))
+        q = model[1].basic_ops[0]._quantizers.quantizers["weight"]
+        runs.append(([p.grad for p in model.parameters()], q.scale.clone(),
+                     getattr(q, "amax_history", torch.zeros(1)).clone()))
+    (grads_a, scale_a, hist_a), (grads_b, scale_b, hist_b) = runs
+    assert all(torch.equal(a, b) for a, b in zip(grads_a, grads_b))
+    assert torch.equal(scale_a, scale_b) and torch.equal(hist_a, hist_b)

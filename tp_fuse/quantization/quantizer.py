@@ -278,6 +278,19 @@ class Quantizer(abc.ABC):
     def _quantize_impl(self, x: torch.Tensor, transpose: bool = False) -> Float8Tensor:
         """Quantize without autograd."""
 
+    def window_state(self) -> Any:
+        """What a later cast in an ``FP8WeightCache`` window must repeat of this cast (see
+        :meth:`recast_in_window`), taken just before the window's first cast; None when a
+        cast depends on nothing but the tensor (current and block scaling)."""
+        return None
+
+    def recast_in_window(self, x: torch.Tensor, state: Any, *, transpose: bool = False) -> QuantizedTensor:
+        """Cast ``x`` as the window's first cast did (``state`` from :meth:`window_state`),
+        recording nothing a reuse of that cast would not: the bytes a reuse would give for
+        unchanged values. Scales from the tensor itself (current, block scaling): a plain
+        cast."""
+        return self.quantize(x, transpose=transpose)
+
     def reduces_at_cast(self) -> bool:
         """Whether a cast runs a collective (current scaling's amax all-reduce over a group
         of several ranks): every rank of the group must then cast, or the others wait for
@@ -419,6 +432,22 @@ class DelayedScalingQuantizer(Quantizer):
             scale_inv = new_scale_inv(x.device)
             data, data_t, _ = _cast(x, self.scale, self.fp8_dtype, transpose=transpose,
                                     amax_out=self.current_amax, scale_inv_out=scale_inv)
+        return _with_transpose(Float8Tensor.wrap_checked(data, scale_inv, x.dtype), data_t)
+
+    def window_state(self) -> Optional[torch.Tensor]:
+        """The scale the window's first cast uses (a copy: the step's updates change the
+        quantizer's own), for :meth:`recast_in_window`; None before the state exists on a
+        device (the first cast then happens outside any window's reuse)."""
+        return self.scale.detach().clone()
+
+    def recast_in_window(self, x: torch.Tensor, state: Any, *, transpose: bool = False) -> Float8Tensor:
+        """Cast ``x`` with the window's first scale ``state`` and record no amax (a reuse
+        records none: Transformer Engine's ``skip_fp8_weight_update``)."""
+        with no_grad_if_enabled():
+            scale = state if state.device == x.device else state.to(x.device)
+            scale_inv = new_scale_inv(x.device)
+            data, data_t, _ = _cast(x, scale, self.fp8_dtype, transpose=transpose, with_amax=False,
+                                    scale_inv_out=scale_inv)
         return _with_transpose(Float8Tensor.wrap_checked(data, scale_inv, x.dtype), data_t)
 
     def producer_outputs(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

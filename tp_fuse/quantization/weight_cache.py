@@ -27,10 +27,16 @@ the cast all-reduces the weight's amax, and whether a cached cast is still valid
 decided per rank (storage and version counters are per-rank facts, e.g. under FSDP2's
 re-gathered weights), so a rank that reused its cast would leave the others waiting.
 
-The weight quantizer is still registered with the step's amax reduction on a reuse: its
-history slot then holds no amax for that micro-batch (0, "no data"), as Transformer
-Engine's weight caching skips the weight's amax on later micro-batches. The cached
-tensor keeps its own ``scale_inv``, so later scale updates do not change its value.
+Every later micro-batch of the window sees the first micro-batch's cast, reused or not:
+when the cached cast cannot be reused (a storage or version change, e.g. FSDP2 gathers
+its weights again for every micro-batch) the weight is cast again *with the first cast's
+scale and without recording its amax* (``Quantizer.recast_in_window``), the bytes a reuse
+would have given for unchanged values. So whether a rank reuses or recasts never changes
+the numbers (FSDP2 and DDP train alike), and changed values still reach the GEMM. This is
+Transformer Engine's weight caching (``skip_fp8_weight_update``): later micro-batches
+record no weight amax; the weight quantizer still joins each step's reduction, its history
+slot saying "no data". The cached tensor keeps its own ``scale_inv``, so later scale
+updates do not change its value.
 """
 
 from __future__ import annotations
@@ -53,8 +59,9 @@ class FP8WeightCache:
     """
 
     def __init__(self) -> None:
-        # id(op) -> (key, FP8 weight); the key pins everything the cast depended on.
-        self._entries: dict[int, tuple[tuple, Float8Tensor]] = {}
+        # id(op) -> (key, FP8 weight, the first cast's state for recasts); the key pins
+        # everything the cast depended on.
+        self._entries: dict[int, tuple[tuple, Float8Tensor, Any]] = {}
         self.hits = 0
         self.misses = 0
 
@@ -67,18 +74,26 @@ class FP8WeightCache:
         return len(self._entries)
 
     def weight(
-        self, op: Any, weight: torch.Tensor, quantizer: Any, copies: tuple, cast: Callable[[], Float8Tensor]
+        self, op: Any, weight: torch.Tensor, quantizer: Any, copies: tuple, cast: Callable[[Any], Float8Tensor]
     ) -> tuple[Float8Tensor, bool]:
         """``(FP8 weight, cast_now)``: the cached cast of ``weight`` for ``op`` when it is
-        still valid (see the module doc), else ``cast()``'s result, stored. ``copies``
-        names what the cast made besides the bytes (transposed copy, kept decode)."""
+        still valid (see the module doc), else ``cast(recast)``'s result, stored:
+        ``recast`` None for the window's first cast of ``op`` (a normal cast), else the
+        first cast's state (``Quantizer.window_state``) to repeat. ``copies`` names what
+        the cast made besides the bytes (transposed copy, kept decode)."""
         key = (id(weight), weight.data_ptr(), weight._version, id(quantizer), copies)
         entry = self._entries.get(id(op))
         if entry is not None and entry[0] == key:
             self.hits += 1
             return entry[1], False
-        fresh = cast()
-        self._entries[id(op)] = (key, fresh)
+        if entry is not None and entry[2] is not None and entry[0][3] == id(quantizer):
+            state = entry[2]
+            fresh = cast(state)
+        else:
+            # The window's first cast of this op (or a new quantizer: a new recipe).
+            state = quantizer.window_state()
+            fresh = cast(None)
+        self._entries[id(op)] = (key, fresh, state)
         self.misses += 1
         return fresh, True
 

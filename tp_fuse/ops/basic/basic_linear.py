@@ -317,7 +317,7 @@ class BasicLinear(QuantizerStateMixin, BasicOperation):
             else:
                 # Cast once per optimizer step; later micro-batches reuse it (FP8WeightCache).
                 w_fp8, cast_now = cache.weight(self, weight, qs["weight"], copies,
-                                               lambda: self._cast_weight(w, qs["weight"], *copies))
+                                               lambda recast: self._cast_weight(w, qs["weight"], *copies, recast))
             # Registered on a reuse too: its slot then says "no data" for this micro-batch.
             state.track_forward(qs["weight"])
             if cast_now and self.debug_hooks is not None:
@@ -327,10 +327,16 @@ class BasicLinear(QuantizerStateMixin, BasicOperation):
         return x_fp8, w_fp8
 
     @staticmethod
-    def _cast_weight(w: torch.Tensor, quantizer: Any, transpose: bool, keep_decoded: bool) -> Float8Tensor:
+    def _cast_weight(
+        w: torch.Tensor, quantizer: Any, transpose: bool, keep_decoded: bool, recast: Any = None
+    ) -> Float8Tensor:
         """The weight's FP8 cast (with its transposed bytes for the dgrad GEMM, or -- where
-        the GEMM reads views -- its decode kept for the fprop and dgrad GEMMs)."""
-        w_fp8 = quantizer.quantize(w, transpose=transpose)
+        the GEMM reads views -- its decode kept for the fprop and dgrad GEMMs); ``recast``:
+        an ``FP8WeightCache`` window's first-cast state, which a later cast repeats."""
+        if recast is None:
+            w_fp8 = quantizer.quantize(w, transpose=transpose)
+        else:
+            w_fp8 = quantizer.recast_in_window(w, recast, transpose=transpose)
         if keep_decoded:
             w_fp8.keep_decoded()  # decoded once for the fprop and dgrad GEMMs
         return w_fp8
