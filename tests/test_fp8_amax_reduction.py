@@ -238,7 +238,7 @@ def weight_cache_when_one_ranks_cache_misses(rank: int, world_size: int) -> dict
         torch.manual_seed(0)
         linear = te_ops.Linear(32, 16)
         cache = FP8WeightCache()
-        x = torch.randn(8, 32, generator=torch.Generator().manual_seed(rank))
+        x = torch.randn(16, 32, generator=torch.Generator().manual_seed(rank))  # sizes CUDA's _scaled_mm takes (strict pass)
         with count_all_reduce() as calls:
             for micro in range(3):
                 if micro == 1 and rank == 0:
