@@ -42,7 +42,7 @@ from tp_fuse.strict import STRICT_ENV, CudaConformanceError, strict_cuda_enabled
 from .fp8_emulation import cpu_fp8_gemm_path, emulated_scaled_mm
 from .launch_count import one_launch
 
-__all__ = ["SCALED_MM_OUT_DTYPES", "cuda_semantics", "scaled_mm", "scaled_mm_violations"]
+__all__ = ["SCALED_MM_OUT_DTYPES", "cuda_epilogue", "cuda_semantics", "scaled_mm", "scaled_mm_violations"]
 
 _FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 #: Output dtypes CUDA's ``_scaled_mm`` writes (besides float8 outputs, which tp_fuse does not use).
@@ -52,6 +52,14 @@ SCALED_MM_OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 def cuda_semantics(device: torch.device) -> bool:
     """Whether code on ``device`` must follow CUDA's rules: on CUDA, or in strict mode."""
     return device.type == "cuda" or strict_cuda_enabled()
+
+
+def cuda_epilogue(out_dtype: torch.dtype, has_bias: bool) -> tuple[torch.dtype, bool]:
+    """``(the GEMM's output dtype, whether the bias fuses)`` of CUDA's ``_scaled_mm`` for a
+    result in ``out_dtype``: cuBLASLt writes no float64 (the fp32 GEMM, then widened) and
+    fuses a bias only for 16-bit outputs, in the output dtype (fp32 outputs add it after)."""
+    gemm_dtype = torch.float32 if out_dtype == torch.float64 else out_dtype
+    return gemm_dtype, has_bias and out_dtype in (torch.bfloat16, torch.float16)
 
 
 def _row_major(t: torch.Tensor) -> bool:

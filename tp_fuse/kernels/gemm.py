@@ -30,7 +30,7 @@ from ._common import (
     gelu_torch,
     triton_dtype_issue,
 )
-from .cuda_rules import cuda_semantics, scaled_mm
+from .cuda_rules import cuda_epilogue, cuda_semantics, scaled_mm
 from .fp8_emulation import accumulation_dtype, cpu_fp8_gemm_path, emulated_mm_decoded, emulation_units
 
 __all__ = ["fp8_gemm", "fp8_gemm_checked", "fp8_gemm_emulated", "fp8_gemm_reads_views"]
@@ -189,8 +189,7 @@ def _fp8_gemm_torch(
     # cuBLASLt fuses a bias only for 16-bit outputs and in the output dtype (fp32 outputs
     # add it after) and writes no float64 (fp32 GEMM, then widened).
     cuda = cuda_semantics(a.device)
-    gemm_dtype = torch.float32 if cuda and out_dtype == torch.float64 else out_dtype
-    fused_bias = bias is not None and (not cuda or out_dtype in (torch.bfloat16, torch.float16))
+    gemm_dtype, fused_bias = cuda_epilogue(out_dtype, bias is not None) if cuda else (out_dtype, bias is not None)
     if cpu_path != "emulate" and not strict_cuda_enabled():
         # Make the operands K-major as the GEMM wants (a copy if they are not). Strict mode
         # skips this so that its layout check sees what callers pass: a transposed FP8 view

@@ -19,7 +19,7 @@ from typing import Any, Optional
 
 import torch
 
-from ...kernels.cuda_rules import scaled_mm_violations
+from ...kernels.cuda_rules import cuda_epilogue, scaled_mm_violations
 from ...kernels._common import compute_dtype
 from ...quantization.compile_state import CompileKey, CompileRef
 from ...quantization.custom_ops import fp8_cast, fp8_track  # noqa: F401  (registers the tp_fuse:: ops)
@@ -55,8 +55,7 @@ def scaled_gemm(
     added after; a float64 output is the fp32 GEMM widened. Strict mode checks the call
     against CUDA's rules first (layouts, sizes, dtypes: static while tracing).
     """
-    gemm_dtype = torch.float32 if out_dtype == torch.float64 else out_dtype
-    fused = bias is not None and out_dtype in (torch.bfloat16, torch.float16)
+    gemm_dtype, fused = cuda_epilogue(out_dtype, bias is not None)
     mat2 = b.t()
     fused_bias = bias.to(out_dtype) if fused else None
     if strict_cuda_enabled():
