@@ -17,7 +17,7 @@ import importlib.machinery
 import importlib.util
 import sys
 from types import ModuleType
-from typing import Optional
+from typing import Callable, Optional
 
 #: TE's top-level names under ``tp_fuse`` that are modules of the TE room.
 TE_MODULES = ("module", "attention", "transformer", "cpp_extensions", "constants", "fp8", "tensor", "router")
@@ -36,7 +36,8 @@ def te_target(fullname: str) -> Optional[str]:
 
 
 class _AliasLoader(importlib.abc.Loader):
-    """Hands out the already-imported module of the TE room under the TE path."""
+    """Hands out the real module (imported once, under its own name) under the alias: no
+    second copy, so classes compare identical."""
 
     def __init__(self, target: str) -> None:
         self.target = target
@@ -49,11 +50,16 @@ class _AliasLoader(importlib.abc.Loader):
         return None
 
 
-class TEPathFinder(importlib.abc.MetaPathFinder):
-    """Meta-path finder of the TE paths (see the module docstring)."""
+class AliasFinder(importlib.abc.MetaPathFinder):
+    """Meta-path finder that serves existing modules under a second name: ``target(name)``
+    is the real module's name, or None for names it does not serve (the TE room's paths
+    here, ``transformer_engine`` in :mod:`tp_fuse.te.te_alias`)."""
+
+    def __init__(self, target: Callable[[str], Optional[str]]) -> None:
+        self.target = target
 
     def find_spec(self, fullname: str, path, target=None) -> Optional[importlib.machinery.ModuleSpec]:
-        real = te_target(fullname)
+        real = self.target(fullname)
         if real is None:
             return None
         try:
@@ -64,6 +70,13 @@ class TEPathFinder(importlib.abc.MetaPathFinder):
             return None
         return importlib.machinery.ModuleSpec(fullname, _AliasLoader(real),
                                               is_package=spec.submodule_search_locations is not None)
+
+
+class TEPathFinder(AliasFinder):
+    """Meta-path finder of the TE paths (see the module docstring)."""
+
+    def __init__(self) -> None:
+        super().__init__(te_target)
 
 
 def install() -> None:

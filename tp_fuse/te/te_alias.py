@@ -24,13 +24,12 @@ shadows an installed TE.
 from __future__ import annotations
 
 import importlib
-import importlib.abc
-import importlib.machinery
 import importlib.util
 import sys
 from types import ModuleType
 from typing import Optional
 
+from .._te_paths import AliasFinder
 from . import recipe
 from .constants import TE_API_VERSION
 
@@ -48,34 +47,11 @@ def _target(fullname: str) -> Optional[str]:
     return None
 
 
-class _AliasLoader(importlib.abc.Loader):
-    """Hands out the tp_fuse module under the TE name (no copy: classes compare identical)."""
-
-    def __init__(self, target: str) -> None:
-        self.target = target
-
-    def create_module(self, spec: importlib.machinery.ModuleSpec) -> ModuleType:
-        return importlib.import_module(self.target)
-
-    def exec_module(self, module: ModuleType) -> None:
-        return None
-
-
-class TransformerEngineFinder(importlib.abc.MetaPathFinder):
+class TransformerEngineFinder(AliasFinder):
     """``transformer_engine.pytorch.X`` -> ``tp_fuse.X`` when that module exists, else not found."""
 
-    def find_spec(self, fullname: str, path, target=None) -> Optional[importlib.machinery.ModuleSpec]:
-        real = _target(fullname)
-        if real is None:
-            return None
-        try:
-            spec = importlib.util.find_spec(real)
-        except ModuleNotFoundError:
-            return None
-        if spec is None:
-            return None
-        return importlib.machinery.ModuleSpec(fullname, _AliasLoader(real),
-                                              is_package=spec.submodule_search_locations is not None)
+    def __init__(self) -> None:
+        super().__init__(_target)
 
 
 def is_installed() -> bool:
