@@ -164,3 +164,31 @@ def test_a_recast_in_the_window_equals_a_reuse(recipe):
     (grads_a, scale_a, hist_a), (grads_b, scale_b, hist_b) = runs
     assert all(torch.equal(a, b) for a, b in zip(grads_a, grads_b))
     assert torch.equal(scale_a, scale_b) and torch.equal(hist_a, hist_b)
+
+
+def test_an_optimizer_step_through_data_ends_the_window():
+    """An optimizer that writes the weights through ``param.data`` (no version bump) still
+    ends the cache's window: the next forward casts the new values (stale casts before)."""
+    recipe = Float8CurrentScaling()
+    model, cache = _mlp(), te.FP8WeightCache()
+    x = _micro_batches(1)[0]
+
+    class DataCopyingSGD(torch.optim.SGD):
+        @torch.no_grad()
+        def step(self, closure=None):
+            for group in self.param_groups:
+                for p in group["params"]:
+                    if p.grad is not None:
+                        p.data.copy_(p.data - group["lr"] * p.grad)  # no version bump
+
+    opt = DataCopyingSGD(model.parameters(), lr=0.5)
+    with te.autocast(recipe=recipe, weight_cache=cache):
+        y = model(x)
+    y.square().mean().backward()
+    opt.step()
+    fresh = copy.deepcopy(model)
+    with te.autocast(recipe=recipe, weight_cache=cache):
+        y = model(x)
+    with te.autocast(recipe=recipe):
+        y_ref = fresh(x)
+    assert torch.equal(y, y_ref)

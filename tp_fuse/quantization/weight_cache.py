@@ -17,10 +17,12 @@ same, as an explicit object::
 A cached FP8 weight is reused only while it is provably the cast of the weight as it
 is now: the same parameter object and storage, an unchanged version counter (every
 in-place write through the parameter -- ``optimizer.step()``, ``load_state_dict``, an
-edit under ``no_grad`` -- bumps it), the same quantizer (a new recipe builds new ones)
-and a cast with the copies the GEMMs need. ``cache.clear()`` after each optimizer step is
-still required: writes through ``param.data`` (some optimizers and frameworks copy into
-``.data``) do not bump the version counter.
+edit under ``no_grad`` -- bumps it), no ``torch.optim`` optimizer step anywhere in the
+process since the cast (a global step hook: writes through ``param.data``, as optimizers
+and frameworks that copy into ``.data`` after their step do, bump no version counter),
+the same quantizer (a new recipe builds new ones) and a cast with the copies the GEMMs
+need. Call ``cache.clear()`` after a write to the weights outside an optimizer step
+through ``.data``.
 
 Current scaling with an amax reduction group of several ranks casts every micro-batch:
 the cast all-reduces the weight's amax, and whether a cached cast is still valid is
@@ -44,10 +46,28 @@ from __future__ import annotations
 from typing import Any, Callable, Optional
 
 import torch
+from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from .float8.tensor import Float8Tensor
 
 __all__ = ["FP8WeightCache"]
+
+
+class _OptimizerSteps:
+    """How many ``torch.optim`` optimizer steps this process has taken since the first
+    ``FP8WeightCache`` was made (one step post-hook, registered then, once)."""
+
+    count = 0
+    _hook = None
+
+    @classmethod
+    def watch(cls) -> None:
+        if cls._hook is None:
+            cls._hook = register_optimizer_step_post_hook(cls._stepped)
+
+    @classmethod
+    def _stepped(cls, optimizer: Any, args: Any, kwargs: Any) -> None:
+        cls.count += 1
 
 
 class FP8WeightCache:
@@ -64,6 +84,7 @@ class FP8WeightCache:
         self._entries: dict[int, tuple[tuple, Float8Tensor, Any]] = {}
         self.hits = 0
         self.misses = 0
+        _OptimizerSteps.watch()
 
     def clear(self) -> None:
         """Forget every cast (after ``optimizer.step()``, a checkpoint load, or any write
@@ -81,12 +102,14 @@ class FP8WeightCache:
         ``recast`` None for the window's first cast of ``op`` (a normal cast), else the
         first cast's state (``Quantizer.window_state``) to repeat. ``copies`` names what
         the cast made besides the bytes (transposed copy, kept decode)."""
-        key = (id(weight), weight.data_ptr(), weight._version, id(quantizer), copies)
+        key = (id(weight), weight.data_ptr(), weight._version, _OptimizerSteps.count, id(quantizer), copies)
         entry = self._entries.get(id(op))
+        if entry is not None and entry[0][3] != key[3]:
+            entry = None  # an optimizer step since: the window is over, cast as its first
         if entry is not None and entry[0] == key:
             self.hits += 1
             return entry[1], False
-        if entry is not None and entry[2] is not None and entry[0][3] == id(quantizer):
+        if entry is not None and entry[2] is not None and entry[0][4] == id(quantizer):
             state = entry[2]
             fresh = cast(state)
         else:
