@@ -86,9 +86,9 @@ def test_run_id_file_is_checked(tmp_path):
 
 
 def test_wandb_threads_are_declared_matmul_free(wandb_env, monkeypatch):
-    """W&B starts a thread even with WANDB_MODE=disabled; undeclared, it would keep every
-    CPU FP8 GEMM of the default run off the AMX-BF16 units (fp8_emulation.emulation_units)."""
-    monkeypatch.setenv("WANDB_MODE", "disabled")
+    """W&B starts threads for an offline run; undeclared, they would keep every CPU FP8
+    GEMM of the default run off the AMX-BF16 units (fp8_emulation.emulation_units)."""
+    monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setattr(fp8_emulation, "_MATMUL_FREE_THREADS", weakref.WeakSet())
     before = set(threading.enumerate())
     fp8_emulation.declare_matmul_free_threads(before)  # the test runner's own threads
@@ -98,3 +98,18 @@ def test_wandb_threads_are_declared_matmul_free(wandb_env, monkeypatch):
     assert set(threading.enumerate()) - before, "expected W&B to start a thread (else this test checks nothing)"
     assert fp8_emulation._other_threads_matmul_free()
     logger.finish()
+
+
+def test_disabled_mode_does_not_start_wandb(wandb_env, monkeypatch):
+    """WANDB_MODE=disabled costs nothing: no wandb.init (whose import and thread cost every
+    launcher process about a second), and the log lines say it is disabled."""
+    monkeypatch.setenv("WANDB_MODE", "disabled")
+    monkeypatch.setattr(wandb, "init", lambda *a, **k: pytest.fail("wandb.init called in disabled mode"))
+    run_dir = str(wandb_env / "run")
+    os.makedirs(run_dir)
+    logger = WandbLogger(LoggerConfig(), run_dir, {})
+    assert logger.mode == "disabled" and logger.run_path is None
+    assert logger.describe() == "W&B: disabled (WANDB_MODE=disabled)"
+    logger.log(1, {"loss": 1.0})
+    logger.finish()
+    assert not os.path.exists(os.path.join(run_dir, "wandb"))

@@ -58,7 +58,15 @@ class WandbLogger:
     """
 
     def __init__(self, cfg: LoggerConfig, run_dir: str, config: dict[str, Any]) -> None:
-        import wandb
+        self.requested_mode = resolve_mode(cfg.mode)
+        self._failed = False
+        if self.requested_mode == "disabled":
+            # WANDB_MODE=disabled: W&B would only return a run that drops everything, after
+            # an import and a thread that cost every process about a second of start-up.
+            self.run, self.mode = None, "disabled"
+            return
+        import wandb  # optional heavy dependency: imported only when a run is really logged
+
 
         def settings(**extra: Any) -> Any:
             # console="off": stdout stays ours (progress bar); no system-stats sampler
@@ -76,13 +84,11 @@ class WandbLogger:
             id=run_id_for(run_dir),
             resume="allow",
         )
-        self.requested_mode = resolve_mode(cfg.mode)
         before = set(threading.enumerate())
         self.run, self.mode = init_with_fallback(wandb, self.requested_mode, init_kwargs, settings, cfg.init_timeout_s)
         # W&B's own threads (one even with WANDB_MODE=disabled) move data, never run a
         # matmul: they need not keep the CPU FP8 GEMMs off the AMX-BF16 units.
         declare_matmul_free_threads(set(threading.enumerate()) - before)
-        self._failed = False
         self.run.define_metric("trainer/step")
         self.run.define_metric("*", step_metric="trainer/step")
 
@@ -108,10 +114,12 @@ class WandbLogger:
     @property
     def run_path(self) -> Optional[str]:
         """Directory of this run's files (``.../wandb/offline-run-...``)."""
-        return os.path.dirname(self.run.settings.sync_file) if self.run.settings.sync_file else None
+        if self.run is None or not self.run.settings.sync_file:
+            return None
+        return os.path.dirname(self.run.settings.sync_file)
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
-        if self._failed:
+        if self._failed or self.run is None:
             return
         try:
             self.run.log({**metrics, "trainer/step": step})
@@ -121,6 +129,8 @@ class WandbLogger:
                   "W&B logging stops, metrics.jsonl continues", file=sys.stderr, flush=True)
 
     def finish(self, exit_code: int = 0) -> None:
+        if self.run is None:
+            return
         try:
             self.run.finish(exit_code=exit_code)
         except Exception as exc:
