@@ -99,7 +99,8 @@ def test_fuse_wgrad_accumulation_into_main_grad():
 @pytest.mark.parametrize(
     "kwargs, match",
     [
-        (dict(parameters_split=("q", "k")), "parameters_split"),
+        (dict(parameters_split=("q", "k"), return_bias=True), "parameters_split"),
+        (dict(parameters_split=("q", "k"), fuse_wgrad_accumulation=True), "parameters_split"),
         (dict(delay_wgrad_compute=True), "delay_wgrad_compute"),
         (dict(ub_overlap_ag=True), "ub_overlap_ag"),
         (dict(symmetric_ar_type="one_shot"), "symmetric_ar_type"),
@@ -112,6 +113,50 @@ def test_fuse_wgrad_accumulation_into_main_grad():
 def test_linear_refused_arguments(kwargs, match):
     with pytest.raises(ValueError, match=rf"Linear: {match}=.* is not supported by tp_fuse \("):
         te.Linear(8, 4, **kwargs)
+
+
+def test_linear_parameters_split_te_names_values_and_grads():
+    """TE's parameters_split: one parameter per part, read as their concatenation (float64)."""
+    torch.manual_seed(0)
+    m = te.Linear(8, 12, parameters_split={"query_": 6, "key_": 3, "value_": 3}, params_dtype=torch.float64)
+    assert [n for n, _ in m.named_parameters()] == [
+        "query_weight", "key_weight", "value_weight", "query_bias", "key_bias", "value_bias"]
+    assert list(m.state_dict()) == ["query_weight", "key_weight", "value_weight", "query_bias", "key_bias",
+                                    "value_bias", "_extra_state"]
+    assert m.query_weight.shape == (6, 8) and m.key_weight.shape == (3, 8) and not hasattr(m, "weight")
+    with torch.no_grad():
+        for p in m.parameters():
+            p.normal_()
+    w = torch.cat([m.query_weight, m.key_weight, m.value_weight]).detach().requires_grad_()
+    b = torch.cat([m.query_bias, m.key_bias, m.value_bias]).detach().requires_grad_()
+    x = torch.randn(5, 8, dtype=torch.float64)
+    y = m(x)
+    want = _ref_linear(x, w, b)
+    torch.testing.assert_close(y, want, rtol=0, atol=1e-12)
+    g = torch.randn_like(y)
+    y.backward(g)
+    want.backward(g)
+    torch.testing.assert_close(torch.cat([m.query_weight.grad, m.key_weight.grad, m.value_weight.grad]), w.grad)
+    torch.testing.assert_close(torch.cat([m.query_bias.grad, m.key_bias.grad, m.value_bias.grad]), b.grad)
+    # Replacing a part is seen by the next forward (the op reads the parts, not a copy).
+    m.key_weight = torch.nn.Parameter(torch.zeros(3, 8, dtype=torch.float64))
+    assert torch.equal(m(x)[:, 6:9], m.key_bias.detach().expand(5, 3))
+    # Equal parts from a tuple; TE's reset_parameters re-initializes every part.
+    t = te.LayerNormLinear(8, 6, parameters_split=("a", "b", "c"))
+    assert t.a_weight.shape == (2, 8) and "layer_norm_weight" in dict(t.named_parameters())
+    t.reset_parameters()
+    assert torch.all(t.a_bias == 0) and t.c_weight.std() > 0
+
+
+@pytest.mark.parametrize("split, match", [
+    ({"q": 5, "k": 5}, "sizes .* must sum to out_features"),
+    (("q", "k", "v", "w", "x"), "equal parts"),
+    (("q", "q"), "distinct"),
+    ("qkv", "must be None, a tuple"),
+])
+def test_linear_parameters_split_refuses_bad_splits(split, match):
+    with pytest.raises(ValueError, match=match):
+        te.Linear(8, 12, parameters_split=split)
 
 
 def test_forward_refused_arguments():

@@ -70,6 +70,13 @@ def test_row_scaled_activation_is_refused_where_used():
         NVFP4BlockScaling(row_scaled_activation=1)
 
 
+def test_mxfp8_2d_quantization_is_refused_where_used():
+    recipe = MXFP8BlockScaling(enable_2d_quantization=True)
+    with pytest.raises(ValueError, match=r"MXFP8BlockScaling.enable_2d_quantization=True"):
+        with tp_fuse.autocast(recipe=recipe):
+            pass
+
+
 def test_fp4_qparams_are_assignable_and_reach_the_quantizer():
     recipe = NVFP4BlockScaling(disable_rht=False, disable_stochastic_rounding=False, disable_2d_quantization=False)
     assert NVFP4Quantizer.for_role(recipe, "grad_output").stochastic_rounding is True

@@ -162,6 +162,9 @@ def unsupported_recipe_options(recipe: "Recipe") -> list[str]:
     if override is not None:
         found.append(f"{cls}.backward_override={override!r} (only None is implemented: the backward "
                      "GEMMs read the forward's quantized tensors)")
+    if getattr(recipe, "enable_2d_quantization", False):
+        found.append(f"{cls}.enable_2d_quantization=True (only False is implemented: 1x32 blocks for "
+                     "weights too)")
     if getattr(recipe, "row_scaled_activation", False):
         found.append(f"{cls}.row_scaled_activation=True (only False is implemented: one FP32 "
                      "scale per tensor)")

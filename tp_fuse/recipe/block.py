@@ -135,6 +135,8 @@ class MXFP8BlockScaling(Recipe):
         margin: kept for Transformer Engine compatibility; must be 0 (unused).
         fp8_format: E4M3 (default) or HYBRID.
         fp8_dpa / fp8_mha: must be False.
+        enable_2d_quantization: TE's 32x32 weight blocks; only False runs here (``autocast``
+            refuses True).
         backward_override: TE's (default ``NVTE_BACKWARD_OVERRIDE``); only None runs here.
     """
 
@@ -142,12 +144,14 @@ class MXFP8BlockScaling(Recipe):
     fp8_format: Format = Format.E4M3
     fp8_dpa: bool = False
     fp8_mha: bool = False
+    enable_2d_quantization: bool = False
     backward_override: Optional[str] = field(default_factory=env_backward_override)
 
     _kind = "mxfp8"
 
     def __post_init__(self) -> None:
         check_backward_override("MXFP8BlockScaling", self.backward_override)
+        _check_type("MXFP8BlockScaling.enable_2d_quantization", self.enable_2d_quantization, bool, "a bool")
         _check_type("MXFP8BlockScaling.margin", self.margin, int, "0")
         if self.margin != 0:
             raise ValueError(f"MXFP8BlockScaling.margin: expected 0 (block scales have no margin), got {self.margin}")

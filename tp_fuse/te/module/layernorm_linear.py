@@ -10,7 +10,7 @@ import torch
 
 from tp_fuse.ops.basic.make_extra_output import MakeExtraOutput
 from tp_fuse.ops.sequential import Sequential
-from ._ops_module import OpsModule, check_common_args, init_fn, norm_op, refuse_unless, set_megatron_attrs
+from ._ops_module import OpsModule, check_common_args, init_fn, norm_op, refuse_unless, set_megatron_attrs, split_sizes
 from .linear import linear_ops
 
 __all__ = ["LayerNormLinear"]
@@ -27,6 +27,8 @@ class LayerNormLinear(OpsModule):
     (``"LayerNorm"`` / ``"RMSNorm"``), ``zero_centered_gamma`` and ``return_layernorm_output``
     (``forward`` returns ``(y, ln_out)``, or ``(y, bias, ln_out)`` with ``return_bias``;
     ``ln_out`` is this rank's normalized input, before any all-gather).
+    ``parameters_split`` as :class:`~tp_fuse.module.Linear`'s (TE's ``query_weight`` /
+    ``key_weight`` / ``value_weight`` of a ``MultiheadAttention`` without ``fuse_qkv_params``).
 
     Refused (ValueError naming the argument): ``parallel_mode="row"``,
     ``return_layernorm_output_gathered=True``, and what :class:`~tp_fuse.module.Linear` refuses.
@@ -113,6 +115,12 @@ class LayerNormLinear(OpsModule):
         set_megatron_attrs(self.weight, parallel_mode is not None, 0)
         if isinstance(self.bias, torch.nn.Parameter):
             set_megatron_attrs(self.bias, parallel_mode is not None, 0)
+        parts = split_sizes(cls, parameters_split, out_features, tp, parallel_mode == "column" and tp > 1)
+        if parts is not None:
+            # TE's parameters_split: query_weight / key_weight / value_weight (and biases).
+            self._split("weight", parts, "weight")
+            if "bias" in self._param_map:
+                self._split("bias", parts, "bias")
 
     def forward(self, inp: torch.Tensor, is_first_microbatch: Optional[bool] = None,
                 fp8_output: Optional[bool] = False, fp8_grad: Optional[bool] = False):

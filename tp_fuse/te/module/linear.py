@@ -10,7 +10,7 @@ import torch
 from tp_fuse.ops.basic.basic_linear import BasicLinear
 from tp_fuse.ops.basic.bias import Bias
 from tp_fuse.ops.sequential import Sequential
-from ._ops_module import OpsModule, check_common_args, init_fn, refuse_unless, set_megatron_attrs
+from ._ops_module import OpsModule, check_common_args, init_fn, refuse_unless, set_megatron_attrs, split_sizes
 
 __all__ = ["Linear"]
 
@@ -68,7 +68,12 @@ class Linear(OpsModule):
     (dW into ``weight.main_grad``). Row parallel adds the bias after the reduction (TE's
     ``Linear``; under sequence parallelism the bias carries ``sequence_parallel=True``).
 
-    Refused (ValueError naming the argument): ``parameters_split``, ``delay_wgrad_compute``,
+    ``parameters_split`` (TE's): a tuple of names (equal parts) or a dict name -> rows splits
+    ``weight`` (and ``bias``) into parameters ``<name>_weight`` / ``<name>_bias`` (a trailing
+    ``_`` of the name dropped; column parallel: ``rows / tp`` of each per rank), read as their
+    concatenation; not with ``return_bias`` or ``fuse_wgrad_accumulation``.
+
+    Refused (ValueError naming the argument): ``delay_wgrad_compute``,
     ``symmetric_ar_type``, the ``ub_*`` overlap flags (use ``tp_fuse.ops`` with overlap),
     ``save_original_input=True``, ``tp_size > 1`` without ``tp_group``, and ``fp8_output`` /
     ``fp8_grad`` in ``forward``. ``is_first_microbatch`` is accepted: TE caches the first
@@ -153,6 +158,12 @@ class Linear(OpsModule):
                 self.bias.sequence_parallel = self.sequence_parallel
             else:
                 set_megatron_attrs(self.bias, parallel, 0)
+        parts = split_sizes(cls, parameters_split, out_features, tp, parallel_mode == "column" and tp > 1)
+        if parts is not None:
+            # TE's parameters_split: query_weight / key_weight / value_weight (and biases).
+            self._split("weight", parts, "weight")
+            if "bias" in self._param_map:
+                self._split("bias", parts, "bias")
 
     def forward(self, inp: torch.Tensor, is_first_microbatch: Optional[bool] = None,
                 fp8_output: Optional[bool] = False, fp8_grad: Optional[bool] = False):
