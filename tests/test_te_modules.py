@@ -159,6 +159,29 @@ def test_linear_parameters_split_refuses_bad_splits(split, match):
         te.Linear(8, 12, parameters_split=split)
 
 
+@pytest.mark.parametrize("fp8", [False, True])
+def test_layernorm_mlp_checkpoint_recomputes_with_equal_values(fp8):
+    """TE's checkpoint=True: same outputs and gradients, fewer tensors kept for the backward."""
+    torch.manual_seed(0)
+    dtype = torch.float32 if fp8 else torch.float64
+    plain = te.LayerNormMLP(16, 32, activation="swiglu", params_dtype=dtype)
+    ckpt = te.LayerNormMLP(16, 32, activation="swiglu", params_dtype=dtype, checkpoint=True)
+    ckpt.load_state_dict(plain.state_dict())
+    x = torch.randn(4, 2, 16, dtype=dtype)
+    results = []
+    for m in (plain, ckpt):
+        saved = []
+        xi = x.clone().requires_grad_()
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+            with te.autocast(enabled=fp8, recipe=te.recipe.DelayedScaling()):
+                y = m(xi)
+        y.sum().backward()
+        results.append((y, xi.grad, m.fc1_weight.grad, len(saved)))
+    (y0, gx0, gw0, n0), (y1, gx1, gw1, n1) = results
+    assert torch.equal(y0, y1) and torch.equal(gx0, gx1) and torch.equal(gw0, gw1)
+    assert n1 < n0
+
+
 def test_forward_refused_arguments():
     m = te.Linear(8, 4)
     with pytest.raises(ValueError, match="fp8_output"):
@@ -166,7 +189,7 @@ def test_forward_refused_arguments():
     with pytest.raises(ValueError, match="is_first_microbatch"):
         m(torch.randn(2, 8), is_first_microbatch="yes")
     with pytest.raises(ValueError, match="checkpoint"):
-        te.LayerNormMLP(8, 16, checkpoint=True)
+        te.LayerNormMLP(8, 16, checkpoint="yes")
     with pytest.raises(ValueError, match="LayerNormLinear: parallel_mode='row'"):
         te.LayerNormLinear(8, 4, parallel_mode="row")
     with pytest.raises(ValueError, match="LayerNormMLP: activation='tanh'"):

@@ -354,16 +354,22 @@ class OpsModule(torch.nn.Module):
             linears[suffix].set_extra_state(torch.frombuffer(bytearray(raw), dtype=torch.uint8).clone())
 
 
-def norm_op(cls: str, normalization: str, size: int, eps: float, zero_centered_gamma: bool, device: Any,
-            dtype: torch.dtype, sequence_parallel: bool) -> tuple[torch.nn.Module, dict[str, tuple[torch.nn.Module, str]]]:
-    """TE's ``normalization`` ("LayerNorm" / "RMSNorm") as an op, and its parameters under TE's
-    names (``layer_norm_weight``, ``layer_norm_bias``; TE sets ``sequence_parallel`` on them)."""
+def check_norm_args(cls: str, normalization: Any, eps: Any, zero_centered_gamma: Any) -> None:
+    """TE's norm arguments: ``normalization`` "LayerNorm" / "RMSNorm", ``eps`` >= 0, a bool
+    ``zero_centered_gamma`` (ValueError naming the argument otherwise)."""
     if not isinstance(eps, (int, float)) or isinstance(eps, bool) or eps < 0:
         raise ValueError(f"{cls}: eps must be a non-negative float, got {eps!r}")
     if not isinstance(zero_centered_gamma, bool):
         raise ValueError(f"{cls}: zero_centered_gamma must be a bool, got {zero_centered_gamma!r}")
     refuse_unless(cls, "normalization", normalization in ("LayerNorm", "RMSNorm"), normalization,
                   "'LayerNorm' or 'RMSNorm'")
+
+
+def norm_op(cls: str, normalization: str, size: int, eps: float, zero_centered_gamma: bool, device: Any,
+            dtype: torch.dtype, sequence_parallel: bool) -> tuple[torch.nn.Module, dict[str, tuple[torch.nn.Module, str]]]:
+    """TE's ``normalization`` ("LayerNorm" / "RMSNorm") as an op, and its parameters under TE's
+    names (``layer_norm_weight``, ``layer_norm_bias``; TE sets ``sequence_parallel`` on them)."""
+    check_norm_args(cls, normalization, eps, zero_centered_gamma)
     kind = LayerNorm if normalization == "LayerNorm" else RMSNorm
     op = kind(size, float(eps), device=device, dtype=dtype, zero_centered_gamma=zero_centered_gamma)
     params = {"layer_norm_weight": (op, "weight")}
