@@ -1,9 +1,9 @@
 """What TE's module classes here (``Linear``, ``LayerNormLinear``, ``LayerNormMLP``) share:
-a ``torch.nn.Module`` whose computation is one ``tp_fuse.ops.Sequential`` and whose
-parameters carry Transformer Engine's names.
+a ``torch.nn.Module`` whose computation is one ``tp_fuse.layers`` block (its ops and its
+forward) and whose parameters carry Transformer Engine's names.
 
-The ops are not submodules (their parameter names would be ``_ops.0.weight``...): the
-module registers the ops' own ``Parameter`` objects under TE's names (``weight``,
+The block is not a submodule (its parameter names would be ``_ops.ops.linear.weight``...):
+the module registers the ops' own ``Parameter`` objects under TE's names (``weight``,
 ``layer_norm_weight``, ``fc1_weight``...), so ``parameters()``, ``state_dict()`` and
 optimizers see exactly TE's names, and before every forward pass the ops are pointed
 again at whatever the module now holds (``module.weight = Parameter(...)`` works).
@@ -182,7 +182,7 @@ class OpsModule(torch.nn.Module):
 
     def _bind(self, ops: torch.nn.Module, params: dict[str, tuple[torch.nn.Module, str]],
               linears: dict[str, Any]) -> None:
-        """Own ``ops`` (a Sequential, not a submodule) and register its parameters under TE's
+        """Own ``ops`` (the layers block, not a submodule) and register its parameters under TE's
         names; ``linears`` maps a debug-name suffix ("" or "fc1") to its BasicLinear."""
         self.__dict__["_ops"] = ops
         self.__dict__["_param_map"] = dict(params)
