@@ -141,7 +141,9 @@ class LayerNormMLP(torch.nn.Module):
         self.hidden_dropout = float(hidden_dropout)
         self.tp_size = ctx.tp_size
         self.sequence_parallel = sequence_parallel
-        self.rng = dropout_rng(ctx, rng)
+        # Without dropout no stream is drawn from: none is made (a private one would need the
+        # RNG of ``device``, which a CPU-only build lacks for "cuda").
+        self.rng: Optional[DropoutRNG] = dropout_rng(ctx, rng) if rng is not None or hidden_dropout > 0 else None
         self._dropout_stream = hidden_dropout_stream(ctx)
         init_method = init_method or normal_init(0.02)
         output_init_method = output_init_method or init_method

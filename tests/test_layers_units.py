@@ -272,3 +272,10 @@ def test_bad_inputs_raise_value_error() -> None:
         LayerNormLinear(8, 8, tp_group="tp")
     with pytest.raises(ValueError, match="num_layers must be a positive int"):
         TransformerLayer(8, 8, 2, num_layers=0)
+
+
+def test_layernorm_mlp_without_dropout_makes_no_rng_stream() -> None:
+    # TE's LayerNormMLP (device="cuda" in TE's tests) is built on this block: without dropout
+    # no stream is drawn from, so none is made (a CUDA generator needs a CUDA build).
+    assert LayerNormMLP(8, 16).rng is None
+    assert LayerNormMLP(8, 16, hidden_dropout=0.1).rng is not None
