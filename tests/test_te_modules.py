@@ -182,6 +182,11 @@ def test_layernorm_mlp_checkpoint_recomputes_with_equal_values(fp8):
     assert n1 < n0
 
 
+def test_linear_return_bias_without_bias_returns_te_empty_tensor():
+    y, b = te.Linear(8, 4, bias=False, return_bias=True)(torch.randn(2, 8))
+    assert y.shape == (2, 4) and b.numel() == 0
+
+
 def test_forward_refused_arguments():
     m = te.Linear(8, 4)
     with pytest.raises(ValueError, match="fp8_output"):

@@ -157,5 +157,6 @@ class Linear(OpsModule):
         refuse_unless("Linear.forward", "fp8_grad", not fp8_grad, fp8_grad, "False")
         out, bias = self._run(inp, is_first_microbatch)
         if self.return_bias:
-            return out, bias.to(out.dtype)
+            # Without a bias TE returns its empty bias tensor (the layers block returns None).
+            return out, (self.bias if bias is None else bias).to(out.dtype)
         return out
