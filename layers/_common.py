@@ -67,6 +67,15 @@ class ParallelContext:
             ``TPOverlap(OverlapConfig(enabled=False))`` to switch overlap off.
         seed: base seed of this layer's parameters (None: draw from torch's global RNG,
             as Megatron-LM does; identical on all ranks only if the caller seeded them so).
+        shard_init: the GEMM weights' ``init_method`` runs on this rank's shard, on the
+            parameter's device and dtype (Transformer Engine's init; ``seed`` is not used for
+            them), instead of on the full TP=1 tensor of which each rank keeps its slice.
+        main_grad: the GEMMs accumulate dW into ``weight.main_grad`` (TE's / Megatron's
+            ``fuse_wgrad_accumulation``).
+        sync_sequence_parallel_grads: under sequence parallelism the gradients that are
+            partial sums (norm weights, a row-parallel bias) are all-reduced over the TP group
+            in the backward (True), or tagged ``sequence_parallel=True`` for the caller to
+            reduce (False: Megatron's ``finalize_model_grads``, as with TE's modules).
     """
 
     tp_group: Optional[dist.ProcessGroup] = None
@@ -75,6 +84,9 @@ class ParallelContext:
     device: Optional[torch.device] = None
     overlap: Optional[TPOverlap] = None
     seed: Optional[int] = 0
+    shard_init: bool = False
+    main_grad: bool = False
+    sync_sequence_parallel_grads: bool = True
 
     def __post_init__(self) -> None:
         if not isinstance(self.sequence_parallel, bool):
@@ -147,9 +159,24 @@ def linear_op(
         dtype=ctx.dtype,
         init_method=copy_shard,
         userbuffers_options=userbuffers_options(comm_name),
+        accumulate_into_main_grad=ctx.main_grad,
     )
     set_shard_spec(op.weight, spec)
     set_deferred_init(op.weight, full_weight, spec, ctx.tp_rank, ctx.tp_size)
+    return op
+
+
+def gemm_op(ctx: ParallelContext, out_features: int, in_features: int, spec: ShardSpec, comm_name: GemmName,
+            name: str, init_method: InitMethod) -> BasicLinear:
+    """The BasicLinear of a global ``in -> out`` GEMM sharded by ``spec``: from the full
+    tensor (:func:`full_init`), or with ``ctx.shard_init`` initialized on its own shard."""
+    if not ctx.shard_init:
+        return linear_op(ctx, full_init(ctx, (out_features, in_features), name, init_method), spec, comm_name)
+    rows = out_features // ctx.tp_size if spec.dim == 0 else out_features
+    cols = in_features // ctx.tp_size if spec.dim == 1 else in_features
+    op = BasicLinear(cols, rows, device=ctx.device, dtype=ctx.dtype, init_method=init_method,
+                     userbuffers_options=userbuffers_options(comm_name), accumulate_into_main_grad=ctx.main_grad)
+    set_shard_spec(op.weight, spec)
     return op
 
 
@@ -158,23 +185,35 @@ def bias_op(ctx: ParallelContext, size: int, spec: Optional[ShardSpec], *, seque
     op = Bias(size, device=ctx.device, dtype=ctx.dtype)
     set_shard_spec(op.bias, spec)
     if sequence_parallel_partial:
-        sync_sequence_parallel_grad(op.bias, ctx.tp_group)
+        _partial_grad(ctx, op.bias)
     return op
 
 
-def norm_op(ctx: ParallelContext, normalization: Normalization, hidden_size: int, eps: float) -> BasicOperation:
-    """LayerNorm or RMSNorm over ``hidden_size``; replicated, grads TP-synced under SP."""
+def _partial_grad(ctx: ParallelContext, param: torch.nn.Parameter) -> None:
+    """A parameter whose gradient is a partial sum over the TP ranks under sequence parallelism:
+    reduced in the backward, or tagged for the caller (``ctx.sync_sequence_parallel_grads``)."""
+    if ctx.sync_sequence_parallel_grads:
+        sync_sequence_parallel_grad(param, ctx.tp_group)
+    else:
+        param.sequence_parallel = True  # type: ignore[attr-defined]  # Megatron's tag
+
+
+def norm_op(ctx: ParallelContext, normalization: Normalization, hidden_size: int, eps: float,
+            zero_centered_gamma: bool = False) -> BasicOperation:
+    """LayerNorm or RMSNorm over ``hidden_size``; replicated, grads TP-synced under SP.
+    ``zero_centered_gamma``: the weight stores ``gamma - 1`` (Transformer Engine's option)."""
     if normalization == "LayerNorm":
-        op: BasicOperation = LayerNorm(hidden_size, eps=eps, device=ctx.device, dtype=ctx.dtype)
+        op: BasicOperation = LayerNorm(hidden_size, eps=eps, device=ctx.device, dtype=ctx.dtype,
+                                       zero_centered_gamma=zero_centered_gamma)
     elif normalization == "RMSNorm":
-        op = RMSNorm(hidden_size, eps=eps, device=ctx.device, dtype=ctx.dtype)
+        op = RMSNorm(hidden_size, eps=eps, device=ctx.device, dtype=ctx.dtype, zero_centered_gamma=zero_centered_gamma)
     else:
         raise ValueError(f"normalization must be 'LayerNorm' or 'RMSNorm', got {normalization!r}")
     for p in op.parameters():
         set_shard_spec(p, None)
         if ctx.sequence_parallel:
             # Each rank normalizes only its s/tp rows: the weight grads are partial sums.
-            sync_sequence_parallel_grad(p, ctx.tp_group)
+            _partial_grad(ctx, p)
     return op
 
 
@@ -201,8 +240,7 @@ def column_parallel_ops(
     ops: "OrderedDict[str, BasicOperation]" = OrderedDict()
     if input_comm:
         ops.update(column_input_comm(ctx))
-    full = full_init(ctx, (out_features, in_features), name, init_method)
-    ops["linear"] = linear_op(ctx, full, spec, comm_name)
+    ops["linear"] = gemm_op(ctx, out_features, in_features, spec, comm_name, name, init_method)
     if bias:
         ops["bias"] = bias_op(ctx, out_features // ctx.tp_size, spec, sequence_parallel_partial=False)
     return ops
@@ -243,8 +281,7 @@ def row_parallel_ops(
     ops: "OrderedDict[str, BasicOperation]" = OrderedDict()
     if not input_is_parallel and ctx.tp_size > 1:
         ops["scatter"] = ScatterToTensorParallelRegion(ctx.tp_group)
-    full = full_init(ctx, (out_features, in_features), name, init_method)
-    ops["linear"] = linear_op(ctx, full, ShardSpec(dim=1), comm_name)
+    ops["linear"] = gemm_op(ctx, out_features, in_features, ShardSpec(dim=1), comm_name, name, init_method)
     if ctx.tp_size > 1:
         comm_op = ReduceScatter if ctx.sequence_parallel else AllReduce
         ops["comm"] = comm_op(ctx.tp_group, overlap=ctx.overlap)

@@ -89,6 +89,10 @@ class ColumnParallelLinear(_ParallelLinear):
         seed: seed of the weight init (None: torch's global RNG, as in Megatron).
         comm_name: GEMM name for the overlap configuration (``"qkv"``, ``"fc1"``, ...).
         overlap: overlap configuration passed to the GEMM's ``userbuffers_options``.
+        shard_init, accumulate_into_main_grad: the
+            :class:`~tp_fuse.layers._common.ParallelContext` options ``shard_init`` / ``main_grad``
+            (Transformer Engine's init and ``fuse_wgrad_accumulation``; ``tp_fuse.te``'s
+            ``Linear`` is built on these layers with them).
     """
 
     def __init__(
@@ -107,10 +111,13 @@ class ColumnParallelLinear(_ParallelLinear):
         overlap: Optional[TPOverlap] = None,
         dtype: torch.dtype = torch.float32,
         device: Optional[torch.device | str] = None,
+        shard_init: bool = False,
+        accumulate_into_main_grad: bool = False,
     ) -> None:
         super().__init__()
         _check_sizes("ColumnParallelLinear", input_size, output_size)
-        ctx = ParallelContext(tp_group, sequence_parallel, dtype, _device(device), overlap, seed)
+        ctx = ParallelContext(tp_group, sequence_parallel, dtype, _device(device), overlap, seed,
+                              shard_init=shard_init, main_grad=accumulate_into_main_grad)
         self._set_attributes(ctx, input_size, output_size, skip_bias_add)
         self.output_size_per_partition = output_size // max(ctx.tp_size, 1)
         self.gather_output = bool(gather_output)
@@ -183,12 +190,15 @@ class RowParallelLinear(_ParallelLinear):
         dtype: torch.dtype = torch.float32,
         device: Optional[torch.device | str] = None,
         sync_sequence_parallel_grads: bool = True,
+        shard_init: bool = False,
+        accumulate_into_main_grad: bool = False,
     ) -> None:
         super().__init__()
         _check_sizes("RowParallelLinear", input_size, output_size)
         if sequence_parallel and not input_is_parallel:
             raise ValueError("RowParallelLinear: sequence_parallel=True needs input_is_parallel=True (as in Megatron)")
-        ctx = ParallelContext(tp_group, sequence_parallel, dtype, _device(device), overlap, seed)
+        ctx = ParallelContext(tp_group, sequence_parallel, dtype, _device(device), overlap, seed,
+                              shard_init=shard_init, main_grad=accumulate_into_main_grad)
         self._set_attributes(ctx, input_size, output_size, skip_bias_add)
         self.input_size_per_partition = input_size // max(ctx.tp_size, 1)
         self.input_is_parallel = bool(input_is_parallel)

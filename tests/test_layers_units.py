@@ -262,9 +262,20 @@ def test_bad_inputs_raise_value_error() -> None:
         RowParallelLinear(8, 8, input_is_parallel=False, sequence_parallel=True)
     with pytest.raises(ValueError, match="overlap must be a tp_fuse.overlap.config.TPOverlap"):
         LayerNormLinear(8, 8, overlap={"method": "bulk"})
-    with pytest.raises(ValueError, match="activation must be 'gelu' or 'swiglu'"):
-        LayerNormMLP(8, 8, activation="relu")
+    with pytest.raises(ValueError, match="activation must be one of .*'swiglu'"):
+        LayerNormMLP(8, 8, activation="tanh")
+    with pytest.raises(ValueError, match="activation_params"):
+        LayerNormMLP(8, 8, activation="swiglu", activation_params={"limit": 7.0})
+    with pytest.raises(ValueError, match="return_layernorm_output are exclusive"):
+        LayerNormLinear(8, 8, return_residual=True, return_layernorm_output=True)
     with pytest.raises(ValueError, match="tp_group must be a torch.distributed.ProcessGroup"):
         LayerNormLinear(8, 8, tp_group="tp")
     with pytest.raises(ValueError, match="num_layers must be a positive int"):
         TransformerLayer(8, 8, 2, num_layers=0)
+
+
+def test_layernorm_mlp_without_dropout_makes_no_rng_stream() -> None:
+    # TE's LayerNormMLP (device="cuda" in TE's tests) is built on this block: without dropout
+    # no stream is drawn from, so none is made (a CUDA generator needs a CUDA build).
+    assert LayerNormMLP(8, 16).rng is None
+    assert LayerNormMLP(8, 16, hidden_dropout=0.1).rng is not None

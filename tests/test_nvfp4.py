@@ -113,7 +113,9 @@ def test_recipe_fields_follow_transformer_engine(monkeypatch):
     (lambda: NVFP4BlockScaling(fp4_format=Format.E4M3), "fp4_format"),
     (lambda: NVFP4BlockScaling(fp8_format=Format.HYBRID), "fp8_format"),
     (lambda: NVFP4BlockScaling(nvfp4_4over6="yes"), "nvfp4_4over6.*expected .none., .weights., .activations. or .all."),
-    (lambda: NVFP4BlockScaling(row_scaled_activation=True), "row_scaled_activation"),
+    # Accepted at construction (TE's code builds it), refused where it would be used.
+    (lambda: tp_fuse.autocast(recipe=NVFP4BlockScaling(row_scaled_activation=True)).__enter__(),
+     "row_scaled_activation"),
     (lambda: NVFP4BlockScaling(disable_rht=1), "disable_rht"),
     (lambda: DelayedScaling(fp8_format=Format.E2M1), "E2M1"),
     (lambda: NVFP4Quantizer(fp4_dtype=tp_fuse.DType.kFloat8E4M3), "fp4_dtype"),

@@ -57,16 +57,26 @@ def _split(qkv, n, g, interleaved):
     return q.reshape(s, b, n, d), k.reshape(s, b, g, d), v.reshape(s, b, g, d)
 
 
+def _qkv_weight_bias(p, prefix):
+    """The QKV GEMM's weight and bias: fused (``fuse_qkv_params``) or TE's split parameters."""
+    if prefix + "weight" in p:
+        return p[prefix + "weight"], p[prefix + "bias"]
+    return (torch.cat([p[f"{prefix}{n}_weight"] for n in ("query", "key", "value")]),
+            torch.cat([p[f"{prefix}{n}_bias"] for n in ("query", "key", "value")]))
+
+
 def _ref_mha(x, att, n, g, *, interleaved=False, mask=None, causal=True):
     """MHA as TE defines it, from the module's own parameters (float64)."""
     p = dict(att.named_parameters())
     ln = None
-    if "layernorm_qkv.weight" in p:
+    if "layernorm_qkv.layer_norm_weight" in p:
         ln = F.layer_norm(x, (x.shape[-1],), p["layernorm_qkv.layer_norm_weight"],
                           p["layernorm_qkv.layer_norm_bias"], 1e-5)
-        qkv = ln @ p["layernorm_qkv.weight"].T + p["layernorm_qkv.bias"]
+        w, b = _qkv_weight_bias(p, "layernorm_qkv.")
+        qkv = ln @ w.T + b
     else:
-        qkv = x @ p["qkv.weight"].T + p["qkv.bias"]
+        w, b = _qkv_weight_bias(p, "qkv.")
+        qkv = x @ w.T + b
     q, k, v = _split(qkv, n, g, interleaved)
     return _attention(q, k, v, mask, causal) @ p["proj.weight"].T, p["proj.bias"], ln
 
@@ -144,7 +154,7 @@ def test_mha_masks_and_kv_channels():
     m = te.MultiheadAttention(H, N, kv_channels=6, attention_dropout=0.0, attn_mask_type="no_mask",
                               params_dtype=torch.float64)
     _randomize(m)
-    assert m.qkv.weight.shape == (3 * N * 6, H) and m.proj.weight.shape == (H, N * 6)
+    assert m.qkv.query_weight.shape == m.qkv.key_weight.shape == (N * 6, H) and m.proj.weight.shape == (H, N * 6)
     x = torch.randn(S, B, H, dtype=torch.float64)
     att, bias, _ = _ref_mha(x, m, N, N, causal=False)
     torch.testing.assert_close(m(x), att + bias, rtol=1e-10, atol=1e-10)
@@ -166,10 +176,13 @@ def test_mha_te_defaults_return_bias_and_layernorm_output():
     torch.manual_seed(0)
     m = te.MultiheadAttention(64, 4)
     # TE's defaults: no input norm (a plain Linear named qkv), causal, attention dropout 0.1.
-    assert [n for n, _ in m.named_parameters()] == ["qkv.weight", "qkv.bias", "proj.weight", "proj.bias"]
+    # ... whose weight and bias are TE's split parameters (fuse_qkv_params=False).
+    assert [n for n, _ in m.named_parameters()] == [
+        "qkv.query_weight", "qkv.key_weight", "qkv.value_weight", "qkv.query_bias", "qkv.key_bias",
+        "qkv.value_bias", "proj.weight", "proj.bias"]
     assert m.attn_mask_type == "causal" and m.core_attention.attention_dropout == 0.1
     assert m.input_layernorm is False and m.layer_number == 1 and m.qkv_weight_interleaved is False
-    assert abs(m.qkv.weight.std().item() - 0.023) < 0.003 and abs(m.proj.weight.std().item() - 0.023) < 0.003
+    assert abs(m.qkv.query_weight.std().item() - 0.023) < 0.003 and abs(m.proj.weight.std().item() - 0.023) < 0.003
     x = torch.randn(6, 2, 64)
     m.train()
     torch.manual_seed(1)
@@ -314,10 +327,10 @@ def _tp_layer(rank: int, world_size: int) -> str:
         with torch.no_grad():
             for name, p in tp.named_parameters():
                 w = fp[name]
-                if name.endswith("layernorm_qkv.weight") or name.endswith("layernorm_qkv.bias"):
-                    # TE's per-rank [q_r; k_r; v_r] (each part split over the ranks).
-                    q, k, v = w.split([N * d, G * d, G * d], dim=0)
-                    w = torch.cat([t.chunk(2, 0)[rank] for t in (q, k, v)])
+                if name.rsplit(".", 1)[-1] in ("query_weight", "key_weight", "value_weight", "query_bias",
+                                               "key_bias", "value_bias"):
+                    # TE's per-rank [q_r; k_r; v_r]: each part split over the ranks.
+                    w = w.chunk(2, 0)[rank]
                 elif name.endswith("fc1_weight") or name.endswith("fc1_bias"):
                     w = w.chunk(2, 0)[rank]
                 elif name.endswith("proj.weight") or name.endswith("fc2_weight"):

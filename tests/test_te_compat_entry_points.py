@@ -290,6 +290,14 @@ def test_fp8_autocast_te_keywords_and_state_manager_reads_autocast():
         FP8GlobalStateManager.reduce_and_update_fp8_tensors(forward=False)
 
 
+def test_state_manager_reset_is_empty_outside_autocast_and_refused_inside():
+    FP8GlobalStateManager.reset()  # TE's tests call it after every case: nothing global here
+    with fp8_autocast(enabled=True, fp8_recipe=Float8CurrentScaling()):
+        with pytest.raises(ValueError, match="reset: called inside autocast"):
+            FP8GlobalStateManager.reset()
+        assert FP8GlobalStateManager.is_fp8_enabled()
+
+
 def test_fp8_autocast_runs_a_te_linear_in_fp8():
     torch.manual_seed(0)
     m = te.Linear(32, 16)

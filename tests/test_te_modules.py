@@ -99,7 +99,8 @@ def test_fuse_wgrad_accumulation_into_main_grad():
 @pytest.mark.parametrize(
     "kwargs, match",
     [
-        (dict(parameters_split=("q", "k")), "parameters_split"),
+        (dict(parameters_split=("q", "k"), return_bias=True), "parameters_split"),
+        (dict(parameters_split=("q", "k"), fuse_wgrad_accumulation=True), "parameters_split"),
         (dict(delay_wgrad_compute=True), "delay_wgrad_compute"),
         (dict(ub_overlap_ag=True), "ub_overlap_ag"),
         (dict(symmetric_ar_type="one_shot"), "symmetric_ar_type"),
@@ -114,6 +115,78 @@ def test_linear_refused_arguments(kwargs, match):
         te.Linear(8, 4, **kwargs)
 
 
+def test_linear_parameters_split_te_names_values_and_grads():
+    """TE's parameters_split: one parameter per part, read as their concatenation (float64)."""
+    torch.manual_seed(0)
+    m = te.Linear(8, 12, parameters_split={"query_": 6, "key_": 3, "value_": 3}, params_dtype=torch.float64)
+    assert [n for n, _ in m.named_parameters()] == [
+        "query_weight", "key_weight", "value_weight", "query_bias", "key_bias", "value_bias"]
+    assert list(m.state_dict()) == ["query_weight", "key_weight", "value_weight", "query_bias", "key_bias",
+                                    "value_bias", "_extra_state"]
+    assert m.query_weight.shape == (6, 8) and m.key_weight.shape == (3, 8) and not hasattr(m, "weight")
+    with torch.no_grad():
+        for p in m.parameters():
+            p.normal_()
+    w = torch.cat([m.query_weight, m.key_weight, m.value_weight]).detach().requires_grad_()
+    b = torch.cat([m.query_bias, m.key_bias, m.value_bias]).detach().requires_grad_()
+    x = torch.randn(5, 8, dtype=torch.float64)
+    y = m(x)
+    want = _ref_linear(x, w, b)
+    torch.testing.assert_close(y, want, rtol=0, atol=1e-12)
+    g = torch.randn_like(y)
+    y.backward(g)
+    want.backward(g)
+    torch.testing.assert_close(torch.cat([m.query_weight.grad, m.key_weight.grad, m.value_weight.grad]), w.grad)
+    torch.testing.assert_close(torch.cat([m.query_bias.grad, m.key_bias.grad, m.value_bias.grad]), b.grad)
+    # Replacing a part is seen by the next forward (the op reads the parts, not a copy).
+    m.key_weight = torch.nn.Parameter(torch.zeros(3, 8, dtype=torch.float64))
+    assert torch.equal(m(x)[:, 6:9], m.key_bias.detach().expand(5, 3))
+    # Equal parts from a tuple; TE's reset_parameters re-initializes every part.
+    t = te.LayerNormLinear(8, 6, parameters_split=("a", "b", "c"))
+    assert t.a_weight.shape == (2, 8) and "layer_norm_weight" in dict(t.named_parameters())
+    t.reset_parameters()
+    assert torch.all(t.a_bias == 0) and t.c_weight.std() > 0
+
+
+@pytest.mark.parametrize("split, match", [
+    ({"q": 5, "k": 5}, "sizes .* must sum to out_features"),
+    (("q", "k", "v", "w", "x"), "equal parts"),
+    (("q", "q"), "distinct"),
+    ("qkv", "must be None, a tuple"),
+])
+def test_linear_parameters_split_refuses_bad_splits(split, match):
+    with pytest.raises(ValueError, match=match):
+        te.Linear(8, 12, parameters_split=split)
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+def test_layernorm_mlp_checkpoint_recomputes_with_equal_values(fp8):
+    """TE's checkpoint=True: same outputs and gradients, fewer tensors kept for the backward."""
+    torch.manual_seed(0)
+    dtype = torch.float32 if fp8 else torch.float64
+    plain = te.LayerNormMLP(16, 32, activation="swiglu", params_dtype=dtype)
+    ckpt = te.LayerNormMLP(16, 32, activation="swiglu", params_dtype=dtype, checkpoint=True)
+    ckpt.load_state_dict(plain.state_dict())
+    x = torch.randn(4, 2, 16, dtype=dtype)
+    results = []
+    for m in (plain, ckpt):
+        saved = []
+        xi = x.clone().requires_grad_()
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+            with te.autocast(enabled=fp8, recipe=te.recipe.DelayedScaling()):
+                y = m(xi)
+        y.sum().backward()
+        results.append((y, xi.grad, m.fc1_weight.grad, len(saved)))
+    (y0, gx0, gw0, n0), (y1, gx1, gw1, n1) = results
+    assert torch.equal(y0, y1) and torch.equal(gx0, gx1) and torch.equal(gw0, gw1)
+    assert n1 < n0
+
+
+def test_linear_return_bias_without_bias_returns_te_empty_tensor():
+    y, b = te.Linear(8, 4, bias=False, return_bias=True)(torch.randn(2, 8))
+    assert y.shape == (2, 4) and b.numel() == 0
+
+
 def test_forward_refused_arguments():
     m = te.Linear(8, 4)
     with pytest.raises(ValueError, match="fp8_output"):
@@ -121,7 +194,7 @@ def test_forward_refused_arguments():
     with pytest.raises(ValueError, match="is_first_microbatch"):
         m(torch.randn(2, 8), is_first_microbatch="yes")
     with pytest.raises(ValueError, match="checkpoint"):
-        te.LayerNormMLP(8, 16, checkpoint=True)
+        te.LayerNormMLP(8, 16, checkpoint="yes")
     with pytest.raises(ValueError, match="LayerNormLinear: parallel_mode='row'"):
         te.LayerNormLinear(8, 4, parallel_mode="row")
     with pytest.raises(ValueError, match="LayerNormMLP: activation='tanh'"):

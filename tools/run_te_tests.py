@@ -7,7 +7,9 @@ this repository), a shim that makes ``import transformer_engine...`` resolve to 
 
 * ``transformer_engine.pytorch.X`` -> ``tp_fuse.X``, ``transformer_engine.common[.recipe]``
   -> ``tp_fuse[.recipe]``, ``transformer_engine.debug.X`` -> ``tp_fuse.debug.X``,
-  ``transformer_engine_torch`` (TE's C++ extension) -> ``tp_fuse``. A TE module path tp_fuse
+  ``transformer_engine_torch`` (TE's C++ extension) -> ``tp_fuse``; names of
+  ``...pytorch.quantization`` tp_fuse.quantization lacks come from ``tp_fuse.te.fp8`` (TE's
+  ``pytorch.fp8`` re-exports that module: ``FP8GlobalStateManager``). A TE module path tp_fuse
   has no module for (``...pytorch.utils``, ``...tensor.float8_tensor``) resolves names in
   the nearest tp_fuse package above it. Only same-named tp_fuse objects are handed out: a
   name tp_fuse lacks becomes a placeholder that raises ``NotImplementedError`` when used,
@@ -16,7 +18,7 @@ this repository), a shim that makes ``import transformer_engine...`` resolve to 
 * ``sitecustomize.py`` selects the CPU where TE's tests name CUDA (they are GPU tests):
   a ``TorchFunctionMode`` rewrites ``device="cuda..."`` arguments to ``"cpu"``,
   ``Tensor.cuda()`` returns the tensor, ``torch.cuda.set_device`` / ``synchronize`` do
-  nothing, ``torch.cuda.get_rng_state`` / ``set_rng_state`` are the CPU generator's, ``torch.cuda.device_count()`` answers ``TE_SHIM_CUDA_DEVICES`` (default 1) and
+  nothing, ``torch.cuda.get_device_capability()`` is ``(0, 0)``, ``torch.cuda.get_rng_state`` / ``set_rng_state`` are the CPU generator's, ``torch.cuda.device_count()`` answers ``TE_SHIM_CUDA_DEVICES`` (default 1) and
   ``init_process_group("nccl", device_id=...)`` becomes ``("gloo")``, ``new_group(backend=
   "nccl")`` a gloo group, and ``is_backend_available("nccl")`` / ``is_nccl_available()``
   answer True (NCCL requests are served by gloo).
@@ -29,6 +31,9 @@ Usage::
         -q --feature_dirs TP_FUSE_FEATURES --configs_dir debug/test_configs/
     python tools/run_te_tests.py --te-tests /tmp/te/tests/pytorch dist \\
         distributed/test_fusible_ops.py --nproc 2 -- --parallel
+
+``pytest --sample N FILE`` runs every N-th collected case only (collection order, so the
+same sample is drawn each time), for TE's files of thousands of cases (``test_sanity.py``).
 
 ``--te-tests`` is TE's ``tests/pytorch`` directory (e.g. from
 ``git archive HEAD tests/pytorch`` of NVIDIA/TransformerEngine). ``TP_FUSE_FEATURES`` in the
@@ -72,6 +77,11 @@ _CORE = textwrap.dedent(
         ("transformer_engine.debug", "tp_fuse.debug"),
         ("transformer_engine_torch", "tp_fuse"),
     ]
+
+    # A TE module whose names tp_fuse keeps in two modules: searched in order. TE 2.x's
+    # pytorch.quantization is the module its pytorch.fp8 re-exports (FP8GlobalStateManager,
+    # fp8_autocast...); tp_fuse serves TE's fp8 names from its TE room (tp_fuse.te.fp8).
+    _ALSO = {"transformer_engine.pytorch.quantization": ["tp_fuse.te.fp8"]}
 
 
     class Missing:
@@ -122,10 +132,12 @@ _CORE = textwrap.dedent(
             if name.startswith("__"):
                 raise AttributeError(name)
             real = self.__dict__["_tp_fuse_module"]
-            try:
-                return getattr(real, name)
-            except AttributeError:
-                return Missing(f"{self.__name__}.{name}")
+            for module in [real, *(importlib.import_module(m) for m in _ALSO.get(self.__name__, ()))]:
+                try:
+                    return getattr(module, name)
+                except AttributeError:
+                    pass
+            return Missing(f"{self.__name__}.{name}")
 
 
     class _Loader(importlib.abc.Loader):
@@ -217,6 +229,8 @@ _SITECUSTOMIZE = textwrap.dedent(
         torch.cuda.set_device = lambda *args, **kwargs: None
         torch.cuda.synchronize = lambda *args, **kwargs: None
         torch.cuda.current_device = lambda: 0
+        # A CPU has no compute capability: (0, 0), as tp_fuse's get_device_compute_capability().
+        torch.cuda.get_device_capability = lambda device=None: (0, 0)
         # TE's tests save/restore "the CUDA RNG" around cases: the CPU generator serves.
         torch.cuda.get_rng_state = lambda device="cuda": torch.get_rng_state()
         torch.cuda.set_rng_state = lambda new_state, device="cuda": torch.set_rng_state(new_state)
@@ -334,6 +348,22 @@ def _summarize(out_dir: pathlib.Path) -> int:
     return 0 if failed == 0 else 1
 
 
+def _every_nth_case(base: list[str], test_file: pathlib.Path, n: int, tmp: pathlib.Path,
+                    te_tests: pathlib.Path, env: dict) -> list[str]:
+    """Pytest arguments selecting every ``n``-th case of ``test_file`` in collection order
+    (deterministic, so a sampled count can be repeated), through an ``@argsfile``."""
+    listing = subprocess.run([*base, str(test_file), "--collect-only", "-q"], cwd=te_tests, env=env,
+                             capture_output=True, text=True)
+    ids = [line for line in listing.stdout.splitlines() if "::" in line and not line.startswith(" ")]
+    if not ids:
+        raise ValueError(f"--sample: no case collected from {test_file}:\n{listing.stdout[-2000:]}")
+    chosen = ids[::n]
+    print(f"run_te_tests: --sample {n}: {len(chosen)} of {len(ids)} collected cases", flush=True)
+    args_file = tmp / "sample_args.txt"
+    args_file.write_text("\n".join(chosen) + "\n")
+    return [f"@{args_file}"]
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--te-tests", required=True, type=pathlib.Path,
@@ -343,6 +373,8 @@ def main() -> int:
     sub = parser.add_subparsers(dest="mode", required=True)
     p_pytest = sub.add_parser("pytest", help="run one TE test file under pytest")
     p_pytest.add_argument("file")
+    p_pytest.add_argument("--sample", type=int, default=1,
+                          help="run every N-th collected case only (files of thousands of cases)")
     p_pytest.add_argument("pytest_args", nargs="*")
     p_dist = sub.add_parser("dist", help="run one TE distributed file's parallel cases")
     p_dist.add_argument("file")
@@ -385,9 +417,12 @@ def main() -> int:
             # An empty ini and TE's tests dir as rootdir: no pytest settings of this repo apply.
             ini = tmp / "pytest.ini"
             ini.write_text("[pytest]\n")
-            return subprocess.call([sys.executable, "-m", "pytest", str(test_file), "-p", "no:cacheprovider",
-                                    "-c", str(ini), "--rootdir", str(te_tests), *extra],
-                                   cwd=te_tests, env=env)
+            base = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-c", str(ini),
+                    "--rootdir", str(te_tests)]
+            targets = [str(test_file)]
+            if args.sample > 1:
+                targets = _every_nth_case(base, test_file, args.sample, tmp, te_tests, env)
+            return subprocess.call([*base, *targets, *extra], cwd=te_tests, env=env)
         env = _env(shim_dir, te_tests, devices=args.nproc)
         out_dir = tmp / "results"
         out_dir.mkdir()

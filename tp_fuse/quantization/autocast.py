@@ -31,7 +31,7 @@ from typing import Optional
 
 import torch.distributed as dist
 
-from ..recipe import CustomRecipe, DelayedScaling, Recipe
+from ..recipe import CustomRecipe, DelayedScaling, Recipe, unsupported_recipe_options
 from .amax_reduction import AmaxReductionBuffer, BackwardAmaxTracker
 from .block.quantizer import BlockScalingQuantizer
 from .compile_state import compile_key, set_traced_key
@@ -183,6 +183,11 @@ def _check_args(fn: str, enabled: object, recipe: object) -> None:
             "tp_fuse's ops; expected a built-in recipe (DelayedScaling, Float8CurrentScaling, "
             "Float8BlockScaling, MXFP8BlockScaling, Float8RowwiseScaling, NVFP4BlockScaling)"
         )
+    if isinstance(recipe, Recipe):
+        # TE options a recipe accepts (TE code sets them) but the ops do not implement.
+        unsupported = unsupported_recipe_options(recipe)
+        if unsupported:
+            raise ValueError(f"{fn}: recipe: not supported by tp_fuse's ops: {'; '.join(unsupported)}")
 
 
 @contextlib.contextmanager

@@ -119,6 +119,16 @@ class FP8GlobalStateManager:
         return ctx.amax_reduction_group if ctx is not None else None
 
     @classmethod
+    def reset(cls) -> None:
+        """TE's reset of the process-wide FP8 state. Outside ``autocast`` / ``quantized_model_init``
+        there is none here (the state lives in those contexts and ends with them), so this does
+        nothing; inside one it raises ValueError (leave the context instead: resetting it from
+        within would leave its exit to work on a state that no longer exists)."""
+        if active_autocast() is not None or model_init_recipe() is not None:
+            raise ValueError("FP8GlobalStateManager.reset: called inside autocast / quantized_model_init; tp_fuse "
+                             "keeps the FP8 state in that context, which its exit ends (leave it instead)")
+
+    @classmethod
     def is_first_fp8_module(cls) -> bool:
         raise NotImplementedError(f"FP8GlobalStateManager.is_first_fp8_module: {_NO_GRAPH_STATE}")
 

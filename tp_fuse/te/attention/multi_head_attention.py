@@ -62,11 +62,10 @@ class MultiheadAttention(torch.nn.Module):
     ``[n/g + 2, g, d]``: all query heads, then all keys, then all values. Query head ``i``
     uses key/value group ``i // (n/g)``. Softmax scale ``1/sqrt(kv_channels)``.
 
-    Parameter names: one fused ``weight`` / ``bias`` in the QKV layer. TE with its default
-    ``fuse_qkv_params=False`` holds ``query_weight`` / ``key_weight`` / ``value_weight`` (and
-    biases) instead: the same values in the same ``[q; k; v]`` order (split), under other
-    names; a TE state dict of that layer is not loaded by name. With tensor parallelism each
-    rank holds its own ``[q_r; k_r; v_r]``, as in TE.
+    Parameter names, as in TE: with ``fuse_qkv_params=True`` one fused ``weight`` / ``bias`` in
+    the QKV layer; with TE's default ``fuse_qkv_params=False`` ``query_weight`` / ``key_weight`` /
+    ``value_weight`` (and biases; the layer's ``parameters_split``), read as ``[q; k; v]``.
+    With tensor parallelism each rank holds its own ``[q_r; k_r; v_r]``, as in TE.
 
     Supported as in TE: ``kv_channels``, ``attention_dropout`` (default 0.1, on the attention
     probabilities in training; inside ``get_rng_state_tracker().fork()`` when a tracker is
@@ -163,6 +162,9 @@ class MultiheadAttention(torch.nn.Module):
                            ("rotary_pos_interleaved", rotary_pos_interleaved)):
             if not isinstance(value, bool):
                 raise ValueError(f"{cls}: {arg} must be a bool, got {value!r}")
+        if fuse_wgrad_accumulation and not fuse_qkv_params:
+            raise ValueError(f"{cls}: fuse_wgrad_accumulation=True requires fuse_qkv_params=True (main_grad "
+                             "needs one QKV weight tensor, not query_weight / key_weight / value_weight)")
         refuse_unless(cls, "attention_type", attention_type == "self", attention_type,
                       "'self'; cross-attention is not implemented")
         check_mask_type(cls, "attn_mask_type", attn_mask_type)
@@ -219,16 +221,20 @@ class MultiheadAttention(torch.nn.Module):
                            params_dtype=self.params_dtype, device=device)
         qkv_out = self.hidden_size_q + 2 * self.hidden_size_kv
         qkv_mode = "column" if set_parallel_mode else None
+        # TE: without fuse_qkv_params the QKV layer holds query_weight / key_weight / value_weight.
+        split = None if fuse_qkv_params else {"query": self.hidden_size_q, "key": self.hidden_size_kv,
+                                              "value": self.hidden_size_kv}
         if input_layernorm:
             self.layernorm_qkv = LayerNormLinear(
                 hidden_size, qkv_out, eps=layernorm_epsilon, init_method=init_method, bias=bias,
                 parallel_mode=qkv_mode, return_layernorm_output=return_layernorm_output,
                 zero_centered_gamma=zero_centered_gamma, normalization=normalization, ub_name="qkv",
-                name=None if name is None else name + ".layernorm_linear_qkv", **gemm_kwargs)
+                parameters_split=split, name=None if name is None else name + ".layernorm_linear_qkv",
+                **gemm_kwargs)
         else:
             self.qkv = Linear(
                 hidden_size, qkv_out, init_method=init_method, bias=bias, parallel_mode=qkv_mode,
-                name=None if name is None else name + ".linear_qkv", **gemm_kwargs)
+                parameters_split=split, name=None if name is None else name + ".linear_qkv", **gemm_kwargs)
         self.core_attention = DotProductAttention(attention_dropout)
         self.proj = Linear(
             self.hidden_size_q, hidden_size, init_method=output_layer_init_method, bias=bias,

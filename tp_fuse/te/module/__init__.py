@@ -1,12 +1,16 @@
 """Transformer Engine's ``transformer_engine.pytorch.module``: TE's ``torch.nn.Module``
-layers built on ``tp_fuse.ops``, and the userbuffers setup under TE's module path.
+layers, and the userbuffers setup under TE's module path.
 
-* :class:`Linear` (``te.Linear``): one ``ops.Sequential(BasicLinear, Bias)`` with TE's
-  constructor, parameter names (``weight``, ``bias``), ``forward(inp, is_first_microbatch)``
-  and debug ``name``.
-* :class:`LayerNormLinear` (``te.LayerNormLinear``): norm + Linear, parameters
+The three GEMM modules are constructors over the one block implementation in
+``tp_fuse.layers`` (whose forward they run), with TE's constructor arguments, parameter
+names and return conventions:
+
+* :class:`Linear` (``te.Linear``): ``layers.ColumnParallelLinear`` / ``RowParallelLinear``;
+  parameters ``weight``, ``bias`` (or TE's ``parameters_split`` names),
+  ``forward(inp, is_first_microbatch)``, debug ``name``.
+* :class:`LayerNormLinear` (``te.LayerNormLinear``): ``layers.LayerNormLinear``; parameters
   ``layer_norm_weight``/``layer_norm_bias``/``weight``/``bias``.
-* :class:`LayerNormMLP` (``te.LayerNormMLP``): norm, fc1, activation, fc2; parameters
+* :class:`LayerNormMLP` (``te.LayerNormMLP``): ``layers.LayerNormMLP``; parameters
   ``layer_norm_*``, ``fc1_weight``/``fc1_bias``/``fc2_weight``/``fc2_bias``; debug names
   ``<name>.fc1`` / ``<name>.fc2``.
 * :class:`LayerNorm` / :class:`RMSNorm` (``te.LayerNorm``, ``te.RMSNorm``): one norm op,

@@ -1,9 +1,9 @@
 """What TE's module classes here (``Linear``, ``LayerNormLinear``, ``LayerNormMLP``) share:
-a ``torch.nn.Module`` whose computation is one ``tp_fuse.ops.Sequential`` and whose
-parameters carry Transformer Engine's names.
+a ``torch.nn.Module`` whose computation is one ``tp_fuse.layers`` block (its ops and its
+forward) and whose parameters carry Transformer Engine's names.
 
-The ops are not submodules (their parameter names would be ``_ops.0.weight``...): the
-module registers the ops' own ``Parameter`` objects under TE's names (``weight``,
+The block is not a submodule (its parameter names would be ``_ops.ops.linear.weight``...):
+the module registers the ops' own ``Parameter`` objects under TE's names (``weight``,
 ``layer_norm_weight``, ``fc1_weight``...), so ``parameters()``, ``state_dict()`` and
 optimizers see exactly TE's names, and before every forward pass the ops are pointed
 again at whatever the module now holds (``module.weight = Parameter(...)`` works).
@@ -52,8 +52,13 @@ def check_common_args(cls: str, *, sequence_parallel: bool, tp_group: Any, tp_si
                        ("delay_wgrad_compute", delay_wgrad_compute)):
         if not isinstance(value, bool):
             raise ValueError(f"{cls}: {arg} must be a bool, got {value!r}")
-    refuse_unless(cls, "parameters_split", parameters_split is None, parameters_split,
-                  "one weight and one bias parameter; split the output yourself")
+    if parameters_split is not None and not isinstance(parameters_split, (tuple, list, dict)):
+        raise ValueError(f"{cls}: parameters_split must be None, a tuple of names or a dict name -> size, "
+                         f"got {parameters_split!r}")
+    refuse_unless(cls, "parameters_split", parameters_split is None or not fuse_wgrad_accumulation,
+                  parameters_split, "None with fuse_wgrad_accumulation=True (main_grad needs one weight tensor)")
+    refuse_unless(cls, "parameters_split", parameters_split is None or not return_bias, parameters_split,
+                  "None with return_bias=True (the returned bias is one tensor)")
     refuse_unless(cls, "delay_wgrad_compute", not delay_wgrad_compute, delay_wgrad_compute,
                   "weight gradients are computed in the backward pass; backward_dw() does not exist")
     refuse_unless(cls, "symmetric_ar_type", symmetric_ar_type is None, symmetric_ar_type,
@@ -82,6 +87,41 @@ def check_common_args(cls: str, *, sequence_parallel: bool, tp_group: Any, tp_si
     size = group_size(tp_group)
     refuse_unless(cls, "tp_size", tp_size in (1, size), tp_size, f"the size of tp_group ({size}) or 1")
     return size
+
+
+def split_sizes(cls: str, parameters_split: Any, out_features: int, tp_size: int,
+                column: bool) -> Optional[list[tuple[str, int]]]:
+    """TE's ``parameters_split`` as ``[(name, local rows)]`` (None: one weight). A tuple of names
+    splits ``out_features`` equally, a dict gives each name's size; a column-parallel layer
+    holds ``size / tp`` rows of each (its own ``[q_r; k_r; v_r]``). Parameter names are TE's:
+    ``<name without trailing '_'>_weight`` / ``_bias``."""
+    if parameters_split is None:
+        return None
+    if isinstance(parameters_split, dict):
+        sizes = dict(parameters_split)
+        if sum(sizes.values()) != out_features:
+            raise ValueError(f"{cls}: parameters_split sizes {sizes} must sum to out_features ({out_features})")
+    else:
+        names = list(parameters_split)
+        if len(set(names)) != len(names):
+            raise ValueError(f"{cls}: parameters_split names must be distinct, got {tuple(names)}")
+        if not names or out_features % len(names):
+            raise ValueError(f"{cls}: parameters_split {tuple(names)} must split out_features ({out_features}) "
+                             "into equal parts")
+        sizes = {name: out_features // len(names) for name in names}
+    out = []
+    for name, size in sizes.items():
+        if not isinstance(name, str) or not name.rstrip("_"):
+            raise ValueError(f"{cls}: parameters_split names must be non-empty strings, got {name!r}")
+        if isinstance(size, bool) or not isinstance(size, int) or size <= 0:
+            raise ValueError(f"{cls}: parameters_split size of {name!r} must be a positive int, got {size!r}")
+        if column and size % tp_size:
+            raise ValueError(f"{cls}: parameters_split size of {name!r} ({size}) must be divisible by the "
+                             f"tensor-parallel size ({tp_size})")
+        out.append((name.rstrip("_"), size // tp_size if column else size))
+    if len({n for n, _ in out}) != len(out):
+        raise ValueError(f"{cls}: parameters_split names must be distinct, got {[n for n, _ in out]}")
+    return out
 
 
 def init_fn(init_method: Optional[Callable], get_rng_state_tracker: Optional[Callable],
@@ -136,18 +176,41 @@ class OpsModule(torch.nn.Module):
         #: The debug layer name (TE's ``name``; also set by ``debug_api.infer_and_assign_layer_names``).
         self.name = name
         self.__dict__["_param_map"] = {}
+        self.__dict__["_split_map"] = {}
 
     # ---- wiring ------------------------------------------------------------
 
     def _bind(self, ops: torch.nn.Module, params: dict[str, tuple[torch.nn.Module, str]],
               linears: dict[str, Any]) -> None:
-        """Own ``ops`` (a Sequential, not a submodule) and register its parameters under TE's
+        """Own ``ops`` (the layers block, not a submodule) and register its parameters under TE's
         names; ``linears`` maps a debug-name suffix ("" or "fc1") to its BasicLinear."""
         self.__dict__["_ops"] = ops
         self.__dict__["_param_map"] = dict(params)
         self.__dict__["_linears"] = dict(linears)
+        self.__dict__["_split_map"] = {}
         for te_name, (op, attr) in params.items():
             self.register_parameter(te_name, op._parameters[attr])
+
+    def _split(self, te_name: str, parts: list[tuple[str, int]], suffix: str) -> None:
+        """TE's ``parameters_split``: replace parameter ``te_name`` by one parameter per part,
+        ``<part>_<suffix>`` (rows of the original, same values, same attributes); the op reads
+        their concatenation (made again at every forward, so gradients reach the parts)."""
+        whole = self._parameters.pop(te_name)
+        op, attr = self._param_map.pop(te_name)
+        names, start = [], 0
+        for part, rows in parts:
+            name = f"{part}_{suffix}"
+            piece = torch.nn.Parameter(whole.detach()[start:start + rows].clone(), requires_grad=whole.requires_grad)
+            piece.__dict__.update(whole.__dict__)  # Megatron's attributes (partition_dim, sequence_parallel...)
+            self.register_parameter(name, piece)
+            names.append(name)
+            start += rows
+        self._split_map[te_name] = (op, attr, names)
+        inits = self.__dict__.get("_inits", {})
+        if te_name in inits:
+            for name in names:
+                inits[name] = inits[te_name]
+            del inits[te_name]
 
     def _sync(self) -> None:
         """Point the ops at this module's parameters (they may have been replaced) and hand the
@@ -158,6 +221,12 @@ class OpsModule(torch.nn.Module):
                 if p is None:
                     raise ValueError(f"{type(self).__name__}: parameter {te_name!r} was removed")
                 op._parameters[attr] = p
+        for te_name, (op, attr, names) in self._split_map.items():
+            parts = [self._parameters.get(n) for n in names]
+            if any(p is None for p in parts):
+                raise ValueError(f"{type(self).__name__}: a parameter of {names} was removed")
+            # A plain tensor in the op's parameter slot: the op reads it as its weight / bias.
+            op._parameters[attr] = torch.cat(parts, dim=0)
         name = self.name
         for suffix, linear in self._linears.items():
             want = None if not name else (f"{name}.{suffix}" if suffix else name)
@@ -285,16 +354,22 @@ class OpsModule(torch.nn.Module):
             linears[suffix].set_extra_state(torch.frombuffer(bytearray(raw), dtype=torch.uint8).clone())
 
 
-def norm_op(cls: str, normalization: str, size: int, eps: float, zero_centered_gamma: bool, device: Any,
-            dtype: torch.dtype, sequence_parallel: bool) -> tuple[torch.nn.Module, dict[str, tuple[torch.nn.Module, str]]]:
-    """TE's ``normalization`` ("LayerNorm" / "RMSNorm") as an op, and its parameters under TE's
-    names (``layer_norm_weight``, ``layer_norm_bias``; TE sets ``sequence_parallel`` on them)."""
+def check_norm_args(cls: str, normalization: Any, eps: Any, zero_centered_gamma: Any) -> None:
+    """TE's norm arguments: ``normalization`` "LayerNorm" / "RMSNorm", ``eps`` >= 0, a bool
+    ``zero_centered_gamma`` (ValueError naming the argument otherwise)."""
     if not isinstance(eps, (int, float)) or isinstance(eps, bool) or eps < 0:
         raise ValueError(f"{cls}: eps must be a non-negative float, got {eps!r}")
     if not isinstance(zero_centered_gamma, bool):
         raise ValueError(f"{cls}: zero_centered_gamma must be a bool, got {zero_centered_gamma!r}")
     refuse_unless(cls, "normalization", normalization in ("LayerNorm", "RMSNorm"), normalization,
                   "'LayerNorm' or 'RMSNorm'")
+
+
+def norm_op(cls: str, normalization: str, size: int, eps: float, zero_centered_gamma: bool, device: Any,
+            dtype: torch.dtype, sequence_parallel: bool) -> tuple[torch.nn.Module, dict[str, tuple[torch.nn.Module, str]]]:
+    """TE's ``normalization`` ("LayerNorm" / "RMSNorm") as an op, and its parameters under TE's
+    names (``layer_norm_weight``, ``layer_norm_bias``; TE sets ``sequence_parallel`` on them)."""
+    check_norm_args(cls, normalization, eps, zero_centered_gamma)
     kind = LayerNorm if normalization == "LayerNorm" else RMSNorm
     op = kind(size, float(eps), device=device, dtype=dtype, zero_centered_gamma=zero_centered_gamma)
     params = {"layer_norm_weight": (op, "weight")}

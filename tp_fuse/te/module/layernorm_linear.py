@@ -8,10 +8,17 @@ from typing import Any, Optional, Union
 
 import torch
 
-from tp_fuse.ops.basic.make_extra_output import MakeExtraOutput
-from tp_fuse.ops.sequential import Sequential
-from ._ops_module import OpsModule, check_common_args, init_fn, norm_op, refuse_unless, set_megatron_attrs
-from .linear import linear_ops
+from tp_fuse.layers import layernorm_linear as _layers_lnl
+from ._ops_module import (
+    OpsModule,
+    check_common_args,
+    check_norm_args,
+    init_fn,
+    refuse_unless,
+    set_megatron_attrs,
+    split_sizes,
+)
+from .linear import no_overlap
 
 __all__ = ["LayerNormLinear"]
 
@@ -21,12 +28,16 @@ class LayerNormLinear(OpsModule):
     parameter names (``layer_norm_weight``, ``layer_norm_bias`` (LayerNorm only),
     ``weight``, ``bias``) and ``forward(inp, is_first_microbatch=None)``.
 
-    Inside: ``tp_fuse.ops.Sequential(LayerNorm|RMSNorm, MakeExtraOutput?, BasicLinear, Bias?)``
-    (the fuser adds the all-gather of a column-parallel, sequence-parallel layer after the norm).
+    A constructor over the one block, :class:`tp_fuse.layers.LayerNormLinear` (its forward:
+    ``[norm, MakeExtraOutput (ln_out)?, AllGather | Copy (column parallel), BasicLinear,
+    Bias?]``), built with TE's init (on this rank's shard) and sequence-parallel gradients
+    left to Megatron; with ``return_bias`` the bias is a parameter of no op, returned.
     Arguments as :class:`~tp_fuse.module.Linear`'s, plus ``eps``, ``normalization``
     (``"LayerNorm"`` / ``"RMSNorm"``), ``zero_centered_gamma`` and ``return_layernorm_output``
     (``forward`` returns ``(y, ln_out)``, or ``(y, bias, ln_out)`` with ``return_bias``;
     ``ln_out`` is this rank's normalized input, before any all-gather).
+    ``parameters_split`` as :class:`~tp_fuse.module.Linear`'s (TE's ``query_weight`` /
+    ``key_weight`` / ``value_weight`` of a ``MultiheadAttention`` without ``fuse_qkv_params``).
 
     Refused (ValueError naming the argument): ``parallel_mode="row"``,
     ``return_layernorm_output_gathered=True``, and what :class:`~tp_fuse.module.Linear` refuses.
@@ -90,29 +101,46 @@ class LayerNormLinear(OpsModule):
         self.sequence_parallel = tp > 1 and sequence_parallel
         self.fuse_wgrad_accumulation = fuse_wgrad_accumulation
         self.ub_name = ub_name
-        norm, params = norm_op(cls, normalization, in_features, eps, zero_centered_gamma, device, dtype,
-                               self.sequence_parallel)
+        check_norm_args(cls, normalization, eps, zero_centered_gamma)
         init = init_fn(init_method, get_rng_state_tracker, None)
-        ops, linear, bias_op, bias_tensor = linear_ops(
-            cls, in_features, out_features, bias=bias, apply_bias=self.apply_bias, device=device, dtype=dtype,
-            init=init, parallel_mode=parallel_mode,
-            tp_group=tp_group, tp_size=tp, sequence_parallel=sequence_parallel,
-            fuse_wgrad_accumulation=fuse_wgrad_accumulation,
-        )
+        parallel = parallel_mode == "column" and tp > 1
+        block = _layers_lnl.LayerNormLinear(
+            in_features, out_features, tp_group=tp_group if parallel else None,
+            sequence_parallel=self.sequence_parallel and parallel, normalization=normalization, eps=eps,
+            bias=self.apply_bias, init_method=init, seed=None, comm_name=None, overlap=no_overlap(),
+            dtype=dtype, device=device, zero_centered_gamma=zero_centered_gamma,
+            return_layernorm_output=return_layernorm_output, shard_init=True,
+            accumulate_into_main_grad=fuse_wgrad_accumulation, sync_sequence_parallel_grads=False)
+        ops = block.ops
+        linear = ops.linear
         self.out_features = linear.out_features
+        params = {"layer_norm_weight": (ops.norm, "weight")}
+        if normalization == "LayerNorm":
+            params["layer_norm_bias"] = (ops.norm, "bias")
         params["weight"] = (linear, "weight")
-        if bias_op is not None:
-            params["bias"] = (bias_op, "bias")
-        extra = [MakeExtraOutput()] if return_layernorm_output else []
-        self._bind(Sequential(norm, *extra, *ops), params, {"": linear})
+        if self.apply_bias:
+            params["bias"] = (ops.bias, "bias")
+        self._bind(block, params, {"": linear})
         self.__dict__["_inits"] = {"weight": init}
         if normalization == "RMSNorm":
             self.layer_norm_bias = None
-        if bias_op is None:
-            self.bias = bias_tensor
+        if self.return_bias and bias:
+            # TE: returned, added by the caller; a parameter of no op.
+            self.bias = torch.nn.Parameter(torch.zeros(linear.out_features, device=device, dtype=dtype))
+        elif not bias:
+            self.bias = torch.empty(0, device=device, dtype=dtype)  # TE's attribute without a bias
+        for name in ("layer_norm_weight", "layer_norm_bias"):
+            if isinstance(getattr(self, name), torch.nn.Parameter):
+                getattr(self, name).sequence_parallel = self.sequence_parallel  # TE's tag, for Megatron
         set_megatron_attrs(self.weight, parallel_mode is not None, 0)
         if isinstance(self.bias, torch.nn.Parameter):
             set_megatron_attrs(self.bias, parallel_mode is not None, 0)
+        parts = split_sizes(cls, parameters_split, out_features, tp, parallel_mode == "column" and tp > 1)
+        if parts is not None:
+            # TE's parameters_split: query_weight / key_weight / value_weight (and biases).
+            self._split("weight", parts, "weight")
+            if "bias" in self._param_map:
+                self._split("bias", parts, "bias")
 
     def forward(self, inp: torch.Tensor, is_first_microbatch: Optional[bool] = None,
                 fp8_output: Optional[bool] = False, fp8_grad: Optional[bool] = False):

@@ -8,22 +8,15 @@ from typing import Any, Optional
 
 import torch
 
-from tp_fuse import ops as _ops
-from tp_fuse.ops.basic.make_extra_output import MakeExtraOutput
-from tp_fuse.ops.sequential import Sequential
-from ._ops_module import OpsModule, check_common_args, init_fn, norm_op, refuse_unless, set_megatron_attrs
-from .linear import linear_ops
+from tp_fuse.distributed import checkpoint as tp_checkpoint
+from tp_fuse.layers import layernorm_mlp as _layers_mlp
+from ._ops_module import OpsModule, check_common_args, check_norm_args, init_fn, refuse_unless, set_megatron_attrs
+from .linear import no_overlap
 
 __all__ = ["LayerNormMLP"]
 
-#: TE's activation names -> (tp_fuse op class name, gated: fc1 produces 2 * ffn_hidden_size).
-ACTIVATIONS = {
-    "gelu": ("GELU", False), "qgelu": ("QGELU", False), "relu": ("ReLU", False),
-    "srelu": ("SReLU", False), "silu": ("SiLU", False),
-    "geglu": ("GEGLU", True), "qgeglu": ("QGEGLU", True), "reglu": ("ReGLU", True),
-    "sreglu": ("SReGLU", True), "swiglu": ("SwiGLU", True), "glu": ("GLU", True),
-    "clamped_swiglu": ("ClampedSwiGLU", True),
-}
+#: TE's activation names: the layers block's (one table).
+ACTIVATIONS = _layers_mlp.ACTIVATIONS
 
 
 class LayerNormMLP(OpsModule):
@@ -32,10 +25,12 @@ class LayerNormMLP(OpsModule):
     ``fc1_weight``, ``fc1_bias``, ``fc2_weight``, ``fc2_bias``) and
     ``forward(inp, is_first_microbatch=None)``.
 
-    Inside: ``tp_fuse.ops.Sequential(norm, MakeExtraOutput?, BasicLinear, Bias, activation,
-    BasicLinear, Bias)``; with ``set_parallel_mode=True`` fc1 is column parallel and fc2 row
-    parallel over ``tp_group`` (fc2's bias after the reduction, as in TE). The two GEMMs join
-    the debug API as ``<name>.fc1`` and ``<name>.fc2`` (TE's debug names).
+    A constructor over the one MLP block, :class:`tp_fuse.layers.LayerNormMLP` (its forward),
+    built with TE's init (on this rank's shards), ``return_bias`` / ``return_layernorm_output``
+    and sequence-parallel gradients left to Megatron; with ``set_parallel_mode=True`` fc1 is
+    column parallel and fc2 row parallel over ``tp_group`` (fc2's bias after the reduction, as
+    in TE). The two GEMMs join the debug API as ``<name>.fc1`` and ``<name>.fc2`` (TE's debug
+    names).
 
     ``activation``: TE's names (gelu (tanh), qgelu, relu, srelu, silu, geglu, qgeglu, reglu,
     sreglu, swiglu, glu, clamped_swiglu with ``activation_params={"limit", "alpha"}``).
@@ -44,8 +39,10 @@ class LayerNormMLP(OpsModule):
     ``return_layernorm_output`` appends the normalized input. ``seq_length`` /
     ``micro_batch_size`` only size TE's userbuffers (refused here), so they have no effect.
 
-    Refused (ValueError naming the argument): ``checkpoint=True``,
-    ``return_layernorm_output_gathered=True``, other ``activation_params``, and what
+    ``checkpoint=True`` (TE's): the block's activations are recomputed in the backward
+    (:func:`tp_fuse.checkpoint`, which replays the first forward's FP8 scales) instead of kept.
+
+    Refused (ValueError naming the argument): ``return_layernorm_output_gathered=True``, other ``activation_params``, and what
     :class:`~tp_fuse.module.Linear` refuses.
     """
 
@@ -96,22 +93,20 @@ class LayerNormMLP(OpsModule):
                     ub_overlap_rs_dgrad=ub_overlap_rs_dgrad, ub_bulk_dgrad=ub_bulk_dgrad,
                     ub_bulk_wgrad=ub_bulk_wgrad),
         )
-        refuse_unless(cls, "checkpoint", checkpoint is False, checkpoint,
-                      "False: recompute with tp_fuse.checkpoint around the module")
+        refuse_unless(cls, "checkpoint", isinstance(checkpoint, bool), checkpoint, "a bool")
+        self.checkpoint = checkpoint
         refuse_unless(cls, "return_layernorm_output", isinstance(return_layernorm_output, bool),
                       return_layernorm_output, "a bool")
         refuse_unless(cls, "return_layernorm_output_gathered", return_layernorm_output_gathered is False,
                       return_layernorm_output_gathered, "False: ln_out is this rank's, before the all-gather")
         refuse_unless(cls, "set_parallel_mode", isinstance(set_parallel_mode, bool), set_parallel_mode, "a bool")
         refuse_unless(cls, "activation", activation in ACTIVATIONS, activation, f"one of {sorted(ACTIVATIONS)}")
-        op_name, gated = ACTIVATIONS[activation]
-        act_kwargs: dict[str, Any] = {}
         if activation_params is not None:
             ok = activation == "clamped_swiglu" and isinstance(activation_params, dict) \
                 and set(activation_params) <= {"limit", "alpha"}
             refuse_unless(cls, "activation_params", ok, activation_params,
                           "None, or {'limit', 'alpha'} for activation='clamped_swiglu'")
-            act_kwargs = dict(activation_params)
+        check_norm_args(cls, normalization, eps, zero_centered_gamma)
         dtype = params_dtype or torch.get_default_dtype()
         self.hidden_size, self.ffn_hidden_size = hidden_size, ffn_hidden_size
         self.use_bias, self.return_bias = bias, return_bias
@@ -123,36 +118,38 @@ class LayerNormMLP(OpsModule):
         self.tp_group, self.tp_size = tp_group, tp
         self.sequence_parallel = tp > 1 and sequence_parallel
         self.fuse_wgrad_accumulation = fuse_wgrad_accumulation
-        norm, params = norm_op(cls, normalization, hidden_size, eps, zero_centered_gamma, device, dtype,
-                               self.sequence_parallel)
-        common = dict(device=device, dtype=dtype, tp_group=tp_group, tp_size=tp,
-                      sequence_parallel=sequence_parallel, fuse_wgrad_accumulation=fuse_wgrad_accumulation)
         init1 = init_fn(init_method, get_rng_state_tracker, None)
         init2 = init_fn(output_layer_init_method, get_rng_state_tracker, None)
-        fc1_ops, fc1, fc1_bias_op, _ = linear_ops(
-            cls, hidden_size, ffn_hidden_size * (2 if gated else 1), bias=bias, apply_bias=bias,
-            init=init1,
-            parallel_mode="column" if set_parallel_mode else None, **common)
-        fc2_ops, fc2, fc2_bias_op, fc2_bias = linear_ops(
-            cls, ffn_hidden_size, hidden_size, bias=bias, apply_bias=self.apply_bias,
-            init=init2,
-            parallel_mode="row" if set_parallel_mode else None, **common)
-        act = getattr(_ops, op_name)(**act_kwargs)
-        params["fc1_weight"] = (fc1, "weight")
-        if fc1_bias_op is not None:
-            params["fc1_bias"] = (fc1_bias_op, "bias")
-        params["fc2_weight"] = (fc2, "weight")
-        if fc2_bias_op is not None:
-            params["fc2_bias"] = (fc2_bias_op, "bias")
-        extra = [MakeExtraOutput()] if return_layernorm_output else []
-        self._bind(Sequential(norm, *extra, *fc1_ops, act, *fc2_ops), params, {"fc1": fc1, "fc2": fc2})
+        parallel = set_parallel_mode and tp > 1
+        block = _layers_mlp.LayerNormMLP(
+            hidden_size, ffn_hidden_size, tp_group=tp_group if parallel else None,
+            sequence_parallel=self.sequence_parallel and parallel, normalization=normalization, eps=eps,
+            activation=activation, activation_params=activation_params, bias=bias, init_method=init1,
+            output_init_method=init2, seed=None, overlap=no_overlap(), dtype=dtype, device=device,
+            zero_centered_gamma=zero_centered_gamma, return_bias=return_bias,
+            return_layernorm_output=return_layernorm_output, shard_init=True,
+            accumulate_into_main_grad=fuse_wgrad_accumulation, sync_sequence_parallel_grads=False)
+        fc1, fc2 = block.fc1, block.fc2
+        params = {"layer_norm_weight": (fc1.norm, "weight")}
+        if normalization == "LayerNorm":
+            params["layer_norm_bias"] = (fc1.norm, "bias")
+        params["fc1_weight"] = (fc1.linear, "weight")
+        if bias:
+            params["fc1_bias"] = (fc1.bias, "bias")
+        params["fc2_weight"] = (fc2.linear, "weight")
+        if bias:
+            params["fc2_bias"] = (block.fc2_bias_op if return_bias else fc2.bias, "bias")
+        self._bind(block, params, {"fc1": fc1.linear, "fc2": fc2.linear})
         self.__dict__["_inits"] = {"fc1_weight": init1, "fc2_weight": init2}
         if normalization == "RMSNorm":
             self.layer_norm_bias = None
-        if fc1_bias_op is None:
+        if not bias:
+            # TE's attributes without biases.
             self.fc1_bias = torch.empty(0, device=device, dtype=dtype)
-        if fc2_bias_op is None:
-            self.fc2_bias = fc2_bias
+            self.fc2_bias = torch.empty(0, device=device, dtype=dtype)
+        for name in ("layer_norm_weight", "layer_norm_bias"):
+            if isinstance(getattr(self, name), torch.nn.Parameter):
+                getattr(self, name).sequence_parallel = self.sequence_parallel  # TE's tag, for Megatron
         set_megatron_attrs(self.fc1_weight, set_parallel_mode, 0)
         set_megatron_attrs(self.fc2_weight, set_parallel_mode, 1)
         if isinstance(self.fc1_bias, torch.nn.Parameter):
@@ -163,11 +160,6 @@ class LayerNormMLP(OpsModule):
     def forward(self, inp: torch.Tensor, is_first_microbatch: Optional[bool] = None):
         """``y`` (``(y, fc2_bias)`` with ``return_bias``; ``ln_out`` appended with
         ``return_layernorm_output``)."""
-        result = self._run(inp, is_first_microbatch)
-        out, ln_out = result if self.return_layernorm_output else (result, None)
-        ret: tuple = (out,)
-        if self.return_bias:
-            ret += (self.fc2_bias.to(out.dtype),)
-        if self.return_layernorm_output:
-            ret += (ln_out,)
-        return ret[0] if len(ret) == 1 else ret
+        if self.checkpoint and torch.is_grad_enabled():
+            return tp_checkpoint(self._run, inp, is_first_microbatch, modules=[self._ops])
+        return self._run(inp, is_first_microbatch)

@@ -7,45 +7,17 @@ from typing import Any, Optional, Union
 
 import torch
 
-from tp_fuse.ops.basic.basic_linear import BasicLinear
-from tp_fuse.ops.basic.bias import Bias
-from tp_fuse.ops.sequential import Sequential
-from ._ops_module import OpsModule, check_common_args, init_fn, refuse_unless, set_megatron_attrs
+from tp_fuse.layers.parallel_linear import ColumnParallelLinear, RowParallelLinear
+from tp_fuse.overlap.config import OverlapConfig, TPOverlap
+from ._ops_module import OpsModule, check_common_args, init_fn, refuse_unless, set_megatron_attrs, split_sizes
 
-__all__ = ["Linear"]
+__all__ = ["Linear", "no_overlap"]
 
 
-def linear_ops(cls: str, in_features: int, out_features: int, *, bias: bool, apply_bias: bool,
-               device: Any, dtype: torch.dtype, init: Callable, parallel_mode: Optional[str],
-               tp_group: Any, tp_size: int, sequence_parallel: bool, fuse_wgrad_accumulation: bool,
-               ) -> tuple[list[torch.nn.Module], BasicLinear, Optional[Bias], torch.Tensor]:
-    """The ops of one TE GEMM layer, ``[BasicLinear, Bias?]``; the fuser expands the
-    BasicLinear into its collectives: ``[AllGather?, BasicLinear, Bias?]`` (column) or
-    ``[BasicLinear, AllReduce|ReduceScatter, Bias?]`` (row: the bias after the reduction, as
-    TE's ``Linear`` adds it). Also returns the bias tensor: the Bias op's parameter; with
-    ``return_bias`` a parameter of no op (the caller adds it); without a bias TE's empty tensor."""
-    refuse_unless(cls, "parallel_mode", parallel_mode in (None, "column", "row"), parallel_mode,
-                  "None, 'column' or 'row'")
-    tp_mode = parallel_mode if tp_size > 1 else None
-    linear = BasicLinear(
-        in_features, out_features, device=device, dtype=dtype, init_method=init,
-        accumulate_into_main_grad=fuse_wgrad_accumulation, tensor_parallel_mode=tp_mode,
-        tensor_parallel_group=tp_group if tp_mode is not None else None,
-        sequence_parallel=bool(sequence_parallel) and tp_mode is not None,
-    )
-    ops: list[torch.nn.Module] = [linear]
-    bias_op: Optional[Bias] = None
-    # Column parallel: the bias is sharded with the output; row: full width, after the reduction.
-    size = linear.out_features
-    if apply_bias:
-        bias_op = Bias(size, device=device, dtype=dtype)
-        ops.append(bias_op)
-        bias_tensor: torch.Tensor = bias_op.bias
-    elif bias:
-        bias_tensor = torch.nn.Parameter(torch.zeros(size, device=device, dtype=dtype))
-    else:
-        bias_tensor = torch.empty(0, device=device, dtype=dtype)
-    return ops, linear, bias_op, bias_tensor
+def no_overlap() -> TPOverlap:
+    """TE's modules overlap no comm with GEMMs (their ``ub_*`` flags are refused): the layers
+    blocks under them get overlap switched off."""
+    return TPOverlap(OverlapConfig(enabled=False))
 
 
 class Linear(OpsModule):
@@ -53,9 +25,13 @@ class Linear(OpsModule):
     (``weight``, ``bias``) and forward (``forward(inp, is_first_microbatch=None)``); FP8 under
     ``tp_fuse.autocast`` / ``fp8_autocast``.
 
-    Inside: one ``tp_fuse.ops.Sequential(BasicLinear, Bias?)``, run as
-    ``[AllGather?, BasicLinear, Bias?]`` (column) or ``[BasicLinear, AllReduce|ReduceScatter,
-    Bias?]`` (row) (see :mod:`tp_fuse.module._ops_module` for how TE's parameter names map onto the ops).
+    A constructor over the one linear block: :class:`tp_fuse.layers.ColumnParallelLinear`
+    (``parallel_mode`` None or ``"column"``) or :class:`tp_fuse.layers.RowParallelLinear`
+    (``"row"``), built with TE's init (``init_method`` on this rank's shard), bias placement
+    (row parallel: after the reduction), ``return_bias`` as the block's ``skip_bias_add``, and
+    sequence-parallel gradients left to Megatron (tagged ``sequence_parallel``); the forward
+    is the block's. The block's parameters carry TE's names here (see
+    :mod:`tp_fuse.te.module._ops_module`).
 
     Arguments as in TE: ``in_features``, ``out_features`` (global sizes; ``parallel_mode``
     ``"column"`` splits ``out_features``, ``"row"`` ``in_features`` over ``tp_group``),
@@ -68,7 +44,12 @@ class Linear(OpsModule):
     (dW into ``weight.main_grad``). Row parallel adds the bias after the reduction (TE's
     ``Linear``; under sequence parallelism the bias carries ``sequence_parallel=True``).
 
-    Refused (ValueError naming the argument): ``parameters_split``, ``delay_wgrad_compute``,
+    ``parameters_split`` (TE's): a tuple of names (equal parts) or a dict name -> rows splits
+    ``weight`` (and ``bias``) into parameters ``<name>_weight`` / ``<name>_bias`` (a trailing
+    ``_`` of the name dropped; column parallel: ``rows / tp`` of each per rank), read as their
+    concatenation; not with ``return_bias`` or ``fuse_wgrad_accumulation``.
+
+    Refused (ValueError naming the argument): ``delay_wgrad_compute``,
     ``symmetric_ar_type``, the ``ub_*`` overlap flags (use ``tp_fuse.ops`` with overlap),
     ``save_original_input=True``, ``tp_size > 1`` without ``tp_group``, and ``fp8_output`` /
     ``fp8_grad`` in ``forward``. ``is_first_microbatch`` is accepted: TE caches the first
@@ -130,22 +111,30 @@ class Linear(OpsModule):
         self.fuse_wgrad_accumulation = fuse_wgrad_accumulation
         self.ub_name = ub_name
         init = init_fn(init_method, get_rng_state_tracker, rng_tracker_name)
-        ops, linear, bias_op, bias_tensor = linear_ops(
-            cls, in_features, out_features, bias=bias, apply_bias=self.apply_bias, device=device,
-            dtype=dtype, init=init,
-            parallel_mode=parallel_mode, tp_group=tp_group, tp_size=tp,
-            sequence_parallel=sequence_parallel, fuse_wgrad_accumulation=fuse_wgrad_accumulation,
-        )
+        refuse_unless(cls, "parallel_mode", parallel_mode in (None, "column", "row"), parallel_mode,
+                      "None, 'column' or 'row'")
+        tp_mode = parallel_mode if tp > 1 else None
+        block_args = dict(tp_group=tp_group if tp_mode else None, bias=bias, skip_bias_add=return_bias,
+                          sequence_parallel=self.sequence_parallel and tp_mode is not None,
+                          init_method=init, seed=None,
+                          overlap=no_overlap(), dtype=dtype, device=device, shard_init=True,
+                          accumulate_into_main_grad=fuse_wgrad_accumulation)
+        if parallel_mode == "row":
+            block: Any = RowParallelLinear(in_features, out_features, input_is_parallel=True,
+                                           sync_sequence_parallel_grads=False, **block_args)
+        else:
+            block = ColumnParallelLinear(in_features, out_features, **block_args)
+        linear = block.ops.linear
         # TE's Linear: in/out_features are the local sizes after construction.
         self.in_features, self.out_features = linear.in_features, linear.out_features
         params: dict[str, tuple[torch.nn.Module, str]] = {"weight": (linear, "weight")}
-        if bias_op is not None:
-            params["bias"] = (bias_op, "bias")
-        self._bind(Sequential(*ops), params, {"": linear})
+        bias_holder = block.bias_op if block.bias_op is not None else block.ops._modules.get("bias")
+        if bias_holder is not None:
+            params["bias"] = (bias_holder, "bias")
+        self._bind(block, params, {"": linear})
         self.__dict__["_inits"] = {"weight": init}
-        if bias_op is None:
-            # return_bias: a parameter the caller adds; no bias: TE's empty tensor attribute.
-            self.bias = bias_tensor
+        if bias_holder is None:
+            self.bias = torch.empty(0, device=device, dtype=dtype)  # TE's attribute without a bias
         parallel = parallel_mode is not None
         set_megatron_attrs(self.weight, parallel, 1 if parallel_mode == "row" else 0)
         if isinstance(self.bias, torch.nn.Parameter):
@@ -153,6 +142,12 @@ class Linear(OpsModule):
                 self.bias.sequence_parallel = self.sequence_parallel
             else:
                 set_megatron_attrs(self.bias, parallel, 0)
+        parts = split_sizes(cls, parameters_split, out_features, tp, parallel_mode == "column" and tp > 1)
+        if parts is not None:
+            # TE's parameters_split: query_weight / key_weight / value_weight (and biases).
+            self._split("weight", parts, "weight")
+            if "bias" in self._param_map:
+                self._split("bias", parts, "bias")
 
     def forward(self, inp: torch.Tensor, is_first_microbatch: Optional[bool] = None,
                 fp8_output: Optional[bool] = False, fp8_grad: Optional[bool] = False):
@@ -160,7 +155,8 @@ class Linear(OpsModule):
         ``fp8_grad`` (TE's FP8 tensors between modules) are refused."""
         refuse_unless("Linear.forward", "fp8_output", not fp8_output, fp8_output, "False")
         refuse_unless("Linear.forward", "fp8_grad", not fp8_grad, fp8_grad, "False")
-        out = self._run(inp, is_first_microbatch)
+        out, bias = self._run(inp, is_first_microbatch)
         if self.return_bias:
-            return out, self.bias.to(out.dtype)
+            # Without a bias TE returns its empty bias tensor (the layers block returns None).
+            return out, (self.bias if bias is None else bias).to(out.dtype)
         return out
