@@ -82,6 +82,7 @@ SLOW_MODULES = frozenset({
     "test_wrap_correctness",
     "test_wrap_fused_split",
     "test_wrap_models",
+    "test_wrap_native_models",
     "test_wrap_olmo2",
     "test_wrap_plan_refusals",
 })

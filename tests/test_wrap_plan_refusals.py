@@ -18,8 +18,11 @@ refused at ``wrap()`` time with one message naming the plan entry and what to wr
 * messages that lead somewhere: a row projection given as ``"column"`` or left out of the
   plan is named as the row projection; Apertus (a gated activation with buffers) is
   correct; a failing verification names the first differing module output in forward
-  order and the plan entries behind it (CodeGen), and a user fix-up that halves OPT's
-  heads a second time.
+  order and the plan entries behind it (a user fix-up that halves OPT's heads a second
+  time);
+* CodeGen (qkv in 4 fixed blocks) and DiffLlama (value heads paired across halves) under
+  a llama-style plan, or the ``FusedColumn`` one might try, are refused at ``wrap()``
+  time naming the exclude, which verifies.
 """
 
 from __future__ import annotations
@@ -181,8 +184,12 @@ def per_head_tensors(rank: int, world: int) -> Any:
 
 @case
 def messages(rank: int, world: int) -> Any:
+    from tp_fuse.layers import FusedColumn
+
     codegen = dict(vocab_size=V, n_embd=64, n_head=8, n_layer=2, n_positions=16, rotary_dim=4, resid_pdrop=0.0,
                    embd_pdrop=0.0, attn_pdrop=0.0)  # CodeGen packs qkv in 4 blocks: 8 heads
+    codegen_plan = {"transformer.h.*.attn.qkv_proj": "column", "transformer.h.*.attn.out_proj": "row",
+                    "transformer.h.*.mlp.fc_in": "column", "transformer.h.*.mlp.fc_out": "row"}
     opt = dict(vocab_size=V, hidden_size=H, num_hidden_layers=2, num_attention_heads=HEADS, ffn_dim=64,
                word_embed_proj_dim=H, max_position_embeddings=16, dropout=0.0)
 
@@ -204,8 +211,17 @@ def messages(rank: int, world: int) -> Any:
                               plan={k: v for k, v in LLAMA.items() if "o_proj" not in k}),
         "apertus": _wrap(_hf("ApertusConfig", "ApertusForCausalLM", **BASE),
                          plan={k: v for k, v in LLAMA.items() if "gate_proj" not in k}),
-        "codegen": _wrap(_hf("CodeGenConfig", "CodeGenForCausalLM", **codegen), plan={
-            "transformer.h.*.attn.qkv_proj": "column", "transformer.h.*.attn.out_proj": "row"}),
+        "codegen": _wrap(_hf("CodeGenConfig", "CodeGenForCausalLM", **codegen), plan=codegen_plan),
+        "codegen_fused": _wrap(_hf("CodeGenConfig", "CodeGenForCausalLM", **codegen), plan={
+            **codegen_plan, "transformer.h.*.attn.qkv_proj": FusedColumn(12)}),
+        # The exclude both refusals name: the attention replicated, the MLP sharded.
+        "codegen_excluded": _wrap(_hf("CodeGenConfig", "CodeGenForCausalLM", **codegen), plan=codegen_plan,
+                                  exclude=["transformer.h.*.attn"]),
+        "diffllama": _wrap(_hf("DiffLlamaConfig", "DiffLlamaForCausalLM", **BASE), plan=LLAMA),
+        "diffllama_fused": _wrap(_hf("DiffLlamaConfig", "DiffLlamaForCausalLM", **BASE), plan={
+            **LLAMA, "model.layers.*.self_attn.v_proj": FusedColumn(2)}),
+        "diffllama_excluded": _wrap(_hf("DiffLlamaConfig", "DiffLlamaForCausalLM", **BASE), plan=LLAMA,
+                                    exclude=["model.layers.*.self_attn"]),
         "opt_fixup": _wrap(_hf("OPTConfig", "OPTForCausalLM", **opt), fixup=halve_again),
     }
 
@@ -330,16 +346,38 @@ def test_messages_lead_somewhere(results) -> None:
 def test_failing_verify_names_the_plan_entries(results) -> None:
     v = case_values(results, "messages")[0]
     for key, first, entry in (
-            ("codegen", "transformer.h.0.attn.out_proj", "transformer.h.0.attn.qkv_proj: "
-                                                         "plan['transformer.h.*.attn.qkv_proj'] = 'column'"),
             ("opt_fixup", "model.decoder.layers.0.self_attn.out_proj",
-             "model.decoder.layers.0.self_attn.q_proj: plan['model.decoder.layers.*.self_attn.q_proj'] = 'column'")):
+             "model.decoder.layers.0.self_attn.q_proj: plan['model.decoder.layers.*.self_attn.q_proj'] = 'column'"),):
         text = v[key]
         lines = text.split("\n  - ")
         assert lines[0].startswith("ValueError: wrap(verify=...): the wrapped model does not match"), text
         assert lines[1].startswith(f"TP ranks 0, 1: first differing module output in forward order: {first}, "), text
         assert entry in lines[1], text
-    assert "CodeGen's embed_dim" in v["codegen"] and "embed_dim 64 -> 32" in v["codegen"], v["codegen"]
+
+
+def test_blocks_and_paired_heads_refused_at_wrap_time(results) -> None:
+    """CodeGen's qkv in 4 fixed blocks and DiffLlama's value heads paired across halves: no
+    plan style shards them; refused before anything changes (a plain column and the
+    FusedColumn one might try), naming the exclude -- which verifies."""
+    v = case_values(results, "messages")[0]
+    for key, entry, layout, exclude in (
+            ("codegen", "plan['transformer.h.*.attn.qkv_proj'] = 'column'",
+             "reshaped into 4 blocks (a fixed count, not a head count wrap localizes) and each block cut into "
+             "[16, 16, 16]", "'transformer.h.*.attn'"),
+            ("codegen_fused", "plan['transformer.h.*.attn.qkv_proj'] = FusedColumn(12)",
+             "reshaped into 4 blocks", "'transformer.h.*.attn'"),
+            ("diffllama", "plan['model.layers.*.self_attn.v_proj'] = 'column'", "cut into parts of [8, 8] features",
+             "'model.layers.*.self_attn'"),
+            ("diffllama_fused", "plan['model.layers.*.self_attn.v_proj'] = FusedColumn(2)",
+             "cut into parts of [8, 8] features", "'model.layers.*.self_attn'")):
+        text = v[key]
+        _one_refusal(text)
+        assert f"{entry}, but the model's forward" in text and layout in text, (key, text)
+        assert f"exclude {exclude} (it stays replicated)" in text and "Write plan" not in text, (key, text)
+    assert "each rank would take heads from all 4 blocks" in v["codegen"], v["codegen"]
+    assert "pairs heads across those parts" in v["diffllama"], v["diffllama"]
+    for key in ("codegen_excluded", "diffllama_excluded"):
+        assert v[key].startswith("verified: outputs and every gradient match"), (key, v[key])
 
 
 def test_wrapped_model_raising_on_the_probe_is_one_message(results) -> None:

@@ -10,6 +10,14 @@
 * :func:`tied_problems` -- a plan that shards one module of a weight tie (``lm_head``
   tied to ``embed_tokens``): sharding one side makes a new, sharded ``Parameter`` and
   silently unties them (``lm_head`` ``[V/tp, h]`` while the embedding stays ``[V, h]``).
+* :func:`sequence_parallel_problems` -- ``sequence_parallel=True`` for plan modules of a
+  model that embeds token ids itself (a Hugging Face model, torchtitan's Llama, nanoGPT):
+  its activations are ``[batch, seq, hidden]`` and whole on every rank, while sequence
+  parallelism splits dim 0 of the plan modules' inputs (Megatron's ``[seq, batch,
+  hidden]``, the sequence scattered before the first of them). Nothing in such a model
+  scatters it (nor slices its residual stream or rotary tables by position): the column
+  projections all-gather dim 0, the batch, and the attention's reshape fails or mixes
+  sequences.
 * :func:`attention_converted` -- whether a plan shards any attention projection (a
   family's head checks then apply to an explicit plan too).
 * :func:`replicated_norm_check` -- for the trace (``tp_fuse.layers.wrap.trace``): a
@@ -29,7 +37,10 @@ from typing import Any, Callable, Optional
 
 import torch
 
-__all__ = ["collapse", "expert_problems", "tied_problems", "attention_converted", "name_pattern",
+from .probe import token_input
+
+__all__ = ["collapse", "expert_problems", "tied_problems", "sequence_parallel_problems", "attention_converted",
+           "name_pattern",
            "norm_width", "replicated_norm_check"]
 
 # A numeric component of a module path (``layers.3`` / ``h.0`` / ``local_experts.12``),
@@ -98,6 +109,26 @@ def tied_problems(model: torch.nn.Module, planned: Mapping[str, Any]) -> list[st
                     f"{others[0]} keeps the full one). Remove {mod_name!r} from the plan, or untie the weights "
                     f"before wrap")
     return problems
+
+
+def sequence_parallel_problems(model: torch.nn.Module, planned: Mapping[str, Any], entries: Mapping[str, str],
+                               sequence_parallel: Optional[bool]) -> list[str]:
+    """``sequence_parallel=True`` with plan projections (``planned``: ``{module name:
+    style}``; ``entries``: their plan entries as written) on a model that embeds token
+    ids itself: one line naming the plan's ``"sequence_parallel"`` entries and what to
+    write instead."""
+    tokens = token_input(model) if sequence_parallel else None
+    if tokens is None or all(s in ("sequence_parallel", "sharded_norm") for s in planned.values()):
+        return []
+    marked = sorted({entries[n] for n, s in planned.items() if s == "sequence_parallel"})
+    what = ", ".join(marked) if marked else "the plan"
+    return [f"{what} with wrap(sequence_parallel=True): sequence parallelism splits the sequence along dim 0 of the "
+            f"plan modules' inputs (Megatron's [seq, batch, hidden], scattered before the first of them), but "
+            f"{type(model).__name__} embeds token ids itself ({tokens.embedding}): its activations are [batch, seq, "
+            f"hidden], whole on every rank, and nothing in it scatters them (nor slices the residual stream or the "
+            f"rotary tables by position), so the column projections would all-gather the batch. Write "
+            f"wrap(..., sequence_parallel=False): the same plan shards the same projections"
+            + (" and keeps the 'sequence_parallel' norms replicated" if marked else "")]
 
 
 def attention_converted(model: torch.nn.Module, columns: Iterable[str]) -> bool:

@@ -85,7 +85,7 @@ from tp_fuse.recipe import Recipe
 
 from ..grad_sync import sync_sequence_parallel_grad
 from ..sharding import tp_rank_and_size
-from .checks import attention_converted, collapse, replicated_norm_check, tied_problems
+from .checks import attention_converted, collapse, replicated_norm_check, sequence_parallel_problems, tied_problems
 from .fused_split import fused_problems
 from .heads import attention_modules, head_problems, localize_heads
 from .hf_plans import FamilyPlan, family_plan
@@ -143,8 +143,9 @@ def wrap(
             forward and backward each, every output and gradient compared; a difference is
             a ``ValueError`` naming the first differing module output in forward order and
             the plan entries that produced it; ``tp_fuse.layers.wrap.verify``). Default
-            (None): whenever wrap shards anything, with a Hugging Face model's automatic
-            ``[2, 8]``-token probe (the launcher's), its cost in the report; models without
+            (None): whenever wrap shards anything, with the automatic ``[2, 8]``-token probe
+            of a model that takes token ids (a Hugging Face model: the launcher's; nanoGPT,
+            torchtitan; ``tp_fuse.layers.wrap.probe``), its cost in the report; models without
             one are not verified, with a warning. ``True`` (the automatic probe, required),
             a tensor, a tuple of args, a dict of kwargs or a callable ``f(model)``: that
             probe. ``False``: not verified, with a warning naming what is not checked
@@ -155,7 +156,7 @@ def wrap(
 
     Replicated parameters used on TP-sharded activations (per-head q/k norms) are found by
     tracing one forward (``tp_fuse.layers.wrap.trace``): on the probe (``verify``, or the automatic
-    one of a Hugging Face model) before anything changes, else on the wrapped model's first
+    one) before anything changes, else on the wrapped model's first
     forward; their gradients are summed over TP. The report of what was converted and what
     was left, and why, is stored as ``model.tp_fuse_wrap_report``.
     """
@@ -235,16 +236,14 @@ def _model_problems(model: torch.nn.Module, modules: dict[str, torch.nn.Module],
                     family: Optional[FamilyPlan], builtin: bool, attention: dict[str, torch.nn.Module], tp: int,
                     tp_group: dist.ProcessGroup, sequence_parallel: Optional[bool]) -> list[str]:
     """What the model as a whole says against the plan: its family's checks (an explicit
-    plan that shards attention keeps them), ties, head counts, weights differing across
-    ranks."""
+    plan that shards attention keeps them), sequence parallelism on a model that embeds
+    token ids, ties, head counts, weights differing across ranks."""
     problems = []
     if family is not None and (builtin or attention_converted(model, found.columns)):
         problems += [f"{family.model_type}: {p}" for p in family.check(model.config, tp)]
         if not builtin:
             problems += _family_norm_problems(model, family, found.planned, found.columns)
-        if sequence_parallel:
-            problems.append(f"{family.model_type}: sequence_parallel=True does not apply to Hugging Face "
-                            f"models (activations are [batch, seq, hidden]; SP splits dim 0)")
+    problems += sequence_parallel_problems(model, found.planned, found.entries, sequence_parallel)
     problems += tied_problems(model, found.planned)
     for name, m in attention.items():
         problems += head_problems(name, m, tp, getattr(model, "config", None), found.planned)

@@ -14,9 +14,17 @@ only rearrange its features (``view``/``reshape``, ``transpose``/``permute``,
 ``tensor_split``, ``unbind``, ``narrow``, indexing): the cut points of the output's
 feature dim, or -- after a reshape into ``[blocks, inner]`` -- of the inner dim of each
 block. Blocks are harmless when their count follows the TP size on the wrapped model
-(a ``-1`` in the reshape, or a head count stored on the module, which ``wrap`` localizes:
-GPT-NeoX's and Bloom's per-head ``[q, k, v]``); a fixed count (CodeGen's ``mp_num = 4``)
-makes the layout a fused one of ``blocks x parts`` parts.
+(a head count: stored on the module, which ``wrap`` localizes, or the model config's --
+GPT-NeoX's and Bloom's per-head ``[q, k, v]``, GPT-NeoX's count given as ``-1``); any other
+count is fixed, ``-1`` or not: CodeGen's ``view(..., -1, 3 * embed_dim // mp_num)`` makes
+``mp_num = 4`` blocks of ``[q; v; k]`` whatever the TP size (``embed_dim`` is localized),
+each of 2 of its 8 heads. No plan entry shards that layout: a ``FusedColumn`` of the
+12 parts gives each rank heads from every block, and the row projection after the
+attention takes a contiguous range of heads; the block is refused with the exclude that
+keeps it replicated; so is a cut across whole heads (DiffLlama's ``chunk(2, dim=1)`` of
+the value heads, pairing head i with head i + heads/2, a pairing its output side follows
+too). (On the wrapped model, traced on its first forward, the config's
+head counts are not the local ones: there a ``-1`` count follows the TP size.)
 
 :func:`fused_problems` compares what the model does with the plan: a plain ``"column"``
 whose output is cut into parts, and a ``FusedColumn`` whose parts are not the pieces cut
@@ -31,6 +39,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
+from .checks import name_pattern
 from .heads import HEAD_ATTRS, KV_HEAD_ATTRS
 from .plan_styles import FusedColumn
 
@@ -71,6 +80,8 @@ class Cuts:
     scales: bool = True
     points: set[int] = dataclasses.field(default_factory=set)
     how: str = ""
+    where: str = ""  # the module whose forward cut it
+    heads: bool = False  # cut along a dim of whole heads (after a view into [heads, head_dim])
 
     def parts(self) -> tuple[int, ...]:
         """The pieces cut, in order (every block's, for a fixed block count)."""
@@ -84,8 +95,12 @@ class SplitWatcher:
     """Follows column outputs through rearranging ops and records their cuts (by tensor
     ``id``; the followed tensors are kept alive until the trace ends)."""
 
-    def __init__(self, modules: Mapping[str, torch.nn.Module]) -> None:
+    def __init__(self, modules: Mapping[str, torch.nn.Module], local: bool = False) -> None:
         self.modules = modules
+        self.local = local  # the wrapped model's first forward: module head counts are per rank, the config's not
+        config = getattr(modules.get(""), "config", None)
+        self.config_heads = {v for a in HEAD_ATTRS + KV_HEAD_ATTRS + ("num_attention_heads", "num_key_value_heads")
+                             if isinstance(v := getattr(config, a, None), int) and not isinstance(v, bool)}
         self.layouts: dict[int, tuple[str, tuple[Optional[_Factor], ...]]] = {}
         self.cuts: dict[tuple[str, int], Cuts] = {}
         self.keep: list[torch.Tensor] = []
@@ -140,15 +155,17 @@ class SplitWatcher:
         stride, new = src.shape[-1], []
         for i, size in enumerate(tail):
             stride //= size
-            scales = i > 0 or outer_asked == -1 or size in heads
+            scales = i > 0 or size in heads or (outer_asked == -1 and (self.local or not heads))
             new.append(_Factor(stride, size, scales))
         self._follow(out, name, (None,) * len(lead) + tuple(new))
 
     def _head_counts(self, where: str) -> set[int]:
-        """Head counts stored on the module ``where`` (wrap localizes them)."""
+        """Head counts stored on the module ``where`` (wrap localizes them), and on the
+        original model's config."""
         m = self.modules.get(where)
         attrs = vars(m) if m is not None else {}
-        return {v for a in HEAD_ATTRS + KV_HEAD_ATTRS if isinstance(v := attrs.get(a), int)}
+        stored = {v for a in HEAD_ATTRS + KV_HEAD_ATTRS if isinstance(v := attrs.get(a), int)}
+        return stored | (self.config_heads if not self.local else set())
 
     def _permute(self, src: torch.Tensor, out: torch.Tensor, name: str, dims: tuple, fname: str, args: tuple,
                  kwargs: dict) -> None:
@@ -183,6 +200,8 @@ class SplitWatcher:
             entry = self.cuts.setdefault(key, cuts)
             entry.points |= scaled
             entry.how = entry.how or f"{'indexing' if fname == '__getitem__' else fname} in {where}"
+            entry.where = entry.where or where
+            entry.heads = entry.heads or factor.stride > 1
 
 
 def _width(dims: tuple) -> int:
@@ -288,13 +307,24 @@ def fused_problems(cuts: Mapping[tuple[str, int], Cuts], styles: Mapping[str, An
         layout = (f"reshaped into {cut.blocks} blocks (a fixed count, not a head count wrap localizes) and each "
                   f"block cut into {inner}" if cut.blocks > 1 else f"cut into parts of {list(parts)} features")
         odd = [p for p in parts if p % tp]
-        if odd:
+        if cut.heads and cut.blocks == 1:
+            fix = (f"The model pairs heads across those parts (it cuts the heads, not the features: DiffLlama's "
+                   f"chunk(2, dim=1)), and its other projections follow the pairing too, which no plan style "
+                   f"expresses: exclude {name_pattern(cut.where)!r} (it stays replicated)")
+        elif cut.blocks > 1:
+            fix = (f"No plan entry shards this layout (each rank would take heads from all {cut.blocks} blocks, while "
+                   f"the row projection after them takes a contiguous range): exclude {name_pattern(cut.where)!r} "
+                   f"(it stays replicated)")
+        elif odd:
             fix = (f"no split over {tp} ranks exists (a part of {odd[0]} features): exclude the block that holds "
                    f"{name}")
         else:
             fix = f"Write {entries[name].split(' = ')[0]} = {suggested_style(parts)} (each part split over the ranks, " \
                   f"in this order)"
-        if style == "column":
+        if isinstance(style, FusedColumn) and (cut.blocks > 1 or cut.heads):
+            problems.append(f"{name}: {entries[name]}, but the model's forward ({cut.how}) has its output {layout}. "
+                            f"{fix}")
+        elif style == "column":
             problems.append(f"{name}: {entries[name]}, but the model's forward ({cut.how}) has its output {layout}: "
                             f"a fused projection. As one column each rank would hold a contiguous block of the "
                             f"{width} features and the model's split would separate the wrong ones (wrong numbers, "

@@ -10,7 +10,7 @@ a way no attribute fixes must be refused:
   ``num_heads`` the ``-1`` silently absorbs the halved width into the *sequence*
   dimension (no error, wrong numbers); StableLM and Bloom view with ``self.num_heads`` /
   ``self.num_key_value_heads``; GPT-2 and Bloom split the fused output at
-  ``self.split_size``.
+  ``self.split_size``, nanoGPT at ``self.n_embd``.
 * StableLM's per-head q/k LayerNorms are a ``ModuleList`` with one norm per head, zipped
   with the heads: after sharding rank 1 would normalise its heads with the norms of
   heads 0..h/tp-1.
@@ -26,7 +26,7 @@ attribute (instance ``int``)                                becomes
 ``num_key_value_heads``, ``num_kv_heads``, ``n_kv_heads``,   ``value / tp``
 ``kv_heads``
 ``embed_dim``, ``hidden_size``, ``all_head_size``,           ``value / tp``, only where the
-``split_size``, ``inner_dim``                                value is the projection width
+``split_size``, ``inner_dim``, ``n_embd``                    value is the projection width
                                                              ``heads * head_dim`` (module's
                                                              ``head_dim`` / ``head_size``)
                                                              or a part size of a converted
@@ -53,7 +53,8 @@ __all__ = ["HEAD_ATTRS", "KV_HEAD_ATTRS", "WIDTH_ATTRS", "attention_modules", "h
 HEAD_ATTRS = ("num_heads", "num_attention_heads", "n_head", "n_heads")
 # ``kv_heads``: GPT-BigCode (1 under multi-query attention, which no TP size > 1 divides).
 KV_HEAD_ATTRS = ("num_key_value_heads", "num_kv_heads", "n_kv_heads", "kv_heads")
-WIDTH_ATTRS = ("embed_dim", "hidden_size", "all_head_size", "split_size", "inner_dim")
+# ``n_embd``: nanoGPT's attention splits its fused ``c_attn`` output at ``self.n_embd``.
+WIDTH_ATTRS = ("embed_dim", "hidden_size", "all_head_size", "split_size", "inner_dim", "n_embd")
 _HEAD_DIM_ATTRS = ("head_dim", "head_size", "attention_head_size")
 
 

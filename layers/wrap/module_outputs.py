@@ -79,8 +79,9 @@ class ModuleOutputs:
         text = str(error).strip().splitlines()[0] if str(error).strip() else ""
         return (f"the wrapped model raised in {where} ({type(error).__name__}: {text}): a size there still counts "
                 f"every head or feature the plan now splits over the ranks (a per-head parameter or buffer, a tensor "
-                f"built for all heads, a width or head count kept where wrap does not localize it). Plan entries "
-                f"sharding {block}: {'; '.join(entries[:4]) or 'none'}. Exclude {name_pattern(block)!r} (it stays "
+                f"built for all heads, a width or head count kept where wrap does not localize it, a width read "
+                f"from the module's input, which stays whole: nanoGPT's C = x.size(-1) as n_head * head_dim). "
+                f"Plan entries sharding {block}: {'; '.join(entries[:4]) or 'none'}. Exclude {name_pattern(block)!r} (it stays "
                 f"replicated) or pass wrap(fixup=f) to set what it keeps to this rank's share")
 
     def __exit__(self, *exc: Any) -> None:

@@ -6,7 +6,7 @@
   kept for the comparison after conversion (``tp_fuse.layers.wrap.verify``);
 * :func:`sync_traced` -- after conversion: the gradients of the replicated parameters
   used on sharded activations only are summed over TP (``tp_fuse.layers.grad_sync``);
-* :func:`trace_lazily` -- a model without a probe (not a Hugging Face model, no
+* :func:`trace_lazily` -- a model without a probe (one that takes no token ids, no
   ``verify=``): the wrapped model's first forward is traced instead, and the same sync
   is installed right after it, before its backward (a hook on a leaf tensor registered
   then still applies to that backward). Problems found then raise from that forward.
@@ -29,7 +29,8 @@ from .checks import collapse
 from .report import WrapReport
 from .module_outputs import ModuleOutputs
 from .trace import FIRST_FORWARD_ERROR, TraceChecks, TraceResult, trace_first_forward, trace_sharded_uses
-from .verify import Reference, auto_probe, evaluation, reference_pass, stash_grads
+from .probe import auto_probe
+from .verify import Reference, evaluation, reference_pass, stash_grads
 
 __all__ = ["probe_original", "sync_traced", "shard_with_heads", "trace_lazily"]
 
@@ -39,7 +40,7 @@ def probe_original(model: torch.nn.Module, probe: Optional[Callable[[torch.nn.Mo
                    ) -> tuple[Optional[TraceResult], Optional[Reference], Optional[str]]:
     """Trace one forward of the original model (and, with a ``probe`` to verify with, its
     backward and every module's output, for the comparison after wrapping). Without a
-    ``probe`` the automatic one of a Hugging Face model is traced (best effort: if it
+    ``probe`` the automatic one (a model that takes token ids) is traced (best effort: if it
     fails, the wrapped model's first forward is traced). A ``strict`` probe (the caller's)
     failing is a ``ValueError``; the default one failing returns why, as the third value,
     and no reference (the model is then not verified)."""

@@ -353,7 +353,7 @@ def _start(model: torch.nn.Module, columns: set[str], rows: set[str], skip_root:
     for name, p in model.named_parameters(remove_duplicate=False):
         if not name.startswith(inside) and id(p) not in params:
             params[id(p)] = name
-    watcher = SplitWatcher(dict(model.named_modules())) if checks.fused is not None else None
+    watcher = SplitWatcher(dict(model.named_modules()), local) if checks.fused is not None else None
     constants = frozenset(id(b) for b in model.buffers())
     tracer = _ShardTracer(params, checks, local, watcher, constants)
     return tracer, _install_hooks(model, tracer, columns, rows, skip_root, norms)

@@ -15,15 +15,14 @@ restored) with the RNG state forked, so neither changes the caller's random stre
 and without FP8 (``wrap(fp8=...)`` is applied after): this checks the tensor-parallel
 conversion, not quantization.
 
-Cost: two forwards and backwards on the probe (a ``[2, 8]`` token batch for a Hugging
-Face model with ``verify=True``), one full-model gradient held per rank between them
+Cost: two forwards and backwards on the probe (a ``[2, 8]`` token batch for a model
+that takes token ids), one full-model gradient held per rank between them
 (the original's parameters' size), and one all-gather per sharded parameter. Gradients
 that existed before are put back afterwards on the parameters wrap kept; the rest are
 None.
 
-Probes: ``verify=True`` (Hugging Face models: ``model(input_ids=..., use_cache=False)``
-with random ids from ``config.vocab_size``), a tensor (``model(t)``), a tuple
-(``model(*t)``), a dict (``model(**d)``) or a callable ``f(model) -> output``.
+Probes: ``tp_fuse.layers.wrap.probe`` (the automatic one of a model that takes token ids,
+or the caller's).
 """
 
 from __future__ import annotations
@@ -31,7 +30,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator
 from typing import Any, Optional
 
 import torch
@@ -41,7 +40,7 @@ from ..sharding import gather_tensor
 from .module_outputs import ModuleOutputs, first_difference
 from .trace import output_leaves
 
-__all__ = ["Reference", "make_probe", "auto_probe", "evaluation", "reference_pass", "compare"]
+__all__ = ["Reference", "evaluation", "reference_pass", "compare"]
 
 # Largest max|wrapped - original| / max|original| accepted, by the parameters' dtype. A
 # conversion error is O(1) on this scale (a wrong head, a partial gradient: 0.5 to 1.2 in
@@ -49,51 +48,6 @@ __all__ = ["Reference", "make_probe", "auto_probe", "evaluation", "reference_pas
 # a different order at 8-bit mantissas: 0.1 keeps that noise out and the errors in.
 TOLERANCE = {torch.float64: 1e-9, torch.float32: 1e-4}
 LOW_PRECISION_TOLERANCE = 0.1
-
-
-def auto_probe(model: torch.nn.Module) -> Optional[Callable[[torch.nn.Module], Any]]:
-    """A probe for a Hugging Face causal LM (``config.vocab_size`` and an ``input_ids``
-    forward): ``[2, 8]`` random token ids (fewer positions if the model has fewer, or if 8
-    is a head count); None for other models."""
-    config = getattr(model, "config", None)
-    vocab = getattr(config, "vocab_size", None)
-    if not isinstance(vocab, int) or vocab < 1 or not isinstance(getattr(config, "model_type", None), str):
-        return None
-    positions = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None) or 8
-    seq = max(2, min(8, int(positions)))
-    # A sequence length equal to a head count would make the trace's per-head check
-    # (tp_fuse.layers.wrap.per_head) mistake a [.., seq, seq] mask for a per-head tensor.
-    heads = {getattr(config, a, None) for a in ("num_attention_heads", "num_key_value_heads")}
-    while seq > 2 and seq in heads:
-        seq -= 1
-    ids = torch.randint(0, vocab, (2, seq), generator=torch.Generator().manual_seed(1234))
-
-    def run(m: torch.nn.Module) -> Any:
-        device = next(m.parameters()).device
-        return m(input_ids=ids.to(device), use_cache=False)
-
-    return run
-
-
-def make_probe(model: torch.nn.Module, verify: Any) -> Callable[[torch.nn.Module], Any]:
-    """The probe callable for ``wrap(verify=...)``; ValueError for what cannot be one."""
-    if verify is True:
-        probe = auto_probe(model)
-        if probe is None:
-            raise ValueError("wrap(verify=True): no automatic probe for this model (only Hugging Face models with "
-                             "config.vocab_size get one); pass verify=<input tensor | tuple of args | dict of "
-                             "kwargs | callable(model) -> output>")
-        return probe
-    if isinstance(verify, torch.Tensor):
-        return lambda m: m(verify)
-    if isinstance(verify, tuple):
-        return lambda m: m(*verify)
-    if isinstance(verify, Mapping):
-        return lambda m: m(**verify)
-    if callable(verify):
-        return verify
-    raise ValueError(f"wrap: verify must be None, True, a tensor, a tuple, a dict or a callable(model), "
-                     f"got {type(verify).__name__}")
 
 
 @contextlib.contextmanager

@@ -4,11 +4,13 @@
 least one module converted), the wrapped model is compared with the original on a probe
 (``tp_fuse.layers.wrap.verify``):
 
-* ``verify=None`` (the default): the automatic probe of a Hugging Face causal LM (``[2, 8]``
-  random token ids, the one the launcher uses). A model without one (a plain torch model,
-  a megatron-core ``GPTModel``) is not verified, with a warning that says how to give a
-  probe; so is a model whose automatic probe fails on the original (its forward needs
-  other inputs).
+* ``verify=None`` (the default): the automatic probe of a model that takes token ids
+  (``[2, 8]`` random ids: a Hugging Face causal LM, the launcher's probe, or a forward
+  whose first parameter is ``idx`` / ``tokens`` / ``input_ids``, as nanoGPT's and
+  torchtitan's; ``tp_fuse.layers.wrap.probe``). A model without one (a plain torch model
+  on activations, a megatron-core ``GPTModel``) is not verified, with a warning that says
+  how to give a probe; so is a model whose automatic probe fails on the original (its
+  forward needs other inputs).
 * ``verify=<probe>`` (``True``, a tensor, a tuple, a dict, a callable): that probe; its
   failure on the original model is an error.
 * ``verify=False``: an explicit opt-out, with a warning naming what is then not checked.
@@ -33,7 +35,8 @@ import torch
 import torch.distributed as dist
 
 from .report import WrapReport
-from .verify import Reference, auto_probe, compare, make_probe
+from .probe import WHO_GETS_ONE, auto_probe, make_probe
+from .verify import Reference, compare
 
 __all__ = ["ProbeChoice", "choose_probe", "check_verify_arg", "finish_verification", "warn_unverified",
            "VERIFY_ERROR"]
@@ -82,8 +85,8 @@ def choose_probe(model: torch.nn.Module, verify: Any, converts: bool, tp: int) -
         return ProbeChoice(None, False)
     probe = auto_probe(model)
     if probe is None:
-        return ProbeChoice(None, False, f"no automatic probe for {type(model).__name__} (only Hugging Face causal "
-                                        f"LMs with config.vocab_size get one)")
+        return ProbeChoice(None, False, f"no automatic probe for {type(model).__name__} (only {WHO_GETS_ONE} get "
+                                        f"one)")
     return ProbeChoice(probe, False)
 
 
