@@ -1,7 +1,7 @@
 # Two commands on a fresh machine:
 #   make train   runs the main job on its default config
 #   make test    installs what is missing and runs the full test suite
-#   make test-quick  the single-process tests only (about 2 minutes): the loop while changing one room
+#   make test-quick  the single-process tests only (under a minute): the loop while changing one room
 PYTHON ?= python3
 # make train NPROC=2 ARGS="fp8=delayed parallel.tp=2"  (any launch/train.py override)
 NPROC ?= 1
@@ -38,9 +38,10 @@ train: install
 test: install
 	$(PYTHON) -m pytest -q -n 2 --dist loadfile tests
 
-# Leaves out the modules that start processes or compile (tests/conftest.py: SLOW_MODULES).
+# Leaves out the modules that start processes or compile (tests/conftest.py: SLOW_MODULES),
+# on two workers (pytest-xdist): the in-process tests are CPU-bound and independent.
 test-quick: install
-	$(PYTHON) -m pytest -q -m "not slow" tests
+	$(PYTHON) -m pytest -q -n 2 -m "not slow" tests
 
 bench: install
 	$(PYTHON) examples/bench_fuser_overhead.py
