@@ -21,7 +21,7 @@ from .float8.tensor import Float8Tensor
 from .quantized_tensor import QuantizedTensor
 from .role import QuantizerRole
 from .float8.te_quantizers import DType, Float8CurrentScalingQuantizer, Float8Quantizer
-from .gemm import fp8_gemm, fp8_gemm_of_views
+from .gemm import fp8_gemm
 from .parameter import is_fp8_parameter, make_fp8_parameter
 from .quantizer import (
     CurrentScalingQuantizer,
@@ -82,7 +82,6 @@ __all__ = [
     "active_autocast",
     "autocast",
     "fp8_gemm",
-    "fp8_gemm_of_views",
     "is_backward_role",
     "is_fp8_parameter",
     "make_fp8_parameter",
