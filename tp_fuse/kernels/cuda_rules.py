@@ -164,6 +164,7 @@ def scaled_mm(
     out_dtype: torch.dtype,
     bias: Optional[torch.Tensor] = None,
     *,
+    cpu_path: Optional[str] = None,
     cpu_units: Optional[str] = None,
     checked: bool = False,
 ) -> torch.Tensor:
@@ -172,7 +173,8 @@ def scaled_mm(
     has (``checked``: the FP8 GEMM's plan checks a signature once); on CPU the exact
     emulation (``fp8_emulation.emulated_scaled_mm``) unless ``TP_FUSE_CPU_FP8_GEMM=scaled_mm``,
     which then writes a float64 output as the fp32 GEMM widened (oneDNN's CPU kernel refuses
-    float64). ``cpu_units``: the emulation's GEMM units (``fp8_emulation.emulation_units``)
+    float64). ``cpu_path``: that setting when the caller holds it (``cpu_fp8_gemm_path()``);
+    ``cpu_units``: the emulation's GEMM units (``fp8_emulation.emulation_units``)
     when the caller has chosen them.
 
     Shapes: ``mat1 [M, K]`` row-major, ``mat2 [K, N]`` column-major, ``out [M, N]``.
@@ -180,7 +182,7 @@ def scaled_mm(
     if not checked and strict_cuda_enabled():
         check_scaled_mm(mat1, mat2, scale_a, scale_b, out_dtype, bias)
     if mat1.device.type == "cpu":
-        if cpu_fp8_gemm_path() == "emulate":
+        if (cpu_path or cpu_fp8_gemm_path()) == "emulate":
             # Counted as the one cuBLASLt launch it stands for (launch_count).
             with one_launch("cuda._scaled_mm"):
                 return emulated_scaled_mm(mat1, mat2, scale_a, scale_b, out_dtype, bias, units=cpu_units)

@@ -186,12 +186,10 @@ class Fp8GemmPlan:
             self.units = static_units(a.shape[0], b.shape[0], a.shape[1], self.acc_dtype)
             self.variant = None if self.units is None else emulation_variant(self.units)
         if strict:
-            check_scaled_mm(a, b.t(), _scalar(scale_a), _scalar(scale_b), self.gemm_dtype, self._gemm_bias(bias))
-
-    def _gemm_bias(self, bias: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
-        if bias is None or not self.fused_bias:
-            return None
-        return bias.to(self.out_dtype) if self.bias_to_out else bias
+            gemm_bias = None if bias is None or not self.fused_bias else (
+                bias.to(out_dtype) if self.bias_to_out else bias)
+            check_scaled_mm(a, b.t(), scale_a if scale_a.dim() == 0 else scale_a.reshape(()),
+                            scale_b if scale_b.dim() == 0 else scale_b.reshape(()), self.gemm_dtype, gemm_bias)
 
     def run(
         self,
@@ -212,8 +210,11 @@ class Fp8GemmPlan:
         if self.contiguous:
             a, b = a.contiguous(), b.contiguous()
         out_dtype = self.out_dtype
-        pre = scaled_mm(a, b.t(), _scalar(scale_a), _scalar(scale_b), self.gemm_dtype, bias=self._gemm_bias(bias),
-                        cpu_units=units, checked=True)
+        # (written out rather than helpers: this runs per GEMM, and every Python call is host time)
+        gemm_bias = None if bias is None or not self.fused_bias else (bias.to(out_dtype) if self.bias_to_out else bias)
+        pre = scaled_mm(a, b.t(), scale_a if scale_a.dim() == 0 else scale_a.reshape(()),
+                        scale_b if scale_b.dim() == 0 else scale_b.reshape(()), self.gemm_dtype, bias=gemm_bias,
+                        cpu_path=self.cpu_path, cpu_units=units, checked=True)
         if self.gemm_dtype != out_dtype:
             pre = pre.to(out_dtype)
         if bias is not None and not self.fused_bias:
@@ -239,10 +240,6 @@ class Fp8GemmPlan:
         out = emulated_mm_decoded(a, b.t(), scale_a, scale_b, self.out_dtype, bias, units=units)
         dispatch.log_call("fp8_gemm", self.choice, self.variant or emulation_variant(units), a.device)
         return out
-
-
-def _scalar(scale: torch.Tensor) -> torch.Tensor:
-    return scale if scale.dim() == 0 else scale.reshape(())
 
 
 def _check_fp8_gemm_args(
