@@ -12,7 +12,6 @@ from .autocast import (
     quantized_model_init,
 )
 from .block import wire as block_wire
-from .block.gemm import block_gemm
 from .block.quantizer import BlockScalingQuantizer, is_block_recipe
 from .block.tensor import BlockPayload, BlockScaledTensor, Float8BlockwiseQTensor, MXFP8Tensor, NVFP4Tensor
 from .nvfp4.quantizer import NVFP4Quantizer
@@ -58,7 +57,6 @@ __all__ = [
     "BlockPayload",
     "BlockScaledTensor",
     "BlockScalingQuantizer",
-    "block_gemm",
     "is_block_recipe",
     "is_quantized_tensor",
     "BackwardAmaxTracker",

@@ -34,7 +34,7 @@ from .reduce_scatter import ReduceScatter
 from ..compiled.comm import AllReduceBackward, tp_group
 from ..compiled.fp8_linear import BlockLinearFunction, Fp8LinearFunction
 from ..compiled.fp8_linear_cuda import Fp8LinearCudaFunction
-from ...quantization.compile_state import HAVE_COMPILE_REFS
+from ...quantization.compile_ref import HAVE_COMPILE_REFS
 from ...quantization.custom_ops import NO_OBSERVER
 from ...quantization.gemm_choice import traced_gemms_auto
 
