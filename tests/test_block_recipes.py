@@ -271,7 +271,7 @@ def test_rowwise_scaled_mm_equals_the_emulation():
     r = Float8RowwiseScaling()
     a = make_quantizer(r, "input").quantize(_gen(9, 32, 64).float())
     b = make_quantizer(r, "weight").quantize(_gen(10, 16, 64).float())
-    assert_close(block_gemm(a, b, torch.float32), emulated_block_gemm(a._rowwise, b._rowwise, torch.float64),
+    assert_close(fp8_gemm(a, b, torch.float32), emulated_block_gemm(a._rowwise, b._rowwise, torch.float64),
                  torch.float32)
 
 

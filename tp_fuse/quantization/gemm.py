@@ -89,9 +89,11 @@ def fp8_gemm(
     if plan is None:
         plan = _plan(a, b, out_dtype, bias, transpose_a, transpose_b, key)
     if plan is _BYTES:
-        a = a.transpose_fp8() if transpose_a else a
-        b = b.transpose_fp8() if transpose_b else b
-        return kernels.fp8_gemm(a._fp8, b._fp8, a._sinv, b._sinv, out_dtype, bias=bias)[0]
+        # A transposed operand is its K-major transposed bytes (cached on the tensor), not a
+        # Float8Tensor wrapper built to be unwrapped.
+        return kernels.fp8_gemm(a.transpose_data() if transpose_a else a._fp8,
+                                b.transpose_data() if transpose_b else b._fp8,
+                                a._sinv, b._sinv, out_dtype, bias=bias)[0]
     # The CPU emulation: decoded operands (kept where the caller asked), transposed as views.
     acc = plan.acc_dtype
     da = a.decoded(acc)
