@@ -1,7 +1,10 @@
+import contextlib
 import os
 import sys
 
 import pytest
+
+from tp_fuse import settings
 
 # Tests import helpers such as `tolerances` and `dist_utils` as top-level modules.
 sys.path.insert(0, os.path.dirname(__file__))
@@ -95,6 +98,15 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if item.module.__name__ in SLOW_MODULES:
             item.add_marker(pytest.mark.slow)
+
+
+@pytest.fixture
+def tp_settings():
+    """``tp_settings(TP_FUSE_STRICT_CUDA="1", ...)`` changes tp_fuse's environment switches
+    for the rest of the test (``tp_fuse.settings.override``: the variables and the settings
+    snapshot); everything is restored after it. ``None`` unsets a variable."""
+    with contextlib.ExitStack() as stack:
+        yield lambda **variables: stack.enter_context(settings.override(**variables))
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -14,7 +14,7 @@ import torch
 import tp_fuse
 from tolerances import FP8_UNIT_ROUNDOFF, assert_close, assert_fp8_matmul_close
 from tp_fuse import ops
-from tp_fuse.quantization import BlockScaledTensor, BlockScalingQuantizer, block_gemm
+from tp_fuse.quantization import BlockScaledTensor, BlockScalingQuantizer, fp8_gemm
 from tp_fuse.quantization.block import wire as block_wire
 from tp_fuse.quantization.block.gemm import BlockPayload, blockwise_scaled_mm, emulated_block_gemm, swizzle_mx_scales
 from tp_fuse.quantization.block.scaling import BlockSpec, ScaleRule, quantize_blocks
@@ -228,7 +228,7 @@ def test_128x128_weight_blocks_are_transposition_invariant():
 def test_missing_columnwise_copy_is_an_error_not_a_requantization():
     t = make_quantizer(MXFP8BlockScaling(), "input").quantize(torch.randn(4, 64))
     with pytest.raises(ValueError, match="rowwise copy was not quantized.*transpose=True"):
-        block_gemm(t.transpose_fp8(), t.transpose_fp8(), torch.float32)
+        fp8_gemm(t, t, torch.float32, transpose_a=True, transpose_b=True)
 
 
 # ---------------------------------------------------------------- tensor type
@@ -271,7 +271,7 @@ def test_rowwise_scaled_mm_equals_the_emulation():
     r = Float8RowwiseScaling()
     a = make_quantizer(r, "input").quantize(_gen(9, 32, 64).float())
     b = make_quantizer(r, "weight").quantize(_gen(10, 16, 64).float())
-    assert_close(block_gemm(a, b, torch.float32), emulated_block_gemm(a._rowwise, b._rowwise, torch.float64),
+    assert_close(fp8_gemm(a, b, torch.float32), emulated_block_gemm(a._rowwise, b._rowwise, torch.float64),
                  torch.float32)
 
 
@@ -279,9 +279,9 @@ def test_block_gemm_errors():
     a = make_quantizer(Float8BlockScaling(), "input").quantize(torch.randn(4, 128))
     b = make_quantizer(MXFP8BlockScaling(), "weight").quantize(torch.randn(8, 128))
     with pytest.raises(ValueError, match="different recipes"):
-        block_gemm(a, b, torch.float32)
+        fp8_gemm(a, b, torch.float32)
     with pytest.raises(ValueError, match="BlockScaledTensor operands"):
-        block_gemm(a, torch.randn(8, 128), torch.float32)
+        fp8_gemm(a, torch.randn(8, 128), torch.float32)
 
 
 @pytest.mark.parametrize("gemm", ["fprop", "dgrad", "wgrad"])

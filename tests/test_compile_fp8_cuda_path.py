@@ -37,9 +37,8 @@ CURRENT, DELAYED = Float8CurrentScaling(), DelayedScaling(amax_history_len=4)
 
 
 @pytest.fixture(autouse=True)
-def _strict_cuda(monkeypatch):
-    monkeypatch.setenv("TP_FUSE_STRICT_CUDA", "1")
-    monkeypatch.setenv("TP_FUSE_CPU_FP8_GEMM", "scaled_mm")
+def _strict_cuda(tp_settings):
+    tp_settings(TP_FUSE_STRICT_CUDA="1", TP_FUSE_CPU_FP8_GEMM="scaled_mm")
     torch._dynamo.reset()
     yield
     torch._dynamo.reset()

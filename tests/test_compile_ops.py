@@ -24,7 +24,8 @@ import torch._dynamo
 
 import tp_fuse
 from tp_fuse import ops
-from tp_fuse.quantization.compile_state import NO_REF, CompileKey, CompileRef, traced_key
+from tp_fuse.quantization.compile_ref import NO_REF, CompileRef
+from tp_fuse.quantization.compile_state import CompileKey, traced_key
 from tp_fuse.recipe import DelayedScaling, Float8BlockScaling, Float8CurrentScaling
 
 import tp_fuse.ops.compiled.fp8_linear  # noqa: F401  (registers the custom ops)

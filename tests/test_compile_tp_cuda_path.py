@@ -13,7 +13,6 @@ eager and compiled run one GEMM kernel, ``torch._scaled_mm``.
 
 from __future__ import annotations
 
-import os
 
 import pytest
 import torch
@@ -23,6 +22,7 @@ from functorch.compile import make_boxed_func
 from torch._dynamo.backends.common import aot_autograd
 
 import tp_fuse
+from tp_fuse import settings
 from tp_fuse.layers import TransformerLayer
 from tp_fuse.ops import BasicLinear
 from tp_fuse.recipe import DelayedScaling, Float8CurrentScaling
@@ -50,8 +50,13 @@ def _steps(layer, recipe_cls, rank: int, tp: int, group) -> list[torch.Tensor]:
 
 
 def _rank_main(rank: int, world: int) -> dict:
-    os.environ["TP_FUSE_STRICT_CUDA"] = "1"
-    os.environ["TP_FUSE_CPU_FP8_GEMM"] = "scaled_mm"
+    # The rank imported tp_fuse (with this module) before it got here: the settings change
+    # through override, which a variable set now would not reach.
+    with settings.override(TP_FUSE_STRICT_CUDA="1", TP_FUSE_CPU_FP8_GEMM="scaled_mm"):
+        return _rank_report(rank, world)
+
+
+def _rank_report(rank: int, world: int) -> dict:
     group = dist.group.WORLD
     report = {}
     for name, recipe_cls in RECIPES.items():

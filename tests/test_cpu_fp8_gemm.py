@@ -121,7 +121,7 @@ def test_nan_and_inf_propagate_like_the_float64_product():
     assert torch.equal(out.isnan(), expected.isnan()) and torch.equal(out.isinf(), expected.isinf())
 
 
-def test_float64_output_on_every_path(monkeypatch):
+def test_float64_output_on_every_path(tp_settings):
     """oneDNN's CPU _scaled_mm refuses float64 ('itensor_view_from_dense expects ...'):
     the emulation accumulates in float64, the scaled_mm path widens its fp32 result."""
     a, b = _fp8((16, 32), E5M2, 7), _fp8((16, 32), E4M3, 8)
@@ -129,27 +129,26 @@ def test_float64_output_on_every_path(monkeypatch):
     out, _ = kernels.fp8_gemm(a, b, one, one, torch.float64)
     assert out.dtype == torch.float64
     _check_against_float64(out, a, b, one, one)
-    monkeypatch.setenv(CPU_FP8_GEMM_ENV, "scaled_mm")
+    tp_settings(**{CPU_FP8_GEMM_ENV: "scaled_mm"})
     widened, _ = kernels.fp8_gemm(a, b, one, one, torch.float64)
     assert widened.dtype == torch.float64
     torch.testing.assert_close(widened, out, rtol=32 * 2.0**-24, atol=1e-6)
 
 
-def test_choice_is_recorded_and_validated(monkeypatch):
+def test_choice_is_recorded_and_validated(tp_settings):
     a = _fp8((16, 16), E4M3, 9)
     one = torch.tensor(1.0)
     with kernels.record_kernel_paths() as log:
         kernels.fp8_gemm(a, a, one, one, torch.float32)
     call = log.last("fp8_gemm")
     assert call.variant == "cpu-emulation" and "exact emulation" in call.reason
-    monkeypatch.setenv(CPU_FP8_GEMM_ENV, "scaled_mm")
+    tp_settings(**{CPU_FP8_GEMM_ENV: "scaled_mm"})
     with kernels.record_kernel_paths() as log:
         kernels.fp8_gemm(a, a, one, one, torch.float32)
     assert log.last("fp8_gemm").variant == "scaled_mm" and CPU_FP8_GEMM_ENV in log.last("fp8_gemm").reason
     assert "scaled_mm" in dispatch.planned_backend("fp8_gemm", torch.device("cpu")).reason
-    monkeypatch.setenv(CPU_FP8_GEMM_ENV, "fast")
     with pytest.raises(ValueError, match=f"{CPU_FP8_GEMM_ENV}: expected one of"):
-        kernels.fp8_gemm(a, a, one, one, torch.float32)
+        tp_settings(**{CPU_FP8_GEMM_ENV: "fast"})
 
 
 @pytest.mark.parametrize("recipe", [DelayedScaling(), Float8CurrentScaling(), Float8RowwiseScaling()],

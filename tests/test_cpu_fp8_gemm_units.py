@@ -21,7 +21,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from test_cpu_fp8_gemm import PAIRS, _check_against_float64, _fp8
-from tp_fuse import kernels
+from tp_fuse import kernels, settings
 from tp_fuse.kernels import fp8_emulation
 from tp_fuse.kernels.fp8_emulation import (
     CPU_FP8_GEMM_UNITS_ENV,
@@ -86,20 +86,19 @@ def test_bf16_units_meet_the_fp32_summation_bound(pair, mm_precision):
 
 
 @needs_amx
-def test_the_choice_is_logged_and_the_environment_keeps_fp32(monkeypatch):
+def test_the_choice_is_logged_and_the_environment_keeps_fp32(tp_settings):
     a, b = _operands(PAIRS[0])
     one = torch.tensor(1.0)
     with kernels.record_kernel_paths() as log:
         kernels.fp8_gemm(a, b, one, one, torch.float32)
     call = log.last("fp8_gemm")
     assert call.variant == "cpu-emulation-amx-bf16" and "AMX-BF16" in call.reason
-    monkeypatch.setenv(CPU_FP8_GEMM_UNITS_ENV, "fp32")
+    tp_settings(**{CPU_FP8_GEMM_UNITS_ENV: "fp32"})
     with kernels.record_kernel_paths() as log:
         kernels.fp8_gemm(a, b, one, one, torch.float32)
     assert log.last("fp8_gemm").variant == "cpu-emulation" and "fp32 GEMM" in log.last("fp8_gemm").reason
-    monkeypatch.setenv(CPU_FP8_GEMM_UNITS_ENV, "amx")
     with pytest.raises(ValueError, match=f"{CPU_FP8_GEMM_UNITS_ENV}: expected one of"):
-        kernels.fp8_gemm(a, b, one, one, torch.float32)
+        tp_settings(**{CPU_FP8_GEMM_UNITS_ENV: "amx"})
 
 
 @needs_amx
@@ -119,10 +118,9 @@ def test_units_stay_fp32_where_the_process_wide_flag_could_leak():
     other.start()
     try:
         assert emulation_units(m, n, k, torch.float32, a, b) == "fp32"
-        with pytest.MonkeyPatch.context() as env:
-            env.setenv(CPU_FP8_GEMM_UNITS_ENV, "bf16")  # the user vouches for every thread
+        with settings.override(**{CPU_FP8_GEMM_UNITS_ENV: "bf16"}):  # the user vouches for every thread
             assert emulation_units(m, n, k, torch.float32, a, b) == "amx-bf16"
-            env.setenv(CPU_FP8_GEMM_UNITS_ENV, "fp32")
+        with settings.override(**{CPU_FP8_GEMM_UNITS_ENV: "fp32"}):
             assert emulation_units(m, n, k, torch.float32, a, b) == "fp32"
         declare_matmul_free_threads([other])
         assert emulation_units(m, n, k, torch.float32, a, b) == "amx-bf16"

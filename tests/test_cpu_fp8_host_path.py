@@ -50,13 +50,13 @@ def _steps(seq: ops.Sequential, recipe, steps: int = 3) -> tuple[torch.Tensor, t
 
 
 @pytest.mark.parametrize("recipe", [DelayedScaling, Float8CurrentScaling], ids=["delayed", "current"])
-def test_views_path_equals_the_transposed_bytes_path(recipe, monkeypatch):
+def test_views_path_equals_the_transposed_bytes_path(recipe, tp_settings):
     """Same outputs and gradients (bit for bit) with views (default CPU) and with the K-major
     transposed bytes strict-CUDA mode makes: the decoded values are the same numbers, and
     torch.mm sums them in the same order for either layout here."""
     assert kernels.fp8_gemm_reads_views(torch.device("cpu"))
     fast = _steps(_block(), recipe())
-    monkeypatch.setenv(STRICT_ENV, "1")
+    tp_settings(**{STRICT_ENV: "1"})
     assert not kernels.fp8_gemm_reads_views(torch.device("cpu"))
     strict = _steps(_block(), recipe())
     torch.testing.assert_close(fast[0], strict[0], rtol=0, atol=0)

@@ -22,10 +22,10 @@ CUDA = torch.device("cuda")
 
 
 @pytest.fixture
-def fake_gpu(monkeypatch):
+def fake_gpu(monkeypatch, tp_settings):
     """A CUDA device with triton importable, of a chosen compute capability."""
     monkeypatch.setattr(dispatch, "triton_status", lambda: (True, "triton X"))
-    monkeypatch.delenv(dispatch.FP8_GEMM_ENV, raising=False)
+    tp_settings(TP_FUSE_FP8_GEMM=None)
 
     def set_capability(cap):
         monkeypatch.setattr(dispatch, "cuda_capability", lambda device: cap)
@@ -46,17 +46,18 @@ def test_fp8_gemm_defaults_to_scaled_mm_on_cuda(fake_gpu):
     assert kernels.planned_backend("quantize", CUDA, torch.bfloat16).backend == "triton"
 
 
-def test_triton_gemm_only_by_explicit_choice(fake_gpu, monkeypatch):
+def test_triton_gemm_only_by_explicit_choice(fake_gpu, tp_settings):
     assert dispatch.select_fp8_gemm_backend(CUDA, "triton").backend == "triton"
-    monkeypatch.setenv(dispatch.FP8_GEMM_ENV, "triton")
+    tp_settings(TP_FUSE_FP8_GEMM="triton")
     choice = dispatch.select_fp8_gemm_backend(CUDA)
     assert choice.backend == "triton" and "TP_FUSE_FP8_GEMM=triton" in choice.reason
-    monkeypatch.setenv(dispatch.FP8_GEMM_ENV, "torch")
+    tp_settings(TP_FUSE_FP8_GEMM="torch")
     choice = dispatch.select_fp8_gemm_backend(CUDA)
     assert choice.backend == "torch" and ": chosen;" in choice.reason
-    monkeypatch.setenv(dispatch.FP8_GEMM_ENV, "cublas")
-    with pytest.raises(ValueError, match="TP_FUSE_FP8_GEMM: expected 'torch' or 'triton', got 'cublas'"):
-        dispatch.select_fp8_gemm_backend(CUDA)
+    # An invalid value is refused when the settings are read, before any GEMM runs.
+    with pytest.raises(ValueError, match=r"TP_FUSE_FP8_GEMM: expected one of \('torch', 'triton'\), got 'cublas'"):
+        tp_settings(TP_FUSE_FP8_GEMM="cublas")
+    assert dispatch.select_fp8_gemm_backend(CUDA).backend == "torch"  # the refused value changed nothing
 
 
 def test_gpus_without_fp8_tensor_cores_get_a_reason_not_a_crash_inside_cublas(fake_gpu, monkeypatch):
@@ -152,20 +153,19 @@ def test_each_scaled_mm_rule(case, needle):
     assert any(needle in i for i in issues), issues
 
 
-def test_scaled_mm_checks_only_in_strict_mode(monkeypatch):
+def test_scaled_mm_checks_only_in_strict_mode(tp_settings):
     a, bt, sa, sb = _operands(k=40)
-    monkeypatch.delenv(STRICT_ENV, raising=False)
+    tp_settings(**{STRICT_ENV: None})
     assert scaled_mm(a, bt, sa, sb, torch.float32).shape == (32, 16)  # CPU takes it
-    monkeypatch.setenv(STRICT_ENV, "1")
+    tp_settings(**{STRICT_ENV: "1"})
     with pytest.raises(CudaConformanceError, match="TP_FUSE_STRICT_CUDA=1: CUDA's torch._scaled_mm would reject"):
         scaled_mm(a, bt, sa, sb, torch.float32)
-    monkeypatch.setenv(STRICT_ENV, "yes")
     with pytest.raises(ValueError, match="TP_FUSE_STRICT_CUDA: expected 0 or 1, got 'yes'"):
-        scaled_mm(a, bt, sa, sb, torch.float32)
+        tp_settings(**{STRICT_ENV: "yes"})
 
 
 @pytest.mark.parametrize("with_bias", [False, True])
-def test_float64_output_takes_cudas_path_in_strict_mode(monkeypatch, with_bias):
+def test_float64_output_takes_cudas_path_in_strict_mode(tp_settings, with_bias):
     """Found by strict mode: CUDA's _scaled_mm writes no float64; the kernel used to ask it
     to. The CUDA branch now runs the GEMM in fp32 and widens (bias added after)."""
     g = torch.Generator().manual_seed(3)
@@ -173,20 +173,20 @@ def test_float64_output_takes_cudas_path_in_strict_mode(monkeypatch, with_bias):
     b = (torch.randn(48, 32, generator=g) * 4).to(E4M3)
     sa, sb = torch.tensor(0.25), torch.tensor(0.5)
     bias = torch.randn(48, generator=g, dtype=torch.float64) if with_bias else None
-    monkeypatch.setenv(STRICT_ENV, "1")
+    tp_settings(**{STRICT_ENV: "1"})
     out, _ = kernels.fp8_gemm(a, b, sa, sb, torch.float64, bias=bias)
     assert out.dtype == torch.float64
     ref = (a.double() * 0.25) @ (b.double() * 0.5).t() + (0 if bias is None else bias)
     torch.testing.assert_close(out, ref, rtol=2e-6, atol=1e-6)
 
 
-def test_strict_mode_rejects_a_transposed_fp8_operand(monkeypatch):
+def test_strict_mode_rejects_a_transposed_fp8_operand(tp_settings):
     a = torch.ones(16, 32).to(E4M3)
     w_t = torch.ones(32, 48).to(E4M3).t()  # [N, K] as a transposed view: not K-major
     sa = torch.tensor(1.0)
-    monkeypatch.delenv(STRICT_ENV, raising=False)
+    tp_settings(**{STRICT_ENV: None})
     assert kernels.fp8_gemm(a, w_t, sa, sa, torch.float32)[0].shape == (16, 48)  # copied on CPU
-    monkeypatch.setenv(STRICT_ENV, "1")
+    tp_settings(**{STRICT_ENV: "1"})
     with pytest.raises(CudaConformanceError, match="mat2 .* must be column-major"):
         kernels.fp8_gemm(a, w_t, sa, sa, torch.float32)
 
@@ -247,21 +247,18 @@ def test_overlap_exchange_refuses_cuda_tensors_over_gloo(monkeypatch):
     _common._check_p2p_backend(cuda_tensor, group)
 
 
-def test_check_collective_raises_only_in_strict_mode(monkeypatch):
+def test_check_collective_raises_only_in_strict_mode(tp_settings):
     x = torch.zeros(4, dtype=torch.int16)
-    monkeypatch.delenv(STRICT_ENV, raising=False)
+    tp_settings(**{STRICT_ENV: None})
     check_collective("all_reduce", [x], world_size=2)
-    monkeypatch.setenv(STRICT_ENV, "1")
+    tp_settings(**{STRICT_ENV: "1"})
     with pytest.raises(CudaConformanceError, match="NCCL would reject this all_reduce: all_reduce input 0: dtype"):
         check_collective("all_reduce", [x], world_size=2)
 
 
 def _strict_cases(rank: int, world: int) -> dict:
     """Each case on both ranks; returns what happened (the error text or "ok")."""
-    import os
-
-    from tp_fuse import comm
-    from tp_fuse.comm.overlap._common import exchange, wait_all
+    from tp_fuse import comm, settings
 
     out = {}
 
@@ -273,11 +270,22 @@ def _strict_cases(rank: int, world: int) -> dict:
             out[name] = f"{type(exc).__name__}: {exc}"
 
     group = dist.group.WORLD
-    peer = 1 - rank
-    os.environ.pop(STRICT_ENV, None)
     band = dist.ReduceOp.BAND  # gloo computes bitwise reductions, NCCL has none
-    record("BAND all_reduce, not strict", lambda: comm.all_reduce(torch.ones(4, dtype=torch.int32), group, op=band))
-    os.environ[STRICT_ENV] = "1"
+    with settings.override(**{STRICT_ENV: None}):
+        record("BAND all_reduce, not strict",
+               lambda: comm.all_reduce(torch.ones(4, dtype=torch.int32), group, op=band))
+    with settings.override(**{STRICT_ENV: "1"}):
+        _strict_cases_on(rank, group, out, record)
+    return out
+
+
+def _strict_cases_on(rank: int, group, out: dict, record) -> None:
+    """The strict-mode cases of :func:`_strict_cases`."""
+    from tp_fuse import comm
+    from tp_fuse.comm.overlap._common import exchange, wait_all
+
+    peer = 1 - rank
+    band = dist.ReduceOp.BAND
     record("BAND all_reduce, strict", lambda: comm.all_reduce(torch.ones(4, dtype=torch.int32), group, op=band))
     # Ranks pass different shapes: strict mode turns the cross-rank shape check on.
     record("all_gather shapes differ", lambda: comm.all_gather_dim0(torch.ones(2 + rank, 4), group))
@@ -291,8 +299,6 @@ def _strict_cases(rank: int, world: int) -> dict:
     shard = torch.arange(12.0).reshape(3, 4).t() + rank  # [4, 3], not contiguous
     record("gather_tensor of a transposed shard", lambda: out.__setitem__(
         "gathered", gather_tensor(shard, ShardSpec(dim=0), group)))
-    os.environ.pop(STRICT_ENV, None)
-    return out
 
 
 @pytest.mark.multirank

@@ -263,10 +263,10 @@ def test_launcher_fp8_gemms_field_and_lines():
     assert lines[2].startswith("  M=8 N=64 K=2048 DelayedScaling: FP8 (prior: ")
 
 
-def test_timed_fp8_step_meets_cuda_gemm_rules(monkeypatch):
+def test_timed_fp8_step_meets_cuda_gemm_rules(tp_settings):
     """The measured FP8 step passes CUDA's ``_scaled_mm`` rules (K-major operands, dims
     multiples of 16), checked on CPU in strict mode: on a GPU it would not raise mid-forward."""
-    monkeypatch.setenv("TP_FUSE_STRICT_CUDA", "1")
+    tp_settings(TP_FUSE_STRICT_CUDA="1")
     for recipe in (DelayedScaling(), Float8CurrentScaling()):
         clock = FakeClock(hp=2e-3, fp8=1e-3)
         assert GemmChoice(clock, warmup=1, repeats=1).runs_fp8(_op(64, 48), torch.randn(32, 48), None, _state(recipe))

@@ -195,17 +195,17 @@ def test_rowwise_all_gather_needs_aligned_scale_slices() -> None:
     assert any("16-byte aligned" in i for i in sm.symm_mem_violations(sm.AG_SCALED, args, world_size=WORLD))
 
 
-def test_strict_mode_and_run_check(monkeypatch) -> None:
+def test_strict_mode_and_run_check(tp_settings) -> None:
     args = _rs_args()
     args["reduce_op"] = "max"
     call = sm.SymmMemCall(sm.RS_SCALED, args, WORLD)
-    monkeypatch.delenv(STRICT_ENV, raising=False)
+    tp_settings(**{STRICT_ENV: None})
     sm.check_strict(call)  # off: no check
-    monkeypatch.setenv(STRICT_ENV, "1")
+    tp_settings(**{STRICT_ENV: "1"})
     with pytest.raises(CudaConformanceError, match="reduce_op"):
         sm.check_strict(call)
     # run() always checks first: the op itself is never reached with a broken call.
-    monkeypatch.setenv(STRICT_ENV, "0")
+    tp_settings(**{STRICT_ENV: "0"})
     with pytest.raises(CudaConformanceError, match="would reject"):
         call.run()
 

@@ -2,58 +2,36 @@
 
 Read by both sides: ``tp_fuse.kernels.cuda_rules`` (what CUDA's ``torch._scaled_mm``
 accepts) and ``tp_fuse.comm.nccl_rules`` (what NCCL accepts); neither depends on the other.
-The flag is read from the environment at each check (no module state), so a test can
-turn it on with ``monkeypatch.setenv``; spawned ranks inherit it.
+The flag is part of :mod:`tp_fuse.settings`' snapshot, read once at import (spawned ranks
+inherit it through the environment); a test turns it on with
+``tp_fuse.settings.override(TP_FUSE_STRICT_CUDA="1")``.
 
 ``TP_FUSE_SIMULATE_CUDA=1`` goes further: CPU tensors take the CUDA branches (Triton
 kernels in Triton's interpreter, CUDA's ``torch._scaled_mm``), so that a CPU process
-counts the kernels a GPU step launches (``tp_fuse.kernels.launch_count``). It is read
-once, when this module is imported (it decides which code paths exist in the process),
-needs ``TRITON_INTERPRET=1`` and implies strict mode.
+counts the kernels a GPU step launches (``tp_fuse.kernels.launch_count``). It decides
+which code paths exist in the process, so it cannot be overridden after import; it needs
+``TRITON_INTERPRET=1`` and implies strict mode.
 """
 
 from __future__ import annotations
 
-import os
+from . import settings
+from .settings import SIMULATE_CUDA_ENV, STRICT_ENV
 
 __all__ = ["CudaConformanceError", "SIMULATE_CUDA_ENV", "STRICT_ENV", "simulating_cuda", "strict_cuda_enabled"]
-
-STRICT_ENV = "TP_FUSE_STRICT_CUDA"
-SIMULATE_CUDA_ENV = "TP_FUSE_SIMULATE_CUDA"
 
 
 class CudaConformanceError(ValueError):
     """A call that works on CPU would be rejected on CUDA (cuBLASLt ``_scaled_mm`` or NCCL)."""
 
 
-def _read_flag(name: str) -> bool:
-    value = os.environ.get(name, "0")
-    if value not in ("0", "1", ""):
-        raise ValueError(f"{name}: expected 0 or 1, got {value!r}")
-    return value == "1"
-
-
-def _read_simulate() -> bool:
-    if not _read_flag(SIMULATE_CUDA_ENV):
-        return False
-    if os.environ.get("TRITON_INTERPRET", "0") != "1":
-        raise ValueError(
-            f"{SIMULATE_CUDA_ENV}=1 runs the Triton kernels on CPU: it needs TRITON_INTERPRET=1 set too "
-            "(tp_fuse.kernels.launch_count.simulated_cuda_env() lists the environment)"
-        )
-    return True
-
-
-_SIMULATED = _read_simulate()
-
-
 def simulating_cuda() -> bool:
     """Whether this process runs CPU tensors down the CUDA path (``TP_FUSE_SIMULATE_CUDA=1``
     at import)."""
-    return _SIMULATED
+    return settings.current().simulate_cuda
 
 
 def strict_cuda_enabled() -> bool:
-    """Whether ``TP_FUSE_STRICT_CUDA=1`` is set (read on every call: no cached state), or
-    the process simulates CUDA."""
-    return _SIMULATED or _read_flag(STRICT_ENV)
+    """Whether strict-CUDA mode is on (``TP_FUSE_STRICT_CUDA=1``, or the process simulates
+    CUDA): the settings snapshot's flag, no environment read."""
+    return settings.current().strict_cuda

@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 
 from ..quantization import BlockScalingQuantizer, active_autocast, fp8_gemm, is_quantized_tensor
-from ..quantization.compile_state import CompileRef
+from ..quantization.compile_ref import CompileRef
 from .config import FeatureSpec
 
 if TYPE_CHECKING:

@@ -25,7 +25,7 @@ from .dispatch import (
     triton_interpreted,
     triton_status,
 )
-from .gemm import fp8_gemm, fp8_gemm_checked, fp8_gemm_emulated, fp8_gemm_reads_views
+from .gemm import fp8_gemm, fp8_gemm_reads_views
 from .norms import layernorm_fwd, rmsnorm_fwd
 from .scale_update import delayed_scale_update
 
@@ -38,8 +38,6 @@ __all__ = [
     "dgelu_dbias",
     "dswiglu",
     "fp8_gemm",
-    "fp8_gemm_checked",
-    "fp8_gemm_emulated",
     "fp8_gemm_reads_views",
     "gelu_fwd",
     "layernorm_fwd",

@@ -13,6 +13,8 @@ from typing import Optional
 
 import torch
 
+from tp_fuse import settings
+
 from . import dispatch
 from ._common import (
     FP8_MAX,
@@ -30,6 +32,10 @@ from ._common import (
 )
 
 __all__ = ["amax_of", "quantize", "quantize_current_scaling"]
+
+# quantize's signature -> its backend choice, checks passed (_quantize_choice). Bounded.
+_CHOICES: dict[tuple, dispatch.BackendChoice] = {}
+_MAX_CHOICES = 4096
 
 
 def quantize(
@@ -74,12 +80,16 @@ def quantize(
     On CUDA this is one kernel launch, plus one fill for a fresh amax (``with_amax``
     without ``amax_out``).
     """
-    check_float("x", x)
-    check_fp8_dtype("fp8_dtype", fp8_dtype)
-    check_scale("scale", scale, x.device)
-    check_fold_outputs(x.device, scale, amax_out, scale_inv_out)
-    choice = dispatch.select_backend("quantize", x.device, backend,
-                                     triton_unsupported=triton_quantize_issue(x.dtype, x.device, transpose))
+    try:
+        key = (x.dtype, x.dim(), x.device, scale.dtype, scale.shape, scale.device, fp8_dtype, transpose, backend,
+               None if amax_out is None else (amax_out.dtype, amax_out.shape, amax_out.device),
+               None if scale_inv_out is None else (scale_inv_out.dtype, scale_inv_out.shape, scale_inv_out.device),
+               settings.current())
+    except AttributeError:  # not tensors: the checks name the argument
+        key = None
+    choice = _CHOICES.get(key)
+    if choice is None:
+        choice = _quantize_choice(x, scale, fp8_dtype, transpose, backend, amax_out, scale_inv_out, key)
     if choice.backend == "torch":
         data, data_t, amax = _quantize_torch(x, scale, fp8_dtype, transpose, with_amax or amax_out is not None)
         amax = fold_outputs(amax, scale, amax_out, scale_inv_out)
@@ -94,6 +104,32 @@ def quantize(
             torch.reciprocal(scale, out=scale_inv_out)
     dispatch.log_call("quantize", choice, variant, x.device)
     return data, data_t, amax if (with_amax or amax_out is not None) else None
+
+
+def _quantize_choice(
+    x: torch.Tensor,
+    scale: torch.Tensor,
+    fp8_dtype: torch.dtype,
+    transpose: bool,
+    backend: Optional[str],
+    amax_out: Optional[torch.Tensor],
+    scale_inv_out: Optional[torch.Tensor],
+    key: Optional[tuple],
+) -> dispatch.BackendChoice:
+    """:func:`quantize`'s checks and backend choice for a new signature (its dtypes, ranks,
+    devices, scalars' shapes, options and the settings), kept for the next calls: they
+    depend on nothing else, and a failing signature is not kept (it raises every time)."""
+    check_float("x", x)
+    check_fp8_dtype("fp8_dtype", fp8_dtype)
+    check_scale("scale", scale, x.device)
+    check_fold_outputs(x.device, scale, amax_out, scale_inv_out)
+    choice = dispatch.select_backend("quantize", x.device, backend,
+                                     triton_unsupported=triton_quantize_issue(x.dtype, x.device, transpose))
+    if key is not None:
+        if len(_CHOICES) >= _MAX_CHOICES:
+            _CHOICES.clear()
+        _CHOICES[key] = choice
+    return choice
 
 
 def quantize_current_scaling(

@@ -42,7 +42,7 @@ from tp_fuse.strict import STRICT_ENV, CudaConformanceError, strict_cuda_enabled
 from .fp8_emulation import cpu_fp8_gemm_path, emulated_scaled_mm
 from .launch_count import one_launch
 
-__all__ = ["SCALED_MM_OUT_DTYPES", "cuda_epilogue", "cuda_semantics", "scaled_mm", "scaled_mm_violations"]
+__all__ = ["SCALED_MM_OUT_DTYPES", "check_scaled_mm", "cuda_epilogue", "cuda_semantics", "scaled_mm", "scaled_mm_violations"]
 
 _FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 #: Output dtypes CUDA's ``_scaled_mm`` writes (besides float8 outputs, which tp_fuse does not use).
@@ -139,6 +139,23 @@ def scaled_mm_violations(
     return issues
 
 
+def check_scaled_mm(
+    mat1: torch.Tensor,
+    mat2: torch.Tensor,
+    scale_a: torch.Tensor,
+    scale_b: torch.Tensor,
+    out_dtype: torch.dtype,
+    bias: Optional[torch.Tensor] = None,
+) -> None:
+    """Raise :class:`~tp_fuse.strict.CudaConformanceError` naming every CUDA ``_scaled_mm``
+    rule the call breaks (:func:`scaled_mm_violations`); the FP8 GEMM's plan calls it once
+    per signature in strict mode."""
+    issues = scaled_mm_violations(mat1, mat2, scale_a, scale_b, out_dtype, bias)
+    if issues:
+        raise CudaConformanceError(f"{STRICT_ENV}=1: CUDA's torch._scaled_mm would reject this call: "
+                                   + "; ".join(issues))
+
+
 def scaled_mm(
     mat1: torch.Tensor,
     mat2: torch.Tensor,
@@ -149,23 +166,21 @@ def scaled_mm(
     *,
     cpu_path: Optional[str] = None,
     cpu_units: Optional[str] = None,
+    checked: bool = False,
 ) -> torch.Tensor:
     """``torch._scaled_mm(mat1, mat2, scale_a, scale_b, bias=bias, out_dtype=out_dtype)``,
-    after checking CUDA's rules in strict mode (``TP_FUSE_STRICT_CUDA=1``); on CPU the
-    exact emulation (``fp8_emulation.emulated_scaled_mm``) unless
-    ``TP_FUSE_CPU_FP8_GEMM=scaled_mm``, which then writes a float64 output as the fp32
-    GEMM widened (oneDNN's CPU kernel refuses float64). ``cpu_path``: that variable's
-    value when the caller has already read it (``cpu_fp8_gemm_path()``), else read here;
-    ``cpu_units``: the emulation's GEMM units (``fp8_emulation.emulation_units``) when the
-    caller has chosen them.
+    after checking CUDA's rules in strict mode (``TP_FUSE_STRICT_CUDA=1``) unless the caller
+    has (``checked``: the FP8 GEMM's plan checks a signature once); on CPU the exact
+    emulation (``fp8_emulation.emulated_scaled_mm``) unless ``TP_FUSE_CPU_FP8_GEMM=scaled_mm``,
+    which then writes a float64 output as the fp32 GEMM widened (oneDNN's CPU kernel refuses
+    float64). ``cpu_path``: that setting when the caller holds it (``cpu_fp8_gemm_path()``);
+    ``cpu_units``: the emulation's GEMM units (``fp8_emulation.emulation_units``)
+    when the caller has chosen them.
 
     Shapes: ``mat1 [M, K]`` row-major, ``mat2 [K, N]`` column-major, ``out [M, N]``.
     """
-    if strict_cuda_enabled():
-        issues = scaled_mm_violations(mat1, mat2, scale_a, scale_b, out_dtype, bias)
-        if issues:
-            raise CudaConformanceError(f"{STRICT_ENV}=1: CUDA's torch._scaled_mm would reject this call: "
-                                       + "; ".join(issues))
+    if not checked and strict_cuda_enabled():
+        check_scaled_mm(mat1, mat2, scale_a, scale_b, out_dtype, bias)
     if mat1.device.type == "cpu":
         if (cpu_path or cpu_fp8_gemm_path()) == "emulate":
             # Counted as the one cuBLASLt launch it stands for (launch_count).

@@ -10,7 +10,7 @@ was first imported). Each public function takes ``backend="torch" | "triton" | N
   Exception: the FP8 GEMM (``select_fp8_gemm_backend``). Its auto choice on CUDA is
   ``torch._scaled_mm`` (cuBLASLt); the Triton GEMM has not been benchmarked on a GPU
   yet and runs only when chosen: ``backend="triton"``, or ``TP_FUSE_FP8_GEMM=triton``
-  in the environment for every auto call on CUDA. On CPU it is the exact emulation of
+  in the environment (:mod:`tp_fuse.settings`) for every auto call on CUDA. On CPU it is the exact emulation of
   ``kernels.fp8_emulation`` (``TP_FUSE_CPU_FP8_GEMM``).
 * ``"triton"``: Triton or an exception. Never a silent fallback.
 * ``"torch"``: the reference implementation.
@@ -37,9 +37,11 @@ from typing import Iterator, Optional
 
 import torch
 
+from tp_fuse import settings
+from tp_fuse.settings import CPU_FP8_GEMM_ENV, CPU_FP8_GEMM_UNITS_ENV, FP8_GEMM_ENV
 from tp_fuse.strict import simulating_cuda
 
-from .fp8_emulation import CPU_FP8_GEMM_ENV, CPU_FP8_GEMM_UNITS_ENV, cpu_fp8_gemm_path, cpu_has_amx_bf16
+from .fp8_emulation import cpu_has_amx_bf16
 from ._common import triton_dtype_issue
 
 __all__ = [
@@ -59,8 +61,6 @@ __all__ = [
 ]
 
 BACKENDS = ("torch", "triton")
-#: Environment variable choosing the FP8 GEMM for auto calls on CUDA: "torch" (default) or "triton".
-FP8_GEMM_ENV = "TP_FUSE_FP8_GEMM"
 #: Oldest compute capability with FP8 tensor cores, which ``torch._scaled_mm`` needs on CUDA.
 SCALED_MM_MIN_CAPABILITY = (8, 9)
 
@@ -307,9 +307,7 @@ def select_fp8_gemm_backend(
                 return BackendChoice("torch", _cpu_fp8_gemm_reason())
             return BackendChoice("torch", f"torch._scaled_mm ({choice.reason})")
         return choice
-    requested = os.environ.get(FP8_GEMM_ENV, "")
-    if requested not in ("", "torch", "triton"):
-        raise ValueError(f"{FP8_GEMM_ENV}: expected 'torch' or 'triton', got {requested!r}")
+    requested = settings.current().fp8_gemm
     if requested == "triton":
         choice = select_backend("fp8_gemm", device, "triton", triton_unsupported=triton_unsupported)
         return BackendChoice("triton", f"{FP8_GEMM_ENV}=triton: the Triton FP8 GEMM was chosen ({choice.reason})")
@@ -331,7 +329,8 @@ def select_fp8_gemm_backend(
 
 
 def _cpu_fp8_gemm_reason() -> str:
-    return _cpu_fp8_gemm_reason_for(cpu_fp8_gemm_path(), os.environ.get(CPU_FP8_GEMM_UNITS_ENV, ""))
+    now = settings.current()
+    return _cpu_fp8_gemm_reason_for(now.cpu_fp8_gemm, now.cpu_fp8_gemm_units)
 
 
 @functools.lru_cache(maxsize=None)

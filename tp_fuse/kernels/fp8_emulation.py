@@ -53,7 +53,6 @@ choice.
 from __future__ import annotations
 
 import functools
-import os
 import sys
 import threading
 import weakref
@@ -61,6 +60,9 @@ from collections.abc import Iterable
 from typing import Optional
 
 import torch
+
+from .. import settings
+from ..settings import CPU_FP8_GEMM_ENV, CPU_FP8_GEMM_PATHS, CPU_FP8_GEMM_UNITS_ENV
 
 __all__ = [
     "CPU_FP8_GEMM_ENV",
@@ -75,16 +77,11 @@ __all__ = [
     "emulated_scaled_mm",
     "emulation_units",
     "exact_values_mm",
+    "live_units",
+    "static_units",
     "fp8_to_float",
 ]
 
-#: Environment variable choosing the CPU FP8 GEMM: "emulate" (default) or "scaled_mm".
-CPU_FP8_GEMM_ENV = "TP_FUSE_CPU_FP8_GEMM"
-CPU_FP8_GEMM_PATHS = ("emulate", "scaled_mm")
-#: Environment variable for the emulation's GEMM units: "auto" (default: the CPU's bf16
-#: units where they apply, see :func:`emulation_units`), "fp32" or "bf16".
-CPU_FP8_GEMM_UNITS_ENV = "TP_FUSE_CPU_FP8_GEMM_UNITS"
-_UNITS_CHOICES = ("auto", "fp32", "bf16")
 # Threads their starters declared matmul-free (weak: an ended thread drops out).
 # Process-wide, as the flag it guards is.
 _MATMUL_FREE_THREADS: "weakref.WeakSet[threading.Thread]" = weakref.WeakSet()
@@ -158,11 +155,9 @@ def fp8_to_float(data: torch.Tensor, dtype: torch.dtype = torch.float32) -> torc
 
 
 def cpu_fp8_gemm_path() -> str:
-    """The CPU FP8 GEMM ``TP_FUSE_CPU_FP8_GEMM`` asks for ("emulate" when unset)."""
-    path = os.environ.get(CPU_FP8_GEMM_ENV, "") or "emulate"
-    if path not in CPU_FP8_GEMM_PATHS:
-        raise ValueError(f"{CPU_FP8_GEMM_ENV}: expected one of {CPU_FP8_GEMM_PATHS}, got {path!r}")
-    return path
+    """The CPU FP8 GEMM ``TP_FUSE_CPU_FP8_GEMM`` asks for ("emulate" when unset), from the
+    settings snapshot (:mod:`tp_fuse.settings`)."""
+    return settings.current().cpu_fp8_gemm
 
 
 @functools.lru_cache(maxsize=None)
@@ -176,13 +171,26 @@ def cpu_has_amx_bf16() -> bool:
 def emulation_units(m: int, n: int, k: int, acc_dtype: torch.dtype, *operands: torch.Tensor) -> str:
     """The units the emulation's ``[m, k] x [k, n]`` GEMM of decoded FP8 ``operands`` runs
     on now: ``"amx-bf16"`` or ``"fp32"`` (module doc: the rule and the measurements)."""
-    if acc_dtype != torch.float32 or m * n * k < _BF16_UNITS_MIN_MACS or torch.compiler.is_compiling():
+    units = static_units(m, n, k, acc_dtype)
+    return units if units is not None else live_units(*operands)
+
+
+def static_units(m: int, n: int, k: int, acc_dtype: torch.dtype) -> Optional[str]:
+    """``"fp32"`` when the shape, dtype, settings or CPU alone rule the bf16 units out for
+    the ``[m, k] x [k, n]`` GEMM, else None: :func:`live_units` decides per call (the part of
+    the rule that depends on the running threads and modes). A GEMM plan decides this once."""
+    units = settings.current().cpu_fp8_gemm_units
+    if acc_dtype != torch.float32 or m * n * k < _BF16_UNITS_MIN_MACS or units == "fp32" \
+            or not cpu_has_amx_bf16():
         return "fp32"
-    units = os.environ.get(CPU_FP8_GEMM_UNITS_ENV, "") or "auto"
-    if units not in _UNITS_CHOICES:
-        raise ValueError(f"{CPU_FP8_GEMM_UNITS_ENV}: expected one of {_UNITS_CHOICES}, got {units!r}")
-    if units == "fp32" or not cpu_has_amx_bf16():
+    return None
+
+
+def live_units(*operands: torch.Tensor) -> str:
+    """The per-call half of :func:`emulation_units`, for a GEMM :func:`static_units` left open."""
+    if torch.compiler.is_compiling():
         return "fp32"
+    units = settings.current().cpu_fp8_gemm_units
     # The precision flag is process-wide: another thread's matmul, or Python that a mode or
     # a tensor subclass runs inside this one, would run on bf16 units too.
     if torch._C._len_torch_dispatch_stack() or torch._C._is_torch_function_mode_enabled() \

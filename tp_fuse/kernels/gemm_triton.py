@@ -38,6 +38,7 @@ import triton
 import triton.language as tl
 
 from ._triton_common import INTERPRETED, emulate_conversions, fp8_bits_to_fp32, gelu_parts, round_to
+from .dispatch import cuda_capability
 
 try:
     from triton.tools.tensor_descriptor import TensorDescriptor
@@ -177,7 +178,7 @@ def tma_unsupported(a: torch.Tensor, b: torch.Tensor, *, check_device: bool = Tr
     if check_device:
         if a.device.type != "cuda" or INTERPRETED:
             return "not a CUDA device"
-        if torch.cuda.get_device_capability(a.device) < (9, 0):
+        if cuda_capability(a.device) < (9, 0):  # cached per device: no query per GEMM
             return "TMA needs sm_90+"
         if emulate_conversions(a.device):
             return "emulated conversions"

@@ -12,7 +12,6 @@ from .autocast import (
     quantized_model_init,
 )
 from .block import wire as block_wire
-from .block.gemm import block_gemm
 from .block.quantizer import BlockScalingQuantizer, is_block_recipe
 from .block.tensor import BlockPayload, BlockScaledTensor, Float8BlockwiseQTensor, MXFP8Tensor, NVFP4Tensor
 from .nvfp4.quantizer import NVFP4Quantizer
@@ -21,7 +20,7 @@ from .float8.tensor import Float8Tensor
 from .quantized_tensor import QuantizedTensor
 from .role import QuantizerRole
 from .float8.te_quantizers import DType, Float8CurrentScalingQuantizer, Float8Quantizer
-from .gemm import fp8_gemm, fp8_gemm_of_views
+from .gemm import fp8_gemm
 from .parameter import is_fp8_parameter, make_fp8_parameter
 from .quantizer import (
     CurrentScalingQuantizer,
@@ -58,7 +57,6 @@ __all__ = [
     "BlockPayload",
     "BlockScaledTensor",
     "BlockScalingQuantizer",
-    "block_gemm",
     "is_block_recipe",
     "is_quantized_tensor",
     "BackwardAmaxTracker",
@@ -82,7 +80,6 @@ __all__ = [
     "active_autocast",
     "autocast",
     "fp8_gemm",
-    "fp8_gemm_of_views",
     "is_backward_role",
     "is_fp8_parameter",
     "make_fp8_parameter",

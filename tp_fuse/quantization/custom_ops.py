@@ -7,7 +7,7 @@ graph run time:
 
 * the quantizer is the op's own (``OpQuantizers.get`` for the recipe in force, as eager
   ops ask for it), named by the ``OpQuantizers``' ``compile_ref`` (a graph input, so the
-  layers of a model share one graph; ``compile_state.CompileRef``);
+  layers of a model share one graph; ``compile_ref.CompileRef``);
 * delayed scaling: the cast uses the scale of the last update and folds this tensor's amax
   into ``amax_history[0]``; the quantizer joins the step's amax reduction
   (``AutocastContext.track_forward``) -- so the once-per-step all-reduce and scale update
@@ -44,7 +44,8 @@ import torch
 from torch.fx.node import has_side_effect
 
 from .autocast import active_autocast
-from .compile_state import HAVE_COMPILE_REFS, NO_REF, CompileRef, compile_key, raise_key_mismatch
+from .compile_ref import HAVE_COMPILE_REFS, NO_REF, CompileRef
+from .compile_state import compile_key, raise_key_mismatch
 from ..recipe import FP4_DTYPE
 from .quantizer import OpQuantizers, is_backward_role
 

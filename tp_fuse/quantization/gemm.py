@@ -1,41 +1,135 @@
-"""FP8 GEMM on Float8Tensors through ``tp_fuse.kernels.fp8_gemm``.
+"""The FP8 GEMM of quantized tensors: the one entry point ops, layers and users call.
 
-The kernel is the one FP8 GEMM implementation: ``torch._scaled_mm`` on the torch path
-(CPU, and the default on CUDA), a Triton kernel on CUDA when chosen
-(``TP_FUSE_FP8_GEMM=triton``). This module unwraps
-Float8Tensors (bytes + ``_scale_inv``) and validates them.
+``fp8_gemm(a, b)`` computes ``op(a) @ op(b).T`` -- the "NT" layout of a linear layer
+(``y = x @ W.T``), which is also what ``_scaled_mm`` wants: ``mat1`` row-major and
+``mat2`` column-major, i.e. ``b`` row-major ``[N, K]`` and passed as the free transpose
+``b.t()``. ``op`` is the identity, or with ``transpose_a`` / ``transpose_b`` the transpose
+of the operand's 2-D view ``[prod(shape[:-1]), shape[-1]]``. The three linear-layer GEMMs
+(``x [M, K]``, ``W [N, K]``, ``dy [M, N]``)::
 
-``fp8_gemm(a, b)`` computes ``a @ b.T`` -- the "NT" layout of a linear layer
-(``y = x @ W.T``), which is also what ``_scaled_mm`` wants: ``mat1`` row-major
-and ``mat2`` column-major, i.e. ``b`` row-major ``[N, K]`` and passed as the
-free transpose ``b.t()``. Per-tensor scales: ``scale_a = a._sinv``,
-``scale_b = b._sinv`` (``_scaled_mm`` multiplies by them, dequantizing).
+    fprop:  y  = fp8_gemm(x,  W)                                     # [M, N]
+    dgrad:  dx = fp8_gemm(dy, W, transpose_b=True)                   # [M, K]
+    wgrad:  dW = fp8_gemm(dy, x, transpose_a=True, transpose_b=True) # [N, K]
 
-The three linear-layer GEMMs map to it as (``x [M, K]``, ``W [N, K]``,
-``dy [M, N]``)::
+Operands:
 
-    fprop:  y  = fp8_gemm(x,                 W)                   # [M, N]
-    dgrad:  dx = fp8_gemm(dy,                W.transpose_fp8())   # [M, K]
-    wgrad:  dW = fp8_gemm(dy.transpose_fp8(), x.transpose_fp8())  # [N, K]
+* :class:`Float8Tensor` (per-tensor scale ``_sinv``, which ``_scaled_mm`` multiplies by):
+  the bytes go to ``tp_fuse.kernels.fp8_gemm`` (its raw-bytes form: ``torch._scaled_mm``,
+  on CPU its exact emulation, or the Triton GEMM on CUDA when chosen). Where that GEMM
+  reads any layout (the CPU emulation, ``kernels.fp8_gemm_reads_views``) a transposed
+  operand is a view of the row-wise bytes and the operands' decoded values are used (a
+  weight's decode, kept by ``Float8Tensor.keep_decoded``, serves fprop and dgrad); else a
+  transposed operand is the K-major bytes of ``Float8Tensor.transpose_fp8`` a GPU needs.
+* :class:`BlockScaledTensor` (block-scaled, row-wise and NVFP4 recipes): ``block_gemm``
+  on the row-wise copies; a transposed operand is its column-wise copy.
+
+The checks and the path are decided by the first call with a signature (types, shapes,
+FP8 dtypes, devices, output dtype, bias, transposes, settings) and kept, as the kernel
+keeps its plans (``kernels.gemm``): later calls with that signature look the decision up.
 """
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Union
 
 import torch
 
-from .. import kernels
+from .. import kernels, settings
 from ..kernels._common import as_rows
-from ..kernels.fp8_emulation import accumulation_dtype
+from ..kernels.gemm import Fp8GemmPlan, fp8_gemm_plan, fp8_gemm_reads_views
 from .block.gemm import block_gemm
 from .block.tensor import BlockScaledTensor
 from .float8.tensor import Float8Tensor
 
-__all__ = ["fp8_gemm", "fp8_gemm_of_views"]
+__all__ = ["fp8_gemm"]
 
 _FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 _OUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+# The plan of a signature whose GEMM reads the FP8 bytes (no views): the kernel plans by
+# the bytes' own signature, which a transposed copy fixes only once it exists.
+_BYTES = "bytes"
+# signature -> the views path's kernel plan, or _BYTES. Bounded as the kernel's plans are.
+_PLANS: dict[tuple, Union[Fp8GemmPlan, str]] = {}
+_MAX_PLANS = 4096
+
+
+def fp8_gemm(
+    a: Union[Float8Tensor, BlockScaledTensor],
+    b: Union[Float8Tensor, BlockScaledTensor],
+    out_dtype: torch.dtype,
+    bias: Optional[torch.Tensor] = None,
+    *,
+    transpose_a: bool = False,
+    transpose_b: bool = False,
+) -> torch.Tensor:
+    """``op(a) @ op(b).T (+ bias)`` in ``out_dtype`` from quantized operands (module doc).
+
+    Args:
+        a: Float8Tensor or BlockScaledTensor; ``op(a)`` is ``[M, K]``.
+        b: of the same kind; ``op(b)`` is ``[N, K]``.
+        out_dtype: float32, bfloat16, float16 or float64.
+        bias: optional ``[N]`` high-precision tensor added to every row.
+        transpose_a, transpose_b: ``op`` transposes the operand's 2-D view.
+
+    Returns:
+        Plain tensor ``[M, N]`` of ``out_dtype``.
+    """
+    if isinstance(a, BlockScaledTensor) or isinstance(b, BlockScaledTensor):
+        # Block-scaled and row-wise recipes (block/gemm.py): same NT contract, transposed
+        # operands are the column-wise copies.
+        return block_gemm(a.transpose_fp8() if transpose_a else a, b.transpose_fp8() if transpose_b else b,
+                          out_dtype, bias)
+    try:
+        key = (type(a), type(b), a.shape, b.shape, a.device, b.device, a._fp8.dtype, b._fp8.dtype, out_dtype,
+               None if bias is None else (type(bias), bias.shape, bias.dtype, bias.device),
+               transpose_a, transpose_b, settings.current())
+    except AttributeError:  # not Float8Tensors: the checks name what arrived
+        key = None
+    plan = _PLANS.get(key)
+    if plan is None:
+        plan = _plan(a, b, out_dtype, bias, transpose_a, transpose_b, key)
+    if plan is _BYTES:
+        # A transposed operand is its K-major transposed bytes (cached on the tensor), not a
+        # Float8Tensor wrapper built to be unwrapped.
+        return kernels.fp8_gemm(a.transpose_data() if transpose_a else a._fp8,
+                                b.transpose_data() if transpose_b else b._fp8,
+                                a._sinv, b._sinv, out_dtype, bias=bias)[0]
+    # The CPU emulation: decoded operands (kept where the caller asked), transposed as views.
+    acc = plan.acc_dtype
+    da = a.decoded(acc)
+    db = b.decoded(acc)
+    if transpose_a:
+        da = as_rows(da, a.shape[-1]).t()
+    if transpose_b:
+        db = as_rows(db, b.shape[-1]).t()
+    return plan.run_decoded(da, db, a._sinv, b._sinv, bias)
+
+
+def _plan(
+    a: Float8Tensor,
+    b: Float8Tensor,
+    out_dtype: torch.dtype,
+    bias: Optional[torch.Tensor],
+    transpose_a: bool,
+    transpose_b: bool,
+    key: Optional[tuple],
+) -> Union[Fp8GemmPlan, str]:
+    """Check a new signature (the errors name what was wrong and what was expected) and
+    decide its path: the kernel plan of the views path, or ``_BYTES``."""
+    _check(a, b, out_dtype, bias, transpose_a, transpose_b)
+    if fp8_gemm_reads_views(a.device):
+        # The kernel plans (and checks) the GEMM of the row-wise bytes, transposed as views.
+        a8 = as_rows(a._fp8, a.shape[-1]).t() if transpose_a else a._fp8
+        b8 = as_rows(b._fp8, b.shape[-1]).t() if transpose_b else b._fp8
+        plan: Union[Fp8GemmPlan, str] = fp8_gemm_plan(a8, b8, a._sinv, b._sinv, out_dtype, bias)
+        assert plan.reads_views, "fp8_gemm_reads_views and the kernel's plan disagree"
+    else:
+        plan = _BYTES
+    if key is not None:
+        if len(_PLANS) >= _MAX_PLANS:
+            _PLANS.clear()
+        _PLANS[key] = plan
+    return plan
 
 
 def _describe(name: str, t: object) -> str:
@@ -46,40 +140,40 @@ def _describe(name: str, t: object) -> str:
     return f"{name}: {type(t).__name__}"
 
 
-def fp8_gemm(
+def _op_shape(t: Float8Tensor, transpose: bool) -> Optional[tuple[int, int]]:
+    """``op(t)``'s 2-D shape, or None when ``t`` has none (not 2-D; < 2 dims transposed)."""
+    if not transpose:
+        return tuple(t.shape) if t.dim() == 2 else None
+    if t.dim() < 2:
+        return None
+    return t.shape[-1], t.numel() // max(1, t.shape[-1])
+
+
+def _check(
     a: Float8Tensor,
     b: Float8Tensor,
     out_dtype: torch.dtype,
-    bias: Optional[torch.Tensor] = None,
-) -> torch.Tensor:
-    """``a @ b.T (+ bias)`` in ``out_dtype`` from FP8 operands.
-
-    Args:
-        a: Float8Tensor ``[M, K]``.
-        b: Float8Tensor ``[N, K]``.
-        out_dtype: float32, bfloat16, float16 or float64.
-        bias: optional ``[N]`` high-precision tensor added to every row.
-
-    Returns:
-        Plain tensor ``[M, N]`` of ``out_dtype``.
-    """
-    if isinstance(a, BlockScaledTensor) or isinstance(b, BlockScaledTensor):
-        # Block-scaled and row-wise recipes (block/gemm.py): same NT contract.
-        return block_gemm(a, b, out_dtype, bias)
+    bias: Optional[torch.Tensor],
+    transpose_a: bool,
+    transpose_b: bool,
+) -> None:
     if not isinstance(a, Float8Tensor) or not isinstance(b, Float8Tensor):
         raise ValueError(
             f"fp8_gemm: expected Float8Tensor operands, got {_describe('a', a)}; {_describe('b', b)}"
         )
-    if a.dim() != 2 or b.dim() != 2 or a.shape[1] != b.shape[1]:
+    shape_a, shape_b = _op_shape(a, transpose_a), _op_shape(b, transpose_b)
+    if shape_a is None or shape_b is None or shape_a[1] != shape_b[1]:
+        ops = "" if not (transpose_a or transpose_b) else (
+            f" (transpose_a={transpose_a}, transpose_b={transpose_b}: op(t) is the transpose of t's 2-D view)")
         raise ValueError(
-            "fp8_gemm: expected a [M, K] and b [N, K] with equal K, got "
-            f"{_describe('a', a)}; {_describe('b', b)}"
+            f"fp8_gemm: expected {'op(a)' if transpose_a else 'a'} [M, K] and {'op(b)' if transpose_b else 'b'} "
+            f"[N, K] with equal K, got {_describe('a', a)}; {_describe('b', b)}{ops}"
         )
     if out_dtype not in _OUT_DTYPES:
         raise ValueError(f"fp8_gemm: out_dtype: expected one of {_OUT_DTYPES}, got {out_dtype}")
     if a.device != b.device:
         raise ValueError(f"fp8_gemm: operands on different devices: a {a.device}, b {b.device}")
-    n = b.shape[0]
+    n = shape_b[0]
     if bias is not None:
         if (
             not isinstance(bias, torch.Tensor)
@@ -94,45 +188,3 @@ def fp8_gemm(
             )
         if bias.device != a.device:
             raise ValueError(f"fp8_gemm: bias on {bias.device}, operands on {a.device}")
-    # The kernel takes a [M, K] and b [N, K] (it makes them contiguous as its GEMM
-    # needs) and the dequantization scales; it adds the bias in its epilogue.
-    if kernels.fp8_gemm_reads_views(a.device):
-        # The CPU emulation: decoded operands, kept where the caller asked (a weight's
-        # decode serves its fprop and dgrad GEMMs).
-        acc = accumulation_dtype(out_dtype)
-        return kernels.fp8_gemm_emulated(a.decoded(acc), b.decoded(acc), a._sinv, b._sinv, out_dtype, bias=bias)
-    # Float8Tensor guarantees FP8 bytes and 0-d fp32 scales; the rest was checked above.
-    out, _ = kernels.fp8_gemm_checked(a._fp8, b._fp8, a._sinv, b._sinv, out_dtype, bias=bias)
-    return out
-
-
-def fp8_gemm_of_views(
-    a: Float8Tensor,
-    b: Float8Tensor,
-    out_dtype: torch.dtype,
-    *,
-    transpose_a: bool = False,
-    transpose_b: bool = False,
-) -> torch.Tensor:
-    """``op(a) @ op(b).T`` on a GEMM that reads any layout (the CPU emulation:
-    ``kernels.fp8_gemm_reads_views``), where ``op`` is the transpose of the 2-D view
-    ``[prod(shape[:-1]), shape[-1]]`` when asked: the linear layer's backward GEMMs
-    without a Float8Tensor wrapper per transposed operand::
-
-        dgrad: dx = fp8_gemm_of_views(dy, W, transpose_b=True)                    # dy @ W
-        wgrad: dW = fp8_gemm_of_views(dy, x, transpose_a=True, transpose_b=True)  # dy^T @ x
-
-    Bit-identical to ``fp8_gemm(a.transposed_view(), ...)`` (the same decoded values,
-    transposed as views, and the same GEMM and epilogue); decodes kept by
-    ``Float8Tensor.keep_decoded`` are used. ``a``, ``b``: per-tensor Float8Tensors (the
-    caller checks; block-scaled tensors keep their own column-wise copies).
-    """
-    # (the caller decided that the GEMM reads views: kernels.fp8_gemm_reads_views)
-    assert isinstance(a, Float8Tensor) and isinstance(b, Float8Tensor) and a.device == b.device
-    acc = accumulation_dtype(out_dtype)
-    da = as_rows(a.decoded(acc), a.shape[-1])
-    db = as_rows(b.decoded(acc), b.shape[-1])
-    da = da.t() if transpose_a else da
-    db = db.t() if transpose_b else db
-    assert da.shape[1] == db.shape[1], f"fp8_gemm_of_views: K of {tuple(da.shape)} and {tuple(db.shape)}"
-    return kernels.fp8_gemm_emulated(da, db, a._sinv, b._sinv, out_dtype)

@@ -38,7 +38,7 @@ from .. import kernels
 from ..recipe import DelayedScaling, Float8CurrentScaling, Recipe, low_precision_max
 from . import scaling
 from .block.tensor import BlockScaledTensor
-from .compile_state import CompileRef
+from .compile_ref import CompileRef
 from .float8.tensor import Float8Tensor
 from .quantized_tensor import QuantizedTensor
 from .role import QuantizerRole, role_tensor_type

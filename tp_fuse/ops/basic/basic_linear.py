@@ -17,7 +17,6 @@ from ...quantization import (
     OpQuantizers,
     active_autocast,
     fp8_gemm,
-    fp8_gemm_of_views,
     is_block_recipe,
     is_quantized_tensor,
     make_fp8_parameter,
@@ -35,7 +34,7 @@ from .reduce_scatter import ReduceScatter
 from ..compiled.comm import AllReduceBackward, tp_group
 from ..compiled.fp8_linear import BlockLinearFunction, Fp8LinearFunction
 from ..compiled.fp8_linear_cuda import Fp8LinearCudaFunction
-from ...quantization.compile_state import HAVE_COMPILE_REFS
+from ...quantization.compile_ref import HAVE_COMPILE_REFS
 from ...quantization.custom_ops import NO_OBSERVER
 from ...quantization.gemm_choice import traced_gemms_auto
 
@@ -469,7 +468,7 @@ class BasicLinear(QuantizerStateMixin, BasicOperation):
             if fresh and self.debug_hooks is not None:
                 self.debug_hooks.on_quantized("grad_output", dy2d, dy_fp8, ctx.grad_quantizer)
             # dx[M, in] = dy[M, out] @ W[out, in]: _scaled_mm wants b as [in, out].
-            dx = _backward_fp8_gemm(dy_fp8, w_saved, dy.dtype, views, transpose_b=True)
+            dx = fp8_gemm(dy_fp8, w_saved, dy.dtype, transpose_b=True)
             if acc is not None:
                 dx = torch.add(acc, dx, alpha=alpha)
             elif alpha != 1.0:
@@ -478,7 +477,7 @@ class BasicLinear(QuantizerStateMixin, BasicOperation):
             if self.weight.requires_grad:
                 x_saved = self.input_for_wgrad(ctx, x_saved)
                 # dW[out, in] = dy^T[out, M] @ x[M, in]
-                dw = _backward_fp8_gemm(dy_fp8, x_saved, dy.dtype, views, transpose_a=True, transpose_b=True)
+                dw = fp8_gemm(dy_fp8, x_saved, dy.dtype, transpose_a=True, transpose_b=True)
                 if alpha != 1.0:
                     dw = dw.mul_(alpha)
         else:
@@ -603,18 +602,6 @@ class BasicLinear(QuantizerStateMixin, BasicOperation):
         if fp8 is not None and not HAVE_COMPILE_REFS:
             return "this torch has no opaque objects for custom ops (tp_fuse::fp8_cast needs them)"
         return None
-
-
-def _backward_fp8_gemm(
-    a: Any, b: Any, out_dtype: torch.dtype, views: bool, *, transpose_a: bool = False, transpose_b: bool = False
-) -> torch.Tensor:
-    """``fp8_gemm(op(a), op(b))`` for the backward GEMMs, ``op`` transposing where asked:
-    views of the row-wise bytes when ``views`` (the GEMM reads any layout) and both are
-    per-tensor FP8, else the K-major transposed copies a GPU GEMM needs."""
-    if views and isinstance(a, Float8Tensor) and isinstance(b, Float8Tensor):
-        return fp8_gemm_of_views(a, b, out_dtype, transpose_a=transpose_a, transpose_b=transpose_b)
-    return fp8_gemm(a.transpose_fp8() if transpose_a else a, b.transpose_fp8() if transpose_b else b,
-                    out_dtype=out_dtype)
 
 
 def _accumulate_in_place(residual: torch.Tensor, y2d: torch.Tensor, alpha: float) -> torch.Tensor:

@@ -16,10 +16,11 @@ from typing import Any
 import torch
 
 from ...kernels.fp8_emulation import accumulation_dtype, emulated_mm_decoded
-from ...quantization.compile_state import BlockLayout, CompileKey, CompileRef
+from ...quantization.compile_ref import CompileRef
+from ...quantization.compile_state import BlockLayout, CompileKey
 from ...quantization.custom_ops import block_cast, fp8_cast  # noqa: F401  (registers the tp_fuse:: ops)
 
-__all__ = ["BlockLinearFunction", "Fp8LinearFunction", "emulated_gemm"]
+__all__ = ["BlockLinearFunction", "Fp8LinearFunction"]
 
 
 class Fp8LinearFunction(torch.autograd.Function):
@@ -31,7 +32,7 @@ class Fp8LinearFunction(torch.autograd.Function):
     x's dtype. ``q(.)`` is the quantizer cast ``tp_fuse::fp8_cast`` (forward dtype for x and
     W, backward dtype for dy), ``s_*`` its ``scale_inv``.
 
-    Equations (each GEMM :func:`emulated_gemm`, fp32 accumulation)::
+    Equations (each GEMM :func:`_traced_gemm`, fp32 accumulation)::
 
         forward: y  = (q(x) @ q(W)^T) s_x s_W
         dgrad:   dx = (q(dy) @ q(W)) s_dy s_W          (a t() view of W's bytes)
@@ -65,7 +66,7 @@ class Fp8LinearFunction(torch.autograd.Function):
         fp8 = torch.ops.tp_fuse
         x_data, _, x_sinv = fp8.fp8_cast(x.detach(), owner, "input", recipe, fwd_dtype, False, observer)
         w_data, _, w_sinv = fp8.fp8_cast(weight.detach(), owner, "weight", recipe, fwd_dtype, False, observer)
-        y = emulated_gemm(x_data, w_data, x_sinv, w_sinv, x.dtype)
+        y = _traced_gemm(x_data, w_data, x_sinv, w_sinv, x.dtype)
         ctx.save_for_backward(x_data, x_sinv, w_data, w_sinv)
         ctx.owner, ctx.recipe, ctx.bwd_dtype, ctx.observer = owner, recipe, bwd_dtype, observer
         ctx.wgrad, ctx.weight_dtype = need_grad and weight.requires_grad, weight.dtype
@@ -77,17 +78,18 @@ class Fp8LinearFunction(torch.autograd.Function):
         dy_data, _, dy_sinv = torch.ops.tp_fuse.fp8_cast(
             dy.contiguous(), ctx.owner, "grad_output", ctx.recipe, ctx.bwd_dtype, False, ctx.observer
         )
-        dx = emulated_gemm(dy_data, w_data.t(), dy_sinv, w_sinv, dy.dtype)
+        dx = _traced_gemm(dy_data, w_data.t(), dy_sinv, w_sinv, dy.dtype)
         dw = None
         if ctx.wgrad:
-            dw = emulated_gemm(dy_data.t(), x_data.t(), dy_sinv, x_sinv, dy.dtype).to(ctx.weight_dtype)
+            dw = _traced_gemm(dy_data.t(), x_data.t(), dy_sinv, x_sinv, dy.dtype).to(ctx.weight_dtype)
         return dx, dw, None, None, None, None, None, None
 
 
-def emulated_gemm(
+def _traced_gemm(
     a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor, out_dtype: torch.dtype
 ) -> torch.Tensor:
-    """``kernels.fp8_gemm``'s CPU emulation as traceable ops: ``(a @ b.T) * scale_a *
+    """The traced form of ``quantization.fp8_gemm``'s CPU emulation (a graph cannot look up
+    its plans; the plan's checks are the fuser's, made before tracing): ``(a @ b.T) * scale_a *
     scale_b`` in ``out_dtype`` from FP8 ``a [M, K]`` and ``b [N, K]`` of any layout.
 
     Exact decodes (every FP8 value is exact in fp32) into the emulation's own matmul and

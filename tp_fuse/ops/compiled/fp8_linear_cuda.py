@@ -21,7 +21,8 @@ import torch
 
 from ...kernels.cuda_rules import cuda_epilogue, scaled_mm_violations
 from ...kernels._common import compute_dtype
-from ...quantization.compile_state import CompileKey, CompileRef
+from ...quantization.compile_ref import CompileRef
+from ...quantization.compile_state import CompileKey
 from ...quantization.custom_ops import fp8_cast, fp8_track  # noqa: F401  (registers the tp_fuse:: ops)
 from ...quantization.quantizer import CurrentScalingQuantizer, OpQuantizers
 from ...strict import STRICT_ENV, CudaConformanceError, strict_cuda_enabled

@@ -14,7 +14,7 @@ which runs the eager backward window. Dynamo and inductor see opaque ops with fa
 implementations; the overlap inside them is the eager algorithm, not decomposed.
 
 Non-tensor state (the fused ops, their ``OverlapPlan``, process group, pool) is reached
-through a :class:`~tp_fuse.quantization.compile_state.CompileRef` to the BasicLinear's
+through a :class:`~tp_fuse.quantization.compile_ref.CompileRef` to the BasicLinear's
 :class:`OverlapWindowState` -- the way the FP8 casts reach their quantizers.
 
 Which windows fuse is decided at TRACE time (:func:`plan_windows`, run as plain Python
@@ -43,7 +43,7 @@ from typing import Any, Optional, Sequence
 
 import torch
 
-from ...quantization.compile_state import CompileRef
+from ...quantization.compile_ref import CompileRef
 from ..basic.all_gather import AllGather
 from ..basic.basic_linear import BasicLinear
 from ..basic.bias import Bias

@@ -21,7 +21,8 @@ from typing import Any, NamedTuple, Optional
 import torch
 
 from ...quantization import Float8Tensor, active_autocast
-from ...quantization.compile_state import CompileRef, compile_key, raise_key_mismatch
+from ...quantization.compile_ref import CompileRef
+from ...quantization.compile_state import compile_key, raise_key_mismatch
 from .overlap import ub_linear_fake, unaliased, window_backward, window_forward
 
 __all__ = ["ub_linear_fp8", "ub_linear_fp8_backward"]

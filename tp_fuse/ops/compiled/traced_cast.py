@@ -43,9 +43,9 @@ import torch.distributed._functional_collectives as funcol
 from ...kernels import amax_of
 from ...kernels._common import FP8_MAX, abs_max, current_scale_torch, fp8_cast, rows_2d
 from ...quantization.autocast import active_autocast
+from ...quantization.compile_ref import live_targets
 from ...quantization.compile_state import (
     compile_key,
-    live_targets,
     raise_key_mismatch,
     traced_amax_group,
     traced_key,

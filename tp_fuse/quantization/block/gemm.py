@@ -34,6 +34,7 @@ import torch
 import torch.nn.functional as F
 
 from ...kernels import cuda_rules
+from ...kernels.dispatch import cuda_capability
 from ...kernels.fp8_emulation import exact_values_mm
 from .scaling import BlockSpec
 from .tensor import BlockPayload, BlockScaledTensor
@@ -145,7 +146,7 @@ def blockwise_scaled_mm(
 def _cuda_block_gemm(
     a: BlockPayload, b: BlockPayload, recipe_name: str, out_dtype: torch.dtype, bias: Optional[torch.Tensor]
 ) -> torch.Tensor:
-    cap = torch.cuda.get_device_capability(a.data.device)
+    cap = cuda_capability(a.data.device)  # cached per device: no query per GEMM
     st = F.ScalingType
     if recipe_name == "blockwise":
         if cap != (9, 0):
