@@ -15,8 +15,12 @@ directory (a checkpoint sequence is one block). What the test changes, and only 
 
 Commands that cannot run on a CPU test box are listed with the reason (multi-node,
 8 processes, placeholder paths such as ``/path/to``, absolute paths of the user's machine
-such as a model directory); anything else that starts
-``launch/train.py`` runs, and so does ``python -m tp_fuse.launch.prepare_data`` (data preparation).
+such as a model directory). Commands of 3 or 4 processes (TP x DP layouts of a GPU node)
+would oversubscribe the 2-core test box 2:1 and are already trained at 4 ranks by
+``test_fsdp.py``/``test_fsdp_launch.py``: their configuration is checked as the launcher
+checks it before starting (``config_errors.precheck`` at their world size: every key, value
+and layout constraint), in-process. Anything else that starts ``launch/train.py`` runs, and
+so does ``python -m tp_fuse.launch.prepare_data`` (data preparation).
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ import sys
 import pytest
 import torch
 
+from tp_fuse.launch.config_errors import CONFIG_DIR, precheck
 from tp_fuse.launch.data import stdlib_corpus
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -41,6 +46,7 @@ MORE_DOCS = ("docs/launcher.md", "docs/debug.md", "docs/scale-out.md")
 SCALE = 50
 DEFAULT_STEPS = 4  # a command without trainer.max_steps (the launcher's default is 300)
 MAX_STEPS = 6  # trainer.max_steps=1000 would be 20 steps
+MAX_RUN_PROCESSES = 2  # the test box's cores: larger layouts are config-checked (module doc)
 STEP_KEYS = ("trainer.max_steps", "trainer.exit_at_step", "trainer.fail_at_step", "checkpoint.interval",
              "trainer.log_interval", "trainer.val_interval")
 EXTRA = ["trainer.val_tokens=2048", "trainer.progress=false"]
@@ -83,6 +89,16 @@ def _skip_reason(cmd: str) -> str | None:
     if m and int(m.group(1)) > 4:
         return f"{m.group(1)} processes (a GPU node)"
     return None
+
+
+def _processes(cmd: str) -> int:
+    m = re.search(r"--nproc-per-node[= ](\d+)", cmd) or re.search(r"\bNPROC=(\d+)", cmd)
+    return int(m.group(1)) if m else 1
+
+
+def _checked_only(cmd: str) -> bool:
+    """Whether ``cmd`` is config-checked rather than run (3-4 processes, module doc)."""
+    return "launch/train.py" in cmd and _processes(cmd) > MAX_RUN_PROCESSES
 
 
 def _scale(args: list[str]) -> list[str]:
@@ -134,11 +150,23 @@ def cases(docs) -> list:
     out = []
     for doc in DOCS:
         for b, cmds in enumerate(_blocks(doc)):
-            runnable = [c for c in cmds if _skip_reason(c) is None and c not in seen]
+            runnable = [c for c in cmds if _skip_reason(c) is None and not _checked_only(c) and c not in seen]
             seen.update(runnable)
             if runnable and doc in docs:
                 out.append(pytest.param(runnable, id=f"{os.path.basename(doc).split('.')[0]}_{b}"))
     return out
+
+
+def test_larger_layouts_are_valid_as_written():
+    """The 3-4 process commands (not run here, module doc) pass the launcher's own
+    pre-start check at their world size."""
+    checked = [c for doc in DOCS for cmds in _blocks(doc) for c in cmds
+               if _skip_reason(c) is None and _checked_only(c)]
+    assert checked, "expected the docs to show a TP x DP layout"
+    for cmd in checked:
+        argv = shlex.split(cmd)
+        i = next(k for k, a in enumerate(argv) if a.endswith("launch/train.py"))
+        assert precheck(argv[i + 1:], CONFIG_DIR, _processes(cmd)) is None, cmd
 
 
 def test_the_extraction_finds_the_documented_commands():
