@@ -94,10 +94,37 @@ SLOW_MODULES = frozenset({
 })
 
 
+#: The longest modules (measured, docs/benchmarks.md), longest first. make test's xdist
+#: workers take whole modules in collection order, so these start first: a long module
+#: started last would run alone at the end while the other worker idles.
+LONGEST_FIRST = (
+    "test_documented_commands_more",
+    "test_documented_commands",
+    "test_launch_hf",
+    "test_compile_tp_overlap",
+    "test_compile_layer",
+    "test_export_hf_atomic",
+    "test_checkpoint_restart",
+    "test_launch_budget",
+    "test_kernels_interpret",
+    "test_fsdp_launch",
+    "test_no_host_sync",
+    "test_compile_tp",
+    "test_compile_fp8_cuda_path",
+    "test_dist_utils",
+    "test_compile_ops",
+    "test_launch_observability",
+    "test_checkpoint_dir_lock",
+    "test_compile",
+)
+
+
 def pytest_collection_modifyitems(config, items):
     for item in items:
         if item.module.__name__ in SLOW_MODULES:
             item.add_marker(pytest.mark.slow)
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.module.__name__, len(rank)))  # stable: the rest keep their order
 
 
 @pytest.fixture
