@@ -21,7 +21,9 @@ from hydra import initialize_config_dir
 from omegaconf import OmegaConf
 
 from .comm_timeout import CollectiveTimeoutError, explain_comm_failure
-from .config import CONFIG_DIR, TrainConfig, from_dict, validate
+from .config import CONFIG_DIR, TrainConfig
+from .config_parse import from_dict
+from .config_validate import validate
 from .models.build import ModelFactory
 from .runtime import env_world_size, start
 from .trainer import Trainer

@@ -36,13 +36,9 @@ from omegaconf import OmegaConf
 
 from tp_fuse.layers.config import GPTConfig
 
-from .config import (
-    CONFIG_DIR,
-    SECTIONS,
-    ModelConfig,
-    from_dict,
-    validate,
-)
+from .config import CONFIG_DIR, SECTIONS, ModelConfig
+from .config_parse import from_dict
+from .config_validate import validate
 
 __all__ = ["CONFIG_DIR", "CONFIG_ERROR_EXIT", "closest", "group_option_error", "known_keys", "override_key_error",
            "precheck", "report_and_exit"]
@@ -87,7 +83,7 @@ def override_key_error(override: str) -> Optional[str]:
 
     Overrides that add (``+``), force-add (``++``) or delete (``~``) keys, Hydra's own
     (``hydra.*``) and group selections (``fp8=delayed``) are left to Hydra and
-    :func:`tp_fuse.launch.config.from_dict`.
+    :func:`tp_fuse.launch.config_parse.from_dict`.
     """
     if "=" not in override or override.startswith(("+", "~", "-")):
         return None

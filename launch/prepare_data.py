@@ -32,7 +32,8 @@ deterministic: the same inputs and tokenizer give the same bytes, interrupted or
 are written through exclusive temporary files renamed into place (a symbolic link planted
 in ``<out>`` is replaced or refused, never written through); inputs are read in bounded
 pieces (a JSONL line over 64 MiB, a paragraph without a blank line over 8 MiB, is cut or
-refused, see :data:`MAX_LINE_BYTES`, :data:`MAX_PARAGRAPH_BYTES`).
+refused: :mod:`tp_fuse.launch.prepare_inputs` reads the inputs, :mod:`tp_fuse.launch.prepare_tokens`
+writes the token stream).
 """
 
 from __future__ import annotations
@@ -40,14 +41,12 @@ from __future__ import annotations
 import argparse
 import array
 import contextlib
-import errno
-import fcntl
 import hashlib
 import json
 import os
 import stat
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any, Optional
 
 # Before any other import: `python launch/prepare_data.py` puts launch/ on sys.path, where
@@ -58,51 +57,20 @@ from _tp_fuse_checkout import use_checkout  # noqa: E402
 
 use_checkout()
 
-from rich.console import Console  # noqa: E402
-from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn  # noqa: E402
-
-from tp_fuse.launch.tokenizer import ByteTokenizer, FileTokenizer, Tok, build_tokenizer, resolve_kind  # noqa: E402
+from tp_fuse.launch.prepare_inputs import FORMATS, SEP, documents, format_of, pyarrow_parquet, text_chunks  # noqa: E402
 from tp_fuse.launch.prepare_output import (OUTPUTS, PARTIAL, PartialOutput, lock_output_dir, open_tokens,  # noqa: E402
                                            read_meta, writing)
+from tp_fuse.launch.prepare_tokens import Encoder, tokenize  # noqa: E402
+from tp_fuse.launch.tokenizer import ByteTokenizer, FileTokenizer, Tok, build_tokenizer, resolve_kind  # noqa: E402
 from tp_fuse.safe_files import atomic_writer, describe_kind, open_regular_file, write_atomic  # noqa: E402
 
 __all__ = ["PrepareJob", "main", "prepare"]
 
-#: Input read per step (and progress recorded after each): small enough to lose little on
-#: an interruption, large enough that the fsync per step costs nothing.
-CHUNK_BYTES = 4 << 20
-#: Longest JSONL line; a longer one is refused (a damaged or crafted file).
-MAX_LINE_BYTES = 64 << 20
-#: A text paragraph (no blank line) longer than this is tokenized in pieces of this size,
-#: cut at a line break where there is one (byte tokenizer: exactly the same tokens anyway).
-MAX_PARAGRAPH_BYTES = 8 << 20
 #: ``--tokenizer bpe`` trains on the whole corpus in memory, as the launcher does.
 MAX_BPE_CORPUS_BYTES = 2 << 30
-PARQUET_BATCH_ROWS = 1024
-FORMATS = ("text", "jsonl", "parquet")
-_SEP = b"\n\n"
 _STATE_VERSION = 1
 #: Bytes per token of each output dtype.
 _ITEMSIZE = {"uint16": 2, "uint32": 4}
-
-
-def _format_of(path: str, fmt: str) -> str:
-    if fmt != "auto":
-        return fmt
-    lower = path.lower()
-    if lower.endswith((".jsonl", ".ndjson", ".json")):
-        return "jsonl"
-    if lower.endswith((".parquet", ".pq")):
-        return "parquet"
-    return "text"
-
-
-def _pyarrow_parquet():
-    try:
-        import pyarrow.parquet as pq
-    except ImportError as exc:
-        raise ValueError(f"reading Parquet files needs pyarrow ({exc}): pip install pyarrow") from None
-    return pq
 
 
 def _tokenizer_file(choice: str) -> str:
@@ -150,10 +118,10 @@ class PrepareJob:
                 raise ValueError(f"input {path!r}: no such file") from None
             if not stat.S_ISREG(st.st_mode):
                 raise ValueError(f"input {path!r} is {describe_kind(st.st_mode)}, not a regular file")
-            self.inputs.append({"path": os.path.abspath(path), "format": _format_of(path, fmt),
+            self.inputs.append({"path": os.path.abspath(path), "format": format_of(path, fmt),
                                 "size": st.st_size, "mtime_ns": st.st_mtime_ns})
         if any(i["format"] == "parquet" for i in self.inputs):
-            _pyarrow_parquet()  # fail before any work when pyarrow is missing
+            pyarrow_parquet()  # fail before any work when pyarrow is missing
         self.out = out
         self.field = field
         self.val_fraction = val_fraction
@@ -196,8 +164,8 @@ class PrepareJob:
         parts: list[bytes] = []
         total = 0
         for spec in self.inputs:
-            pieces = ((chunk for chunk, _ in _text_chunks(spec["path"], 0)) if spec["format"] == "text"
-                      else (doc for doc, _ in _records(self, spec, (0, 0))))
+            pieces = ((chunk for chunk, _ in text_chunks(spec["path"], 0)) if spec["format"] == "text"
+                      else (doc for doc, _ in documents(spec, self.field, (0, 0))))
             text = []
             for piece in pieces:
                 # Counted as read too: a file's size can understate what it yields (procfs
@@ -210,7 +178,7 @@ class PrepareJob:
                 parts.append(b"".join(text))
             else:
                 parts.extend(text)
-        data = _SEP.join(parts)
+        data = SEP.join(parts)
         return data[: max(1, int(len(data) * (1.0 - self.val_fraction)))]
 
     def identity(self) -> dict[str, Any]:
@@ -221,110 +189,6 @@ class PrepareJob:
         return {"version": _STATE_VERSION, "inputs": self.inputs, "field": self.field,
                 "tokenizer": {**tok, "vocab_size": self.tok.vocab_size}, "dtype": self.dtype,
                 "val_fraction": self.val_fraction}
-
-
-class _Encoder:
-    """Token ids of paragraphs (bytes split at blank lines) as the launcher's tokenizers make them."""
-
-    def __init__(self, tok: Tok, dtype: str) -> None:
-        self.tok = tok
-        # array typecodes of the token width ("I" is a C unsigned int: 4 bytes on every platform torch runs on)
-        self.code = "H" if dtype == "uint16" else "I"
-        assert array.array(self.code).itemsize == (2 if dtype == "uint16" else 4)
-        self.sep = self._ids(_SEP)
-
-    def _ids(self, data: bytes) -> array.array:
-        if isinstance(self.tok, ByteTokenizer):
-            return array.array(self.code, iter(data))  # the byte tokenizer's ids are the bytes (iter: not raw memory)
-        # FileTokenizer.encode splits at "\n\n" and joins with the separator's ids: the same
-        # tokens as the launcher's encode of the whole corpus (a blank line is ASCII, so
-        # decoding piece by piece replaces the same invalid bytes).
-        ids = self.tok.encode(data.decode("utf-8", errors="replace"))
-        return array.array(self.code, ids.tolist())
-
-    def encode(self, paragraphs: list[bytes]) -> array.array:
-        return self._ids(_SEP.join(paragraphs))
-
-
-@contextlib.contextmanager
-def _reading(path: str) -> Iterator[None]:
-    """A failed read of an input (``/proc/self/mem``: EIO; a disk error) as one line naming it."""
-    try:
-        yield
-    except OSError as exc:
-        raise ValueError(f"input {path}: cannot read it: {exc.strerror or exc}") from None
-
-
-def _text_chunks(path: str, offset: int) -> Iterator[tuple[bytes, int]]:
-    """``(chunk, file offset after it)`` of a text file from ``offset``, :data:`CHUNK_BYTES` at a time."""
-    with open_regular_file(path, "input file", follow_symlinks=True) as f:
-        f.seek(offset)
-        while True:
-            with _reading(path):
-                chunk = f.read(CHUNK_BYTES)
-            if not chunk:
-                return
-            yield chunk, f.tell()
-
-
-def _jsonl_documents(path: str, field: str, pos: tuple[int, int]) -> Iterator[tuple[bytes, tuple[int, int]]]:
-    with open_regular_file(path, "input file", follow_symlinks=True) as f:
-        f.seek(pos[0])
-        lineno = pos[1]
-        while True:
-            with _reading(path):
-                raw = f.readline(MAX_LINE_BYTES + 1)
-            if not raw:
-                return
-            lineno += 1
-            if len(raw) > MAX_LINE_BYTES:
-                raise ValueError(f"{path}:{lineno}: a line longer than {MAX_LINE_BYTES} bytes; expected one JSON "
-                                 "object per line (JSONL)")
-            if not raw.strip():
-                continue
-            try:
-                record = json.loads(raw)
-            except (ValueError, RecursionError) as exc:
-                raise ValueError(f"{path}:{lineno}: not a JSON object ({type(exc).__name__}: {exc}); expected one "
-                                 f"JSON object per line with a string field {field!r}") from None
-            if not isinstance(record, dict) or not isinstance(record.get(field), str):
-                got = (f"keys {sorted(record)[:10]}" if isinstance(record, dict) and field not in record
-                       else f"{field!r}: {type(record.get(field)).__name__}" if isinstance(record, dict)
-                       else type(record).__name__)
-                raise ValueError(f"{path}:{lineno}: expected a JSON object with a string field {field!r} (--field), "
-                                 f"got {got}")
-            yield record[field].encode("utf-8", errors="replace"), (f.tell(), lineno)
-
-
-def _parquet_documents(path: str, field: str, pos: tuple[int, int]) -> Iterator[tuple[bytes, tuple[int, int]]]:
-    pq = _pyarrow_parquet()
-    try:
-        pf = pq.ParquetFile(path)
-    except Exception as exc:  # pyarrow raises ArrowInvalid / OSError for a file that is not Parquet
-        raise ValueError(f"{path}: not a Parquet file ({type(exc).__name__}: {exc})") from None
-    names = pf.schema_arrow.names
-    if field not in names:
-        raise ValueError(f"{path}: no column {field!r} (--field); it has: {', '.join(names)}")
-    first_group, skip = pos
-    for group in range(first_group, pf.num_row_groups):
-        row = 0
-        for batch in pf.iter_batches(batch_size=PARQUET_BATCH_ROWS, row_groups=[group], columns=[field]):
-            for value in batch.column(0).to_pylist():
-                row += 1
-                if group == first_group and row <= skip:
-                    continue
-                if not isinstance(value, str):
-                    raise ValueError(f"{path}: row {row} of row group {group}: column {field!r} is "
-                                     f"{type(value).__name__}, expected a string")
-                done = row == pf.metadata.row_group(group).num_rows
-                yield value.encode("utf-8", errors="replace"), ((group + 1, 0) if done else (group, row))
-
-
-def _records(job: PrepareJob, spec: dict[str, Any], pos: tuple[int, int]) -> Iterator[tuple[bytes, tuple[int, int]]]:
-    """``(document, position after it)`` of a JSONL or Parquet input from ``pos``."""
-    if spec["format"] == "jsonl":
-        return _jsonl_documents(spec["path"], job.field, pos)
-    return _parquet_documents(spec["path"], job.field, pos)
 
 
 def _differences(a: dict[str, Any], b: dict[str, Any]) -> str:
@@ -356,14 +220,6 @@ def _split(job: PrepareJob, output: PartialOutput, n_tokens: int, itemsize: int)
     with writing(os.path.join(job.out, "meta.json")):
         write_atomic(os.path.join(job.out, "meta.json"), json.dumps(meta, indent=1, sort_keys=True) + "\n")
     return meta
-
-
-def _progress_bar(total: int, enabled: bool):
-    """A rich progress bar over input bytes on stderr (a no-op object when disabled)."""
-    if not enabled:
-        return contextlib.nullcontext(None)
-    return Progress(TextColumn("tokenizing"), BarColumn(), DownloadColumn(), TimeRemainingColumn(),
-                    console=Console(stderr=True), transient=True)
 
 
 def _prepare_locked(job: PrepareJob, restart: bool, progress: bool,
@@ -402,7 +258,7 @@ def _prepare_locked(job: PrepareJob, restart: bool, progress: bool,
     else:
         log(f"{job.out}: resuming at input {state['input'] + 1}/{len(job.inputs)} with {state['tokens']:,} "
             "tokens written")
-    enc = _Encoder(tok, job.dtype)
+    enc = Encoder(tok, job.dtype)
     itemsize = array.array(enc.code).itemsize
     fd = open_tokens(output.tokens_path)
     with os.fdopen(fd, "r+b") as tokens_file:
@@ -413,7 +269,7 @@ def _prepare_locked(job: PrepareJob, restart: bool, progress: bool,
                              "rerun with --restart")
         tokens_file.truncate(want)  # tokens appended after the last recorded state: redone below
         tokens_file.seek(want)
-        _tokenize(job, enc, state, tokens_file, output, progress)
+        tokenize(job.inputs, job.field, enc, state, tokens_file, output, progress)
     meta = _split(job, output, state["tokens"], itemsize)
     output.remove()
     return meta, True
@@ -436,178 +292,6 @@ def prepare(job: PrepareJob, *, restart: bool = False, progress: bool = True,
     log(f"wrote {meta['train_tokens']:,} train and {meta['val_tokens']:,} val tokens ({job.dtype}) to {job.out}; "
         f"train with: python launch/train.py +model=gpt {' '.join(meta['train_args'])}")
     return meta
-
-
-def _cut(buf: bytes, byte_level: bool) -> int:
-    """Where to cut a paragraph longer than :data:`MAX_PARAGRAPH_BYTES`: the cut depends only on
-    its first ``MAX_PARAGRAPH_BYTES`` bytes (so not on how the input was read): at its last
-    line break in their second half, else before a UTF-8 continuation byte."""
-    end = MAX_PARAGRAPH_BYTES
-    if byte_level:
-        return end  # the byte tokenizer's pieces concatenate to the same tokens anyway
-    nl = buf.rfind(b"\n", end // 2, end)
-    if nl >= 0:
-        return nl + 1
-    while end > 1 and (buf[end] & 0xC0) == 0x80:
-        end -= 1
-    return end
-
-
-class _Writer:
-    """Appends tokens of paragraphs to the token file and records progress in the state."""
-
-    def __init__(self, job: PrepareJob, enc: _Encoder, state: dict[str, Any], tokens_file, output: PartialOutput,
-                 bar: Any, task: Any) -> None:
-        self.job, self.enc, self.state = job, enc, state
-        self.tokens_file, self.output, self.bar, self.task = tokens_file, output, bar, task
-        self.byte_level = isinstance(enc.tok, ByteTokenizer)
-        # The last paragraph of the document read last: how it splits depends on whether
-        # another document follows (next_document / end). Progress is only recorded while
-        # there is none, so a resumed run never needs it.
-        self.pending: Optional[bytes] = None
-
-    def _emit(self, groups: list[tuple[bool, list[bytes]]]) -> None:
-        for sep, parts in groups:
-            ids = self.enc.encode(parts)
-            if sep:
-                ids = self.enc.sep + ids
-            if sys.byteorder == "big":  # the format is little-endian (nanoGPT's files)
-                ids.byteswap()
-            with writing(self.output.tokens_path):
-                self.tokens_file.write(ids.tobytes())
-            self.state["tokens"] += len(ids)
-
-    def paragraphs(self, parts: list[bytes]) -> None:
-        """Complete paragraphs of the stream (a separator before each but the stream's first).
-
-        A paragraph over :data:`MAX_PARAGRAPH_BYTES` is tokenized in pieces (no separator
-        between them); consecutive whole paragraphs are tokenized in one call (encode() joins
-        them with the separator and the tokenizer splits there again).
-        """
-        groups: list[tuple[bool, list[bytes]]] = []
-        for part in parts:
-            sep = self.state["sep_due"]
-            while len(part) > MAX_PARAGRAPH_BYTES:
-                cut = _cut(part, self.byte_level)
-                groups.append((sep, [part[:cut]]))
-                part, sep = part[cut:], False
-            if sep and groups:
-                groups[-1][1].append(part)
-            else:
-                groups.append((sep, [part]))
-            self.state["sep_due"] = True
-        self._emit(groups)
-
-    def next_document(self) -> None:
-        """Another document follows: settle the previous one's last paragraph (``pending``).
-
-        The stream is the documents joined by a blank line, split at blank lines. A last
-        paragraph ``X + "\n"`` followed by ``"\n\n" + D`` splits as ``X`` and ``"\n" + D``:
-        its newline moves to the next document (``state["prefix"]``), as in the launcher's
-        split of files joined by ``"\n\n"``.
-        """
-        if self.pending is None:
-            return
-        last, self.pending = self.pending, None
-        if last.endswith(b"\n"):
-            self.paragraphs([last[:-1]])
-            self.state["prefix"] = True
-        else:
-            self.paragraphs([last])
-            self.state["prefix"] = False
-
-    def end(self) -> None:
-        """The stream ends: its last paragraph as it is."""
-        if self.pending is not None:
-            self.paragraphs([self.pending])
-            self.pending = None
-
-    def unfinished(self, carry: bytes) -> bytes:
-        """Tokenize the start of a paragraph that is longer than :data:`MAX_PARAGRAPH_BYTES`
-        whatever follows (the carry has no separator and more than MAX + 1 bytes: its last byte
-        may start one); returns the rest."""
-        while len(carry) > MAX_PARAGRAPH_BYTES + 1:
-            cut = _cut(carry, self.byte_level)
-            self._emit([(self.state["sep_due"], [carry[:cut]])])
-            self.state["sep_due"] = False  # the paragraph goes on: no separator before its next piece
-            carry = carry[cut:]
-        return carry
-
-    def checkpoint(self, input_index: int, pos: tuple[int, int]) -> None:
-        """Record that the tokens so far cover the inputs before ``(input_index, pos)``."""
-        assert self.pending is None
-        with writing(self.output.tokens_path):
-            self.tokens_file.flush()
-            os.fsync(self.tokens_file.fileno())  # the tokens are on disk before the state that counts them
-        self.state.update(input=input_index, pos=list(pos))
-        self.output.write_state(self.state)
-        if self.task is not None:
-            inputs = self.job.inputs
-            at = pos[0] if input_index < len(inputs) and inputs[input_index]["format"] != "parquet" else 0
-            self.bar.update(self.task, completed=sum(i["size"] for i in inputs[:input_index]) + at)
-
-
-def _tokenize(job: PrepareJob, enc: _Encoder, state: dict[str, Any], tokens_file, output: PartialOutput,
-              progress: bool) -> None:
-    """Append the tokens of every input from ``state``'s position, recording progress as it goes."""
-    total = sum(i["size"] for i in job.inputs)
-    with _progress_bar(total, progress and sys.stderr.isatty()) as bar:
-        task = None
-        if bar is not None:
-            task = bar.add_task("tokenizing", total=total,
-                                completed=sum(i["size"] for i in job.inputs[: state["input"]]) + state["pos"][0])
-        writer = _Writer(job, enc, state, tokens_file, output, bar, task)
-        while state["input"] < len(job.inputs):
-            index = state["input"]
-            spec = job.inputs[index]
-            pos = (state["pos"][0], state["pos"][1])
-            if spec["format"] == "text":
-                _tokenize_text(spec["path"], pos[0], writer, index)
-            else:
-                read = 0
-                for doc, after in _records(job, spec, pos):
-                    writer.next_document()
-                    if read >= CHUNK_BYTES:  # the tokens cover everything before this document
-                        writer.checkpoint(index, pos)
-                        read = 0
-                    parts = ((b"\n" if state["prefix"] else b"") + doc).split(_SEP)
-                    state["prefix"] = False
-                    writer.pending = parts.pop()
-                    writer.paragraphs(parts)
-                    read += len(doc) + 1
-                    pos = after
-            state.update(input=index + 1, pos=[0, 0])
-        writer.end()
-        writer.checkpoint(len(job.inputs), (0, 0))
-
-
-def _tokenize_text(path: str, offset: int, writer: _Writer, index: int) -> None:
-    """A text file as one document: complete paragraphs are tokenized as the input streams in.
-
-    The recorded position is where the unfinished paragraph (the carry) starts: a resumed
-    run reads it again from there (with the newline moved in from the previous document,
-    ``state["prefix"]``, while the carry still starts with it).
-    """
-    writer.next_document()
-    state = writer.state
-    prefix = b"\n" if state["prefix"] else b""
-    if offset == 0:
-        writer.checkpoint(index, (0, 0))
-    carry = prefix if offset == 0 else b""
-    for chunk, after in _text_chunks(path, offset):
-        # split() finds separators left to right and the carry starts right after one (or
-        # after a cut), so splitting carry + chunk finds the ones a split of the whole
-        # stream finds, however the file was read.
-        parts = (carry + chunk).split(_SEP)
-        carry = parts.pop()
-        if parts:
-            writer.paragraphs(parts)
-        carry = writer.unfinished(carry)
-        start = after - len(carry)  # file offset of the carry; -1: it starts with the moved newline
-        state["prefix"] = start < 0
-        writer.checkpoint(index, (max(start, 0), 0))
-    writer.pending = carry
-    state["prefix"] = False
 
 
 def _parse_args(argv: Optional[list[str]]) -> argparse.Namespace:

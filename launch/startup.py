@@ -31,7 +31,7 @@ from tp_fuse.quantization.gemm_choice import decision_of
 
 from .config import TrainConfig
 from .data import BatchLoader
-from .models.hf import attention_head_dim, moe_note
+from .models.hf_config import attention_head_dim, moe_note
 from .logging.report import PeakFlops, StepMeter, count_parameters, flops_per_token
 from .runtime import Runtime
 

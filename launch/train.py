@@ -2,7 +2,8 @@
 
 Also runs as one process: ``python launch/train.py +model=gpt``. The Hydra config is
 composed from ``configs/`` (``configs/train.yaml`` lists the groups), converted once into
-typed dataclasses (``tp_fuse.launch.config``) and validated before any process group exists.
+typed dataclasses (``tp_fuse.launch.config``, by ``tp_fuse.launch.config_parse``) and
+validated (``tp_fuse.launch.config_validate``) before any process group exists.
 See ``docs/launcher.md`` for the configuration reference.
 """
 
@@ -26,7 +27,8 @@ from omegaconf import DictConfig, OmegaConf  # noqa: E402
 
 from tp_fuse.launch.checkpoint.manager import CheckpointError  # noqa: E402
 from tp_fuse.launch.comm_timeout import explain_comm_failure  # noqa: E402
-from tp_fuse.launch.config import from_dict, validate  # noqa: E402
+from tp_fuse.launch.config_parse import from_dict  # noqa: E402
+from tp_fuse.launch.config_validate import validate  # noqa: E402
 from tp_fuse.launch.config_errors import CONFIG_DIR, precheck, report_and_exit  # noqa: E402
 from tp_fuse.launch.health import TrainingDivergedError  # noqa: E402
 from tp_fuse.launch.logging.runlog import tee_output  # noqa: E402

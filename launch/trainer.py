@@ -38,7 +38,8 @@ from tp_fuse.layers.fsdp import reduce_sequence_parallel_grads, sequence_paralle
 from tp_fuse import FP8WeightCache
 from tp_fuse.debug import DebugSession, Fp8StatsCollector
 
-from .checkpoint.manager import CheckpointManager, TrainingState
+from .checkpoint.manager import CheckpointManager
+from .checkpoint.training_state import TrainingState
 from .config import TrainConfig
 from .cuda_graphs import graph_layers, make_grads_static
 from .data import BatchLoader, TokenData, make_tokenizer

@@ -144,7 +144,7 @@ def test_every_fp8_recipe_under_fsdp_trains_like_ddp(runs, recipe) -> None:
 
 def test_dp_shard_and_replicate_are_validated_before_start() -> None:
     from tp_fuse.launch.api import compose
-    from tp_fuse.launch.config import validate
+    from tp_fuse.launch.config_validate import validate
 
     base = [*TINY, "parallel.tp=1"]
     layout = validate(compose([*base, "parallel.dp_shard=2"]), 4)

@@ -30,7 +30,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from tp_fuse.launch.api import compose
-from tp_fuse.launch.config import validate
+from tp_fuse.launch.config_validate import validate
 from tp_fuse.launch.models.build import build_model
 from tp_fuse.launch.grads import clip_grads, global_grad_norm
 from tp_fuse.launch.optim import build_optimizer, lr_at, set_lr

@@ -17,7 +17,7 @@ import pytest
 
 from dist_utils import run_distributed
 from tp_fuse.launch.api import compose
-from tp_fuse.launch.config import validate
+from tp_fuse.launch.config_validate import validate
 from tp_fuse.launch.logging.metrics import read_jsonl
 from test_launch_train import TINY
 

@@ -12,7 +12,9 @@ import sys
 import pytest
 
 from tp_fuse.launch.api import compose
-from tp_fuse.launch.config import CONFIG_DIR, from_dict, validate
+from tp_fuse.launch.config import CONFIG_DIR
+from tp_fuse.launch.config_parse import from_dict
+from tp_fuse.launch.config_validate import validate
 from tp_fuse.launch.config_errors import precheck
 from tp_fuse.launch.optim import lr_at
 from tp_fuse.launch.runtime import rank_overrides

@@ -10,7 +10,7 @@ import torch
 
 from tp_fuse.launch import trainer as trainer_module
 from tp_fuse.launch.api import compose
-from tp_fuse.launch.config import validate
+from tp_fuse.launch.config_validate import validate
 from tp_fuse.launch.runtime import start
 from tp_fuse.launch.trainer import Trainer
 from test_checkpoint_resume import COMMON

@@ -23,10 +23,11 @@ transformers = pytest.importorskip("transformers", reason="transformers is not i
 tokenizers = pytest.importorskip("tokenizers", reason="tokenizers is not installed (pip install -e .[hf])")
 
 from tp_fuse.launch.api import compose, train  # noqa: E402
-from tp_fuse.launch.config import CONFIG_DIR, validate  # noqa: E402
+from tp_fuse.launch.config import CONFIG_DIR  # noqa: E402
+from tp_fuse.launch.config_validate import validate  # noqa: E402
 from tp_fuse.launch.config_errors import precheck  # noqa: E402
 from tp_fuse.launch.checkpoint.hf_export import export_hf_directory  # noqa: E402
-from tp_fuse.launch.models import hf as hf_module  # noqa: E402
+from tp_fuse.launch.models import hf_config as hf_module  # noqa: E402
 from tp_fuse.launch.data import stdlib_corpus  # noqa: E402
 from tp_fuse.launch.models.hf import build_hf_model, load_tokenizer  # noqa: E402
 from tp_fuse.launch.logging.metrics import read_jsonl  # noqa: E402

@@ -1,6 +1,7 @@
 """+model=hf reads a model directory through the libraries made for it, and still refuses
 crafted files: config.json through ``transformers.AutoConfig`` (no remote code: an
-``auto_map`` is ignored), weight headers through ``safetensors`` (launch/models/hf.py)."""
+``auto_map`` is ignored), weight headers through ``safetensors`` (launch/models/hf_config.py,
+launch/models/hf_weights.py)."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ pytest.importorskip("safetensors")
 
 from safetensors.torch import save_file  # noqa: E402
 
-from tp_fuse.launch.models import hf as hf_module  # noqa: E402
+from tp_fuse.launch.models import hf_config, hf_weights  # noqa: E402
 
 
 def _config_dir(tmp_path, **extra) -> str:
@@ -36,9 +37,9 @@ def _config_dir(tmp_path, **extra) -> str:
 
 def test_config_is_transformers_own_reading(tmp_path) -> None:
     path = _config_dir(tmp_path)
-    config = hf_module.hf_config(path)
+    config = hf_config.hf_config(path)
     assert type(config) is transformers.LlamaConfig
-    fields = hf_module.gpt_fields(path)
+    fields = hf_config.gpt_fields(path)
     assert (fields["hidden_size"], fields["num_heads"], fields["num_query_groups"]) == (32, 4, 2)
     assert fields["tie_embeddings"] == config.tie_word_embeddings
 
@@ -49,15 +50,15 @@ def test_auto_map_runs_no_code(tmp_path) -> None:
                                            "AutoModelForCausalLM": "evil.EvilModel"})
     with open(os.path.join(path, "evil.py"), "w") as f:
         f.write(f"open({str(marker)!r}, 'w').write('ran')\n")
-    assert type(hf_module.hf_config(path)) is transformers.LlamaConfig
-    hf_module.gpt_fields(path)
+    assert type(hf_config.hf_config(path)) is transformers.LlamaConfig
+    hf_config.gpt_fields(path)
     assert not marker.exists()
 
 
 def test_a_field_transformers_refuses_is_one_config_error(tmp_path) -> None:
     path = _config_dir(tmp_path, num_attention_heads=None)
     with pytest.raises(ValueError, match=r"config.json: transformers cannot read it as a llama config"):
-        hf_module.gpt_fields(path)
+        hf_config.gpt_fields(path)
 
 
 def _weights(path: str) -> str:
@@ -79,17 +80,17 @@ def test_crafted_safetensors_headers_are_refused_naming_the_file(tmp_path, conte
     with open(_weights(path), "wb") as f:
         f.write(content)
     with pytest.raises(ValueError, match=r"model.safetensors is not a readable safetensors file"):
-        hf_module.check_weight_files(path)
+        hf_weights.check_weight_files(path)
 
 
 def test_a_fifo_weight_file_is_refused_not_waited_on(tmp_path) -> None:
     path = _config_dir(tmp_path)
     os.mkfifo(os.path.join(path, "model.safetensors"))
     with pytest.raises(ValueError, match=r"model.safetensors is a FIFO"):
-        hf_module.check_weight_files(path)
+        hf_weights.check_weight_files(path)
 
 
 def test_float_weights_pass_the_header_check(tmp_path) -> None:
     path = _config_dir(tmp_path)
     _weights(path)
-    hf_module.check_weight_files(path)
+    hf_weights.check_weight_files(path)

@@ -15,7 +15,7 @@ pytest.importorskip("tokenizers", reason="tokenizers is not installed (pip insta
 from tp_fuse.launch.api import compose, train  # noqa: E402
 from tp_fuse.launch.config import CONFIG_DIR  # noqa: E402
 from tp_fuse.launch.config_errors import precheck  # noqa: E402
-from tp_fuse.launch.models.hf import resolve_plan  # noqa: E402
+from tp_fuse.launch.models.hf_plan import resolve_plan  # noqa: E402
 from test_launch_hf import _model_dir  # noqa: E402
 from tp_fuse.layers import FusedColumn  # noqa: E402
 

@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from tp_fuse.launch.api import compose
-from tp_fuse.launch.config import DataConfig, validate
+from tp_fuse.launch.config import DataConfig
+from tp_fuse.launch.config_validate import validate
 from tp_fuse.launch.data import TokenData, load_tokens, make_tokenizer
 from tp_fuse.launch.tokenizer import ByteTokenizer, FileTokenizer, check_tokenizer_choice, resolve_kind
 

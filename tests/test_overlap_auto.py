@@ -390,7 +390,7 @@ def test_auto_same_choices_on_both_ranks(results) -> None:
 
 def test_launcher_overlap_method(tmp_path) -> None:
     from tp_fuse.launch.config import OverlapSettings as LaunchOverlap
-    from tp_fuse.launch.config import from_dict
+    from tp_fuse.launch.config_parse import from_dict
     from tp_fuse.launch.models.build import OVERLAP_CHOICE_FILE, build_overlap
 
     model = {"name": "gpt"}

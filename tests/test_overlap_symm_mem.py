@@ -21,6 +21,7 @@ import torch.distributed as dist
 import tp_fuse  # noqa: F401 - registers the package layout (tp_fuse.comm)
 from dist_utils import run_distributed
 from tp_fuse.overlap import symm_mem as sm
+from tp_fuse.overlap import symm_mem_rules as rules
 from tp_fuse.overlap.auto import OverlapAutoTuner, candidate_labels, load_choice_file, save_choice_file, AutoDecision
 from tp_fuse.quantization import BlockScalingQuantizer, CurrentScalingQuantizer
 from tp_fuse.recipe import Float8BlockScaling, Float8CurrentScaling, Float8RowwiseScaling
@@ -55,13 +56,13 @@ def test_schema_table_matches_the_registered_ops() -> None:
     # importing tp_fuse.layers, and through it torch.distributed's FSDP, which imports it).
     import torch.distributed._symmetric_memory  # noqa: F401
 
-    for op, args in sm.SCHEMA_ARGS.items():
+    for op, args in rules.SCHEMA_ARGS.items():
         schema = getattr(torch.ops.symm_mem, op).default._schema
         assert [(a.name, a.has_default_value()) for a in schema.arguments] == list(args), op
 
 
 def test_not_offered_on_cpu() -> None:
-    for op in sm.OPS:
+    for op in rules.OPS:
         why = sm.symm_mem_unavailable(op, None, torch.device("cpu"))
         assert why is not None and "CUDA" in why
     with pytest.raises(ValueError, match="unknown op"):
@@ -151,40 +152,40 @@ def _hp_rs_args():
 
 E5 = torch.float8_e5m2
 RULES = [
-    (sm.AG_SCALED, lambda d: {**d, "extra": 1}, "unknown argument"),
-    (sm.AG_SCALED, lambda d: {k: v for k, v in d.items() if k != "A_scale"}, "missing required argument 'A_scale'"),
-    (sm.AG_SCALED, lambda d: {**d, "group_name": ""}, "group_name"),
-    (sm.AG_SCALED, lambda d: {**d, "gather_dim": -1}, "gather_dim must be in"),
-    (sm.AG_SCALED, lambda d: {**d, "biases": []}, "biases must be a list"),
-    (sm.AG_SCALED, lambda d: {**d, "A": d["A"][:, :48]}, "K mismatch"),
-    (sm.AG_SCALED, lambda d: {**d, "A": d["A"].t().contiguous().t()}, "must be contiguous"),
-    (sm.AG_SCALED, lambda d: {**d, "A_scale": torch.ones(3)}, "neither tensor-wise"),
-    (sm.AG_SCALED, lambda d: {**d, "out_dtypes": [None]}, "float8 output"),
-    (sm.AG_SCALED, lambda d: {**d, "out_dtypes": [torch.float64]}, "out_dtype"),
-    (sm.AG_SCALED, lambda d: {**d, "Bs": [d["Bs"][0].contiguous()]}, "column-major"),
-    (sm.AG_SCALED, lambda d: {**d, "A": d["A"].view(torch.uint8).view(E5), "Bs": [d["Bs"][0].view(torch.uint8)
+    (rules.AG_SCALED, lambda d: {**d, "extra": 1}, "unknown argument"),
+    (rules.AG_SCALED, lambda d: {k: v for k, v in d.items() if k != "A_scale"}, "missing required argument 'A_scale'"),
+    (rules.AG_SCALED, lambda d: {**d, "group_name": ""}, "group_name"),
+    (rules.AG_SCALED, lambda d: {**d, "gather_dim": -1}, "gather_dim must be in"),
+    (rules.AG_SCALED, lambda d: {**d, "biases": []}, "biases must be a list"),
+    (rules.AG_SCALED, lambda d: {**d, "A": d["A"][:, :48]}, "K mismatch"),
+    (rules.AG_SCALED, lambda d: {**d, "A": d["A"].t().contiguous().t()}, "must be contiguous"),
+    (rules.AG_SCALED, lambda d: {**d, "A_scale": torch.ones(3)}, "neither tensor-wise"),
+    (rules.AG_SCALED, lambda d: {**d, "out_dtypes": [None]}, "float8 output"),
+    (rules.AG_SCALED, lambda d: {**d, "out_dtypes": [torch.float64]}, "out_dtype"),
+    (rules.AG_SCALED, lambda d: {**d, "Bs": [d["Bs"][0].contiguous()]}, "column-major"),
+    (rules.AG_SCALED, lambda d: {**d, "A": d["A"].view(torch.uint8).view(E5), "Bs": [d["Bs"][0].view(torch.uint8)
                                                                             .view(E5)]}, "e5m2 x e5m2"),
-    (sm.AG_SCALED, lambda d: {**d, "biases": [torch.zeros(N, dtype=torch.float32)]}, "bias: must be"),
-    (sm.AG_SCALED, lambda d: {**d, "result_scales": [torch.ones(())]}, "float8 outputs only"),
-    (sm.RS_SCALED, lambda d: {**d, "reduce_op": "max"}, "reduce_op"),
-    (sm.RS_SCALED, lambda d: {**d, "A": d["A"][:31]}, "divisible by the group size"),
-    (sm.RS_SCALED, lambda d: {**d, "output_shape": None}, "output_shape must be a list"),
-    (sm.RS_SCALED, lambda d: {**d, "output_shape": [M, N + 16]}, "does not hold"),
-    (sm.RS_SCALED, lambda d: {**d, "orig_scatter_dim": 2}, "orig_scatter_dim"),
-    (sm.RS_SCALED, lambda d: {**d, "A_scale": torch.ones(M + 1, 1)}, "leading dims must match"),
-    (sm.RS_SCALED, lambda d: {**d, "B_scale": torch.ones(1, N)}, "scales:"),
-    (sm.RS_SCALED, lambda d: {**d, "A": d["A"][:, :40].contiguous(), "B": d["B"][:40]}, "multiples of 16"),
-    (sm.RS, lambda d: {**d, "B": d["B"].double()}, "one high-precision floating dtype"),
-    (sm.RS, lambda d: {**d, "scatter_dim": 2}, "scatter_dim must be in"),
-    (sm.RS, lambda d: {**d, "B": d["B"].to("meta")}, "devices"),
+    (rules.AG_SCALED, lambda d: {**d, "biases": [torch.zeros(N, dtype=torch.float32)]}, "bias: must be"),
+    (rules.AG_SCALED, lambda d: {**d, "result_scales": [torch.ones(())]}, "float8 outputs only"),
+    (rules.RS_SCALED, lambda d: {**d, "reduce_op": "max"}, "reduce_op"),
+    (rules.RS_SCALED, lambda d: {**d, "A": d["A"][:31]}, "divisible by the group size"),
+    (rules.RS_SCALED, lambda d: {**d, "output_shape": None}, "output_shape must be a list"),
+    (rules.RS_SCALED, lambda d: {**d, "output_shape": [M, N + 16]}, "does not hold"),
+    (rules.RS_SCALED, lambda d: {**d, "orig_scatter_dim": 2}, "orig_scatter_dim"),
+    (rules.RS_SCALED, lambda d: {**d, "A_scale": torch.ones(M + 1, 1)}, "leading dims must match"),
+    (rules.RS_SCALED, lambda d: {**d, "B_scale": torch.ones(1, N)}, "scales:"),
+    (rules.RS_SCALED, lambda d: {**d, "A": d["A"][:, :40].contiguous(), "B": d["B"][:40]}, "multiples of 16"),
+    (rules.RS, lambda d: {**d, "B": d["B"].double()}, "one high-precision floating dtype"),
+    (rules.RS, lambda d: {**d, "scatter_dim": 2}, "scatter_dim must be in"),
+    (rules.RS, lambda d: {**d, "B": d["B"].to("meta")}, "devices"),
 ]
 
 
 @pytest.mark.parametrize("op, mutate, needle", RULES)
 def test_each_symm_mem_rule(op, mutate, needle) -> None:
-    base = {sm.AG_SCALED: _ag_args, sm.RS_SCALED: _rs_args, sm.RS: _hp_rs_args}[op]()
-    assert sm.symm_mem_violations(op, base, world_size=WORLD) == []
-    issues = sm.symm_mem_violations(op, mutate(base), world_size=WORLD)
+    base = {rules.AG_SCALED: _ag_args, rules.RS_SCALED: _rs_args, rules.RS: _hp_rs_args}[op]()
+    assert rules.symm_mem_violations(op, base, world_size=WORLD) == []
+    issues = rules.symm_mem_violations(op, mutate(base), world_size=WORLD)
     assert any(needle in i for i in issues), issues
 
 
@@ -192,13 +193,13 @@ def test_rowwise_all_gather_needs_aligned_scale_slices() -> None:
     a, w = _fp8("rowwise")
     args = dict(sm.window_call("all_gather", a, w, group_name="0", world_size=WORLD, out_dtype=torch.float32).call.args)
     args["A"], args["A_scale"] = args["A"][:30], args["A_scale"][:30]
-    assert any("16-byte aligned" in i for i in sm.symm_mem_violations(sm.AG_SCALED, args, world_size=WORLD))
+    assert any("16-byte aligned" in i for i in rules.symm_mem_violations(rules.AG_SCALED, args, world_size=WORLD))
 
 
 def test_strict_mode_and_run_check(tp_settings) -> None:
     args = _rs_args()
     args["reduce_op"] = "max"
-    call = sm.SymmMemCall(sm.RS_SCALED, args, WORLD)
+    call = sm.SymmMemCall(rules.RS_SCALED, args, WORLD)
     tp_settings(**{STRICT_ENV: None})
     sm.check_strict(call)  # off: no check
     tp_settings(**{STRICT_ENV: "1"})
@@ -218,11 +219,11 @@ def _reference_op(op: str):
     in test mode), callable with the schema's argument names."""
     import torch.distributed._symmetric_memory as symm
 
-    fn = {sm.AG: symm._fused_all_gather_matmul_fallback, sm.AG_SCALED: symm._fused_all_gather_scaled_matmul_fallback,
-          sm.RS: symm._fused_matmul_reduce_scatter_fallback,
-          sm.RS_SCALED: symm._fused_scaled_matmul_reduce_scatter_fallback}[op]
+    fn = {rules.AG: symm._fused_all_gather_matmul_fallback, rules.AG_SCALED: symm._fused_all_gather_scaled_matmul_fallback,
+          rules.RS: symm._fused_matmul_reduce_scatter_fallback,
+          rules.RS_SCALED: symm._fused_scaled_matmul_reduce_scatter_fallback}[op]
     params = list(inspect.signature(fn).parameters.values())
-    names = [n for n, _ in sm.SCHEMA_ARGS[op]]
+    names = [n for n, _ in rules.SCHEMA_ARGS[op]]
 
     def call(**kw):
         pos = [kw[n] for n, p in zip(names, params) if p.kind != p.KEYWORD_ONLY and n in kw]

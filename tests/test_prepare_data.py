@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from tp_fuse.launch import prepare_data as pd
+from tp_fuse.launch import prepare_inputs, prepare_tokens
 from tp_fuse.launch.config import DataConfig
 from tp_fuse.launch.data import TokenData, load_tokens
 from tp_fuse.launch.tokenizer import FileTokenizer, train_bpe
@@ -53,7 +54,7 @@ def _bin_tokens(out, meta) -> TokenData:
 
 @pytest.mark.parametrize("tokenizer", ["byte", "json"])
 def test_text_round_trip_is_the_launchers_data_text_stream(tmp_path, monkeypatch, bpe_json, tokenizer):
-    monkeypatch.setattr(pd, "CHUNK_BYTES", 7)  # paragraphs and separators straddle reads
+    monkeypatch.setattr(prepare_inputs, "CHUNK_BYTES", 7)  # paragraphs and separators straddle reads
     paths = _files(tmp_path)
     choice = "byte" if tokenizer == "byte" else bpe_json
     meta = _run(paths, tmp_path / "out", tokenizer=choice, val_fraction=0.1)
@@ -99,7 +100,7 @@ class _Interrupt(KeyboardInterrupt):
 
 
 def _interrupt_after(monkeypatch, n: int) -> None:
-    real = pd._Writer.checkpoint
+    real = prepare_tokens._Writer.checkpoint
     calls = {"n": 0}
 
     def checkpoint(self, *a):
@@ -109,13 +110,13 @@ def _interrupt_after(monkeypatch, n: int) -> None:
             self.tokens_file.write(b"\x01\x00" * 5)  # tokens written after the last recorded state
             raise _Interrupt
 
-    monkeypatch.setattr(pd._Writer, "checkpoint", checkpoint)
+    monkeypatch.setattr(prepare_tokens._Writer, "checkpoint", checkpoint)
 
 
 @pytest.mark.parametrize("kind", ["text", "jsonl"])
 def test_resume_after_an_interruption_gives_the_same_bytes(tmp_path, monkeypatch, bpe_json, kind):
-    monkeypatch.setattr(pd, "CHUNK_BYTES", 5)
-    monkeypatch.setattr(pd, "MAX_PARAGRAPH_BYTES", 12)  # long paragraphs are cut the same way on resume
+    monkeypatch.setattr(prepare_inputs, "CHUNK_BYTES", 5)
+    monkeypatch.setattr(prepare_tokens, "MAX_PARAGRAPH_BYTES", 12)  # long paragraphs are cut the same way on resume
     if kind == "text":
         paths = _files(tmp_path, extra=b"")
     else:
@@ -129,17 +130,17 @@ def test_resume_after_an_interruption_gives_the_same_bytes(tmp_path, monkeypatch
             _run(paths, out, tokenizer=bpe_json)
         assert os.path.isdir(out / "prepare.partial") and not os.path.exists(out / "meta.json")
         monkeypatch.undo()
-        monkeypatch.setattr(pd, "CHUNK_BYTES", 11)  # other read sizes: still the same output
-        monkeypatch.setattr(pd, "MAX_PARAGRAPH_BYTES", 12)
+        monkeypatch.setattr(prepare_inputs, "CHUNK_BYTES", 11)  # other read sizes: still the same output
+        monkeypatch.setattr(prepare_tokens, "MAX_PARAGRAPH_BYTES", 12)
         meta = _run(paths, out, tokenizer=bpe_json)
         assert {**meta, "train_args": None} == {**clean, "train_args": None}  # the paths in train_args differ
         for name in ("train.bin", "val.bin"):
             assert (out / name).read_bytes() == (tmp_path / "clean" / name).read_bytes()
-        monkeypatch.setattr(pd, "CHUNK_BYTES", 5)
+        monkeypatch.setattr(prepare_inputs, "CHUNK_BYTES", 5)
 
 
 def test_resume_refuses_changed_inputs_and_restart_starts_over(tmp_path, monkeypatch):
-    monkeypatch.setattr(pd, "CHUNK_BYTES", 5)
+    monkeypatch.setattr(prepare_inputs, "CHUNK_BYTES", 5)
     paths = _files(tmp_path)
     _interrupt_after(monkeypatch, 2)
     with pytest.raises(_Interrupt):
@@ -256,7 +257,7 @@ _STATE_SHAPES = {
 
 @pytest.mark.parametrize("shape", sorted(_STATE_SHAPES))
 def test_crafted_state_json_is_one_error_naming_it(tmp_path, monkeypatch, shape):
-    monkeypatch.setattr(pd, "CHUNK_BYTES", 5)
+    monkeypatch.setattr(prepare_inputs, "CHUNK_BYTES", 5)
     paths = _files(tmp_path)
     _interrupt_after(monkeypatch, 2)
     with pytest.raises(_Interrupt):

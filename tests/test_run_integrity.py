@@ -18,7 +18,7 @@ import torch
 from tp_fuse.launch.checkpoint import manager as ckpt_mod
 from tp_fuse.launch.api import compose, train
 from tp_fuse.launch.checkpoint.manager import CheckpointError
-from tp_fuse.launch.config import validate
+from tp_fuse.launch.config_validate import validate
 from tp_fuse.launch.health import NonfiniteGuard, TrainingDivergedError
 from tp_fuse.launch.logging.metrics import read_jsonl
 from tp_fuse.layers import GPT

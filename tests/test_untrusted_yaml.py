@@ -13,7 +13,7 @@ import textwrap
 import pytest
 
 from tp_fuse.debug.config import load_debug_config
-from tp_fuse.launch.config import check_plan
+from tp_fuse.launch.config_parse import check_plan
 from tp_fuse.overlap.config import OverlapConfig
 from tp_fuse.safe_yaml import MAX_YAML_BYTES, load_yaml
 
@@ -31,7 +31,7 @@ _SITES = textwrap.dedent("""
     import resource, sys, time
     resource.setrlimit(resource.RLIMIT_AS, (3 << 30, 3 << 30))
     from tp_fuse.debug.config import load_debug_config
-    from tp_fuse.launch.config import check_plan
+    from tp_fuse.launch.config_parse import check_plan
     from tp_fuse.overlap.config import OverlapConfig
     path = sys.argv[1]
     for name, load in (("debug", load_debug_config), ("plan", check_plan), ("overlap", OverlapConfig.from_yaml)):

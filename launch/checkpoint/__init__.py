@@ -1,4 +1,5 @@
-"""Distributed checkpoints: save, find, verify and resume (``manager``), checkpoint files and
-manifests (``files``), which run a checkpoint belongs to (``run_identity``) and reading DCP
-metadata without running code from it (``safe_dcp``).
+"""Distributed checkpoints: save, find, verify and resume (``manager``), the training state as
+DCP keys and back (``training_state``), checkpoint files and manifests (``files``), which run
+a checkpoint belongs to (``run_identity``) and reading DCP metadata without running code from
+it (``safe_dcp``).
 """

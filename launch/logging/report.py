@@ -58,7 +58,7 @@ def count_parameters(model: torch.nn.Module, tp_group: Optional[dist.ProcessGrou
 def flops_per_token(gpt: GPTConfig, seq_len: int, head_dim: Optional[int] = None) -> float:
     """Model FLOPs of one training token (forward + backward); formula in the module docstring.
     ``head_dim``: the attention head width where it is not ``gpt.head_dim`` (hidden / heads):
-    a Hugging Face config.json's ``head_dim`` (``tp_fuse.launch.models.hf.attention_head_dim``)."""
+    a Hugging Face config.json's ``head_dim`` (``tp_fuse.launch.models.hf_config.attention_head_dim``)."""
     h = gpt.hidden_size
     d = head_dim or gpt.head_dim
     qkv = h * (gpt.num_heads + 2 * gpt.kv_groups) * d
