@@ -19,7 +19,7 @@ import time
 import torch
 
 from tp_fuse.kernels import dispatch
-from tp_fuse.quantization.quantizer import make_quantizer
+from tp_fuse.quantization.op_quantizers import make_quantizer
 from tp_fuse.recipe import Float8BlockScaling, Float8RowwiseScaling, MXFP8BlockScaling
 
 RECIPES = {"blockwise": Float8BlockScaling(), "mxfp8": MXFP8BlockScaling(), "rowwise": Float8RowwiseScaling()}

@@ -26,7 +26,7 @@ import torch
 import tp_fuse
 from tp_fuse import ops
 from tp_fuse.quantization.block import wire as block_wire
-from tp_fuse.quantization.quantizer import make_quantizer
+from tp_fuse.quantization.op_quantizers import make_quantizer
 from tp_fuse.recipe import (
     DelayedScaling,
     Float8BlockScaling,

@@ -37,7 +37,7 @@ else:
     from tp_fuse.kernels import record_kernel_paths
     from tp_fuse.quantization.block.cast import quantize_layouts
     from tp_fuse.quantization.block.scaling import BlockSpec, ScaleRule
-    from tp_fuse.quantization.quantizer import make_quantizer
+    from tp_fuse.quantization.op_quantizers import make_quantizer
     from tp_fuse.recipe import Float8BlockScaling, Float8RowwiseScaling, MXFP8BlockScaling
 
     E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2

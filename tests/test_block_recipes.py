@@ -18,7 +18,7 @@ from tp_fuse.quantization import BlockScaledTensor, BlockScalingQuantizer, fp8_g
 from tp_fuse.quantization.block import wire as block_wire
 from tp_fuse.quantization.block.gemm import BlockPayload, blockwise_scaled_mm, emulated_block_gemm, swizzle_mx_scales
 from tp_fuse.quantization.block.scaling import BlockSpec, ScaleRule, quantize_blocks
-from tp_fuse.quantization.quantizer import make_quantizer
+from tp_fuse.quantization.op_quantizers import make_quantizer
 from tp_fuse.recipe import (
     Float8BlockScaling,
     Float8RowwiseScaling,

@@ -22,7 +22,7 @@ import tp_fuse
 from tp_fuse import kernels, ops
 from tp_fuse.kernels.fp8_emulation import fp8_to_float
 from tp_fuse.quantization import Float8Tensor
-from tp_fuse.quantization.quantizer import DelayedScalingQuantizer
+from tp_fuse.quantization.float8.delayed_scaling import DelayedScalingQuantizer
 from tp_fuse.recipe import DelayedScaling, Float8CurrentScaling
 from tp_fuse.strict import STRICT_ENV, strict_cuda_enabled
 

@@ -17,7 +17,7 @@ from test_launch_train import TINY
 from tp_fuse.debug import DebugSession, StatsBuffer
 from tp_fuse.debug.features import FakeQuant
 from tp_fuse.quantization.block.scaling import BlockSpec, ScaleRule, dequantize_blocks, quantize_blocks
-from tp_fuse.quantization.quantizer import make_quantizer
+from tp_fuse.quantization.op_quantizers import make_quantizer
 from tp_fuse.recipe import Float8BlockScaling, Float8RowwiseScaling, MXFP8BlockScaling
 
 # E4M3 block formats and the recipe whose quantizers they must reproduce.

@@ -146,7 +146,7 @@ def test_per_tensor_scaling_returns_a_current_scaled_float8_tensor(api):
             - gemm: fprop
               tensors: [activation, weight]
     """)
-    from tp_fuse.quantization.quantizer import DelayedScalingQuantizer
+    from tp_fuse.quantization.float8.delayed_scaling import DelayedScalingQuantizer
 
     t = torch.randn(24, 64)
     q = DelayedScalingQuantizer(DelayedScaling(), "input")

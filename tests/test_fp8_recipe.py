@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from tp_fuse.quantization import DelayedScalingQuantizer, scaling
-from tp_fuse.quantization.quantizer import update_delayed_quantizers
+from tp_fuse.quantization.float8.delayed_scaling import update_delayed_quantizers
 from tp_fuse.recipe import DelayedScaling, Float8CurrentScaling, Format, Recipe
 
 E4M3_MAX, E5M2_MAX = 448.0, 57344.0

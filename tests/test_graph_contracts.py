@@ -26,7 +26,7 @@ import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
 import tp_fuse as te
-from tp_fuse.quantization.quantizer import make_quantizer
+from tp_fuse.quantization.op_quantizers import make_quantizer
 from tp_fuse.quantization.step_record import (
     FP8StepMembership,
     find_quantizers,

@@ -31,7 +31,7 @@ import torch
 import tp_fuse
 from tp_fuse import kernels, ops
 from tp_fuse.quantization import fp8_gemm
-from tp_fuse.quantization.quantizer import DelayedScalingQuantizer
+from tp_fuse.quantization.float8.delayed_scaling import DelayedScalingQuantizer
 from tp_fuse.recipe import DelayedScaling
 from tp_fuse.strict import STRICT_ENV
 

@@ -27,7 +27,7 @@ from tp_fuse.quantization.nvfp4.scaling import (
     rht_matrix,
     unpack_fp4,
 )
-from tp_fuse.quantization.quantizer import make_quantizer
+from tp_fuse.quantization.op_quantizers import make_quantizer
 from tp_fuse.recipe import DelayedScaling, Format, NVFP4BlockScaling, QParams
 
 F32_MAX = torch.finfo(torch.float32).max

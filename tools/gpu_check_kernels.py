@@ -42,7 +42,7 @@ from tp_fuse.kernels import (  # noqa: E402 - after the repo path
     swiglu_fwd,
 )
 from tp_fuse.kernels.testing import fp8_ulp_distance  # noqa: E402
-from tp_fuse.quantization.quantizer import make_quantizer  # noqa: E402
+from tp_fuse.quantization.op_quantizers import make_quantizer  # noqa: E402
 from tp_fuse.recipe import Float8BlockScaling, Float8RowwiseScaling, MXFP8BlockScaling  # noqa: E402
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2

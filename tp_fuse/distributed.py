@@ -41,7 +41,9 @@ import torch.distributed as dist
 import torch.utils.checkpoint as torch_checkpoint
 
 from .quantization.autocast import AutocastContext, current_autocast, reenter_autocast
-from .quantization.quantizer import CurrentScalingQuantizer, DelayedScalingQuantizer, OpQuantizers
+from .quantization.float8.current_scaling import CurrentScalingQuantizer
+from .quantization.float8.delayed_scaling import DelayedScalingQuantizer
+from .quantization.op_quantizers import OpQuantizers
 
 __all__ = ["checkpoint", "checkpoint_eager", "fp8_quantizers"]
 

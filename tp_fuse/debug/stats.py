@@ -33,7 +33,7 @@ from tp_fuse.comm.nccl_rules import check_collective
 from ..quantization.block.scaling import expand_scales
 from ..recipe import low_precision_max
 from ..quantization import scaling
-from ..quantization.quantizer import CurrentScalingQuantizer
+from ..quantization.float8.current_scaling import CurrentScalingQuantizer
 
 __all__ = [
     "FP8_STATS",

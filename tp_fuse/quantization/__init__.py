@@ -22,14 +22,10 @@ from .role import QuantizerRole
 from .float8.te_quantizers import DType, Float8CurrentScalingQuantizer, Float8Quantizer
 from .gemm import fp8_gemm
 from .parameter import is_fp8_parameter, make_fp8_parameter
-from .quantizer import (
-    CurrentScalingQuantizer,
-    DelayedScalingQuantizer,
-    OpQuantizers,
-    Quantizer,
-    is_backward_role,
-    make_quantizer,
-)
+from .float8.current_scaling import CurrentScalingQuantizer
+from .float8.delayed_scaling import DelayedScalingQuantizer
+from .op_quantizers import OpQuantizers, make_quantizer
+from .quantizer import Quantizer, is_backward_role
 
 from .scaling import delayed_scale as _delayed_scale
 from .weight_cache import FP8WeightCache

@@ -34,13 +34,9 @@ from tp_fuse.comm.nccl_rules import check_collective
 
 from . import scaling
 from .block.quantizer import BlockScalingQuantizer
-from .quantizer import (
-    CurrentScalingQuantizer,
-    DelayedScalingQuantizer,
-    Quantizer,
-    no_grad_if_enabled,
-    update_delayed_quantizers,
-)
+from .float8.current_scaling import CurrentScalingQuantizer
+from .float8.delayed_scaling import DelayedScalingQuantizer, update_delayed_quantizers
+from .quantizer import Quantizer, no_grad_if_enabled
 
 __all__ = ["AmaxReductionBuffer", "BackwardAmaxTracker", "reduce_amaxes", "reduce_and_update_quantizers"]
 

@@ -36,7 +36,9 @@ from .amax_reduction import AmaxReductionBuffer, BackwardAmaxTracker
 from .block.quantizer import BlockScalingQuantizer
 from .compile_state import compile_key, set_traced_key
 from .gemm_choice import GemmChoice, resolve_gemms, set_traced_gemms_auto
-from .quantizer import CurrentScalingQuantizer, DelayedScalingQuantizer, Quantizer
+from .float8.current_scaling import CurrentScalingQuantizer
+from .float8.delayed_scaling import DelayedScalingQuantizer
+from .quantizer import Quantizer
 from .weight_cache import FP8WeightCache, check_weight_cache
 
 __all__ = [

@@ -30,7 +30,7 @@ from typing import Any, NamedTuple, Optional
 import torch
 
 from .block.quantizer import _SCALE_DTYPE, BlockScalingQuantizer, is_block_recipe
-from .quantizer import make_quantizer
+from .op_quantizers import make_quantizer
 
 __all__ = [
     "BLOCK_ROLES",

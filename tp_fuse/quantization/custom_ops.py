@@ -47,7 +47,8 @@ from .autocast import active_autocast
 from .compile_ref import HAVE_COMPILE_REFS, NO_REF, CompileRef
 from .compile_state import compile_key, raise_key_mismatch
 from ..recipe import FP4_DTYPE
-from .quantizer import OpQuantizers, is_backward_role
+from .op_quantizers import OpQuantizers
+from .quantizer import is_backward_role
 
 __all__ = ["NO_OBSERVER", "block_cast", "block_gemm", "fp8_cast", "fp8_track"]
 

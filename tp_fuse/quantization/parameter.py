@@ -35,7 +35,8 @@ import torch
 from .block.quantizer import BlockScalingQuantizer
 from .block.tensor import BlockScaledTensor
 from .float8.tensor import Float8Tensor
-from .quantizer import DelayedScalingQuantizer, Quantizer
+from .float8.delayed_scaling import DelayedScalingQuantizer
+from .quantizer import Quantizer
 
 __all__ = ["make_fp8_parameter", "is_fp8_parameter"]
 

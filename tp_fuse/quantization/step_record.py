@@ -39,14 +39,10 @@ import torch.distributed as dist
 
 from . import amax_reduction
 from .amax_reduction import reduce_amaxes
-from .quantizer import (
-    CurrentScalingQuantizer,
-    DelayedScalingQuantizer,
-    Quantizer,
-    fix_delayed_groups,
-    make_quantizer,
-    update_delayed_quantizers,
-)
+from .float8.current_scaling import CurrentScalingQuantizer
+from .float8.delayed_scaling import DelayedScalingQuantizer, fix_delayed_groups, update_delayed_quantizers
+from .op_quantizers import make_quantizer
+from .quantizer import Quantizer
 
 __all__ = ["FP8StepMembership", "find_quantizers", "record_fp8_step", "reset_fp8_state", "snapshot_fp8_state"]
 

@@ -9,7 +9,8 @@ from nvdlfw_inspect.registry import api_method
 
 from tp_fuse.debug.features.api import DebugFeature
 from tp_fuse.quantization import Float8CurrentScalingQuantizer, Float8Tensor
-from tp_fuse.quantization.quantizer import CurrentScalingQuantizer, DelayedScalingQuantizer
+from tp_fuse.quantization.float8.current_scaling import CurrentScalingQuantizer
+from tp_fuse.quantization.float8.delayed_scaling import DelayedScalingQuantizer
 
 __all__ = ["PerTensorScaling"]
 

@@ -24,7 +24,8 @@ from ...kernels._common import compute_dtype
 from ...quantization.compile_ref import CompileRef
 from ...quantization.compile_state import CompileKey
 from ...quantization.custom_ops import fp8_cast, fp8_track  # noqa: F401  (registers the tp_fuse:: ops)
-from ...quantization.quantizer import CurrentScalingQuantizer, OpQuantizers
+from ...quantization.float8.current_scaling import CurrentScalingQuantizer
+from ...quantization.op_quantizers import OpQuantizers
 from ...strict import STRICT_ENV, CudaConformanceError, strict_cuda_enabled
 from .traced_cast import current_scaling_cast, delayed_scaling_cast, traced_quantizers
 

@@ -50,7 +50,9 @@ from ...quantization.compile_state import (
     traced_amax_group,
     traced_key,
 )
-from ...quantization.quantizer import CurrentScalingQuantizer, DelayedScalingQuantizer, OpQuantizers
+from ...quantization.float8.current_scaling import CurrentScalingQuantizer
+from ...quantization.float8.delayed_scaling import DelayedScalingQuantizer
+from ...quantization.op_quantizers import OpQuantizers
 from ...quantization.scaling import nan_to_inf
 
 __all__ = ["bind_quantizers", "bind_unbuilt", "current_scaling_cast", "delayed_scaling_cast", "traced_quantizers"]

@@ -27,7 +27,8 @@ import torch.distributed as dist
 from ...recipe import Float8CurrentScaling, Format, fp8_dtype_max
 from .tensor import Float8Tensor
 from ..te_dtype import DType, as_torch_dtype
-from ..quantizer import CurrentScalingQuantizer, Quantizer, UsageMixin, _amax, _cast, _with_transpose
+from .current_scaling import CurrentScalingQuantizer
+from ..quantizer import Quantizer, UsageMixin, amax_abs, cast_per_tensor, with_transpose
 
 __all__ = ["DType", "Float8Quantizer", "Float8CurrentScalingQuantizer", "as_torch_dtype"]
 
@@ -99,10 +100,10 @@ class Float8Quantizer(_UsageMixin, Quantizer):
                 )
         with torch.no_grad():
             scale = self.scale.reshape(()).to(device=x.device)
-            data, data_t, amax = _cast(x.detach(), scale, self.fp8_dtype, transpose=transpose)
+            data, data_t, amax = cast_per_tensor(x.detach(), scale, self.fp8_dtype, transpose=transpose)
             self.amax.copy_(torch.maximum(self.amax.reshape(()), amax.to(self.amax.device)).reshape(self.amax.shape))
             scale_inv = torch.reciprocal(scale)
-        return _with_transpose(Float8Tensor(data, scale_inv, x.dtype), data_t)
+        return with_transpose(Float8Tensor(data, scale_inv, x.dtype), data_t)
 
     def stats(self) -> dict[str, float]:
         return {"amax": float(self.amax.reshape(())), "scale": float(self.scale.reshape(()))}
@@ -160,4 +161,4 @@ class Float8CurrentScalingQuantizer(_UsageMixin, CurrentScalingQuantizer):
         return super().quantize_with_amax(x, amax, transpose=transpose)
 
     def _quantize_impl(self, x: torch.Tensor, transpose: bool = False) -> Float8Tensor:
-        return self.quantize_with_amax(x, _amax(x), transpose=transpose)
+        return self.quantize_with_amax(x, amax_abs(x), transpose=transpose)

@@ -28,7 +28,7 @@ from tp_fuse.ops.basic.layer_norm import LayerNorm
 from tp_fuse.ops.basic.rmsnorm import RMSNorm
 from tp_fuse.quantization import active_autocast
 from tp_fuse.quantization.parameter import is_fp8_parameter
-from tp_fuse.quantization.quantizer import DelayedScalingQuantizer
+from tp_fuse.quantization.float8.delayed_scaling import DelayedScalingQuantizer
 
 #: ``_extra_state`` of a module with several GEMMs: JSON of each op's own extra state.
 _FORMAT = "tp_fuse.module"
