@@ -26,6 +26,10 @@ Float8Tensor run in high precision and re-quantize into the same FP8 buffers:
   the master; the FP8 copy follows within FP8 error.
 * any other Float8Tensor is re-quantized with its own current scale
   (saturating at the format's max), like TE's Float8Tensor.
+
+Over 500 lines on purpose: the ``__torch_dispatch__`` handlers at the end build and
+unwrap Float8Tensors and the class dispatches to them, so separating them would only
+create an import circle.
 """
 
 from __future__ import annotations
