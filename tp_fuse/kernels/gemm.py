@@ -50,7 +50,7 @@ from .fp8_emulation import (
     static_units,
 )
 
-__all__ = ["Fp8GemmPlan", "fp8_gemm", "fp8_gemm_plan", "fp8_gemm_reads_views"]
+__all__ = ["Fp8GemmPlan", "fp8_gemm", "fp8_gemm_plan", "fp8_gemm_reads_views", "remember_plan"]
 
 # signature -> plan. Bounded: a run with ever new shapes (variable sequence lengths without
 # padding) starts over rather than growing without end.
@@ -122,11 +122,19 @@ def fp8_gemm_plan(
     plan = _PLANS.get(key)
     if plan is None:
         plan = Fp8GemmPlan(a, b, scale_a, scale_b, out_dtype, bias, gelu, backend)
-        if key is not None:
-            if len(_PLANS) >= _MAX_PLANS:
-                _PLANS.clear()
-            _PLANS[key] = plan
+        remember_plan(_PLANS, key, plan)
     return plan
+
+
+def remember_plan(plans: dict, key: Optional[tuple], plan: object) -> None:
+    """Keep ``plan`` for ``key`` (``None``: arguments that are not tensors, never kept) in a
+    signature cache bounded at ``_MAX_PLANS``: a run with ever new shapes (variable sequence
+    lengths without padding) starts over rather than growing without end."""
+    if key is None:
+        return
+    if len(plans) >= _MAX_PLANS:
+        plans.clear()
+    plans[key] = plan
 
 
 class Fp8GemmPlan:

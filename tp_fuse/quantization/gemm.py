@@ -36,7 +36,7 @@ import torch
 
 from .. import kernels, settings
 from ..kernels._common import as_rows
-from ..kernels.gemm import Fp8GemmPlan, fp8_gemm_plan, fp8_gemm_reads_views
+from ..kernels.gemm import Fp8GemmPlan, fp8_gemm_plan, fp8_gemm_reads_views, remember_plan
 from .block.gemm import block_gemm
 from .block.tensor import BlockScaledTensor
 from .float8.tensor import Float8Tensor
@@ -48,9 +48,8 @@ _OUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 # The plan of a signature whose GEMM reads the FP8 bytes (no views): the kernel plans by
 # the bytes' own signature, which a transposed copy fixes only once it exists.
 _BYTES = "bytes"
-# signature -> the views path's kernel plan, or _BYTES. Bounded as the kernel's plans are.
+# signature -> the views path's kernel plan, or _BYTES (bounded: kernels.gemm.remember_plan).
 _PLANS: dict[tuple, Union[Fp8GemmPlan, str]] = {}
-_MAX_PLANS = 4096
 
 
 def fp8_gemm(
@@ -96,12 +95,8 @@ def fp8_gemm(
                                 a._sinv, b._sinv, out_dtype, bias=bias)[0]
     # The CPU emulation: decoded operands (kept where the caller asked), transposed as views.
     acc = plan.acc_dtype
-    da = a.decoded(acc)
-    db = b.decoded(acc)
-    if transpose_a:
-        da = as_rows(da, a.shape[-1]).t()
-    if transpose_b:
-        db = as_rows(db, b.shape[-1]).t()
+    da = _op(a.decoded(acc), a.shape[-1], transpose_a)
+    db = _op(b.decoded(acc), b.shape[-1], transpose_b)
     return plan.run_decoded(da, db, a._sinv, b._sinv, bias)
 
 
@@ -119,17 +114,19 @@ def _plan(
     _check(a, b, out_dtype, bias, transpose_a, transpose_b)
     if fp8_gemm_reads_views(a.device):
         # The kernel plans (and checks) the GEMM of the row-wise bytes, transposed as views.
-        a8 = as_rows(a._fp8, a.shape[-1]).t() if transpose_a else a._fp8
-        b8 = as_rows(b._fp8, b.shape[-1]).t() if transpose_b else b._fp8
+        a8 = _op(a._fp8, a.shape[-1], transpose_a)
+        b8 = _op(b._fp8, b.shape[-1], transpose_b)
         plan: Union[Fp8GemmPlan, str] = fp8_gemm_plan(a8, b8, a._sinv, b._sinv, out_dtype, bias)
         assert plan.reads_views, "fp8_gemm_reads_views and the kernel's plan disagree"
     else:
         plan = _BYTES
-    if key is not None:
-        if len(_PLANS) >= _MAX_PLANS:
-            _PLANS.clear()
-        _PLANS[key] = plan
+    remember_plan(_PLANS, key, plan)
     return plan
+
+
+def _op(x: torch.Tensor, cols: int, transpose: bool) -> torch.Tensor:
+    """``op(x)``: ``x`` itself, or the transpose of its 2-D view ``[rows, cols]`` (a view)."""
+    return as_rows(x, cols).t() if transpose else x
 
 
 def _describe(name: str, t: object) -> str:
