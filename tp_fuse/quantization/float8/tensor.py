@@ -27,9 +27,7 @@ Float8Tensor run in high precision and re-quantize into the same FP8 buffers:
 * any other Float8Tensor is re-quantized with its own current scale
   (saturating at the format's max), like TE's Float8Tensor.
 
-Over 500 lines on purpose: the ``__torch_dispatch__`` handlers at the end build and
-unwrap Float8Tensors and the class dispatches to them, so separating them would only
-create an import circle.
+The ``__torch_dispatch__`` handlers are in :mod:`.dispatch`.
 """
 
 from __future__ import annotations
@@ -37,23 +35,13 @@ from __future__ import annotations
 from typing import Any, Optional
 
 import torch
-from torch.utils._pytree import tree_map
 
-from ...kernels.fp8_emulation import decode_operand, fp8_to_float
-from ..quantized_tensor import QuantizedTensor, write_back_in_place
+from ...kernels.fp8_emulation import decode_operand
+from ..quantized_tensor import QuantizedTensor
 from ..te_dtype import DType, as_torch_dtype, te_dtype_of
+from .dispatch import FP8_DTYPES, dequantize, torch_dispatch
 
 __all__ = ["Float8Tensor"]
-
-aten = torch.ops.aten
-
-_FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
-
-
-def _dequantize_impl(t: "Float8Tensor", dtype: Optional[torch.dtype] = None) -> torch.Tensor:
-    """``_fp8 * _sinv`` as a plain tensor, outside autograd."""
-    out = fp8_to_float(t._fp8) * t._sinv
-    return out.to(dtype or t.dtype)
 
 
 class Float8Tensor(QuantizedTensor):
@@ -133,14 +121,14 @@ class Float8Tensor(QuantizedTensor):
         if scale_inv.device != data.device:
             # TE's tests pass a CPU scale with CUDA data; every op here reads both on one device.
             scale_inv = scale_inv.to(data.device)
-        if data.dtype not in _FP8_DTYPES:
-            raise ValueError(f"Float8Tensor data: expected one of {_FP8_DTYPES} (or uint8 with fp8_dtype=), got {data.dtype}")
+        if data.dtype not in FP8_DTYPES:
+            raise ValueError(f"Float8Tensor data: expected one of {FP8_DTYPES} (or uint8 with fp8_dtype=), got {data.dtype}")
         if scale_inv.numel() != 1 or scale_inv.dtype != torch.float32:
             raise ValueError(
                 "Float8Tensor scale_inv: expected a one-element fp32 tensor, got "
                 f"shape {tuple(scale_inv.shape)} dtype {scale_inv.dtype}"
             )
-        if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point or dtype in _FP8_DTYPES:
+        if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point or dtype in FP8_DTYPES:
             raise ValueError(f"Float8Tensor dtype: expected a high-precision float dtype, got {dtype}")
         if master is not None and (master.shape != data.shape or master.dtype != dtype):
             raise ValueError(
@@ -224,7 +212,7 @@ class Float8Tensor(QuantizedTensor):
     @_data.setter
     def _data(self, value: torch.Tensor) -> None:
         value = _as_fp8(value, self._fp8.dtype, "_data")
-        if value.shape != self._fp8.shape or value.dtype not in _FP8_DTYPES:
+        if value.shape != self._fp8.shape or value.dtype not in FP8_DTYPES:
             raise ValueError(f"Float8Tensor._data: expected uint8 or FP8 bytes of shape {tuple(self._fp8.shape)}, "
                              f"got {value.dtype} of shape {tuple(value.shape)}")
         self._fp8 = value
@@ -274,7 +262,7 @@ class Float8Tensor(QuantizedTensor):
 
     def _dequantize_plain(self, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
         """``data * scale_inv`` (``dequantize``)."""
-        return _dequantize_impl(self, dtype)
+        return dequantize(self, dtype)
 
     def transpose_data(self) -> torch.Tensor:
         """Contiguous FP8 transpose of the 2-D view ``[prod(shape[:-1]), shape[-1]]``.
@@ -377,31 +365,12 @@ class Float8Tensor(QuantizedTensor):
     def __repr__(self, *, tensor_contents: Any = None) -> str:  # noqa: D105
         return (
             f"Float8Tensor(fp8_dtype={self.fp8_dtype}, scale_inv={self._sinv.item():.6g}, "
-            f"dtype={self.dtype}, data={_dequantize_impl(self)!r})"
+            f"dtype={self.dtype}, data={dequantize(self)!r})"
         )
 
     # ---------------------------------------------------------------- dispatch
-    @classmethod
-    def __torch_dispatch__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        kwargs = kwargs or {}
-        if torch.is_inference_mode_enabled() and any(
-            isinstance(a, Float8Tensor) and not a.is_inference() for a in args
-        ) and (func in _ALIASING or _is_view_of_first_arg(func, args)):
-            # A view/detach of a normal tensor must share its version counter, which
-            # autograd cannot set on an inference tensor: build the result as a normal
-            # tensor, as a view of a normal tensor in inference mode is.
-            with torch.inference_mode(False):
-                return cls.__torch_dispatch__(func, types, args, kwargs)
-        handler = _HANDLERS.get(func)
-        if handler is not None:
-            return handler(*args, **kwargs)
-        if any(a.alias_info is not None and a.alias_info.is_write for a in func._schema.arguments):
-            return _inplace(func, args, kwargs)
-        if _is_view_of_first_arg(func, args):
-            return _fp8_view(func, args, kwargs)
-        # Fallback: run in high precision.
-        args, kwargs = tree_map(_unwrap, (args, kwargs))
-        return func(*args, **kwargs)
+    # The aten op handlers live in dispatch.py (this class's views, in-place ops, conversions).
+    __torch_dispatch__ = classmethod(torch_dispatch)
 
     # -------------------------------------------------------- re-quantization
     def _requantize_from(self, value: torch.Tensor, overwrite: bool = False) -> None:
@@ -434,8 +403,8 @@ def _as_fp8(data: torch.Tensor, fp8_dtype: Any, what: str) -> torch.Tensor:
     """``data`` as an FP8 tensor: TE's uint8 bytes are viewed (no copy, bit-exact) as
     ``fp8_dtype`` (a ``DType`` or torch FP8 dtype), which they then require."""
     want = None if fp8_dtype is None else as_torch_dtype(fp8_dtype, "Float8Tensor fp8_dtype")
-    if want is not None and want not in _FP8_DTYPES:
-        raise ValueError(f"Float8Tensor fp8_dtype: expected one of {_FP8_DTYPES}, got {fp8_dtype!r}")
+    if want is not None and want not in FP8_DTYPES:
+        raise ValueError(f"Float8Tensor fp8_dtype: expected one of {FP8_DTYPES}, got {fp8_dtype!r}")
     if data.dtype == torch.uint8:
         if want is None:
             raise ValueError(f"Float8Tensor {what}: uint8 bytes (TE's storage) need fp8_dtype= to say their format")
@@ -453,126 +422,3 @@ class _AliasState:
 
     def __init__(self) -> None:
         self.generation = 0
-
-
-def _unwrap(x: Any) -> Any:
-    return _dequantize_impl(x) if isinstance(x, Float8Tensor) else x
-
-
-def _inplace(func: Any, args: tuple, kwargs: dict, overwrite: bool = False) -> Any:
-    """In-place/out= op with Float8Tensor operands being written.
-
-    Written Float8Tensors are replaced by a high-precision working tensor (the
-    master when there is one, else a dequantized copy), the op runs, then the
-    FP8 buffers are re-quantized from the working tensor.
-    """
-    return write_back_in_place(
-        func, args, kwargs, Float8Tensor,
-        work_copy=lambda t: t._master if t._master is not None else _dequantize_impl(t),
-        requantize=lambda t, hp: t._requantize_from(hp, overwrite),
-        unwrap=_unwrap,
-    )
-
-
-def _detach(self: Float8Tensor) -> Float8Tensor:
-    # Keeps master and quantizer: nn.Parameter(float8_tensor) is built by detach().
-    return Float8Tensor(
-        self._fp8.detach(),
-        self._sinv,
-        self.dtype,
-        master=self._master,
-        quantizer=self._quantizer,
-        _alias=self._alias,
-    )
-
-
-def _is_view_of_first_arg(func: Any, args: tuple) -> bool:
-    """Whether ``func`` returns views of its Float8Tensor first argument only."""
-    returns = func._schema.returns
-    return (
-        bool(args)
-        and isinstance(args[0], Float8Tensor)
-        and len(returns) > 0
-        and all(r.alias_info is not None and not r.alias_info.is_write for r in returns)
-        and not any(isinstance(a, Float8Tensor) for a in args[1:])
-    )
-
-
-def _fp8_view(func: Any, args: tuple, kwargs: dict) -> Any:
-    """Apply a view op to the FP8 bytes; the results share bytes, scale, alias state.
-
-    Views are metadata-only, so they are exact on FP8 data, and aliasing is
-    preserved: ``f[0].zero_()`` writes into ``f``'s bytes, as on a plain tensor.
-    """
-    self = args[0]
-    out = func(self._fp8, *args[1:], **kwargs)
-
-    def wrap(t: Any) -> Any:
-        if isinstance(t, torch.Tensor):
-            return Float8Tensor(t, self._sinv, self.dtype, _alias=self._alias)
-        return t
-
-    return tree_map(wrap, out)
-
-
-def _view(self: Float8Tensor, size: Any) -> Float8Tensor:
-    # _unsafe_view is not declared as aliasing but is a view of contiguous data.
-    return Float8Tensor(self._fp8.view(size), self._sinv, self.dtype, _alias=self._alias)
-
-
-def _clone(self: Float8Tensor, *, memory_format: Any = None) -> Float8Tensor:
-    data = self._fp8.clone() if memory_format is None else self._fp8.clone(memory_format=memory_format)
-    return Float8Tensor(data, self._sinv.clone(), self.dtype)
-
-
-def _copy_(self: Any, src: Any, non_blocking: bool = False) -> Any:
-    # load_state_dict copies FP8 parameter into FP8 parameter: take the source's
-    # master, not its FP8 rounding, so a save/load round trip is lossless.
-    if isinstance(src, Float8Tensor) and src._master is not None:
-        src = src._master
-    return _inplace(aten.copy_.default, (self, src), {"non_blocking": non_blocking}, overwrite=True)
-
-
-def _overwrite(func: Any) -> Any:
-    """Handler for ops that replace the whole value (``fill_``, ``zero_``): the
-    written FP8 parameter's scale is derived again from its new value."""
-
-    def handler(*args: Any, **kwargs: Any) -> Any:
-        return _inplace(func, args, kwargs, overwrite=True)
-
-    return handler
-
-
-def _to_copy(self: Float8Tensor, **kwargs: Any) -> torch.Tensor:
-    # An FP8 parameter stays FP8 through dtype/device conversion (module.to(),
-    # .double()): the nominal dtype and the master follow, the bytes only move.
-    # Any other Float8Tensor converts like an unsupported op: to a plain tensor.
-    if self._master is None or kwargs.get("layout") not in (None, torch.strided):
-        return aten._to_copy.default(_dequantize_impl(self), **kwargs)
-    dtype = kwargs.get("dtype") or self.dtype
-    device = kwargs.get("device") or self.device
-    if not dtype.is_floating_point or dtype in _FP8_DTYPES:
-        raise ValueError(
-            f"FP8 parameter conversion: expected a high-precision float dtype, got {dtype}"
-        )
-    return Float8Tensor(
-        self._fp8.to(device),
-        self._sinv.to(device),
-        dtype,
-        master=self._master.to(device=device, dtype=dtype),
-        quantizer=self._quantizer,
-    )
-
-
-_ALIASING = (aten.detach.default, aten._unsafe_view.default)
-
-_HANDLERS = {
-    aten._to_copy.default: _to_copy,
-    aten.copy_.default: _copy_,
-    aten.detach.default: _detach,
-    aten._unsafe_view.default: _view,
-    aten.clone.default: _clone,
-    aten.fill_.Scalar: _overwrite(aten.fill_.Scalar),
-    aten.fill_.Tensor: _overwrite(aten.fill_.Tensor),
-    aten.zero_.default: _overwrite(aten.zero_.default),
-}
