@@ -50,10 +50,6 @@ ALLOWED_LAZY: dict[tuple[str, str], str] = {
     ("tp_fuse.kernels.scale_update", "tp_fuse.kernels.scale_update_triton"): _TRITON,
     ("tp_fuse.quantization.nvfp4.cast", "tp_fuse.kernels.nvfp4_cast_triton"): _TRITON,
     ("tp_fuse.quantization.block.cast", "tp_fuse.kernels.block_cast_triton"): _TRITON,
-    ("tp_fuse.quantization.custom_ops", "tp_fuse.quantization.block.scaling"): "block recipes' custom ops "
-                                                                               "(FP8 hot path, its owner's)",
-    ("tp_fuse.quantization.custom_ops", "tp_fuse.quantization.block.tensor"): "as above",
-    ("tp_fuse.quantization.custom_ops", "tp_fuse.quantization.block.gemm"): "as above",
 }
 
 

@@ -44,6 +44,9 @@ import torch
 from torch.fx.node import has_side_effect
 
 from .autocast import active_autocast
+from .block.gemm import block_gemm as _block_gemm
+from .block.scaling import BlockSpec
+from .block.tensor import BlockPayload, BlockScaledTensor, flat_2d
 from .compile_ref import HAVE_COMPILE_REFS, NO_REF, CompileRef
 from .compile_state import compile_key, raise_key_mismatch
 from ..recipe import FP4_DTYPE
@@ -284,9 +287,6 @@ def _block_cast_fake(
     transpose: bool,
     observer: CompileRef,
 ) -> tuple[torch.Tensor, ...]:
-    from .block.scaling import BlockSpec
-    from .block.tensor import flat_2d
-
     spec = BlockSpec(block_rows, block_cols or None)
     fp4 = data_dtype == FP4_DTYPE
 
@@ -332,10 +332,6 @@ def block_gemm(
     the row-/column-wise copies of a cast): fprop ``y = gemm(x_r, W_r)``, dgrad
     ``dx = gemm(dy_r, W_c)``, wgrad ``dW = gemm(dy_c, x_c)``. No autograd.
     """
-    from .block.gemm import block_gemm as _block_gemm
-    from .block.scaling import BlockSpec
-    from .block.tensor import BlockPayload, BlockScaledTensor
-
     def operand(
         data: torch.Tensor, scale: torch.Tensor, amax: torch.Tensor, block: list[int], e4m3_max: float
     ) -> BlockScaledTensor:
