@@ -57,6 +57,7 @@ def test_rank_failure_restarts_and_ends_at_the_same_loss(uninterrupted, tmp_path
     assert got[12] < got[1]
 
 
+@pytest.mark.multirank
 def test_resume_at_a_different_tp_size_reshards(uninterrupted, tmp_path):
     ck = tmp_path / "ck"
     ck.mkdir()

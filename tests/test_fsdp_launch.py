@@ -83,6 +83,7 @@ def runs(tmp_path_factory) -> dict[str, Any]:
     return results[0]
 
 
+@pytest.mark.multirank
 def test_runs_in_one_process_free_their_process_groups(runs) -> None:
     """15 ``train()`` runs in one process that keeps its default group: each run's TP/DP
     groups and device meshes are destroyed at its end (before: every run added its groups,

@@ -2,7 +2,9 @@
 several processes and ``pytest -m gpu`` every CUDA-only test (pyproject's markers).
 
 A source scan (nothing is imported): a test module that starts ranks (``run_distributed``,
-``torchrun``) carries ``pytest.mark.multirank``; a test that skips without CUDA (a
+``torchrun``) carries ``pytest.mark.multirank``, and so does each test that starts them itself
+or through a fixture or helper of its module (``pytest -m "not multirank"`` would otherwise
+select a test whose fixture starts ranks); a test that skips without CUDA (a
 ``skipif(not torch.cuda.is_available() ...)`` mark, or ``pytest.skip`` under ``if not
 torch.cuda.is_available()``) carries ``pytest.mark.gpu``.
 """
@@ -34,6 +36,43 @@ def test_multi_rank_modules_carry_multirank(path: str) -> None:
     if calls:
         assert "pytest.mark.multirank" in source, f"{os.path.basename(path)} starts ranks ({calls[0].strip()!r}) " \
                                                   "but no test in it carries @pytest.mark.multirank"
+
+
+def _starts_ranks(fn: ast.FunctionDef, functions: dict[str, ast.FunctionDef], seen: set[str]) -> bool:
+    """Whether ``fn``, or a function of its module it names (a fixture parameter, a helper it
+    calls), calls a rank starter or builds a ``python -m torch.distributed.run`` command."""
+    for node in ast.walk(fn):
+        if isinstance(node, ast.Call) and any(ast.unparse(node.func) + "(" == s for s in RANK_STARTERS):
+            return True
+        if isinstance(node, ast.List) and any(isinstance(e, ast.Constant) and e.value == "torch.distributed.run"
+                                              for e in node.elts):  # a command line [python, -m, torchrun]
+            return True
+    names = [a.arg for a in fn.args.args] + [n.id for n in ast.walk(fn) if isinstance(n, ast.Name)]
+    for name in names:
+        if name in functions and name not in seen:
+            seen.add(name)
+            if _starts_ranks(functions[name], functions, seen):
+                return True
+    return False
+
+
+def _marks(node: ast.AST) -> list[str]:
+    return [ast.unparse(d) for d in getattr(node, "decorator_list", [])]
+
+
+@pytest.mark.parametrize("path", MODULES, ids=os.path.basename)
+def test_each_multi_rank_test_carries_multirank(path: str) -> None:
+    tree = ast.parse(_source(path))
+    module_marks = [ast.unparse(n.value) for n in tree.body if isinstance(n, ast.Assign)
+                    and any(isinstance(t, ast.Name) and t.id == "pytestmark" for t in n.targets)]
+    functions = {n.name: n for n in tree.body if isinstance(n, ast.FunctionDef)}
+    tests = [(fn, []) for fn in functions.values() if fn.name.startswith("test_")]
+    tests += [(fn, _marks(cls)) for cls in tree.body if isinstance(cls, ast.ClassDef)
+              for fn in cls.body if isinstance(fn, ast.FunctionDef) and fn.name.startswith("test_")]
+    missing = [fn.name for fn, class_marks in tests
+               if _starts_ranks(fn, functions, {fn.name})
+               and not any("multirank" in m for m in (*_marks(fn), *class_marks, *module_marks))]
+    assert not missing, f"tests that start ranks (themselves or through a fixture) without multirank: {missing}"
 
 
 def _cuda_only(fn: ast.FunctionDef) -> bool:
