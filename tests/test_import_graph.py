@@ -37,7 +37,6 @@ ALLOWED_LAZY: dict[tuple[str, str], str] = {
     ("tp_fuse.ops.op", "tp_fuse.ops.fuser"): _CYCLE + ": the fuser runs ops",
     ("tp_fuse.ops.explain", "tp_fuse.ops.fuser"): _CYCLE + ": the fuser records explanations",
     ("tp_fuse.ops.explain", "tp_fuse.ops.sequential"): _CYCLE + ": Sequential.explain",
-    ("tp_fuse.debug.hooks", "tp_fuse.debug.inspect_api"): _CYCLE + ": inspect_api builds on LinearDebugHooks",
     ("tp_fuse.distributed", "tp_fuse.graph_breaks"): _DYNAMO,
     ("tp_fuse.ops.compiled.fuser_path", "tp_fuse.graph_breaks"): _DYNAMO,
     ("tp_fuse.ops.compiled.fuser_path", "tp_fuse.ops.compiled.overlap"): _DYNAMO,

@@ -31,6 +31,7 @@ import torch.distributed as dist
 
 from ..quantization import BlockScalingQuantizer, active_autocast, fp8_gemm, is_quantized_tensor
 from ..quantization.compile_ref import CompileRef
+from .api_state import debug_api_initialized, layer_has_config
 from .config import FeatureSpec
 
 if TYPE_CHECKING:
@@ -101,9 +102,6 @@ class LinearDebugHooks:
         the next fusion decision and GEMM).
         """
         if self.uses_debug_api:
-            # Imported here: a real cycle (inspect_api builds on this module's LinearDebugHooks).
-            from .inspect_api import debug_api_initialized, layer_has_config
-
             return debug_api_initialized() and layer_has_config(self.layer_name)
         return bool(self.features)
 

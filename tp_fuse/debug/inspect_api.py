@@ -50,13 +50,13 @@ from __future__ import annotations
 
 import copy
 import os
-import sys
 from typing import Any, Optional
 
 import torch
 from nvdlfw_inspect.base import BaseNamespaceAPI
 
 from ..ops.hooks import register_first_forward_hook
+from .api_state import NAMESPACE, debug_api_initialized, layer_has_config
 from .config import GEMMS, TENSORS, _feature
 from .features.api import DebugFeature
 from .hooks import LinearDebugHooks
@@ -67,8 +67,6 @@ __all__ = ["FEATURE_DIR", "NAMESPACE", "TransformerEngineAPI", "attach_debug_api
 
 #: The directory to pass as nvdlfw-inspect's ``feature_dirs`` (TE's ``debug/features``).
 FEATURE_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "features")
-#: The namespace (YAML key and ``debug_api.<namespace>``) of Transformer Engine's features.
-NAMESPACE = "transformer_engine"
 
 #: Keyword arguments each call must get (the feature is chosen by them), as in TE.
 _REQUIRED_KWARGS = {
@@ -83,12 +81,6 @@ _REQUIRED_KWARGS = {
 #: Calls several features may answer at once (the others: at most one feature per tensor).
 _MULTI = {"fp8_gemm_enabled", "inspect_tensor", "inspect_tensor_enabled",
           "inspect_tensor_postquantize", "inspect_tensor_postquantize_enabled"}
-
-
-def debug_api_initialized() -> bool:
-    """Whether ``nvdlfw_inspect.api.initialize`` is in force (without importing it)."""
-    api = sys.modules.get("nvdlfw_inspect.api")
-    return api is not None and getattr(api, "DEBUG_MANAGER", None) is not None
 
 
 class _Defaults(DebugFeature):
@@ -223,14 +215,6 @@ class TransformerEngineAPI(BaseNamespaceAPI):
     def end_debug(self) -> None:
         self.stats = StatsBuffer()
         self._specs.clear()
-
-
-def layer_has_config(layer_name: str) -> bool:
-    """Whether some enabled section of the current config selects ``layer_name`` for
-    ``transformer_engine`` features (ValueError from nvdlfw-inspect if two sections do)."""
-    from nvdlfw_inspect.config_manager import ConfigManager
-
-    return bool(ConfigManager.get_config_for_layer(layer_name).get(NAMESPACE))
 
 
 def check_namespace_registered() -> None:
