@@ -122,7 +122,8 @@ class TrackerRNG:
 
     def __init__(self, get_rng_state_tracker: Optional[Callable[[], Any]]) -> None:
         if get_rng_state_tracker is not None and not callable(get_rng_state_tracker):
-            raise ValueError(f"TrackerRNG: get_rng_state_tracker must be callable or None, got {get_rng_state_tracker!r}")
+            raise ValueError("TrackerRNG: get_rng_state_tracker must be callable or None, "
+                             f"got {get_rng_state_tracker!r}")
         self.get_rng_state_tracker = get_rng_state_tracker
 
     def fork(self, stream: Stream) -> contextlib.AbstractContextManager:
