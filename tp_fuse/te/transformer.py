@@ -63,6 +63,13 @@ class TransformerLayer(_layers_transformer.TransformerLayer):
     ``normalization``, ``device``, ``name``. The ``ub_*`` flags only act with
     ``ub_tp_comm_overlap=True`` in TE, which is refused here.
 
+    Differences from TE, both from the layers layer: the hidden dropout draws from torch's
+    global RNG as in TE, except under sequence parallelism with ``get_rng_state_tracker``,
+    where each rank's sequence shard draws in the tracker's fork (the layers' stream for
+    sharded activations; TE: the global RNG); and FP8 with sequence parallelism refuses an
+    amax reduction group that does not cover the TP group (``tp_fuse.layers``' check: the
+    gathered FP8 activations share one scale).
+
     Refused (ValueError naming the argument): ``layer_type="decoder"``, ``drop_path_rate > 0``,
     ``ub_tp_comm_overlap=True``, ``attn_input_format`` other than ``"sbhd"``, ``qk_norm_type``,
     ``softmax_type`` other than ``"vanilla"``, and what :class:`~tp_fuse.MultiheadAttention`
