@@ -121,3 +121,22 @@ def test_te_mha_attention_dropout_in_tracker_fork_and_replayed_by_checkpoint():
         assert torch.equal(torch.get_rng_state(), global_state)
         grads.append(xr.grad)
     assert torch.equal(grads[0], grads[1])
+
+
+def test_layers_options_refused_where_they_cannot_act():
+    """The options TE needs that the layers blocks' own op sequences cannot express are refused there."""
+    with pytest.raises(ValueError, match="residual_from_norm and parallel_attention_mlp need prebuilt blocks"):
+        layers.TransformerLayer(H, FFN, N, residual_from_norm=True)
+    with pytest.raises(ValueError, match="parallel_attention_mlp need prebuilt blocks"):
+        layers.TransformerLayer(H, FFN, N, parallel_attention_mlp=True)
+    with pytest.raises(ValueError, match="return_layernorm_output needs input_layernorm=True"):
+        layers.MultiheadAttention(H, N, residual_connection=True, return_layernorm_output=True)
+    mha = layers.MultiheadAttention(H, N, dtype=F64)
+    x = torch.randn(S, B, H, dtype=F64)
+    with pytest.raises(ValueError, match="attention_mask is given with attn_mask_type='arbitrary' only"):
+        mha(x, torch.zeros(S, S, dtype=torch.bool))
+    with pytest.raises(ValueError, match="attn_mask_type must be one of"):
+        mha(x, attn_mask_type="padding")
+    # "arbitrary" with an all-False mask (nothing masked out) is "no_mask".
+    torch.testing.assert_close(mha(x, torch.zeros(S, S, dtype=torch.bool), attn_mask_type="arbitrary"),
+                               mha(x, attn_mask_type="no_mask"), rtol=0, atol=1e-15)
