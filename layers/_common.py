@@ -33,7 +33,7 @@ from tp_fuse.quantization import active_autocast
 from tp_fuse.quantization.compile_state import traced_amax_group, traced_key
 
 from .grad_sync import sync_sequence_parallel_grad
-from .random import DropoutRNG
+from .random import DropoutRNG, TrackerRNG
 from .sharding import (
     ShardSpec,
     deferred_full_tensor,
@@ -292,15 +292,17 @@ def row_parallel_ops(
     return ops
 
 
-def dropout_rng(ctx: ParallelContext, rng: Optional["DropoutRNG"]) -> "DropoutRNG":
+def dropout_rng(ctx: ParallelContext, rng: Optional["DropoutRNG | TrackerRNG"]) -> "DropoutRNG | TrackerRNG":
     """``rng`` if given, else a layer-private one seeded from the layer's seed.
 
     Models share one :class:`~tp_fuse.layers.random.DropoutRNG` between layers (GPT does); a
-    standalone layer gets its own, so its masks never come from an unmanaged stream.
+    standalone layer gets its own, so its masks never come from an unmanaged stream. A
+    :class:`~tp_fuse.layers.random.TrackerRNG` draws from a Megatron / TE RNG tracker instead
+    (``tp_fuse.te``'s blocks).
     """
     if rng is not None:
-        if not isinstance(rng, DropoutRNG):
-            raise ValueError(f"rng must be a tp_fuse.layers.random.DropoutRNG, got {type(rng).__name__}")
+        if not isinstance(rng, (DropoutRNG, TrackerRNG)):
+            raise ValueError(f"rng must be a tp_fuse.layers.random.DropoutRNG or TrackerRNG, got {type(rng).__name__}")
         return rng
     seed = ctx.seed if ctx.seed is not None else torch.initial_seed() & 0x7FFFFFFF
     return DropoutRNG(seed, ctx.tp_rank, ctx.device)

@@ -20,12 +20,12 @@ let a checkpoint resume the exact dropout stream.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
-from typing import Literal, Optional
+from collections.abc import Callable, Iterator
+from typing import Any, Literal, Optional
 
 import torch
 
-__all__ = ["DropoutRNG", "Stream"]
+__all__ = ["DropoutRNG", "Stream", "TrackerRNG"]
 
 Stream = Literal["replicated", "tp_local"]
 # Megatron-LM's offset between the data-parallel and model-parallel seeds.
@@ -109,6 +109,38 @@ class DropoutRNG:
         self._states = {k: v.clone() for k, v in state.items()}
 
 
-def maybe_fork(rng: DropoutRNG, stream: Stream, active: bool) -> contextlib.AbstractContextManager:
+class TrackerRNG:
+    """Megatron-LM's / Transformer Engine's RNG tracker behind :class:`DropoutRNG`'s interface.
+
+    ``get_rng_state_tracker`` (TE's argument: a callable returning the tracker, read at every
+    use) or None. Stream ``"tp_local"`` runs inside ``get_rng_state_tracker().fork()`` (the
+    tracker's model-parallel state, as TE's attention dropout), ``"replicated"`` on torch's
+    global RNG (as Megatron's and TE's hidden dropout); without a tracker both use the
+    global RNG, as TE does. ``get_states`` / ``set_states`` are the tracker's, so
+    ``tp_fuse.checkpoint`` replays them for a recompute.
+    """
+
+    def __init__(self, get_rng_state_tracker: Optional[Callable[[], Any]]) -> None:
+        if get_rng_state_tracker is not None and not callable(get_rng_state_tracker):
+            raise ValueError("TrackerRNG: get_rng_state_tracker must be callable or None, "
+                             f"got {get_rng_state_tracker!r}")
+        self.get_rng_state_tracker = get_rng_state_tracker
+
+    def fork(self, stream: Stream) -> contextlib.AbstractContextManager:
+        if stream not in ("replicated", "tp_local"):
+            raise ValueError(f"TrackerRNG: unknown stream {stream!r}; expected 'replicated' or 'tp_local'")
+        if stream == "replicated" or self.get_rng_state_tracker is None:
+            return contextlib.nullcontext()
+        return self.get_rng_state_tracker().fork()
+
+    def get_states(self) -> Any:
+        return {} if self.get_rng_state_tracker is None else self.get_rng_state_tracker().get_states()
+
+    def set_states(self, states: Any) -> None:
+        if self.get_rng_state_tracker is not None:
+            self.get_rng_state_tracker().set_states(states)
+
+
+def maybe_fork(rng: DropoutRNG | TrackerRNG, stream: Stream, active: bool) -> contextlib.AbstractContextManager:
     """``rng.fork(stream)`` when dropout is active, else a no-op (zero cost at p = 0)."""
     return rng.fork(stream) if active else contextlib.nullcontext()

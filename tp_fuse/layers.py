@@ -10,7 +10,7 @@ from tp_fuse._floors import floor_path
 # installed); the folder has no __init__.py so that it never shadows an installed `layers`.
 __path__ = floor_path(__file__, "layers")
 
-from tp_fuse.layers.attention import DotProductAttention, MultiheadAttention
+from tp_fuse.layers.attention import AttentionSubmodules, DotProductAttention, MultiheadAttention
 from tp_fuse.layers.config import GPTConfig
 from tp_fuse.layers.cross_entropy import vocab_parallel_cross_entropy
 from tp_fuse.layers.embedding import PositionEmbedding, VocabParallelEmbedding
@@ -19,7 +19,7 @@ from tp_fuse.layers.grad_sync import is_sequence_parallel_grad_synced, sync_sequ
 from tp_fuse.layers.layernorm_linear import LayerNormLinear
 from tp_fuse.layers.layernorm_mlp import LayerNormMLP
 from tp_fuse.layers.parallel_linear import ColumnParallelLinear, RowParallelLinear
-from tp_fuse.layers.random import DropoutRNG
+from tp_fuse.layers.random import DropoutRNG, TrackerRNG
 from tp_fuse.layers.sharding import (
     ShardSpec,
     full_grads,
@@ -31,12 +31,13 @@ from tp_fuse.layers.sharding import (
     shard_tensor,
 )
 from tp_fuse.layers.tp_regions import CopyToTensorParallelRegion, GatherFromTensorParallelRegion, ScatterToTensorParallelRegion
-from tp_fuse.layers.transformer import TransformerLayer
+from tp_fuse.layers.transformer import LayerSubmodules, TransformerLayer
 from tp_fuse.layers.wrap.plan_styles import FusedColumn
 from tp_fuse.layers.wrap.convert import ParallelLinearAdapter, WrapReport, wrap
 from tp_fuse.layers.wrap.export import original_state_dict, save_pretrained
 
 __all__ = [
+    "AttentionSubmodules",
     "ColumnParallelLinear",
     "CopyToTensorParallelRegion",
     "DotProductAttention",
@@ -46,6 +47,7 @@ __all__ = [
     "GatherFromTensorParallelRegion",
     "LayerNormLinear",
     "LayerNormMLP",
+    "LayerSubmodules",
     "MultiheadAttention",
     "ParallelLinearAdapter",
     "FusedColumn",
@@ -54,6 +56,7 @@ __all__ = [
     "RowParallelLinear",
     "ScatterToTensorParallelRegion",
     "ShardSpec",
+    "TrackerRNG",
     "TransformerLayer",
     "VocabParallelEmbedding",
     "full_grads",

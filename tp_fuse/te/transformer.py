@@ -1,9 +1,11 @@
 """``TransformerLayer``: Transformer Engine's ``transformer_engine.pytorch.TransformerLayer``
-on tp_fuse's module classes (``MultiheadAttention``, ``LayerNormMLP``).
+as a constructor over the one transformer layer, :class:`tp_fuse.layers.TransformerLayer`.
 
-tp_fuse's own GPT block with tp_fuse's conventions is :class:`tp_fuse.layers.TransformerLayer`
-(explicit ``tp_group``, TP-independent initialization, RoPE, activation checkpointing); this
-class is TE's constructor and semantics, for code written against TE.
+The layers class, built on its own blocks, is tp_fuse's GPT block (explicit ``tp_group``,
+TP-independent initialization, RoPE, activation checkpointing); built with TE's blocks
+(``MultiheadAttention``, ``LayerNormMLP`` of this room) it adds their biases, dropout and
+residuals TE's way. This class maps TE's constructor onto it; its ``forward`` checks and
+translates TE's arguments and runs the layer's.
 """
 
 from __future__ import annotations
@@ -13,16 +15,20 @@ from typing import Any, Optional, Union
 
 import torch
 
-from .attention.multi_head_attention import MultiheadAttention, check_mask_type, check_window
+from tp_fuse.layers import transformer as _layers_transformer
+from tp_fuse.layers.random import TrackerRNG
+from .attention.multi_head_attention import MultiheadAttention, check_forward_args, check_mask_type, check_window
 from .module._ops_module import check_common_args, norm_op, refuse_unless
 from .module.layernorm_mlp import LayerNormMLP
 
 __all__ = ["TransformerLayer"]
 
 
-class TransformerLayer(torch.nn.Module):
+class TransformerLayer(_layers_transformer.TransformerLayer):
     """Transformer Engine's encoder layer: attention block and MLP block, with TE's
-    constructor, submodule names and ``forward``.
+    constructor, submodule names and ``forward``: :class:`tp_fuse.layers.TransformerLayer`
+    built with TE's blocks (``residual_from_norm``, ``parallel_attention_mlp`` and the final
+    norm are options of that layer; its forward).
 
     Equations (TE's, ``drop`` = dropout with ``hidden_dropout``, default 0.1)::
 
@@ -56,6 +62,13 @@ class TransformerLayer(torch.nn.Module):
     ``bias``, ``activation`` / ``activation_params`` (:class:`~tp_fuse.LayerNormMLP`'s),
     ``normalization``, ``device``, ``name``. The ``ub_*`` flags only act with
     ``ub_tp_comm_overlap=True`` in TE, which is refused here.
+
+    Differences from TE, both from the layers layer: the hidden dropout draws from torch's
+    global RNG as in TE, except under sequence parallelism with ``get_rng_state_tracker``,
+    where each rank's sequence shard draws in the tracker's fork (the layers' stream for
+    sharded activations; TE: the global RNG); and FP8 with sequence parallelism refuses an
+    amax reduction group that does not cover the TP group (``tp_fuse.layers``' check: the
+    gathered FP8 activations share one scale).
 
     Refused (ValueError naming the argument): ``layer_type="decoder"``, ``drop_path_rate > 0``,
     ``ub_tp_comm_overlap=True``, ``attn_input_format`` other than ``"sbhd"``, ``qk_norm_type``,
@@ -118,7 +131,6 @@ class TransformerLayer(torch.nn.Module):
         qk_norm_before_rope: bool = False,
         softmax_type: str = "vanilla",
     ) -> None:
-        super().__init__()
         cls = "TransformerLayer"
         if name is not None and not isinstance(name, str):
             raise ValueError(f"{cls}: name must be a str or None, got {name!r}")
@@ -135,9 +147,6 @@ class TransformerLayer(torch.nn.Module):
         refuse_unless(cls, "attn_input_format", attn_input_format == "sbhd", attn_input_format, "'sbhd'")
         check_mask_type(cls, "self_attn_mask_type", self_attn_mask_type)
         check_window(cls, window_size, self_attn_mask_type)
-        if not isinstance(hidden_dropout, (int, float)) or isinstance(hidden_dropout, bool) \
-                or not 0.0 <= hidden_dropout < 1.0:
-            raise ValueError(f"{cls}: hidden_dropout must be in [0, 1), got {hidden_dropout!r}")
         if parallel_attention_mlp and (apply_residual_connection_post_layernorm or output_layernorm):
             raise ValueError(f"{cls}: parallel_attention_mlp is not supported together with "
                              "apply_residual_connection_post_layernorm or output_layernorm (as in TE)")
@@ -151,6 +160,43 @@ class TransformerLayer(torch.nn.Module):
             return_bias=False, bias=bias, fuse_wgrad_accumulation=fuse_wgrad_accumulation, ub={})
         params_dtype = params_dtype or torch.get_default_dtype()
 
+        sequence_parallel = tp > 1 and sequence_parallel
+        kv = kv_channels if kv_channels else hidden_size // num_attention_heads
+        common = dict(tp_group=tp_group, tp_size=tp, fuse_wgrad_accumulation=fuse_wgrad_accumulation,
+                      get_rng_state_tracker=get_rng_state_tracker, sequence_parallel=sequence_parallel,
+                      params_dtype=params_dtype, set_parallel_mode=set_parallel_mode,
+                      zero_centered_gamma=zero_centered_gamma, bias=bias, normalization=normalization,
+                      device=device, seq_length=seq_length, micro_batch_size=micro_batch_size,
+                      return_layernorm_output=apply_residual_connection_post_layernorm,
+                      return_bias=not parallel_attention_mlp)
+        self_attention = MultiheadAttention(
+            hidden_size, num_attention_heads, kv, attention_dropout, layernorm_epsilon,
+            init_method, output_layer_init_method, layer_number=layer_number, num_gqa_groups=num_gqa_groups,
+            attn_mask_type=self_attn_mask_type, window_size=window_size,
+            bottom_right_diagonal=bottom_right_diagonal, fuse_qkv_params=fuse_qkv_params,
+            qkv_weight_interleaved=qkv_weight_interleaved, rotary_pos_interleaved=rotary_pos_interleaved,
+            input_layernorm=not output_layernorm, attention_type="self", qkv_format=attn_input_format,
+            qk_norm_type=qk_norm_type, qk_norm_eps=qk_norm_eps, qk_norm_before_rope=qk_norm_before_rope,
+            softmax_type=softmax_type, name=None if name is None else name + ".self_attention", **common)
+        layernorm_mlp = LayerNormMLP(
+            hidden_size, ffn_hidden_size, eps=layernorm_epsilon, init_method=init_method,
+            output_layer_init_method=output_layer_init_method, activation=activation,
+            activation_params=activation_params, name=None if name is None else name + ".layernorm_mlp",
+            **common)
+        layernorm = None
+        if output_layernorm:
+            layernorm, _ = norm_op(cls, normalization, hidden_size, layernorm_epsilon, zero_centered_gamma,
+                                   device, params_dtype, sequence_parallel)
+        super().__init__(
+            hidden_size, ffn_hidden_size, num_attention_heads, tp_group=tp_group if tp > 1 else None,
+            sequence_parallel=sequence_parallel, hidden_dropout=hidden_dropout,
+            rng=TrackerRNG(get_rng_state_tracker), dtype=params_dtype,
+            residual_from_norm=apply_residual_connection_post_layernorm,
+            parallel_attention_mlp=parallel_attention_mlp,
+            submodules=_layers_transformer.LayerSubmodules(
+                attention=self_attention, mlp=layernorm_mlp, final_norm=layernorm, attention_name="self_attention",
+                mlp_name="layernorm_mlp", final_norm_name="layernorm"))
+
         self.name = name
         self.layer_number = layer_number
         self.self_attn_mask_type = self_attn_mask_type
@@ -162,40 +208,12 @@ class TransformerLayer(torch.nn.Module):
         self.output_layernorm = output_layernorm
         self.layer_type = layer_type
         self.apply_residual_connection_post_layernorm = apply_residual_connection_post_layernorm
-        self.parallel_attention_mlp = parallel_attention_mlp
-        self.hidden_dropout = float(hidden_dropout)
-        self.kv_channels = kv_channels if kv_channels else hidden_size // num_attention_heads
+        self.kv_channels = kv
         self.tp_group, self.tp_size = tp_group, tp
-        self.sequence_parallel = tp > 1 and sequence_parallel
         self.seq_length = seq_length
         self.get_rng_state_tracker = get_rng_state_tracker
         self.attn_input_format = attn_input_format
         self.softmax_type = softmax_type
-
-        common = dict(tp_group=tp_group, tp_size=tp, fuse_wgrad_accumulation=fuse_wgrad_accumulation,
-                      get_rng_state_tracker=get_rng_state_tracker, sequence_parallel=self.sequence_parallel,
-                      params_dtype=params_dtype, set_parallel_mode=set_parallel_mode,
-                      zero_centered_gamma=zero_centered_gamma, bias=bias, normalization=normalization,
-                      device=device, seq_length=seq_length, micro_batch_size=micro_batch_size,
-                      return_layernorm_output=apply_residual_connection_post_layernorm,
-                      return_bias=not parallel_attention_mlp)
-        self.self_attention = MultiheadAttention(
-            hidden_size, num_attention_heads, self.kv_channels, attention_dropout, layernorm_epsilon,
-            init_method, output_layer_init_method, layer_number=layer_number, num_gqa_groups=num_gqa_groups,
-            attn_mask_type=self_attn_mask_type, window_size=window_size,
-            bottom_right_diagonal=bottom_right_diagonal, fuse_qkv_params=fuse_qkv_params,
-            qkv_weight_interleaved=qkv_weight_interleaved, rotary_pos_interleaved=rotary_pos_interleaved,
-            input_layernorm=not output_layernorm, attention_type="self", qkv_format=attn_input_format,
-            qk_norm_type=qk_norm_type, qk_norm_eps=qk_norm_eps, qk_norm_before_rope=qk_norm_before_rope,
-            softmax_type=softmax_type, name=None if name is None else name + ".self_attention", **common)
-        self.layernorm_mlp = LayerNormMLP(
-            hidden_size, ffn_hidden_size, eps=layernorm_epsilon, init_method=init_method,
-            output_layer_init_method=output_layer_init_method, activation=activation,
-            activation_params=activation_params, name=None if name is None else name + ".layernorm_mlp",
-            **common)
-        if output_layernorm:
-            self.layernorm, _ = norm_op(cls, normalization, hidden_size, layernorm_epsilon, zero_centered_gamma,
-                                        device, params_dtype, self.sequence_parallel)
 
     def _sync_names(self) -> None:
         """``name`` may be set after construction (``debug_api.infer_and_assign_layer_names``)."""
@@ -207,13 +225,6 @@ class TransformerLayer(torch.nn.Module):
         """TE's late TP-group setup: only the group given at construction is supported."""
         self.self_attention.set_tensor_parallel_group(tp_group)
         self.layernorm_mlp.set_tensor_parallel_group(tp_group)
-
-    def _bias_dropout_add(self, out: torch.Tensor, bias: Optional[torch.Tensor],
-                          residual: torch.Tensor) -> torch.Tensor:
-        """TE's ``residual + dropout(out + bias)``."""
-        if bias is not None and bias.numel() != 0:
-            out = out + bias
-        return residual + torch.nn.functional.dropout(out, p=self.hidden_dropout, training=self.training)
 
     def forward(
         self,
@@ -256,33 +267,16 @@ class TransformerLayer(torch.nn.Module):
             raise ValueError(
                 f"{cls}: with sequence parallelism hidden_states.shape[0] must be seq_length // tp_size = "
                 f"{self.seq_length // self.tp_size}, got {hidden_states.shape[0]}")
-        self._sync_names()
-        attention_outputs = self.self_attention(
-            hidden_states, attention_mask=attention_mask,
-            attn_mask_type=self.self_attn_mask_type if self_attn_mask_type is None else self_attn_mask_type,
-            window_size=self.window_size if window_size is None else window_size,
-            bottom_right_diagonal=bottom_right_diagonal, is_first_microbatch=is_first_microbatch,
-            checkpoint_core_attention=checkpoint_core_attention, inference_params=inference_params,
-            rotary_pos_emb=rotary_pos_emb, core_attention_bias_type=core_attention_bias_type,
+        mask_type = self.self_attn_mask_type if self_attn_mask_type is None else self_attn_mask_type
+        check_forward_args(
+            cls, mask_type=mask_type, window_size=self.window_size if window_size is None else window_size,
+            is_first_microbatch=is_first_microbatch, core_attention_bias_type=core_attention_bias_type,
+            pad_between_seqs=pad_between_seqs, inference_params=inference_params, rotary_pos_emb=rotary_pos_emb,
             core_attention_bias=core_attention_bias, alibi_slopes=alibi_slopes, cu_seqlens_q=cu_seqlens_q,
-            cu_seqlens_kv=cu_seqlens_q, cu_seqlens_q_padded=cu_seqlens_q_padded,
-            cu_seqlens_kv_padded=cu_seqlens_q_padded, max_seqlen_q=max_seqlen_q, max_seqlen_kv=max_seqlen_q,
-            fast_zero_fill=fast_zero_fill, pad_between_seqs=pad_between_seqs)
-        del cu_seqlens_kv, cu_seqlens_kv_padded, max_seqlen_kv  # the decoder's (TE passes the q ones)
-        if self.parallel_attention_mlp:
-            mlp_output = self.layernorm_mlp(hidden_states, is_first_microbatch=is_first_microbatch)
-            return self._bias_dropout_add(attention_outputs, mlp_output, hidden_states)
-        if self.apply_residual_connection_post_layernorm and not self.output_layernorm:
-            attention_output, attention_bias, residual = attention_outputs
-        else:
-            (attention_output, attention_bias), residual = attention_outputs, hidden_states
-        hidden_states = self._bias_dropout_add(attention_output, attention_bias, residual)
-        mlp_outputs = self.layernorm_mlp(hidden_states, is_first_microbatch=is_first_microbatch)
-        if self.apply_residual_connection_post_layernorm:
-            mlp_output, mlp_bias, residual = mlp_outputs
-        else:
-            (mlp_output, mlp_bias), residual = mlp_outputs, hidden_states
-        output = self._bias_dropout_add(mlp_output, mlp_bias, residual)
-        if self.output_layernorm:
-            output = self.layernorm(output)
-        return output
+            cu_seqlens_q_padded=cu_seqlens_q_padded, max_seqlen_q=max_seqlen_q)
+        # The decoder's (TE passes the q ones to the self-attention).
+        del cu_seqlens_kv, cu_seqlens_kv_padded, max_seqlen_kv, enc_dec_attn_mask_type, enc_dec_window_size
+        del enc_dec_bottom_right_diagonal, bottom_right_diagonal, fast_zero_fill
+        self._sync_names()
+        return super().forward(hidden_states, attention_mask, attn_mask_type=mask_type,
+                               checkpoint_core_attention=checkpoint_core_attention)

@@ -1,10 +1,12 @@
 """``MultiheadAttention``: Transformer Engine's ``transformer_engine.pytorch.MultiheadAttention``
-on tp_fuse's module classes.
+as a constructor over the one attention block, :class:`tp_fuse.layers.MultiheadAttention`.
 
-The GEMMs are TE's module classes of :mod:`tp_fuse.module` (``LayerNormLinear`` /
-``Linear`` for QKV, ``Linear`` for the output projection); the core attention is
-:class:`tp_fuse.layers.attention.DotProductAttention` (the one tp_fuse's own layers use:
-``torch.nn.functional.scaled_dot_product_attention`` over this rank's heads, GQA).
+TE's QKV and output projections are TE's module classes of :mod:`tp_fuse.te.module`
+(``LayerNormLinear`` / ``Linear`` for QKV, ``Linear`` for the output projection), handed to
+the layers block as its prebuilt submodules under TE's names; the QKV split, the core
+attention (``DotProductAttention``) and the dropout streams are the layers block's. This
+class maps TE's arguments and checks what tp_fuse does not do; its ``forward`` translates
+TE's arguments and runs the block's.
 """
 
 from __future__ import annotations
@@ -14,17 +16,16 @@ from typing import Any, Optional, Union
 
 import torch
 
-from tp_fuse.distributed import checkpoint
-from tp_fuse.layers.attention import DotProductAttention
+from tp_fuse.layers import attention as _layers_attention
+from tp_fuse.layers.random import TrackerRNG
 from ..module._ops_module import check_common_args, refuse_unless
 from ..module.layernorm_linear import LayerNormLinear
 from ..module.linear import Linear
 
 __all__ = ["MultiheadAttention"]
 
-#: TE's self-attention mask types tp_fuse computes (for self-attention ``"causal"`` and
-#: ``"causal_bottom_right"`` are the same mask: the query and key lengths are equal).
-MASK_TYPES = ("causal", "causal_bottom_right", "no_mask", "arbitrary")
+#: TE's self-attention mask types tp_fuse computes: the layers block's.
+MASK_TYPES = _layers_attention.MASK_TYPES
 
 
 def neutral_window(mask_type: str) -> tuple[int, int]:
@@ -44,9 +45,11 @@ def check_window(cls: str, window_size: Any, mask_type: str) -> None:
                   f"None or {neutral_window(mask_type)} for attn_mask_type={mask_type!r}: no sliding window")
 
 
-class MultiheadAttention(torch.nn.Module):
+class MultiheadAttention(_layers_attention.MultiheadAttention):
     """Self-attention with Transformer Engine's ``MultiheadAttention`` constructor, submodule
-    names and ``forward``.
+    names and ``forward``: :class:`tp_fuse.layers.MultiheadAttention` built with TE's modules
+    (its forward; ``kv_channels``, the QKV layouts, the mask types, ``return_layernorm_output``
+    and the RNG tracker's dropout are options of that block).
 
     ``y = proj(attention(split(qkv(x))))`` for ``x [s, b, hidden_size]``: no residual and no
     output dropout (TE's ``TransformerLayer`` adds them). Submodules, as in TE:
@@ -140,7 +143,6 @@ class MultiheadAttention(torch.nn.Module):
         micro_batch_size: Optional[int] = None,
         softmax_type: str = "vanilla",
     ) -> None:
-        super().__init__()
         cls = "MultiheadAttention"
         if name is not None and not isinstance(name, str):
             raise ValueError(f"{cls}: name must be a str or None, got {name!r}")
@@ -191,55 +193,60 @@ class MultiheadAttention(torch.nn.Module):
         if isinstance(kv, bool) or not isinstance(kv, int) or kv <= 0:
             raise ValueError(f"{cls}: kv_channels must be a positive int, got {kv_channels!r}")
 
-        self.name = name
-        self.hidden_size = hidden_size
-        self.num_attention_heads = heads
-        self.num_gqa_groups = groups
-        self.hidden_size_per_attention_head = kv
-        self.hidden_size_q, self.hidden_size_kv = kv * heads, kv * groups
-        self.num_attention_heads_per_partition = heads // tp
-        self.num_gqa_groups_per_partition = groups // tp
-        self.attn_mask_type = attn_mask_type
-        self.window_size = window_size
-        self.bottom_right_diagonal = bottom_right_diagonal
-        self.layer_number = 1 if layer_number is None else layer_number
-        self.input_layernorm = input_layernorm
-        self.attention_type = attention_type
-        self.return_layernorm_output = return_layernorm_output
-        self.return_bias = return_bias
-        self.get_rng_state_tracker = get_rng_state_tracker
-        self.tp_group, self.tp_size = tp_group, tp
-        self.sequence_parallel = tp > 1 and sequence_parallel
-        self.params_dtype = params_dtype or torch.get_default_dtype()
-        self.qkv_format = qkv_format
-        self.softmax_type = softmax_type
+        params_dtype = params_dtype or torch.get_default_dtype()
         # TE: without fused QKV parameters the layout is [q; k; v] whatever qkv_weight_interleaved says.
-        self.qkv_weight_interleaved = qkv_weight_interleaved and fuse_qkv_params
-
+        interleaved = qkv_weight_interleaved and fuse_qkv_params
         gemm_kwargs = dict(fuse_wgrad_accumulation=fuse_wgrad_accumulation, tp_group=tp_group, tp_size=tp,
                            get_rng_state_tracker=get_rng_state_tracker, sequence_parallel=sequence_parallel,
-                           params_dtype=self.params_dtype, device=device)
-        qkv_out = self.hidden_size_q + 2 * self.hidden_size_kv
+                           params_dtype=params_dtype, device=device)
+        hidden_q, hidden_kv = kv * heads, kv * groups
         qkv_mode = "column" if set_parallel_mode else None
         # TE: without fuse_qkv_params the QKV layer holds query_weight / key_weight / value_weight.
-        split = None if fuse_qkv_params else {"query": self.hidden_size_q, "key": self.hidden_size_kv,
-                                              "value": self.hidden_size_kv}
+        split = None if fuse_qkv_params else {"query": hidden_q, "key": hidden_kv, "value": hidden_kv}
         if input_layernorm:
-            self.layernorm_qkv = LayerNormLinear(
-                hidden_size, qkv_out, eps=layernorm_epsilon, init_method=init_method, bias=bias,
+            qkv: torch.nn.Module = LayerNormLinear(
+                hidden_size, hidden_q + 2 * hidden_kv, eps=layernorm_epsilon, init_method=init_method, bias=bias,
                 parallel_mode=qkv_mode, return_layernorm_output=return_layernorm_output,
                 zero_centered_gamma=zero_centered_gamma, normalization=normalization, ub_name="qkv",
                 parameters_split=split, name=None if name is None else name + ".layernorm_linear_qkv",
                 **gemm_kwargs)
         else:
-            self.qkv = Linear(
-                hidden_size, qkv_out, init_method=init_method, bias=bias, parallel_mode=qkv_mode,
+            qkv = Linear(
+                hidden_size, hidden_q + 2 * hidden_kv, init_method=init_method, bias=bias, parallel_mode=qkv_mode,
                 parameters_split=split, name=None if name is None else name + ".linear_qkv", **gemm_kwargs)
-        self.core_attention = DotProductAttention(attention_dropout)
-        self.proj = Linear(
-            self.hidden_size_q, hidden_size, init_method=output_layer_init_method, bias=bias,
+        proj = Linear(
+            hidden_q, hidden_size, init_method=output_layer_init_method, bias=bias,
             return_bias=return_bias, parallel_mode="row" if set_parallel_mode else None, ub_name="proj",
             name=None if name is None else name + ".proj", **gemm_kwargs)
+        super().__init__(
+            hidden_size, heads, num_query_groups=groups, tp_group=tp_group if tp > 1 else None,
+            sequence_parallel=tp > 1 and sequence_parallel, input_layernorm=input_layernorm,
+            attention_dropout=attention_dropout, rng=TrackerRNG(get_rng_state_tracker), dtype=params_dtype,
+            kv_channels=kv, qkv_interleaved=interleaved, attn_mask_type=attn_mask_type,
+            return_layernorm_output=input_layernorm and return_layernorm_output,
+            submodules=_layers_attention.AttentionSubmodules(
+                qkv=qkv, proj=proj, qkv_name="layernorm_qkv" if input_layernorm else "qkv",
+                core_name="core_attention"))
+
+        self.name = name
+        self.num_attention_heads = heads
+        self.num_gqa_groups = groups
+        self.hidden_size_per_attention_head = kv
+        self.hidden_size_q, self.hidden_size_kv = hidden_q, hidden_kv
+        self.num_attention_heads_per_partition = heads // tp
+        self.num_gqa_groups_per_partition = groups // tp
+        self.window_size = window_size
+        self.bottom_right_diagonal = bottom_right_diagonal
+        self.layer_number = 1 if layer_number is None else layer_number
+        self.input_layernorm = input_layernorm
+        self.attention_type = attention_type
+        self.return_bias = return_bias
+        self.get_rng_state_tracker = get_rng_state_tracker
+        self.tp_group = tp_group
+        self.params_dtype = params_dtype
+        self.qkv_format = qkv_format
+        self.softmax_type = softmax_type
+        self.qkv_weight_interleaved = interleaved
 
     def _sync_names(self) -> None:
         """``name`` may be set after construction (``debug_api.infer_and_assign_layer_names``)."""
@@ -254,21 +261,6 @@ class MultiheadAttention(torch.nn.Module):
         if tp_group is not self.tp_group:
             raise ValueError("MultiheadAttention: set_tensor_parallel_group after construction is not supported "
                              "by tp_fuse (pass tp_group to the constructor)")
-
-    def split_qkv(self, mixed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """This rank's QKV GEMM output ``[s, b, (n/g + 2) * g * d]`` -> ``q [s, b, n, d]``,
-        ``k, v [s, b, g, d]`` (local ``n``, ``g``), in TE's layout (see the class docstring)."""
-        s, b = mixed.shape[:2]
-        n, g, d = self.num_attention_heads_per_partition, self.num_gqa_groups_per_partition, \
-            self.hidden_size_per_attention_head
-        qpg = n // g
-        if self.qkv_weight_interleaved:
-            x = mixed.view(s, b, g, qpg + 2, d)
-            q, k, v = x[:, :, :, :qpg], x[:, :, :, qpg], x[:, :, :, qpg + 1]
-        else:
-            x = mixed.view(s, b, qpg + 2, g, d)
-            q, k, v = x[:, :, :qpg], x[:, :, qpg], x[:, :, qpg + 1]
-        return q.reshape(s, b, n, d), k, v
 
     def forward(
         self,
@@ -295,53 +287,40 @@ class MultiheadAttention(torch.nn.Module):
         pad_between_seqs: Optional[bool] = None,
     ):
         """``y`` (``[s, b, hidden_size]``); ``(y, proj_bias)`` with ``return_bias``; the
-        normalized input appended with ``input_layernorm`` and ``return_layernorm_output``."""
+        normalized input appended with ``input_layernorm`` and ``return_layernorm_output``.
+        TE's arguments checked and translated; the computation is the layers block's."""
         cls = "MultiheadAttention.forward"
         mask_type = self.attn_mask_type if attn_mask_type is None else attn_mask_type
-        check_mask_type(cls, "attn_mask_type", mask_type)
-        check_window(cls, self.window_size if window_size is None else window_size, mask_type)
-        for arg, value in (("encoder_output", encoder_output), ("inference_params", inference_params),
-                           ("rotary_pos_emb", rotary_pos_emb), ("core_attention_bias", core_attention_bias),
-                           ("alibi_slopes", alibi_slopes), ("cu_seqlens_q", cu_seqlens_q),
-                           ("cu_seqlens_kv", cu_seqlens_kv), ("cu_seqlens_q_padded", cu_seqlens_q_padded),
-                           ("cu_seqlens_kv_padded", cu_seqlens_kv_padded), ("max_seqlen_q", max_seqlen_q),
-                           ("max_seqlen_kv", max_seqlen_kv)):
-            refuse_unless(cls, arg, value is None, type(value).__name__, "None")
-        refuse_unless(cls, "core_attention_bias_type", core_attention_bias_type == "no_bias",
-                      core_attention_bias_type, "'no_bias'")
-        refuse_unless(cls, "pad_between_seqs", not pad_between_seqs, pad_between_seqs, "None or False")
-        mask: Optional[torch.Tensor] = None
+        check_forward_args(
+            cls, mask_type=mask_type, window_size=self.window_size if window_size is None else window_size,
+            is_first_microbatch=is_first_microbatch, core_attention_bias_type=core_attention_bias_type,
+            pad_between_seqs=pad_between_seqs, encoder_output=encoder_output, inference_params=inference_params,
+            rotary_pos_emb=rotary_pos_emb, core_attention_bias=core_attention_bias, alibi_slopes=alibi_slopes,
+            cu_seqlens_q=cu_seqlens_q, cu_seqlens_kv=cu_seqlens_kv, cu_seqlens_q_padded=cu_seqlens_q_padded,
+            cu_seqlens_kv_padded=cu_seqlens_kv_padded, max_seqlen_q=max_seqlen_q, max_seqlen_kv=max_seqlen_kv)
         if mask_type == "arbitrary":
             if not isinstance(attention_mask, torch.Tensor) or attention_mask.dtype != torch.bool:
                 raise ValueError(f"{cls}: attn_mask_type='arbitrary' needs attention_mask, a bool tensor "
                                  "broadcastable to [b, heads, s, s] (True = masked out)")
-            mask = attention_mask
-        # TE: attention_mask is not used with the causal / no_mask types.
+        else:
+            attention_mask = None  # TE: attention_mask is not used with the causal / no_mask types
         self._sync_names()
+        return super().forward(hidden_states, attention_mask, attn_mask_type=mask_type,
+                               checkpoint_core_attention=checkpoint_core_attention)
 
-        layernorm_output = None
-        if self.input_layernorm:
-            out = self.layernorm_qkv(hidden_states, is_first_microbatch=is_first_microbatch)
-            mixed, layernorm_output = out if self.return_layernorm_output else (out, None)
-        else:
-            mixed = self.qkv(hidden_states, is_first_microbatch=is_first_microbatch)
-        q, k, v = self.split_qkv(mixed)
-        causal = "causal" in mask_type
-        if checkpoint_core_attention and torch.is_grad_enabled():
-            context = checkpoint(self._core_attention, q, k, v, causal, mask, modules=[self.core_attention],
-                                 get_rng_state_tracker=self.get_rng_state_tracker)
-        else:
-            context = self._core_attention(q, k, v, causal, mask)  # [s, b, n/tp * d]
-        proj = self.proj(context, is_first_microbatch=is_first_microbatch)
-        outputs = proj if self.return_bias else (proj,)
-        if self.input_layernorm and self.return_layernorm_output:
-            outputs += (layernorm_output,)
-        return outputs if len(outputs) > 1 else outputs[0]
 
-    def _core_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
-                        mask: Optional[torch.Tensor]) -> torch.Tensor:
-        tracker = self.get_rng_state_tracker
-        if tracker is not None and self.training and self.core_attention.attention_dropout > 0:
-            with tracker().fork():
-                return self.core_attention(q, k, v, causal=causal, mask=mask)
-        return self.core_attention(q, k, v, causal=causal, mask=mask)
+def check_forward_args(cls: str, *, mask_type: Any, window_size: Any, is_first_microbatch: Any,
+                       core_attention_bias_type: Any, pad_between_seqs: Any, **must_be_none: Any) -> None:
+    """TE's ``forward`` arguments of the attention that tp_fuse does not compute with: refused
+    (ValueError naming the argument) unless they ask for nothing (``must_be_none``: None)."""
+    check_mask_type(cls, "attn_mask_type", mask_type)
+    check_window(cls, window_size, mask_type)
+    for arg, value in must_be_none.items():
+        refuse_unless(cls, arg, value is None, type(value).__name__, "None")
+    refuse_unless(cls, "core_attention_bias_type", core_attention_bias_type == "no_bias",
+                  core_attention_bias_type, "'no_bias'")
+    refuse_unless(cls, "pad_between_seqs", not pad_between_seqs, pad_between_seqs, "None or False")
+    # is_first_microbatch is TE's FP8 weight-cache hint: tp_fuse quantizes the weight at every
+    # call (the same values while the weight is unchanged), so only its value is checked.
+    if is_first_microbatch not in (None, True, False):
+        raise ValueError(f"{cls}: is_first_microbatch must be None, True or False, got {is_first_microbatch!r}")
