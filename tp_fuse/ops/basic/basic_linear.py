@@ -34,6 +34,7 @@ from ._checks import maybe_dequantize
 from ._tp import TPCommOperation, group_size
 from .all_gather import AllGather
 from .all_reduce import AllReduce
+from .linear_wgrad import DeferredWgrads, WgradSink, wgrad_gemm
 from .reduce_scatter import ReduceScatter
 from ..compiled.comm import AllReduceBackward, tp_group
 from ..compiled.fp8_linear import BlockLinearFunction, Fp8LinearFunction
@@ -81,6 +82,13 @@ class BasicLinear(QuantizerStateMixin, BasicOperation):
     wgrad is returned so that Megatron DDP's grad hooks still fire (and skip their own
     add); otherwise no wgrad is returned (``weight.grad`` stays None).
 
+    ``delay_wgrad_compute=True`` (Transformer Engine's option, for pipeline schedules that
+    split the backward pass): the backward pass computes dx only and keeps dW's operands
+    (the quantized ones under FP8); :meth:`backward_dw` computes dW later and puts it where
+    the backward pass would have (``weight.grad``, or ``weight.main_grad``), bit for bit
+    (``tp_fuse.ops.basic.linear_wgrad``). Not with ``tp_fuse.debug`` features or the
+    userbuffers backward overlap (ValueError).
+
     ``state_dict()`` carries the delayed-scaling state (scales, amax histories) in
     ``_extra_state`` as JSON in a uint8 tensor, and an FP8 weight as its master copy;
     see ``tp_fuse.ops.extra_state``.
@@ -106,10 +114,12 @@ class BasicLinear(QuantizerStateMixin, BasicOperation):
         tensor_parallel_mode: Optional[str] = None,
         tensor_parallel_group: Optional[Any] = None,
         sequence_parallel: bool = False,
+        delay_wgrad_compute: bool = False,
     ) -> None:
         super().__init__()
-        self._accumulate_into_main_grad = bool(accumulate_into_main_grad)
-        self._dummy_wgrad: Optional[torch.Tensor] = None
+        self._wgrad_sink = WgradSink("BasicLinear", "weight", accumulate_into_main_grad)
+        self._deferred_wgrads = DeferredWgrads()
+        self._deferred_wgrads.set_enabled("BasicLinear", delay_wgrad_compute)
         for name, value in (("in_features", in_features), ("out_features", out_features)):
             if not isinstance(value, int) or value <= 0:
                 raise ValueError(f"BasicLinear: {name} must be a positive int, got {value!r}")
@@ -381,6 +391,9 @@ class BasicLinear(QuantizerStateMixin, BasicOperation):
         hooks = self.debug_hooks
         ctx.debug = hooks is not None and hooks.features_enabled
         if ctx.debug:
+            require(not self.delay_wgrad_compute,
+                    "BasicLinear: delay_wgrad_compute=True is not supported with tp_fuse.debug features "
+                    "(their GEMM hooks compute dW in the backward pass)")
             # Debug features (tp_fuse.debug) make the feature API's calls around each GEMM
             # (fusions skip debug layers, so no scale arrives here).
             assert alpha == 1.0
@@ -479,11 +492,7 @@ class BasicLinear(QuantizerStateMixin, BasicOperation):
                 dx = dx.mul_(alpha)
             dw = None
             if self.weight.requires_grad:
-                x_saved = self.input_for_wgrad(ctx, x_saved)
-                # dW[out, in] = dy^T[out, M] @ x[M, in]
-                dw = fp8_gemm(dy_fp8, x_saved, dy.dtype, transpose_a=True, transpose_b=True)
-                if alpha != 1.0:
-                    dw = dw.mul_(alpha)
+                dw = self._weight_grad(dy_fp8, self.input_for_wgrad(ctx, x_saved), dy.dtype, alpha, fp8=True)
         else:
             if acc is not None:
                 dx = torch.addmm(acc, dy2d, w_saved, alpha=alpha)
@@ -493,17 +502,42 @@ class BasicLinear(QuantizerStateMixin, BasicOperation):
                 dx = dy2d @ w_saved
             dw = None
             if self.weight.requires_grad:
-                dw = dy2d.t() @ as_rows(self.input_for_wgrad(ctx, x_saved), self.in_features)
-                if alpha != 1.0:
-                    dw = dw.mul_(alpha)
-        if dw is not None and dw.dtype != self.weight.dtype and not self._accumulate_into_main_grad:
-            dw = dw.to(self.weight.dtype)  # computed in the input's (autocast) dtype
+                x_w = as_rows(self.input_for_wgrad(ctx, x_saved), self.in_features)
+                dw = self._weight_grad(dy2d, x_w, dy2d.dtype, alpha, fp8=False)
         # dx has x's shape: the leading dims are dy's (a context filled by a third-party
         # fused op may not record ``input_shape``).
         input_shape = getattr(ctx, "input_shape", None) or (*dy.shape[:-1], self.in_features)
         # dx is this GEMM's output (or its all-reduce), referenced nowhere else.
         ctx.grad_input_fresh = True
-        return self.reduce_dgrad(as_shape(dx, input_shape)), self.finish_wgrad(dw)
+        return self.reduce_dgrad(as_shape(dx, input_shape)), dw
+
+    def _weight_grad(self, dy2d: torch.Tensor, x2d: torch.Tensor, out_dtype: torch.dtype, alpha: float, *,
+                     fp8: bool) -> Optional[torch.Tensor]:
+        """The weight's gradient for autograd: dW computed now (:meth:`finish_wgrad`), or --
+        with ``delay_wgrad_compute`` -- the same computation queued for :meth:`backward_dw`
+        with the operands it reads, and the sink's placeholder."""
+        if not self._deferred_wgrads.enabled:
+            return self.finish_wgrad(wgrad_gemm(dy2d, x2d, out_dtype, fp8=fp8, alpha=alpha))
+        w, sink = self.weight, self._wgrad_sink
+        self._deferred_wgrads.put(lambda: sink.deliver(w, wgrad_gemm(dy2d, x2d, out_dtype, fp8=fp8, alpha=alpha)))
+        return sink.placeholder(w)
+
+    @property
+    def delay_wgrad_compute(self) -> bool:
+        """Whether dW waits for :meth:`backward_dw` (see the class docs)."""
+        return self._deferred_wgrads.enabled
+
+    @delay_wgrad_compute.setter
+    def delay_wgrad_compute(self, value: bool) -> None:
+        self._deferred_wgrads.set_enabled("BasicLinear", value)
+
+    def backward_dw(self) -> None:
+        """Transformer Engine's ``backward_dw``: compute the weight gradient the oldest
+        backward pass deferred (``delay_wgrad_compute=True``) and add it into
+        ``weight.grad`` / ``weight.main_grad``; ValueError when none waits. Does nothing
+        without ``delay_wgrad_compute`` (TE's)."""
+        if self._deferred_wgrads.enabled:
+            self._deferred_wgrads.run_next("BasicLinear.backward_dw()")
 
     @staticmethod
     def _context_fp8(ctx: OperationContext) -> bool:
@@ -525,22 +559,18 @@ class BasicLinear(QuantizerStateMixin, BasicOperation):
     @property
     def accumulate_into_main_grad(self) -> bool:
         """Whether dW goes into ``weight.main_grad`` (see the class docs)."""
-        return self._accumulate_into_main_grad
+        return self._wgrad_sink.accumulate_into_main_grad
 
     @accumulate_into_main_grad.setter
     def accumulate_into_main_grad(self, value: bool) -> None:
-        self._accumulate_into_main_grad = bool(value)
+        self._wgrad_sink.accumulate_into_main_grad = bool(value)
 
     def finish_wgrad(self, dw: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
-        """The weight gradient to return to autograd: ``dw`` itself, or -- with
-        ``accumulate_into_main_grad`` -- None / a zero dummy after adding it into
-        ``weight.main_grad``. Every backward (fused or not) passes its dW through here."""
-        if dw is None or not self._accumulate_into_main_grad:
-            return dw
-        grad, self._dummy_wgrad = add_into_main_grad(
-            "BasicLinear(accumulate_into_main_grad=True)", "weight", self.weight, dw, self._dummy_wgrad
-        )
-        return grad
+        """The weight gradient to return to autograd for a dW computed in the backward pass:
+        ``dw`` in the weight's dtype, or -- with ``accumulate_into_main_grad`` -- None / a zero
+        dummy after adding it into ``weight.main_grad``. Every backward (fused or not) passes
+        its dW through here."""
+        return self._wgrad_sink.finish(self.weight, dw)
 
     # ---- basic-op interface ------------------------------------------------
 
@@ -596,6 +626,8 @@ class BasicLinear(QuantizerStateMixin, BasicOperation):
             return "tp_fuse.debug features run its GEMMs (FP8 statistics alone are traced)"
         if self.accumulate_into_main_grad:
             return "accumulate_into_main_grad adds dW into weight.main_grad outside autograd"
+        if self.delay_wgrad_compute:
+            return "delay_wgrad_compute computes dW in backward_dw(), outside autograd"
         if isinstance(self.weight, Float8Tensor) or type(self.weight) not in (torch.Tensor, torch.nn.Parameter):
             return f"the weight is a {type(self.weight).__name__} (quantized_model_init or a subclass)"
         if fp8 is not None and not fp8.traced:
@@ -642,30 +674,3 @@ def weight_in_dtype(w: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         return w.dequantize(dtype)
     return w.detach().to(dtype)
 
-
-def add_into_main_grad(
-    op_name: str, param_name: str, w: torch.Tensor, dw: torch.Tensor, dummy: Optional[torch.Tensor]
-) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
-    """Add ``dw`` into ``w.main_grad`` (Megatron's gradient_accumulation_fusion; overwrite
-    when ``w.overwrite_main_grad``). Returns ``(gradient for autograd, dummy to cache)``:
-    None without Megatron's ``grad_added_to_main_grad`` flag, else a zero dummy (the
-    cached one when it still fits) so that Megatron DDP's grad hooks still fire."""
-    main_grad = getattr(w, "main_grad", None)
-    if not isinstance(main_grad, torch.Tensor) or main_grad.shape != w.shape:
-        raise ValueError(
-            f"{op_name}: {param_name}.main_grad is not set or has the wrong "
-            f"shape: {param_name}.main_grad must be a tensor of shape {tuple(w.shape)} (attach it before the "
-            f"backward pass, e.g. Megatron's DistributedDataParallel does), got "
-            f"{tuple(main_grad.shape) if isinstance(main_grad, torch.Tensor) else type(main_grad).__name__}"
-        )
-    with torch.no_grad():
-        if getattr(w, "overwrite_main_grad", False):
-            main_grad.copy_(dw)
-        else:
-            main_grad.add_(dw.to(main_grad.dtype))
-    if not hasattr(w, "grad_added_to_main_grad"):
-        return None, dummy
-    w.grad_added_to_main_grad = True
-    if dummy is None or dummy.shape != w.shape or dummy.dtype != w.dtype or dummy.device != w.device:
-        dummy = torch.zeros_like(w.detach())
-    return dummy, dummy

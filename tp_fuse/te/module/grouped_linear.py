@@ -13,7 +13,9 @@ delay_wgrad_compute=False, save_original_input=False, name=None)``, parameters `
 
 Refused (ValueError naming the argument): tensor parallelism (``parallel_mode`` "column"/"row"
 with a TP size above 1: Megatron's expert-parallel GEMMs then need TE's sharded weights),
-``delay_wgrad_compute``, the ``ub_*`` flags, ``save_original_input``.
+the ``ub_*`` flags, ``save_original_input``. ``delay_wgrad_compute=True`` defers the weight
+gradients to ``backward_dw()`` (``ops.GroupedLinear``'s deferral; the bias gradients stay in
+the backward pass).
 """
 
 from __future__ import annotations
@@ -65,11 +67,11 @@ class GroupedLinear(OpsModule):
         refuse_unless(cls, "tp_size", tp_size == 1 or parallel_mode is None, tp_size,
                       "1: tensor-parallel grouped GEMMs are not implemented")
         for arg, value in (("ub_overlap_rs", ub_overlap_rs), ("ub_overlap_ag", ub_overlap_ag),
-                           ("delay_wgrad_compute", delay_wgrad_compute),
                            ("save_original_input", save_original_input)):
             refuse_unless(cls, arg, value is False, value, "False")
         for arg, value in (("bias", bias), ("return_bias", return_bias),
-                           ("fuse_wgrad_accumulation", fuse_wgrad_accumulation)):
+                           ("fuse_wgrad_accumulation", fuse_wgrad_accumulation),
+                           ("delay_wgrad_compute", delay_wgrad_compute)):
             if not isinstance(value, bool):
                 raise ValueError(f"{cls}: {arg} must be a bool, got {value!r}")
         dtype = params_dtype or torch.get_default_dtype()
@@ -91,6 +93,7 @@ class GroupedLinear(OpsModule):
             params.update({f"bias{i}": (op, f"bias{i}") for i in range(num_gemms)})
         self._bind(op, params, {})
         self.__dict__["_op"] = op
+        self._delay_wgrad([op], delay_wgrad_compute, [f"weight{i}" for i in range(num_gemms)])
         if bias and return_bias:
             # return_bias: parameters of no op (the caller adds them), as TE's Linear.
             for i in range(num_gemms):
