@@ -37,7 +37,7 @@ def is_op_fuser_grouped_tensor_path_supported(recipe: Any, dtype: torch.dtype) -
     return False
 
 
-class _GroupQuantizers:
+class GroupQuantizers:
     """One ``OpQuantizers(("input", "weight", "grad_output"))`` per group, seen as one.
 
     Role names are ``"input:i"``, ``"weight:i"``, ``"grad_output:i"``, ordered as
@@ -157,7 +157,7 @@ class GroupedLinear(QuantizerStateMixin, BasicOperation):
         self._deferred_wgrads.set_enabled("GroupedLinear", delay_wgrad_compute)
         self._rng_state_tracker_function = rng_state_tracker_function
         dtype = param_dtype("GroupedLinear", dtype)
-        self._quantizers = _GroupQuantizers(num_groups)
+        self._quantizers = GroupQuantizers(num_groups)
         recipe = model_init_recipe()
         # Packed as Transformer Engine allocates them; each group initialized like a
         # torch.nn.Linear (kaiming uniform), under the RNG tracker's fork when given.

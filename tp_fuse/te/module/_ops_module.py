@@ -258,6 +258,12 @@ class OpsModule(torch.nn.Module):
             for name in weight_names:
                 self._parameters[name].skip_backward_post_hook = True
 
+    def unregistered_modules(self) -> list[torch.nn.Module]:
+        """The modules this one runs but does not register (its ops block): where
+        ``tp_fuse.checkpoint`` finds the FP8 quantizers whose scales a recompute replays."""
+        ops = self.__dict__.get("_ops")
+        return [ops] if ops is not None else []
+
     # ---- TE's module API ---------------------------------------------------
 
     @property
