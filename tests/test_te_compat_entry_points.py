@@ -263,8 +263,8 @@ def test_grouped_linear_return_bias_adds_no_bias():
 def test_grouped_linear_refusals():
     with pytest.raises(ValueError, match="tp_size"):
         te.GroupedLinear(2, 4, 4, tp_size=2, parallel_mode="column")
-    with pytest.raises(ValueError, match="delay_wgrad_compute"):
-        te.GroupedLinear(2, 4, 4, delay_wgrad_compute=True)
+    with pytest.raises(ValueError, match="delay_wgrad_compute must be a bool"):
+        te.GroupedLinear(2, 4, 4, delay_wgrad_compute=1)
     with pytest.raises(ValueError, match="m_splits"):
         te.GroupedLinear(2, 4, 4)(torch.randn(3, 4), [3])
 
