@@ -235,7 +235,10 @@ def test_norm_argument_errors():
 def test_grouped_linear_module_matches_per_group_linears():
     torch.manual_seed(0)
     m = te.GroupedLinear(3, 8, 4, params_dtype=torch.float64)
-    assert [n for n, _ in m.named_parameters()] == ["weight0", "weight1", "weight2", "bias0", "bias1", "bias2"]
+    # TE's registration order (TE's test_grouped_linear compares parameters() with Linear's).
+    assert [n for n, _ in m.named_parameters()] == ["weight0", "bias0", "weight1", "bias1", "weight2", "bias2"]
+    assert [n for n, _ in te.GroupedLinear(2, 8, 4, return_bias=True).named_parameters()] == [
+        "weight0", "bias0", "weight1", "bias1"]
     assert abs(m.weight0.std().item() - 0.023) < 0.01  # TE's default init normal(0, 0.023)
     with torch.no_grad():
         for i in range(3):
@@ -248,6 +251,20 @@ def test_grouped_linear_module_matches_per_group_linears():
     torch.testing.assert_close(y, ref)
     y.sum().backward()
     assert torch.count_nonzero(m.weight1.grad) == 0  # empty group
+
+
+def test_get_align_size_for_quantization_te_values():
+    from tp_fuse.fp8 import get_align_size_for_quantization
+    from tp_fuse.recipe import CustomRecipe, MXFP8BlockScaling, NVFP4BlockScaling, Float8BlockScaling
+
+    assert get_align_size_for_quantization(DelayedScaling()) == 16
+    assert get_align_size_for_quantization(Float8CurrentScaling()) == 16
+    assert get_align_size_for_quantization(Float8BlockScaling()) == 16
+    assert get_align_size_for_quantization(MXFP8BlockScaling()) == 32
+    assert get_align_size_for_quantization(NVFP4BlockScaling()) == 128
+    assert get_align_size_for_quantization(CustomRecipe(qfactory=lambda role: None, quantization_alignment=64)) == 64
+    with pytest.raises(ValueError, match="expected a tp_fuse.recipe recipe"):
+        get_align_size_for_quantization("fp8")
 
 
 def test_grouped_linear_return_bias_adds_no_bias():

@@ -99,6 +99,10 @@ class GroupedLinear(OpsModule):
             for i in range(num_gemms):
                 self.register_parameter(f"bias{i}", torch.nn.Parameter(
                     torch.zeros(out_features, device=device, dtype=dtype)))
+        # TE's registration order (parameters(), state_dict()): weight0, bias0, weight1, bias1...
+        for name in [n for i in range(num_gemms) for n in (f"weight{i}", f"bias{i}")]:
+            if name in self._parameters:
+                self._parameters[name] = self._parameters.pop(name)
         for i in range(num_gemms):
             set_megatron_attrs(getattr(self, f"weight{i}"), parallel_mode is not None,
                                1 if parallel_mode == "row" else 0)
