@@ -26,9 +26,15 @@ from typing import Any, Optional, Union
 import torch
 
 from tp_fuse.ops.basic.grouped_linear import GroupedLinear as GroupedLinearOp
+from tp_fuse.ops.basic.grouped_linear import is_op_fuser_grouped_tensor_path_supported
 from ._ops_module import OpsModule, init_fn, refuse_unless, set_megatron_attrs
 
-__all__ = ["GroupedLinear"]
+__all__ = ["GroupedLinear", "is_module_grouped_tensor_path_supported"]
+
+
+#: TE's module-level name of its grouped-tensor GEMM path predicate: tp_fuse has no such path
+#: (one GEMM per group), so the answer is the op layer's, always False.
+is_module_grouped_tensor_path_supported = is_op_fuser_grouped_tensor_path_supported
 
 
 class GroupedLinear(OpsModule):
