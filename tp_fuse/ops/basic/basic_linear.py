@@ -1,8 +1,11 @@
 """``BasicLinear``: y = x W^T, in high precision or FP8.
 
-Over 500 lines on purpose: one op class whose tensor-parallel setup, FP8 operand casts and
-three GEMMs (forward, dgrad, wgrad) share one saved-context contract; split across files,
-a change to what the forward saves would have to be made in two places."""
+Its concerns beside the GEMMs live next to it: the tensor-parallel setup (``linear_tp``),
+the weight gradient and its deferral (``linear_wgrad``), the torch.compile trace
+(``linear_compiled``). What stays here -- the FP8 operand casts and the forward and dgrad
+GEMMs -- is over 500 lines on purpose: it shares one saved-context contract (what the
+forward and its casts save is what the backward reads), which split across files would
+have to be changed in two places."""
 
 from __future__ import annotations
 
@@ -11,8 +14,6 @@ from collections.abc import Callable
 from typing import Any, Optional
 
 import torch
-
-from tp_fuse.comm import all_reduce
 
 from ...kernels import fp8_gemm_reads_views
 from ...kernels._common import as_rows, as_shape
@@ -31,20 +32,11 @@ from ..extra_state import QuantizerStateMixin
 from ..hooks import run_first_forward_hooks
 from ..op import BasicOperation, OperationContext, require
 from ._checks import maybe_dequantize
-from ._tp import TPCommOperation, group_size
-from .all_gather import AllGather
-from .all_reduce import AllReduce
+from . import linear_compiled
+from .linear_tp import LinearTensorParallelMixin
 from .linear_wgrad import DeferredWgrads, WgradSink, wgrad_gemm
-from .reduce_scatter import ReduceScatter
-from ..compiled.comm import AllReduceBackward, tp_group
-from ..compiled.fp8_linear import BlockLinearFunction, Fp8LinearFunction
-from ..compiled.fp8_linear_cuda import Fp8LinearCudaFunction
-from ...quantization.compile_ref import HAVE_COMPILE_REFS
-from ...quantization.custom_ops import NO_OBSERVER
-from ...quantization.gemm_choice import traced_gemms_auto
 
-
-class BasicLinear(QuantizerStateMixin, BasicOperation):
+class BasicLinear(LinearTensorParallelMixin, QuantizerStateMixin, BasicOperation):
     """Matrix multiply with a weight: ``y = x W^T`` (no bias; see ``Bias``).
 
     Shapes: ``x [..., in_features]``, ``W [out_features, in_features]``,
@@ -151,66 +143,6 @@ class BasicLinear(QuantizerStateMixin, BasicOperation):
             self.weight = make_fp8_parameter(weight, quantizer)
         else:
             self.weight = torch.nn.Parameter(weight)
-
-    # ---- tensor parallelism (Transformer Engine's tensor_parallel_mode) ----------
-
-    def _setup_tensor_parallel(
-        self, in_features: int, out_features: int, mode: Optional[str], group: Any, sequence_parallel: bool
-    ) -> tuple[int, int]:
-        """Validate the TP arguments; build the comm ops; return the local GEMM sizes."""
-        if mode not in (None, "column", "row"):
-            raise ValueError(f"BasicLinear: tensor_parallel_mode must be None, 'column' or 'row', got {mode!r}")
-        if mode is None and (group is not None or sequence_parallel):
-            raise ValueError("BasicLinear: tensor_parallel_group/sequence_parallel need tensor_parallel_mode")
-        self.tensor_parallel_mode = mode
-        self.tensor_parallel_group = group
-        self.sequence_parallel = bool(sequence_parallel)
-        tp = group_size(group) if mode is not None else 1
-        self.tensor_parallel_size = tp
-        self.global_in_features, self.global_out_features = in_features, out_features
-        split = out_features if mode == "column" else in_features
-        if split % tp:
-            name = "out_features" if mode == "column" else "in_features"
-            raise ValueError(f"BasicLinear({mode} parallel): {name}={split} is not divisible by the TP size {tp}")
-        pre: list[TPCommOperation] = []
-        post: list[TPCommOperation] = []
-        if mode == "column" and sequence_parallel:
-            pre.append(AllGather(group))
-        elif mode == "row":
-            post.append(ReduceScatter(group) if sequence_parallel else AllReduce(group))
-        # Plain attributes (not submodules): the comm ops hold no state of their own.
-        self.__dict__["_tp_ops"] = (tuple(pre), tuple(post))
-        # Column parallel without sequence parallelism: the input is replicated, so its
-        # gradient is the sum of every rank's dgrad (Megatron's copy-to-TP-region).
-        self.reduces_dgrad = mode == "column" and not sequence_parallel and tp > 1
-        if mode == "column":
-            return in_features, out_features // tp
-        if mode == "row":
-            return in_features // tp, out_features
-        return in_features, out_features
-
-    def expanded_ops(self) -> list[BasicOperation]:
-        """This op with the collectives its ``tensor_parallel_mode`` implies:
-        column+SP ``[AllGather, BasicLinear]``, row ``[BasicLinear, ReduceScatter|AllReduce]``
-        -- ordinary comm ops, so the userbuffers overlap fusions apply to them."""
-        pre, post = self.__dict__.get("_tp_ops", ((), ()))
-        return [*pre, self, *post]
-
-    @property
-    def local_in_features(self) -> int:
-        """Input features of this rank's GEMM (= ``in_features``; see the class docstring)."""
-        return self.in_features
-
-    @property
-    def local_out_features(self) -> int:
-        """Output features of this rank's GEMM (= ``out_features``)."""
-        return self.out_features
-
-    def reduce_dgrad(self, dx: torch.Tensor) -> torch.Tensor:
-        """dx summed over the TP group when the input was replicated (column, no SP)."""
-        if not self.reduces_dgrad:
-            return dx
-        return all_reduce(maybe_dequantize(dx).contiguous(), self.tensor_parallel_group)
 
     @property
     def comm_name(self) -> Optional[str]:
@@ -581,63 +513,10 @@ class BasicLinear(QuantizerStateMixin, BasicOperation):
         dx, dw = self.backward_gemm(ctx, grad_output)
         return dx, (dw,)
 
-    # ---- torch.compile (tp_fuse/ops/compiled/basic.py) ------------------------
-
-    def compiled_forward(
-        self, x: torch.Tensor, extra_inputs: list[torch.Tensor], fp8: Any, bias: Optional[torch.Tensor] = None
-    ) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        """Traced ``y = x W^T (+ b)``: ``F.linear`` in high precision; in per-tensor FP8,
-        ``Fp8LinearFunction`` on CPU (the exact emulation) and ``Fp8LinearCudaFunction`` on
-        the CUDA path (``torch._scaled_mm`` with its bias; ATen casts under current
-        scaling); ``BlockLinearFunction`` under the block-scaled recipes (NVFP4 included).
-        ``bias``: the next op's (a ``Bias``) when :meth:`compiled_folds_bias`. Column
-        parallel without sequence parallelism: dx is all-reduced over TP (as eager)."""
-        self.check_input(x)
-        lead = x.shape[:-1]
-        x2d = x.reshape(-1, self.in_features)
-        if self.reduces_dgrad:
-            x2d = AllReduceBackward.apply(x2d, tp_group(self.tensor_parallel_group))
-        weight = self.weight
-        if fp8 is None:
-            # W in x's dtype (torch.autocast): the cast is differentiated back to W's dtype.
-            y = torch.nn.functional.linear(x2d, weight if weight.dtype == x.dtype else weight.to(x.dtype))
-        else:
-            need_grad = torch.is_grad_enabled() and (x2d.requires_grad or weight.requires_grad)
-            observer = NO_OBSERVER if self.debug_hooks is None else self.debug_hooks.compile_ref
-            if fp8.block_scaled:
-                y = BlockLinearFunction.apply(x2d, weight, self._quantizers.compile_ref, fp8, need_grad, observer)
-            elif not fp8_gemm_reads_views(x.device):
-                y = Fp8LinearCudaFunction.apply(x2d, weight, bias, self._quantizers, fp8, need_grad, observer)
-                bias = None
-            else:
-                y = Fp8LinearFunction.apply(x2d, weight, self._quantizers.compile_ref, fp8.recipe, fp8.fwd_dtype,
-                                            fp8.bwd_dtype, need_grad, observer)
-        if bias is not None:
-            y = y + bias.to(y.dtype)
-        return y.reshape(*lead, self.out_features), []
-
-    def compiled_folds_bias(self, x: torch.Tensor, fp8: Any) -> bool:
-        """Whether a ``Bias`` right after this op is traced as its FP8 GEMM's bias epilogue
-        (per-tensor FP8 on the CUDA path: ``torch._scaled_mm(..., bias=)``, as eager)."""
-        return fp8 is not None and fp8.per_tensor and not fp8_gemm_reads_views(x.device)
-
-    def compiled_unsupported(self, fp8: Any) -> Optional[str]:
-        if self.debug_hooks is not None and self.debug_hooks.features_enabled:
-            return "tp_fuse.debug features run its GEMMs (FP8 statistics alone are traced)"
-        if self.accumulate_into_main_grad:
-            return "accumulate_into_main_grad adds dW into weight.main_grad outside autograd"
-        if self.delay_wgrad_compute:
-            return "delay_wgrad_compute computes dW in backward_dw(), outside autograd"
-        if isinstance(self.weight, Float8Tensor) or type(self.weight) not in (torch.Tensor, torch.nn.Parameter):
-            return f"the weight is a {type(self.weight).__name__} (quantized_model_init or a subclass)"
-        if fp8 is not None and not fp8.traced:
-            return f"recipe {fp8.recipe} (only the per-tensor FP8 and the block-scaled recipes are traced)"
-        if fp8 is not None and traced_gemms_auto():
-            # A traced graph fixes FP8 or not per Linear; the choice is made per shape at run time.
-            return "autocast(gemms='auto') chooses FP8 or high precision per GEMM shape at run time (eager)"
-        if fp8 is not None and not HAVE_COMPILE_REFS:
-            return "this torch has no opaque objects for custom ops (tp_fuse::fp8_cast needs them)"
-        return None
+    # ---- torch.compile (tp_fuse/ops/compiled/basic.py; bodies in linear_compiled.py) -------
+    compiled_forward = linear_compiled.compiled_forward
+    compiled_folds_bias = linear_compiled.compiled_folds_bias
+    compiled_unsupported = linear_compiled.compiled_unsupported
 
 
 def _accumulate_in_place(residual: torch.Tensor, y2d: torch.Tensor, alpha: float) -> torch.Tensor:
