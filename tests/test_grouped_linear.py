@@ -324,7 +324,7 @@ def test_user_errors():
         op(torch.randn(8, IN), torch.tensor([4, 3]))
     with pytest.raises(ValueError, match="GroupedLinear: expected input with last dimension in_features=32"):
         op(torch.randn(8, IN + 1), torch.tensor([4, 4]))
-    for flag in ("single_grouped_weight", "single_grouped_bias", "delay_wgrad_compute"):
+    for flag in ("single_grouped_weight", "single_grouped_bias"):
         with pytest.raises(ValueError, match=f"GroupedLinear: {flag}=True is not supported"):
             GroupedLinear(2, IN, OUT, **{flag: True})
     with pytest.raises(ValueError, match="GroupedLinear: num_groups must be a positive int, got 0"):

@@ -14,6 +14,7 @@ import tp_fuse
 from tp_fuse.layers import GPT, GPTConfig
 from tp_fuse.distributed import fp8_quantizers
 from tp_fuse.quantization import DelayedScalingQuantizer
+from tp_fuse import te
 from tp_fuse.recipe import DelayedScaling, Float8CurrentScaling
 
 CFG = dict(vocab_size=64, max_seq_len=16, hidden_size=32, num_layers=2, num_heads=4,
@@ -79,11 +80,44 @@ def test_recompute_is_exact(mode: str, recipe: str) -> None:
 def test_checkpoint_argument_errors() -> None:
     lin = torch.nn.Linear(2, 2)
     x = torch.randn(1, 2, requires_grad=True)
-    with pytest.raises(ValueError, match="use_reentrant"):
-        tp_fuse.checkpoint(lin, x, use_reentrant=True)
+    with pytest.raises(ValueError, match="use_reentrant must be a bool"):
+        tp_fuse.checkpoint(lin, x, use_reentrant="yes")
     with pytest.raises(ValueError, match="distribute_saved_activations"):
         tp_fuse.checkpoint(lin, x, distribute_saved_activations=True)
     with pytest.raises(ValueError, match="modules"):
         tp_fuse.checkpoint(lambda t: lin(t), x)
     with pytest.raises(ValueError, match="activation_checkpointing"):
         GPT(GPTConfig(**CFG)).set_activation_checkpointing("some")
+
+
+def _checkpointed_mlp(engine: str, recipe_name: str) -> list[torch.Tensor]:
+    """Output, input gradient, parameter gradients and delayed-scaling state of two steps of
+    a float64 LayerNormMLP + dropout region run plainly or checkpointed by ``engine``."""
+    torch.manual_seed(0)
+    block = torch.nn.Sequential(te.LayerNormMLP(16, 32, params_dtype=torch.float64), torch.nn.Dropout(0.2))
+    recipe = RECIPES[recipe_name]() if RECIPES[recipe_name] else None
+    out = []
+    for step in range(2):
+        x = torch.randn(4, 2, 16, dtype=torch.float64, generator=torch.Generator().manual_seed(step),
+                        requires_grad=True)
+        with tp_fuse.autocast(enabled=recipe is not None, recipe=recipe):
+            if engine == "none":
+                y = block(x)
+            else:
+                y = tp_fuse.checkpoint(block, x, use_reentrant=engine == "reentrant")
+        (y * torch.arange(y.numel(), dtype=y.dtype).reshape(y.shape)).sum().backward()
+        out += [y.detach(), x.grad] + [p.grad.clone() for p in block.parameters()]
+        block.zero_grad(set_to_none=True)
+    return out + _fp8_state(block)
+
+
+@pytest.mark.parametrize("recipe", ["none", "delayed"])
+def test_reentrant_checkpoint_matches_non_reentrant(recipe: str) -> None:
+    """``use_reentrant=True`` (TE's default engine) gives the gradients, dropout masks and FP8
+    state of ``use_reentrant=False`` and of no checkpoint, bit for bit."""
+    ref = _checkpointed_mlp("none", recipe)
+    for engine in ("non-reentrant", "reentrant"):
+        got = _checkpointed_mlp(engine, recipe)
+        assert len(got) == len(ref)
+        for g, r in zip(got, ref):
+            torch.testing.assert_close(g, r, rtol=0, atol=0)

@@ -235,7 +235,10 @@ def test_norm_argument_errors():
 def test_grouped_linear_module_matches_per_group_linears():
     torch.manual_seed(0)
     m = te.GroupedLinear(3, 8, 4, params_dtype=torch.float64)
-    assert [n for n, _ in m.named_parameters()] == ["weight0", "weight1", "weight2", "bias0", "bias1", "bias2"]
+    # TE's registration order (TE's test_grouped_linear compares parameters() with Linear's).
+    assert [n for n, _ in m.named_parameters()] == ["weight0", "bias0", "weight1", "bias1", "weight2", "bias2"]
+    assert [n for n, _ in te.GroupedLinear(2, 8, 4, return_bias=True).named_parameters()] == [
+        "weight0", "bias0", "weight1", "bias1"]
     assert abs(m.weight0.std().item() - 0.023) < 0.01  # TE's default init normal(0, 0.023)
     with torch.no_grad():
         for i in range(3):
@@ -248,6 +251,70 @@ def test_grouped_linear_module_matches_per_group_linears():
     torch.testing.assert_close(y, ref)
     y.sum().backward()
     assert torch.count_nonzero(m.weight1.grad) == 0  # empty group
+
+
+def test_get_align_size_for_quantization_te_values():
+    from tp_fuse.fp8 import get_align_size_for_quantization
+    from tp_fuse.recipe import CustomRecipe, MXFP8BlockScaling, NVFP4BlockScaling, Float8BlockScaling
+
+    assert get_align_size_for_quantization(DelayedScaling()) == 16
+    assert get_align_size_for_quantization(Float8CurrentScaling()) == 16
+    assert get_align_size_for_quantization(Float8BlockScaling()) == 16
+    assert get_align_size_for_quantization(MXFP8BlockScaling()) == 32
+    assert get_align_size_for_quantization(NVFP4BlockScaling()) == 128
+    assert get_align_size_for_quantization(CustomRecipe(qfactory=lambda role: None, quantization_alignment=64)) == 64
+    with pytest.raises(ValueError, match="expected a tp_fuse.recipe recipe"):
+        get_align_size_for_quantization("fp8")
+
+
+@pytest.mark.parametrize("layout", ["TN", "NN", "NT"])
+def test_general_grouped_gemm_is_the_per_group_general_gemm(layout):
+    """TE's grouped GEMM entry point: each group's result is general_gemm's, bit for bit (an
+    empty group included), into one output (fprop/dgrad) or one per group (wgrad)."""
+    from tp_fuse.te.cpp_extensions import general_gemm, general_grouped_gemm
+
+    gen = torch.Generator().manual_seed(0)
+    splits, k, n = [3, 0, 4], 5, 6
+    m = sum(splits)
+    rnd = lambda *shape: torch.randn(*shape, dtype=torch.float64, generator=gen)
+    if layout == "NT":
+        A, B, out = list(rnd(m, k).split(splits)), list(rnd(m, n).split(splits)), [rnd(n, k) for _ in splits]
+    else:
+        A = [rnd(n, k) for _ in splits]
+        B = list(rnd(m, k if layout == "TN" else n).split(splits))
+        out = [rnd(m, n if layout == "TN" else k)]
+    ref = [o.clone() for o in (out if layout == "NT" else out[0].split(splits))]
+    for i in range(3):
+        if ref[i].numel():
+            general_gemm(A[i], B[i], torch.float64, accumulate=True, layout=layout, out=ref[i])
+    got, _, _ = general_grouped_gemm(A, B, out, [None] * 3, torch.float64, layout=layout, m_splits=splits,
+                                     accumulate=True, single_output=layout != "NT")
+    torch.testing.assert_close(got if layout == "NT" else [got], ref if layout == "NT" else [torch.cat(ref)],
+                               rtol=0, atol=0)
+    with pytest.raises(ValueError, match="single_output=True needs m_splits"):
+        general_grouped_gemm(A, B, out, [None] * 3, torch.float64, layout=layout, single_output=True)
+
+
+def test_fp8_padding_pads_each_group_and_unpadding_inverts_it():
+    x = torch.randn(20, 4, dtype=torch.float64, requires_grad=True)
+    y, padded = te.Fp8Padding(3, 16)(x, [5, 0, 15])
+    assert padded == [16, 0, 16]
+    torch.testing.assert_close(y, torch.cat([x[:5], torch.zeros(11, 4, dtype=torch.float64), x[5:],
+                                             torch.zeros(1, 4, dtype=torch.float64)]), rtol=0, atol=0)
+    z = te.Fp8Unpadding(3, 16)(y * 2, [5, 0, 15])
+    torch.testing.assert_close(z, 2 * x, rtol=0, atol=0)
+    z.sum().backward()
+    torch.testing.assert_close(x.grad, torch.full_like(x, 2.0), rtol=0, atol=0)
+    # align_size None: the active recipe's (TE's), fixed at the first forward.
+    p = te.Fp8Padding(2)
+    with te.autocast(recipe=DelayedScaling()):
+        assert p(torch.randn(3, 4), [1, 2])[1] == [16, 16] and p.align_size == 16
+    aligned = torch.randn(32, 4)
+    assert te.Fp8Padding(2, 16)(aligned, [16, 16])[0] is aligned
+    with pytest.raises(ValueError, match="m_splits has 1 entries, expected num_gemms=2"):
+        te.Fp8Unpadding(2, 16)(aligned, [32])
+    with pytest.raises(ValueError, match="align_size must be None or a positive int"):
+        te.Fp8Padding(2, 0)
 
 
 def test_grouped_linear_return_bias_adds_no_bias():
@@ -263,8 +330,8 @@ def test_grouped_linear_return_bias_adds_no_bias():
 def test_grouped_linear_refusals():
     with pytest.raises(ValueError, match="tp_size"):
         te.GroupedLinear(2, 4, 4, tp_size=2, parallel_mode="column")
-    with pytest.raises(ValueError, match="delay_wgrad_compute"):
-        te.GroupedLinear(2, 4, 4, delay_wgrad_compute=True)
+    with pytest.raises(ValueError, match="delay_wgrad_compute must be a bool"):
+        te.GroupedLinear(2, 4, 4, delay_wgrad_compute=1)
     with pytest.raises(ValueError, match="m_splits"):
         te.GroupedLinear(2, 4, 4)(torch.randn(3, 4), [3])
 

@@ -101,7 +101,7 @@ def test_fuse_wgrad_accumulation_into_main_grad():
     [
         (dict(parameters_split=("q", "k"), return_bias=True), "parameters_split"),
         (dict(parameters_split=("q", "k"), fuse_wgrad_accumulation=True), "parameters_split"),
-        (dict(delay_wgrad_compute=True), "delay_wgrad_compute"),
+        (dict(parameters_split=("q", "k"), delay_wgrad_compute=True), "parameters_split"),
         (dict(ub_overlap_ag=True), "ub_overlap_ag"),
         (dict(symmetric_ar_type="one_shot"), "symmetric_ar_type"),
         (dict(save_original_input=True), "save_original_input"),

@@ -48,7 +48,7 @@ from .quantization import (
 _te_paths.install()
 
 #: Names served by the TE room on first use (it imports tp_fuse.layers, a floor above this one).
-_TE_NAMES = frozenset({"DotProductAttention", "GroupedLinear", "LayerNorm", "LayerNormLinear", "LayerNormMLP",
+_TE_NAMES = frozenset({"DotProductAttention", "Fp8Padding", "Fp8Unpadding", "GroupedLinear", "LayerNorm", "LayerNormLinear", "LayerNormMLP",
                        "Linear", "MultiheadAttention", "RMSNorm", "TransformerLayer", "fp8_autocast",
                        "fp8_model_init", *_te_paths.TE_MODULES})
 

@@ -2,8 +2,9 @@
 
 ``checkpoint(function, *args)`` runs ``function`` without keeping its activations and
 runs it again in the backward pass to rebuild them, through PyTorch's own engine
-(``torch.utils.checkpoint.checkpoint(use_reentrant=False)``). What this module adds is
-the state the recomputed forward must share with the first one:
+(``torch.utils.checkpoint.checkpoint``, non-reentrant by default; ``use_reentrant=True``
+selects its reentrant engine). What this module adds is the state the recomputed forward
+must share with the first one:
 
 * **FP8 autocast.** The backward pass runs outside ``tp_fuse.autocast``; the recompute
   re-enters the *same* autocast context (same recipe and amax group, same step state,
@@ -25,9 +26,17 @@ the state the recomputed forward must share with the first one:
   the same way, so dropout masks are identical.
 
 Transformer Engine's ``transformer_engine.pytorch.checkpoint`` has the same purpose and
-arguments. Differences: only the non-reentrant engine exists here (``use_reentrant``
-must be False -- it is the default here, TE's default is True), and
-``distribute_saved_activations`` is not implemented (ValueError).
+arguments, both engines included. Differences: the default here is ``use_reentrant=False``
+(TE's is True; the gradients are the same), and ``distribute_saved_activations`` is not
+implemented (ValueError).
+
+``use_reentrant=True`` is PyTorch's reentrant engine (as TE's ``_CheckpointFunction``): the
+region runs under ``no_grad``, only its positional inputs are saved, and the backward pass
+reruns it with grad enabled and backpropagates through the rerun; gradients reach the
+positional tensor inputs that require grad (at least one must, or the output has no
+gradient), not tensors passed by keyword, and only ``loss.backward()`` (not
+``torch.autograd.grad``) may run it. That engine takes no ``context_fn``: the FP8 / RNG
+state above is set up by the function it calls (:class:`_ReentrantRun`).
 """
 
 from __future__ import annotations
@@ -43,23 +52,37 @@ import torch.utils.checkpoint as torch_checkpoint
 from .quantization.autocast import AutocastContext, current_autocast, reenter_autocast
 from .quantization.float8.current_scaling import CurrentScalingQuantizer
 from .quantization.float8.delayed_scaling import DelayedScalingQuantizer
+from .ops.basic.grouped_linear import GroupQuantizers
 from .quantization.op_quantizers import OpQuantizers
 
 __all__ = ["checkpoint", "checkpoint_eager", "fp8_quantizers"]
+
+# torch.utils.checkpoint's own keyword arguments (the rest are the checkpointed function's).
+_TORCH_OPTIONS = ("preserve_rng_state", "determinism_check", "debug")
 
 # The state a current-scaling quantize writes in place (its buffers are never rebound).
 _CURRENT_SCALING_STATE = ("scale", "last_amax", "nonfinite_amax_count", "zero_amax_count")
 
 
 def fp8_quantizers(modules: list[torch.nn.Module]) -> list[Any]:
-    """Every quantizer owned by an op inside ``modules`` (built ones only), deduplicated."""
+    """Every quantizer owned by an op inside ``modules`` (built ones only), deduplicated.
+
+    Inside means a submodule, or a module a module runs without registering it and lists in
+    its ``unregistered_modules()`` (``tp_fuse.te``'s module classes: their ops block, kept
+    out of the module tree so that the parameters carry Transformer Engine's names)."""
     seen: dict[int, Any] = {}
-    for module in modules:
-        for m in module.modules():
+    pending = list(modules)
+    while pending:
+        for m in pending.pop().modules():
             owned = getattr(m, "_quantizers", None)
-            if isinstance(owned, OpQuantizers):
-                for q in owned.quantizers.values():
-                    seen.setdefault(id(q), q)
+            groups = owned.groups if isinstance(owned, GroupQuantizers) else [owned]
+            for g in groups:
+                if isinstance(g, OpQuantizers):
+                    for q in g.quantizers.values():
+                        seen.setdefault(id(q), q)
+            unregistered = getattr(m, "unregistered_modules", None)
+            if unregistered is not None:
+                pending.extend(unregistered())
     return list(seen.values())
 
 
@@ -117,6 +140,23 @@ class _RecomputeState:
                             getattr(q, name).copy_(value)
 
 
+class _ReentrantRun:
+    """``function(*args, **kwargs)`` for PyTorch's reentrant engine, which calls it twice and
+    takes no ``context_fn``: the first call (the forward) inside ``state.first_forward()``,
+    every later one (the recompute in the backward pass) inside ``state.recompute()``. The
+    keyword arguments are bound here: that engine passes positional inputs only."""
+
+    def __init__(self, function: Callable[..., Any], kwargs: dict[str, Any], state: _RecomputeState) -> None:
+        self.function, self.kwargs, self.state = function, kwargs, state
+        self.ran_forward = False
+
+    def __call__(self, *args: Any) -> Any:
+        region = self.state.recompute() if self.ran_forward else self.state.first_forward()
+        self.ran_forward = True
+        with region:
+            return self.function(*args, **self.kwargs)
+
+
 def checkpoint(
     function: Callable[..., Any],
     *args: Any,
@@ -159,14 +199,15 @@ def checkpoint_eager(
             draws from; replayed for the recompute.
         tp_group: accepted for Transformer Engine compatibility (only used by
             ``distribute_saved_activations`` there).
-        use_reentrant: must be False (PyTorch's non-reentrant engine).
+        use_reentrant: False (default): PyTorch's non-reentrant engine; True: its reentrant
+            engine (the module docstring says what differs).
         modules: the modules whose quantizers the region uses (default: ``[function]``
             when ``function`` is a module, else none -- then FP8 regions raise).
     """
     if distribute_saved_activations:
         raise ValueError("tp_fuse.checkpoint: distribute_saved_activations=True is not implemented")
-    if use_reentrant:
-        raise ValueError("tp_fuse.checkpoint: only use_reentrant=False (PyTorch's non-reentrant engine) is supported")
+    if not isinstance(use_reentrant, bool):
+        raise ValueError(f"tp_fuse.checkpoint: use_reentrant must be a bool, got {use_reentrant!r}")
     if modules is None:
         if not isinstance(function, torch.nn.Module):
             raise ValueError("tp_fuse.checkpoint: function is not an nn.Module: pass the modules it runs as modules=[...] "
@@ -174,6 +215,11 @@ def checkpoint_eager(
         modules = [function]
     del tp_group  # no distributed saving of activations: nothing to do with it
     state = _RecomputeState(list(modules), get_rng_state_tracker() if get_rng_state_tracker is not None else None)
+    if use_reentrant:
+        # torch's own options stay torch's; every other keyword is the function's.
+        options = {k: kwargs.pop(k) for k in _TORCH_OPTIONS if k in kwargs}
+        return torch_checkpoint.checkpoint(_ReentrantRun(function, kwargs, state), *args, use_reentrant=True,
+                                           **options)
     return torch_checkpoint.checkpoint(
         function, *args, use_reentrant=False,
         context_fn=lambda: (state.first_forward(), state.recompute()), **kwargs,

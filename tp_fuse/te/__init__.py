@@ -31,11 +31,13 @@ from . import attention, constants, cpp_extensions, fp8, module, router, tensor,
 from .attention import DotProductAttention, MultiheadAttention
 from .constants import TE_API_VERSION
 from .fp8 import fp8_autocast, fp8_model_init
-from .module import GroupedLinear, LayerNorm, LayerNormLinear, LayerNormMLP, Linear, RMSNorm
+from .module import Fp8Padding, Fp8Unpadding, GroupedLinear, LayerNorm, LayerNormLinear, LayerNormMLP, Linear, RMSNorm
 from .transformer import TransformerLayer
 
 __all__ = [
     "DotProductAttention",
+    "Fp8Padding",
+    "Fp8Unpadding",
     "GroupedLinear",
     "LayerNorm",
     "LayerNormLinear",

@@ -1,5 +1,6 @@
-"""Transformer Engine's ``transformer_engine.pytorch.cpp_extensions.general_gemm``, the
-GEMM entry point TE users and TE's tests call directly, on tp_fuse's GEMMs.
+"""Transformer Engine's ``transformer_engine.pytorch.cpp_extensions.general_gemm`` and
+``general_grouped_gemm``, the GEMM entry points TE users and TE's tests call directly, on
+tp_fuse's GEMMs.
 
 In TE this is a Python wrapper over its C++ extension; here it runs the same GEMM the
 ``ops`` layers run (``tp_fuse.quantization.fp8_gemm`` for Float8 operands, ``torch.matmul``
@@ -16,7 +17,7 @@ import torch
 from tp_fuse.quantization import fp8_gemm
 from tp_fuse.quantization.float8.tensor import Float8Tensor
 
-__all__ = ["general_gemm"]
+__all__ = ["general_gemm", "general_grouped_gemm"]
 
 _LAYOUTS = ("TN", "NN", "NT")
 
@@ -127,3 +128,57 @@ def general_gemm(
                 out.copy_(result)
         result = out
     return result, None, None, None
+
+
+def general_grouped_gemm(
+    A: list[torch.Tensor],
+    B: list[torch.Tensor],
+    out: list[torch.Tensor],
+    quantization_params: list[Any],
+    out_dtype: torch.dtype,
+    layout: str = "TN",
+    m_splits: Optional[list[int]] = None,
+    gelu: bool = False,
+    grad: bool = False,
+    accumulate: bool = False,
+    bias: Optional[list[torch.Tensor]] = None,
+    use_bias: bool = False,
+    use_split_accumulator: bool = False,
+    D_dtype: Any = None,
+    single_output: bool = False,
+) -> tuple[Any, Optional[list[torch.Tensor]], None]:
+    """TE's grouped GEMM: :func:`general_gemm` of ``A[i]``, ``B[i]`` for every group, as TE's
+    own loop for the operands its grouped kernel does not take (row-scaled NVFP4, debug), so
+    each group's result is the single GEMM's bit for bit. The results go into ``out[i]``, or
+    with ``single_output`` into consecutive row blocks of ``out[0]`` (``m_splits[i]`` rows
+    each); an empty block runs no GEMM (TE's loop). Every GEMM writes in ``out``'s dtype
+    (TE's, whatever ``out_dtype`` says); ``accumulate`` adds into it.
+
+    Returns ``(out, bias, None)``: TE's ``(out, bias or bias gradients, gelu input)``, with
+    ``out`` the list or, with ``single_output``, ``out[0]``. Refused (ValueError naming the
+    argument): output quantizers, ``gelu``, ``D_dtype``, ``use_bias`` with ``grad`` (TE's
+    bias-gradient epilogue is not here)."""
+    n = len(A)
+    if len(B) != n or (not single_output and len(out) != n):
+        raise ValueError(f"general_grouped_gemm: A has {n} tensors, B {len(B)}, out {len(out)} "
+                         f"(expected {n} each, or out=[one tensor] with single_output=True)")
+    if any(q is not None for q in quantization_params):
+        raise ValueError("general_grouped_gemm: quantization_params is not supported by tp_fuse "
+                         "([None] * num_gemms: high-precision outputs)")
+    for arg, value, ok in (("gelu", gelu, not gelu), ("D_dtype", D_dtype, D_dtype is None),
+                           ("use_bias", use_bias, not (use_bias and grad))):
+        if not ok:
+            raise ValueError(f"general_grouped_gemm: {arg}={value!r} is not supported by tp_fuse")
+    if single_output:
+        if m_splits is None or len(m_splits) != n or sum(m_splits) != out[0].shape[0]:
+            raise ValueError(f"general_grouped_gemm: single_output=True needs m_splits with {n} sizes summing to "
+                             f"out[0]'s {out[0].shape[0]} rows, got {m_splits!r}")
+        views = list(torch.split(out[0], list(m_splits)))
+    else:
+        views = list(out)
+    for i in range(n):
+        if views[i].numel() == 0:
+            continue
+        general_gemm(A[i], B[i], views[i].dtype, accumulate=accumulate, layout=layout, out=views[i],
+                     bias=bias[i] if use_bias else None, use_split_accumulator=use_split_accumulator, grad=grad)
+    return (out[0] if single_output else out), (bias if use_bias else None), None

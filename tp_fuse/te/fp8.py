@@ -33,7 +33,8 @@ from tp_fuse.availability import (
 from tp_fuse.quantization.autocast import active_autocast, autocast, model_init_recipe, quantized_model_init
 from tp_fuse.recipe import DelayedScaling, Recipe
 
-__all__ = ["FP8GlobalStateManager", "fp8_autocast", "fp8_model_init", "get_default_fp8_recipe"]
+__all__ = ["FP8GlobalStateManager", "fp8_autocast", "fp8_model_init", "get_align_size_for_quantization",
+           "get_default_fp8_recipe"]
 
 _NO_GRAPH_STATE = ("tp_fuse keeps FP8 state in autocast's context, not in TE's global buffers "
                    "(used by TE's CUDA-graph integration, not supported here)")
@@ -42,6 +43,22 @@ _NO_GRAPH_STATE = ("tp_fuse keeps FP8 state in autocast's context, not in TE's g
 def get_default_fp8_recipe() -> Recipe:
     """TE's default recipe: ``DelayedScaling()``."""
     return DelayedScaling()
+
+
+def get_align_size_for_quantization(recipe: Recipe) -> int:
+    """TE's ``quantization.get_align_size_for_quantization``: the multiple of rows a grouped
+    quantized GEMM's splits are padded to (what ``Fp8Padding`` / MoE routers size with), TE's
+    values: a custom recipe's ``quantization_alignment``, 32 for MXFP8 (its scaling block), 128
+    for NVFP4, 16 for the other FP8 recipes (the FP8 GEMM's dimension multiple)."""
+    if not isinstance(recipe, Recipe):
+        raise ValueError(f"get_align_size_for_quantization: expected a tp_fuse.recipe recipe, got {recipe!r}")
+    if recipe.custom():
+        return recipe.quantization_alignment
+    if recipe.mxfp8():
+        return 32
+    if recipe.nvfp4():
+        return 128
+    return 16
 
 
 @contextlib.contextmanager

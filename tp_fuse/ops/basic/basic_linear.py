@@ -1,8 +1,11 @@
 """``BasicLinear``: y = x W^T, in high precision or FP8.
 
-Over 500 lines on purpose: one op class whose tensor-parallel setup, FP8 operand casts and
-three GEMMs (forward, dgrad, wgrad) share one saved-context contract; split across files,
-a change to what the forward saves would have to be made in two places."""
+Its concerns beside the GEMMs live next to it: the tensor-parallel setup (``linear_tp``),
+the weight gradient and its deferral (``linear_wgrad``), the torch.compile trace
+(``linear_compiled``). What stays here -- the FP8 operand casts and the forward and dgrad
+GEMMs -- is over 500 lines on purpose: it shares one saved-context contract (what the
+forward and its casts save is what the backward reads), which split across files would
+have to be changed in two places."""
 
 from __future__ import annotations
 
@@ -11,8 +14,6 @@ from collections.abc import Callable
 from typing import Any, Optional
 
 import torch
-
-from tp_fuse.comm import all_reduce
 
 from ...kernels import fp8_gemm_reads_views
 from ...kernels._common import as_rows, as_shape
@@ -31,19 +32,11 @@ from ..extra_state import QuantizerStateMixin
 from ..hooks import run_first_forward_hooks
 from ..op import BasicOperation, OperationContext, require
 from ._checks import maybe_dequantize
-from ._tp import TPCommOperation, group_size
-from .all_gather import AllGather
-from .all_reduce import AllReduce
-from .reduce_scatter import ReduceScatter
-from ..compiled.comm import AllReduceBackward, tp_group
-from ..compiled.fp8_linear import BlockLinearFunction, Fp8LinearFunction
-from ..compiled.fp8_linear_cuda import Fp8LinearCudaFunction
-from ...quantization.compile_ref import HAVE_COMPILE_REFS
-from ...quantization.custom_ops import NO_OBSERVER
-from ...quantization.gemm_choice import traced_gemms_auto
+from . import linear_compiled
+from .linear_tp import LinearTensorParallelMixin
+from .linear_wgrad import DeferredWgrads, WgradSink, wgrad_gemm
 
-
-class BasicLinear(QuantizerStateMixin, BasicOperation):
+class BasicLinear(LinearTensorParallelMixin, QuantizerStateMixin, BasicOperation):
     """Matrix multiply with a weight: ``y = x W^T`` (no bias; see ``Bias``).
 
     Shapes: ``x [..., in_features]``, ``W [out_features, in_features]``,
@@ -81,6 +74,13 @@ class BasicLinear(QuantizerStateMixin, BasicOperation):
     wgrad is returned so that Megatron DDP's grad hooks still fire (and skip their own
     add); otherwise no wgrad is returned (``weight.grad`` stays None).
 
+    ``delay_wgrad_compute=True`` (Transformer Engine's option, for pipeline schedules that
+    split the backward pass): the backward pass computes dx only and keeps dW's operands
+    (the quantized ones under FP8); :meth:`backward_dw` computes dW later and puts it where
+    the backward pass would have (``weight.grad``, or ``weight.main_grad``), bit for bit
+    (``tp_fuse.ops.basic.linear_wgrad``). Not with ``tp_fuse.debug`` features or the
+    userbuffers backward overlap (ValueError).
+
     ``state_dict()`` carries the delayed-scaling state (scales, amax histories) in
     ``_extra_state`` as JSON in a uint8 tensor, and an FP8 weight as its master copy;
     see ``tp_fuse.ops.extra_state``.
@@ -106,10 +106,12 @@ class BasicLinear(QuantizerStateMixin, BasicOperation):
         tensor_parallel_mode: Optional[str] = None,
         tensor_parallel_group: Optional[Any] = None,
         sequence_parallel: bool = False,
+        delay_wgrad_compute: bool = False,
     ) -> None:
         super().__init__()
-        self._accumulate_into_main_grad = bool(accumulate_into_main_grad)
-        self._dummy_wgrad: Optional[torch.Tensor] = None
+        self._wgrad_sink = WgradSink("BasicLinear", "weight", accumulate_into_main_grad)
+        self._deferred_wgrads = DeferredWgrads()
+        self._deferred_wgrads.set_enabled("BasicLinear", delay_wgrad_compute)
         for name, value in (("in_features", in_features), ("out_features", out_features)):
             if not isinstance(value, int) or value <= 0:
                 raise ValueError(f"BasicLinear: {name} must be a positive int, got {value!r}")
@@ -141,66 +143,6 @@ class BasicLinear(QuantizerStateMixin, BasicOperation):
             self.weight = make_fp8_parameter(weight, quantizer)
         else:
             self.weight = torch.nn.Parameter(weight)
-
-    # ---- tensor parallelism (Transformer Engine's tensor_parallel_mode) ----------
-
-    def _setup_tensor_parallel(
-        self, in_features: int, out_features: int, mode: Optional[str], group: Any, sequence_parallel: bool
-    ) -> tuple[int, int]:
-        """Validate the TP arguments; build the comm ops; return the local GEMM sizes."""
-        if mode not in (None, "column", "row"):
-            raise ValueError(f"BasicLinear: tensor_parallel_mode must be None, 'column' or 'row', got {mode!r}")
-        if mode is None and (group is not None or sequence_parallel):
-            raise ValueError("BasicLinear: tensor_parallel_group/sequence_parallel need tensor_parallel_mode")
-        self.tensor_parallel_mode = mode
-        self.tensor_parallel_group = group
-        self.sequence_parallel = bool(sequence_parallel)
-        tp = group_size(group) if mode is not None else 1
-        self.tensor_parallel_size = tp
-        self.global_in_features, self.global_out_features = in_features, out_features
-        split = out_features if mode == "column" else in_features
-        if split % tp:
-            name = "out_features" if mode == "column" else "in_features"
-            raise ValueError(f"BasicLinear({mode} parallel): {name}={split} is not divisible by the TP size {tp}")
-        pre: list[TPCommOperation] = []
-        post: list[TPCommOperation] = []
-        if mode == "column" and sequence_parallel:
-            pre.append(AllGather(group))
-        elif mode == "row":
-            post.append(ReduceScatter(group) if sequence_parallel else AllReduce(group))
-        # Plain attributes (not submodules): the comm ops hold no state of their own.
-        self.__dict__["_tp_ops"] = (tuple(pre), tuple(post))
-        # Column parallel without sequence parallelism: the input is replicated, so its
-        # gradient is the sum of every rank's dgrad (Megatron's copy-to-TP-region).
-        self.reduces_dgrad = mode == "column" and not sequence_parallel and tp > 1
-        if mode == "column":
-            return in_features, out_features // tp
-        if mode == "row":
-            return in_features // tp, out_features
-        return in_features, out_features
-
-    def expanded_ops(self) -> list[BasicOperation]:
-        """This op with the collectives its ``tensor_parallel_mode`` implies:
-        column+SP ``[AllGather, BasicLinear]``, row ``[BasicLinear, ReduceScatter|AllReduce]``
-        -- ordinary comm ops, so the userbuffers overlap fusions apply to them."""
-        pre, post = self.__dict__.get("_tp_ops", ((), ()))
-        return [*pre, self, *post]
-
-    @property
-    def local_in_features(self) -> int:
-        """Input features of this rank's GEMM (= ``in_features``; see the class docstring)."""
-        return self.in_features
-
-    @property
-    def local_out_features(self) -> int:
-        """Output features of this rank's GEMM (= ``out_features``)."""
-        return self.out_features
-
-    def reduce_dgrad(self, dx: torch.Tensor) -> torch.Tensor:
-        """dx summed over the TP group when the input was replicated (column, no SP)."""
-        if not self.reduces_dgrad:
-            return dx
-        return all_reduce(maybe_dequantize(dx).contiguous(), self.tensor_parallel_group)
 
     @property
     def comm_name(self) -> Optional[str]:
@@ -381,6 +323,9 @@ class BasicLinear(QuantizerStateMixin, BasicOperation):
         hooks = self.debug_hooks
         ctx.debug = hooks is not None and hooks.features_enabled
         if ctx.debug:
+            require(not self.delay_wgrad_compute,
+                    "BasicLinear: delay_wgrad_compute=True is not supported with tp_fuse.debug features "
+                    "(their GEMM hooks compute dW in the backward pass)")
             # Debug features (tp_fuse.debug) make the feature API's calls around each GEMM
             # (fusions skip debug layers, so no scale arrives here).
             assert alpha == 1.0
@@ -479,11 +424,7 @@ class BasicLinear(QuantizerStateMixin, BasicOperation):
                 dx = dx.mul_(alpha)
             dw = None
             if self.weight.requires_grad:
-                x_saved = self.input_for_wgrad(ctx, x_saved)
-                # dW[out, in] = dy^T[out, M] @ x[M, in]
-                dw = fp8_gemm(dy_fp8, x_saved, dy.dtype, transpose_a=True, transpose_b=True)
-                if alpha != 1.0:
-                    dw = dw.mul_(alpha)
+                dw = self._weight_grad(dy_fp8, self.input_for_wgrad(ctx, x_saved), dy.dtype, alpha, fp8=True)
         else:
             if acc is not None:
                 dx = torch.addmm(acc, dy2d, w_saved, alpha=alpha)
@@ -493,17 +434,42 @@ class BasicLinear(QuantizerStateMixin, BasicOperation):
                 dx = dy2d @ w_saved
             dw = None
             if self.weight.requires_grad:
-                dw = dy2d.t() @ as_rows(self.input_for_wgrad(ctx, x_saved), self.in_features)
-                if alpha != 1.0:
-                    dw = dw.mul_(alpha)
-        if dw is not None and dw.dtype != self.weight.dtype and not self._accumulate_into_main_grad:
-            dw = dw.to(self.weight.dtype)  # computed in the input's (autocast) dtype
+                x_w = as_rows(self.input_for_wgrad(ctx, x_saved), self.in_features)
+                dw = self._weight_grad(dy2d, x_w, dy2d.dtype, alpha, fp8=False)
         # dx has x's shape: the leading dims are dy's (a context filled by a third-party
         # fused op may not record ``input_shape``).
         input_shape = getattr(ctx, "input_shape", None) or (*dy.shape[:-1], self.in_features)
         # dx is this GEMM's output (or its all-reduce), referenced nowhere else.
         ctx.grad_input_fresh = True
-        return self.reduce_dgrad(as_shape(dx, input_shape)), self.finish_wgrad(dw)
+        return self.reduce_dgrad(as_shape(dx, input_shape)), dw
+
+    def _weight_grad(self, dy2d: torch.Tensor, x2d: torch.Tensor, out_dtype: torch.dtype, alpha: float, *,
+                     fp8: bool) -> Optional[torch.Tensor]:
+        """The weight's gradient for autograd: dW computed now (:meth:`finish_wgrad`), or --
+        with ``delay_wgrad_compute`` -- the same computation queued for :meth:`backward_dw`
+        with the operands it reads, and the sink's placeholder."""
+        if not self._deferred_wgrads.enabled:
+            return self.finish_wgrad(wgrad_gemm(dy2d, x2d, out_dtype, fp8=fp8, alpha=alpha))
+        w, sink = self.weight, self._wgrad_sink
+        self._deferred_wgrads.put(lambda: sink.deliver(w, wgrad_gemm(dy2d, x2d, out_dtype, fp8=fp8, alpha=alpha)))
+        return sink.placeholder(w)
+
+    @property
+    def delay_wgrad_compute(self) -> bool:
+        """Whether dW waits for :meth:`backward_dw` (see the class docs)."""
+        return self._deferred_wgrads.enabled
+
+    @delay_wgrad_compute.setter
+    def delay_wgrad_compute(self, value: bool) -> None:
+        self._deferred_wgrads.set_enabled("BasicLinear", value)
+
+    def backward_dw(self) -> None:
+        """Transformer Engine's ``backward_dw``: compute the weight gradient the oldest
+        backward pass deferred (``delay_wgrad_compute=True``) and add it into
+        ``weight.grad`` / ``weight.main_grad``; ValueError when none waits. Does nothing
+        without ``delay_wgrad_compute`` (TE's)."""
+        if self._deferred_wgrads.enabled:
+            self._deferred_wgrads.run_next("BasicLinear.backward_dw()")
 
     @staticmethod
     def _context_fp8(ctx: OperationContext) -> bool:
@@ -525,22 +491,18 @@ class BasicLinear(QuantizerStateMixin, BasicOperation):
     @property
     def accumulate_into_main_grad(self) -> bool:
         """Whether dW goes into ``weight.main_grad`` (see the class docs)."""
-        return self._accumulate_into_main_grad
+        return self._wgrad_sink.accumulate_into_main_grad
 
     @accumulate_into_main_grad.setter
     def accumulate_into_main_grad(self, value: bool) -> None:
-        self._accumulate_into_main_grad = bool(value)
+        self._wgrad_sink.accumulate_into_main_grad = bool(value)
 
     def finish_wgrad(self, dw: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
-        """The weight gradient to return to autograd: ``dw`` itself, or -- with
-        ``accumulate_into_main_grad`` -- None / a zero dummy after adding it into
-        ``weight.main_grad``. Every backward (fused or not) passes its dW through here."""
-        if dw is None or not self._accumulate_into_main_grad:
-            return dw
-        grad, self._dummy_wgrad = add_into_main_grad(
-            "BasicLinear(accumulate_into_main_grad=True)", "weight", self.weight, dw, self._dummy_wgrad
-        )
-        return grad
+        """The weight gradient to return to autograd for a dW computed in the backward pass:
+        ``dw`` in the weight's dtype, or -- with ``accumulate_into_main_grad`` -- None / a zero
+        dummy after adding it into ``weight.main_grad``. Every backward (fused or not) passes
+        its dW through here."""
+        return self._wgrad_sink.finish(self.weight, dw)
 
     # ---- basic-op interface ------------------------------------------------
 
@@ -551,61 +513,10 @@ class BasicLinear(QuantizerStateMixin, BasicOperation):
         dx, dw = self.backward_gemm(ctx, grad_output)
         return dx, (dw,)
 
-    # ---- torch.compile (tp_fuse/ops/compiled/basic.py) ------------------------
-
-    def compiled_forward(
-        self, x: torch.Tensor, extra_inputs: list[torch.Tensor], fp8: Any, bias: Optional[torch.Tensor] = None
-    ) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        """Traced ``y = x W^T (+ b)``: ``F.linear`` in high precision; in per-tensor FP8,
-        ``Fp8LinearFunction`` on CPU (the exact emulation) and ``Fp8LinearCudaFunction`` on
-        the CUDA path (``torch._scaled_mm`` with its bias; ATen casts under current
-        scaling); ``BlockLinearFunction`` under the block-scaled recipes (NVFP4 included).
-        ``bias``: the next op's (a ``Bias``) when :meth:`compiled_folds_bias`. Column
-        parallel without sequence parallelism: dx is all-reduced over TP (as eager)."""
-        self.check_input(x)
-        lead = x.shape[:-1]
-        x2d = x.reshape(-1, self.in_features)
-        if self.reduces_dgrad:
-            x2d = AllReduceBackward.apply(x2d, tp_group(self.tensor_parallel_group))
-        weight = self.weight
-        if fp8 is None:
-            # W in x's dtype (torch.autocast): the cast is differentiated back to W's dtype.
-            y = torch.nn.functional.linear(x2d, weight if weight.dtype == x.dtype else weight.to(x.dtype))
-        else:
-            need_grad = torch.is_grad_enabled() and (x2d.requires_grad or weight.requires_grad)
-            observer = NO_OBSERVER if self.debug_hooks is None else self.debug_hooks.compile_ref
-            if fp8.block_scaled:
-                y = BlockLinearFunction.apply(x2d, weight, self._quantizers.compile_ref, fp8, need_grad, observer)
-            elif not fp8_gemm_reads_views(x.device):
-                y = Fp8LinearCudaFunction.apply(x2d, weight, bias, self._quantizers, fp8, need_grad, observer)
-                bias = None
-            else:
-                y = Fp8LinearFunction.apply(x2d, weight, self._quantizers.compile_ref, fp8.recipe, fp8.fwd_dtype,
-                                            fp8.bwd_dtype, need_grad, observer)
-        if bias is not None:
-            y = y + bias.to(y.dtype)
-        return y.reshape(*lead, self.out_features), []
-
-    def compiled_folds_bias(self, x: torch.Tensor, fp8: Any) -> bool:
-        """Whether a ``Bias`` right after this op is traced as its FP8 GEMM's bias epilogue
-        (per-tensor FP8 on the CUDA path: ``torch._scaled_mm(..., bias=)``, as eager)."""
-        return fp8 is not None and fp8.per_tensor and not fp8_gemm_reads_views(x.device)
-
-    def compiled_unsupported(self, fp8: Any) -> Optional[str]:
-        if self.debug_hooks is not None and self.debug_hooks.features_enabled:
-            return "tp_fuse.debug features run its GEMMs (FP8 statistics alone are traced)"
-        if self.accumulate_into_main_grad:
-            return "accumulate_into_main_grad adds dW into weight.main_grad outside autograd"
-        if isinstance(self.weight, Float8Tensor) or type(self.weight) not in (torch.Tensor, torch.nn.Parameter):
-            return f"the weight is a {type(self.weight).__name__} (quantized_model_init or a subclass)"
-        if fp8 is not None and not fp8.traced:
-            return f"recipe {fp8.recipe} (only the per-tensor FP8 and the block-scaled recipes are traced)"
-        if fp8 is not None and traced_gemms_auto():
-            # A traced graph fixes FP8 or not per Linear; the choice is made per shape at run time.
-            return "autocast(gemms='auto') chooses FP8 or high precision per GEMM shape at run time (eager)"
-        if fp8 is not None and not HAVE_COMPILE_REFS:
-            return "this torch has no opaque objects for custom ops (tp_fuse::fp8_cast needs them)"
-        return None
+    # ---- torch.compile (tp_fuse/ops/compiled/basic.py; bodies in linear_compiled.py) -------
+    compiled_forward = linear_compiled.compiled_forward
+    compiled_folds_bias = linear_compiled.compiled_folds_bias
+    compiled_unsupported = linear_compiled.compiled_unsupported
 
 
 def _accumulate_in_place(residual: torch.Tensor, y2d: torch.Tensor, alpha: float) -> torch.Tensor:
@@ -642,30 +553,3 @@ def weight_in_dtype(w: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         return w.dequantize(dtype)
     return w.detach().to(dtype)
 
-
-def add_into_main_grad(
-    op_name: str, param_name: str, w: torch.Tensor, dw: torch.Tensor, dummy: Optional[torch.Tensor]
-) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
-    """Add ``dw`` into ``w.main_grad`` (Megatron's gradient_accumulation_fusion; overwrite
-    when ``w.overwrite_main_grad``). Returns ``(gradient for autograd, dummy to cache)``:
-    None without Megatron's ``grad_added_to_main_grad`` flag, else a zero dummy (the
-    cached one when it still fits) so that Megatron DDP's grad hooks still fire."""
-    main_grad = getattr(w, "main_grad", None)
-    if not isinstance(main_grad, torch.Tensor) or main_grad.shape != w.shape:
-        raise ValueError(
-            f"{op_name}: {param_name}.main_grad is not set or has the wrong "
-            f"shape: {param_name}.main_grad must be a tensor of shape {tuple(w.shape)} (attach it before the "
-            f"backward pass, e.g. Megatron's DistributedDataParallel does), got "
-            f"{tuple(main_grad.shape) if isinstance(main_grad, torch.Tensor) else type(main_grad).__name__}"
-        )
-    with torch.no_grad():
-        if getattr(w, "overwrite_main_grad", False):
-            main_grad.copy_(dw)
-        else:
-            main_grad.add_(dw.to(main_grad.dtype))
-    if not hasattr(w, "grad_added_to_main_grad"):
-        return None, dummy
-    w.grad_added_to_main_grad = True
-    if dummy is None or dummy.shape != w.shape or dummy.dtype != w.dtype or dummy.device != w.device:
-        dummy = torch.zeros_like(w.detach())
-    return dummy, dummy

@@ -22,7 +22,8 @@ from ...quantization import (
 from ..extra_state import QuantizerStateMixin
 from ..op import BasicOperation, OperationContext, require
 from ._checks import compute_dtype, maybe_dequantize, param_dtype
-from .basic_linear import add_into_main_grad, weight_in_dtype
+from .basic_linear import weight_in_dtype
+from .linear_wgrad import DeferredWgrads, WgradSink, wgrad_gemm
 
 __all__ = ["GroupedLinear", "GRAD_INPUT_BUFFER_KEY", "OUTPUT_BUFFER_KEY", "is_op_fuser_grouped_tensor_path_supported"]
 
@@ -36,7 +37,7 @@ def is_op_fuser_grouped_tensor_path_supported(recipe: Any, dtype: torch.dtype) -
     return False
 
 
-class _GroupQuantizers:
+class GroupQuantizers:
     """One ``OpQuantizers(("input", "weight", "grad_output"))`` per group, seen as one.
 
     Role names are ``"input:i"``, ``"weight:i"``, ``"grad_output:i"``, ordered as
@@ -108,9 +109,11 @@ class GroupedLinear(QuantizerStateMixin, BasicOperation):
     quantizers (any recipe a ``BasicLinear`` supports); an empty group runs no GEMM
     and gets zero weight and bias gradients. ``quantized_model_init`` stores each
     weight in FP8 with its master copy. ``accumulate_into_main_grad`` adds each dW into
-    ``weight{i}.main_grad`` as ``BasicLinear`` does. Not supported (ValueError):
+    ``weight{i}.main_grad`` as ``BasicLinear`` does, and ``delay_wgrad_compute=True`` defers
+    every group's dW to :meth:`backward_dw` as ``BasicLinear`` does (the bias gradients stay
+    in the backward pass, as in Transformer Engine). Not supported (ValueError):
     ``single_grouped_weight``/``single_grouped_bias`` (Transformer Engine's experimental
-    packed parameters) and ``delay_wgrad_compute``.
+    packed parameters).
     """
 
     num_extra_inputs: int = 1
@@ -137,7 +140,6 @@ class GroupedLinear(QuantizerStateMixin, BasicOperation):
         for name, v in (
             ("single_grouped_weight", single_grouped_weight),
             ("single_grouped_bias", single_grouped_bias),
-            ("delay_wgrad_compute", delay_wgrad_compute),
         ):
             if v:
                 raise ValueError(f"GroupedLinear: {name}=True is not supported by tp_fuse (leave it False)")
@@ -149,11 +151,13 @@ class GroupedLinear(QuantizerStateMixin, BasicOperation):
         self.num_groups, self.in_features, self.out_features = num_groups, in_features, out_features
         self.use_bias = bool(bias)
         self.single_grouped_weight = self.single_grouped_bias = False
-        self._accumulate_into_main_grad = bool(accumulate_into_main_grad)
-        self._dummy_wgrads: list[Optional[torch.Tensor]] = [None] * num_groups
+        self._wgrad_sinks = [WgradSink("GroupedLinear", f"weight{i}", accumulate_into_main_grad)
+                             for i in range(num_groups)]
+        self._deferred_wgrads = DeferredWgrads()
+        self._deferred_wgrads.set_enabled("GroupedLinear", delay_wgrad_compute)
         self._rng_state_tracker_function = rng_state_tracker_function
         dtype = param_dtype("GroupedLinear", dtype)
-        self._quantizers = _GroupQuantizers(num_groups)
+        self._quantizers = GroupQuantizers(num_groups)
         recipe = model_init_recipe()
         # Packed as Transformer Engine allocates them; each group initialized like a
         # torch.nn.Linear (kaiming uniform), under the RNG tracker's fork when given.
@@ -175,6 +179,27 @@ class GroupedLinear(QuantizerStateMixin, BasicOperation):
     @property
     def has_bias(self) -> bool:
         return self.use_bias
+
+    @property
+    def delay_wgrad_compute(self) -> bool:
+        """Whether the weight gradients wait for :meth:`backward_dw`."""
+        return self._deferred_wgrads.enabled
+
+    @delay_wgrad_compute.setter
+    def delay_wgrad_compute(self, value: bool) -> None:
+        self._deferred_wgrads.set_enabled("GroupedLinear", value)
+
+    def need_backward_dw(self) -> bool:
+        """Transformer Engine's: whether :meth:`backward_dw` must run to finish the weight gradients."""
+        return self._deferred_wgrads.enabled
+
+    def backward_dw(self) -> None:
+        """Transformer Engine's ``backward_dw``: every group's weight gradient of the oldest
+        deferred backward pass, added into ``weight{i}.grad`` / ``.main_grad``. Does nothing
+        without ``delay_wgrad_compute`` or when no backward pass is waiting (TE's
+        ``GroupedLinear`` returns then, where its ``Linear`` raises)."""
+        if self._deferred_wgrads.enabled and len(self._deferred_wgrads):
+            self._deferred_wgrads.run_next("GroupedLinear.backward_dw()")
 
     def num_quantizers(self, mode: str) -> int:
         """Transformer Engine's count: 2 per group forward (input, weight), 1 backward."""
@@ -356,6 +381,8 @@ class GroupedLinear(QuantizerStateMixin, BasicOperation):
         else:
             dx = torch.empty(dy2d.shape[0], self.in_features, dtype=dtype, device=dy2d.device)
         dws: list[Optional[torch.Tensor]] = []
+        # (weight, dy_i, x_i, fp8) of each group's wgrad GEMM: run now or by backward_dw.
+        wgrad_work: list[tuple[torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor], bool]] = []
         dbs: list[Optional[torch.Tensor]] = []
         dscales = None
         if ctx.scales_requires_grad:
@@ -363,29 +390,19 @@ class GroupedLinear(QuantizerStateMixin, BasicOperation):
         start = 0
         for i, (m, w, b) in enumerate(zip(ctx.sizes, self.weights(), self.biases())):
             dyi, dxi = dy2d[start : start + m], dx[start : start + m]
-            dw = None
             if m == 0:
-                dw = torch.zeros(w.shape, dtype=w.dtype, device=w.device) if wgrad else None
+                wgrad_work.append((w, None, None, False))
             elif ctx.fp8:
                 q = self._quantizers.groups[i].quantizers["grad_output"]
                 dy8, fresh = q.quantize_or_pass(dyi, transpose=wgrad)
                 if fresh:
                     ctx.grad_tracker.track(q)
                 dxi.copy_(fp8_gemm(dy8, ws[i].transpose_fp8(), out_dtype=dtype))
-                if wgrad:
-                    dw = fp8_gemm(dy8.transpose_fp8(), xs[i].transpose_fp8(), out_dtype=dtype)
+                wgrad_work.append((w, dy8, xs[i], True))
             else:
                 dyi = maybe_dequantize(dyi)
                 torch.mm(dyi, ws[i], out=dxi)
-                if wgrad:
-                    dw = dyi.t() @ xs[i]
-            if dw is not None and self._accumulate_into_main_grad:
-                dw, self._dummy_wgrads[i] = add_into_main_grad(
-                    "GroupedLinear(accumulate_into_main_grad=True)", f"weight{i}", w, dw, self._dummy_wgrads[i]
-                )
-            elif dw is not None:
-                dw = dw.to(w.dtype)
-            dws.append(dw)
+                wgrad_work.append((w, dyi, xs[i], False))
             if b is not None:
                 # Bias and scale gradients in float32 (float64 for float64): sums over rows.
                 cdtype = compute_dtype(dtype)
@@ -399,6 +416,10 @@ class GroupedLinear(QuantizerStateMixin, BasicOperation):
                     db = dyc.sum(dim=0) if b.requires_grad else None
                 dbs.append(None if db is None else db.to(b.dtype))
             start += m
+        if wgrad:
+            dws = self._weight_grads(wgrad_work, dtype)
+        else:
+            dws = [None] * g
         grad_params = dws + dbs
         grad_extra: tuple[Optional[torch.Tensor], ...] = (None,)
         if self._scale_bias:
@@ -406,4 +427,26 @@ class GroupedLinear(QuantizerStateMixin, BasicOperation):
         if grad_buf is not None:
             return grad_buf, [grad_params], [grad_extra]
         return dx.reshape(ctx.input_shape), [grad_params], [grad_extra]
+
+    def _weight_grads(self, work: list[tuple[torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor], bool]],
+                      dtype: torch.dtype) -> list[Optional[torch.Tensor]]:
+        """Each group's weight gradient for autograd: computed now (an empty group's is zero),
+        or -- with ``delay_wgrad_compute`` -- queued for :meth:`backward_dw` and the sinks'
+        placeholders (``BasicLinear``'s path, ``linear_wgrad``)."""
+
+        def gemm(w: torch.Tensor, dy: Optional[torch.Tensor], x: Optional[torch.Tensor], fp8: bool) -> torch.Tensor:
+            if dy is None:
+                return torch.zeros(w.shape, dtype=w.dtype, device=w.device)
+            return wgrad_gemm(dy, x, dtype, fp8=fp8)
+
+        sinks = self._wgrad_sinks
+        if not self._deferred_wgrads.enabled:
+            return [sink.finish(item[0], gemm(*item)) for sink, item in zip(sinks, work)]
+
+        def deferred() -> None:
+            for sink, item in zip(sinks, work):
+                sink.deliver(item[0], gemm(*item))
+
+        self._deferred_wgrads.put(deferred)
+        return [sink.placeholder(item[0]) for sink, item in zip(sinks, work)]
 

@@ -200,6 +200,11 @@ def _match(window: Sequence[FusibleOperation], rule: _Rule, recipe: Any,
     plan = plan_overlap(comm_op, linear, rule.stage, rule.role, rule.unsupported, quantized=quantized)
     if isinstance(plan, str):
         return Reject(plan, length)
+    if rule.fused_op is UserbuffersBackwardLinear and linear.delay_wgrad_compute:
+        # Its wgrad GEMM overlaps the window's collective: it cannot wait for backward_dw().
+        raise ValueError(f"BasicLinear {gemm_label(linear)}: delay_wgrad_compute=True is not supported with the userbuffers "
+                         "backward overlap (TPOverlap); disable the overlap for this GEMM's backward or leave "
+                         "delay_wgrad_compute False")
     if quantized and rule.gathers_fp8 is not None:
         problem = fp8_gather_problem(comm_op.process_group, f"{rule.gathers_fp8} {gemm_label(linear)}")
         if problem is not None:

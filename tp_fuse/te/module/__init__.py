@@ -17,6 +17,8 @@ names and return conventions:
   parameters ``weight`` (``bias``).
 * :class:`GroupedLinear` (``te.GroupedLinear``): ``ops.GroupedLinear``, parameters
   ``weight{i}`` / ``bias{i}``, ``forward(inp, m_splits)``.
+* :class:`Fp8Padding` / :class:`Fp8Unpadding`: pad / unpad a grouped GEMM's row groups to
+  the quantization alignment.
 * ``tp_fuse.module.base.initialize_ub`` / ``destroy_ub`` / ``UserBufferQuantizationMode``
   (implemented in ``tp_fuse.overlap.userbuffers_setup``).
 
@@ -26,12 +28,13 @@ TE's ``MultiheadAttention`` and ``TransformerLayer``, built on these classes, ar
 (``tp_fuse.layers`` has tp_fuse's own transformer layers).
 """
 
-from . import base, grouped_linear, layernorm, rmsnorm
+from . import base, fp8_padding, grouped_linear, layernorm, rmsnorm
+from .fp8_padding import Fp8Padding, Fp8Unpadding
 from .grouped_linear import GroupedLinear
 from .layernorm import LayerNorm, RMSNorm
 from .layernorm_linear import LayerNormLinear
 from .layernorm_mlp import LayerNormMLP
 from .linear import Linear
 
-__all__ = ["GroupedLinear", "LayerNorm", "LayerNormLinear", "LayerNormMLP", "Linear", "RMSNorm", "base",
-           "grouped_linear", "layernorm", "rmsnorm"]
+__all__ = ["Fp8Padding", "Fp8Unpadding", "GroupedLinear", "LayerNorm", "LayerNormLinear", "LayerNormMLP",
+           "Linear", "RMSNorm", "base", "fp8_padding", "grouped_linear", "layernorm", "rmsnorm"]

@@ -59,8 +59,8 @@ def check_common_args(cls: str, *, sequence_parallel: bool, tp_group: Any, tp_si
                   parameters_split, "None with fuse_wgrad_accumulation=True (main_grad needs one weight tensor)")
     refuse_unless(cls, "parameters_split", parameters_split is None or not return_bias, parameters_split,
                   "None with return_bias=True (the returned bias is one tensor)")
-    refuse_unless(cls, "delay_wgrad_compute", not delay_wgrad_compute, delay_wgrad_compute,
-                  "weight gradients are computed in the backward pass; backward_dw() does not exist")
+    refuse_unless(cls, "parameters_split", parameters_split is None or not delay_wgrad_compute, parameters_split,
+                  "None with delay_wgrad_compute=True (backward_dw() adds dW into one weight parameter)")
     refuse_unless(cls, "symmetric_ar_type", symmetric_ar_type is None, symmetric_ar_type,
                   "None: the standard all-reduce")
     for arg, value in ub.items():
@@ -177,6 +177,8 @@ class OpsModule(torch.nn.Module):
         self.name = name
         self.__dict__["_param_map"] = {}
         self.__dict__["_split_map"] = {}
+        self.__dict__["_wgrad_ops"] = []
+        self.__dict__["_wgrad_hooks"] = []
 
     # ---- wiring ------------------------------------------------------------
 
@@ -243,7 +245,56 @@ class OpsModule(torch.nn.Module):
         self._sync()
         return self._ops(inp)
 
+    def _delay_wgrad(self, ops: list[Any], delay: bool, weight_names: list[str]) -> None:
+        """TE's ``delay_wgrad_compute`` on this module's GEMM ops (``BasicLinear`` /
+        ``GroupedLinear``: the deferral lives there). As TE, the weights get
+        ``skip_backward_post_hook`` (a DDP wrapper's hook must wait for :meth:`backward_dw`,
+        see :meth:`register_wgrad_accumulation_and_reduce_hooks`); the biases' gradients are
+        computed in the backward pass."""
+        self.__dict__["_wgrad_ops"] = list(ops)
+        for op in ops:
+            op.delay_wgrad_compute = delay
+        if delay:
+            for name in weight_names:
+                self._parameters[name].skip_backward_post_hook = True
+
+    def unregistered_modules(self) -> list[torch.nn.Module]:
+        """The modules this one runs but does not register (its ops block): where
+        ``tp_fuse.checkpoint`` finds the FP8 quantizers whose scales a recompute replays."""
+        ops = self.__dict__.get("_ops")
+        return [ops] if ops is not None else []
+
     # ---- TE's module API ---------------------------------------------------
+
+    @property
+    def delay_wgrad_compute(self) -> bool:
+        """Whether the weight gradients wait for :meth:`backward_dw` (TE's constructor argument)."""
+        return any(op.delay_wgrad_compute for op in self._wgrad_ops)
+
+    def need_backward_dw(self) -> bool:
+        """TE's: whether :meth:`backward_dw` must run to finish the weight gradients."""
+        return self.delay_wgrad_compute
+
+    def backward_dw(self) -> None:
+        """TE's ``backward_dw``: with ``delay_wgrad_compute=True``, compute the weight gradients
+        the oldest backward pass deferred (each GEMM op's ``backward_dw``: added into
+        ``weight.grad``, or ``weight.main_grad`` with ``fuse_wgrad_accumulation``, the bits
+        the backward pass would have produced), then run the hooks of
+        :meth:`register_wgrad_accumulation_and_reduce_hooks`. Nothing without it (TE's)."""
+        if not self.need_backward_dw():
+            return
+        for op in self._wgrad_ops:
+            op.backward_dw()
+        for hook in self._wgrad_hooks:
+            hook()
+
+    def register_wgrad_accumulation_and_reduce_hooks(self, hook: Callable[[], Any]) -> None:
+        """TE's: ``hook()`` runs at the end of every :meth:`backward_dw` (e.g. a DDP wrapper's
+        gradient reduction, which must wait for the deferred weight gradients)."""
+        if not callable(hook):
+            raise ValueError(f"{type(self).__name__}.register_wgrad_accumulation_and_reduce_hooks: hook must be "
+                             f"callable, got {hook!r}")
+        self._wgrad_hooks.append(hook)
 
     def reset_parameters(self, defer_init: Optional[bool] = False) -> None:
         """TE's ``reset_parameters``: parameters on the ``meta`` device are materialized (on the

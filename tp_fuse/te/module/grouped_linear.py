@@ -13,7 +13,9 @@ delay_wgrad_compute=False, save_original_input=False, name=None)``, parameters `
 
 Refused (ValueError naming the argument): tensor parallelism (``parallel_mode`` "column"/"row"
 with a TP size above 1: Megatron's expert-parallel GEMMs then need TE's sharded weights),
-``delay_wgrad_compute``, the ``ub_*`` flags, ``save_original_input``.
+the ``ub_*`` flags, ``save_original_input``. ``delay_wgrad_compute=True`` defers the weight
+gradients to ``backward_dw()`` (``ops.GroupedLinear``'s deferral; the bias gradients stay in
+the backward pass).
 """
 
 from __future__ import annotations
@@ -24,9 +26,15 @@ from typing import Any, Optional, Union
 import torch
 
 from tp_fuse.ops.basic.grouped_linear import GroupedLinear as GroupedLinearOp
+from tp_fuse.ops.basic.grouped_linear import is_op_fuser_grouped_tensor_path_supported
 from ._ops_module import OpsModule, init_fn, refuse_unless, set_megatron_attrs
 
-__all__ = ["GroupedLinear"]
+__all__ = ["GroupedLinear", "is_module_grouped_tensor_path_supported"]
+
+
+#: TE's module-level name of its grouped-tensor GEMM path predicate: tp_fuse has no such path
+#: (one GEMM per group), so the answer is the op layer's, always False.
+is_module_grouped_tensor_path_supported = is_op_fuser_grouped_tensor_path_supported
 
 
 class GroupedLinear(OpsModule):
@@ -65,11 +73,11 @@ class GroupedLinear(OpsModule):
         refuse_unless(cls, "tp_size", tp_size == 1 or parallel_mode is None, tp_size,
                       "1: tensor-parallel grouped GEMMs are not implemented")
         for arg, value in (("ub_overlap_rs", ub_overlap_rs), ("ub_overlap_ag", ub_overlap_ag),
-                           ("delay_wgrad_compute", delay_wgrad_compute),
                            ("save_original_input", save_original_input)):
             refuse_unless(cls, arg, value is False, value, "False")
         for arg, value in (("bias", bias), ("return_bias", return_bias),
-                           ("fuse_wgrad_accumulation", fuse_wgrad_accumulation)):
+                           ("fuse_wgrad_accumulation", fuse_wgrad_accumulation),
+                           ("delay_wgrad_compute", delay_wgrad_compute)):
             if not isinstance(value, bool):
                 raise ValueError(f"{cls}: {arg} must be a bool, got {value!r}")
         dtype = params_dtype or torch.get_default_dtype()
@@ -91,11 +99,16 @@ class GroupedLinear(OpsModule):
             params.update({f"bias{i}": (op, f"bias{i}") for i in range(num_gemms)})
         self._bind(op, params, {})
         self.__dict__["_op"] = op
+        self._delay_wgrad([op], delay_wgrad_compute, [f"weight{i}" for i in range(num_gemms)])
         if bias and return_bias:
             # return_bias: parameters of no op (the caller adds them), as TE's Linear.
             for i in range(num_gemms):
                 self.register_parameter(f"bias{i}", torch.nn.Parameter(
                     torch.zeros(out_features, device=device, dtype=dtype)))
+        # TE's registration order (parameters(), state_dict()): weight0, bias0, weight1, bias1...
+        for name in [n for i in range(num_gemms) for n in (f"weight{i}", f"bias{i}")]:
+            if name in self._parameters:
+                self._parameters[name] = self._parameters.pop(name)
         for i in range(num_gemms):
             set_megatron_attrs(getattr(self, f"weight{i}"), parallel_mode is not None,
                                1 if parallel_mode == "row" else 0)

@@ -121,6 +121,7 @@ class LayerNormLinear(OpsModule):
         if self.apply_bias:
             params["bias"] = (ops.bias, "bias")
         self._bind(block, params, {"": linear})
+        self._delay_wgrad([linear], delay_wgrad_compute, ["weight"])
         self.__dict__["_inits"] = {"weight": init}
         if normalization == "RMSNorm":
             self.layer_norm_bias = None

@@ -140,6 +140,7 @@ class LayerNormMLP(OpsModule):
         if bias:
             params["fc2_bias"] = (block.fc2_bias_op if return_bias else fc2.bias, "bias")
         self._bind(block, params, {"fc1": fc1.linear, "fc2": fc2.linear})
+        self._delay_wgrad([fc1.linear, fc2.linear], delay_wgrad_compute, ["fc1_weight", "fc2_weight"])
         self.__dict__["_inits"] = {"fc1_weight": init1, "fc2_weight": init2}
         if normalization == "RMSNorm":
             self.layer_norm_bias = None

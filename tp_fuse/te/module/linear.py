@@ -47,10 +47,14 @@ class Linear(OpsModule):
     ``parameters_split`` (TE's): a tuple of names (equal parts) or a dict name -> rows splits
     ``weight`` (and ``bias``) into parameters ``<name>_weight`` / ``<name>_bias`` (a trailing
     ``_`` of the name dropped; column parallel: ``rows / tp`` of each per rank), read as their
-    concatenation; not with ``return_bias`` or ``fuse_wgrad_accumulation``.
+    concatenation; not with ``return_bias``, ``fuse_wgrad_accumulation`` or
+    ``delay_wgrad_compute``.
 
-    Refused (ValueError naming the argument): ``delay_wgrad_compute``,
-    ``symmetric_ar_type``, the ``ub_*`` overlap flags (use ``tp_fuse.ops`` with overlap),
+    ``delay_wgrad_compute=True`` (TE's): the backward pass computes the input (and bias)
+    gradient; :meth:`backward_dw` computes the weight gradient (``ops.BasicLinear``'s
+    deferral), bit for bit the one the backward pass would have computed.
+
+    Refused (ValueError naming the argument): ``symmetric_ar_type``, the ``ub_*`` overlap flags (use ``tp_fuse.ops`` with overlap),
     ``save_original_input=True``, ``tp_size > 1`` without ``tp_group``, and ``fp8_output`` /
     ``fp8_grad`` in ``forward``. ``is_first_microbatch`` is accepted: TE caches the first
     micro-batch's FP8 weight; tp_fuse quantizes it at each call (same values while the weight
@@ -148,6 +152,7 @@ class Linear(OpsModule):
             self._split("weight", parts, "weight")
             if "bias" in self._param_map:
                 self._split("bias", parts, "bias")
+        self._delay_wgrad([linear], delay_wgrad_compute, ["weight"])
 
     def forward(self, inp: torch.Tensor, is_first_microbatch: Optional[bool] = None,
                 fp8_output: Optional[bool] = False, fp8_grad: Optional[bool] = False):
