@@ -15,7 +15,7 @@ from dist_utils import run_distributed
 from tp_fuse import kernels
 from tp_fuse.kernels import dispatch, gemm
 from tp_fuse.kernels.cuda_rules import scaled_mm, scaled_mm_violations
-from tp_fuse.ops.explain import _plan_kernels
+from tp_fuse.ops.explanation import _plan_kernels
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 CUDA = torch.device("cuda")

@@ -5,10 +5,13 @@ The module graph is read from the sources (an AST scan, nothing is imported): ev
 is an edge ``importer -> imported`` (``from pkg import name`` points at ``pkg.name`` when that
 is a module, else at ``pkg``). ``if TYPE_CHECKING:`` imports never run and are left out.
 
-A function-local import is allowed only where it is listed below with its reason: it closes
-a real loop (the importer builds on something that builds on it), or it defers an optional
-heavy dependency (Triton, dynamo) on purpose. Everything else is imported at the top. With
-the allowed lazy edges left out, the graph must have no circle.
+A function-local import is allowed only where it is listed in ``ALLOWED_LAZY`` with its
+reason: it defers an optional heavy dependency (Triton, dynamo) on purpose, or reaches the
+TE room above through a package's lazy attribute. Everything else is imported at the top.
+A function-local import does not make a circle acceptable: with every edge counted, lazy
+ones included, the graph must have no circle, except through the edges of
+``ALLOWED_CIRCLES`` (each one a known circle with the reason it is not broken yet; an entry
+that no longer closes a circle fails the test, so the list only shrinks).
 """
 
 from __future__ import annotations
@@ -24,7 +27,6 @@ FOLDERS = {"tp_fuse": "tp_fuse", "comm": "tp_fuse.comm", "layers": "tp_fuse.laye
 #: tp_fuse/<name>.py that are packages (their modules are in the root folder: tp_fuse/_floors.py)
 FILE_PACKAGES = {"tp_fuse.comm", "tp_fuse.layers", "tp_fuse.launch"}
 
-_CYCLE = "a real cycle"
 _DYNAMO = "torch._dynamo is loaded only while compiling (tp_fuse/graph_breaks.py)"
 _TRITON = "Triton is optional and loaded only where a Triton kernel runs"
 
@@ -34,9 +36,6 @@ ALLOWED_LAZY: dict[tuple[str, str], str] = {
     ("tp_fuse.distributed", "tp_fuse.te.distributed"): "TE's names at TE's path tp_fuse.distributed: the TE room "
                                                        "sits on tp_fuse.layers, which imports tp_fuse.distributed "
                                                        "(module __getattr__)",
-    ("tp_fuse.ops.op", "tp_fuse.ops.fuser"): _CYCLE + ": the fuser runs ops",
-    ("tp_fuse.ops.explain", "tp_fuse.ops.fuser"): _CYCLE + ": the fuser records explanations",
-    ("tp_fuse.ops.explain", "tp_fuse.ops.sequential"): _CYCLE + ": Sequential.explain",
     ("tp_fuse.distributed", "tp_fuse.graph_breaks"): _DYNAMO,
     ("tp_fuse.ops.compiled.fuser_path", "tp_fuse.graph_breaks"): _DYNAMO,
     ("tp_fuse.ops.compiled.fuser_path", "tp_fuse.ops.compiled.overlap"): _DYNAMO,
@@ -49,6 +48,15 @@ ALLOWED_LAZY: dict[tuple[str, str], str] = {
     ("tp_fuse.kernels.scale_update", "tp_fuse.kernels.scale_update_triton"): _TRITON,
     ("tp_fuse.quantization.nvfp4.cast", "tp_fuse.kernels.nvfp4_cast_triton"): _TRITON,
     ("tp_fuse.quantization.block.cast", "tp_fuse.kernels.block_cast_triton"): _TRITON,
+}
+
+#: Function-local imports (each also in ALLOWED_LAZY) that still close a circle, and why the
+#: circle is not broken yet. Nothing else may close one.
+ALLOWED_CIRCLES: dict[tuple[str, str], str] = {
+    # graph_breaks.checkpoint is torch.compiler.disable(distributed.checkpoint_eager), so
+    # graph_breaks imports distributed at the top. Breaking it needs distributed.py to hand
+    # checkpoint_eager to a generic graph break (graph_breaks importing nothing of tp_fuse).
+    ("tp_fuse.distributed", "tp_fuse.graph_breaks"): "graph_breaks wraps distributed.checkpoint_eager",
 }
 
 
@@ -156,9 +164,12 @@ def test_the_scan_sees_the_project() -> None:
     modules = project_modules()
     assert {"tp_fuse", "tp_fuse.comm", "tp_fuse.layers.wrap", "tp_fuse.launch.train", "tp_fuse.te"} <= set(modules)
     edges = project_edges()
-    assert ("tp_fuse.ops.sequential", "tp_fuse.ops.fuser") in {(a, b) for a, b, _, _ in edges}
+    assert ("tp_fuse.ops.sequential", "tp_fuse.ops.fuser", False) in {(a, b, local) for a, b, local, _ in edges}
+    lazy = ("tp_fuse.ops.compiled.fuser_path", "tp_fuse.ops.compiled.overlap", True)
+    assert lazy in {(a, b, local) for a, b, local, _ in edges}
     assert find_cycle([("a", "b"), ("b", "c"), ("c", "a")]) == ["a", "b", "c", "a"]
     assert find_cycle([("a", "b"), ("a", "c"), ("b", "c")]) == []
+    assert _reaches([("a", "b"), ("b", "c")], "a", "c") and not _reaches([("a", "b"), ("b", "c")], "c", "a")
 
 
 def test_function_local_imports_are_the_allowed_ones() -> None:
@@ -166,12 +177,40 @@ def test_function_local_imports_are_the_allowed_ones() -> None:
     unexplained = sorted(f"{where}: {a} -> {b}" for a, b, local, where in edges
                          if local and (a, b) not in ALLOWED_LAZY)
     assert not unexplained, ("function-local imports of project modules: move them to the top, or list the "
-                             "edge in ALLOWED_LAZY with its reason (a real cycle, or an optional heavy "
-                             "dependency):\n" + "\n".join(unexplained))
+                             "edge in ALLOWED_LAZY with its reason (an optional heavy dependency, or the "
+                             "TE room's lazy attributes):\n" + "\n".join(unexplained))
 
 
 def test_no_import_circle() -> None:
-    edges = [(a, b) for a, b, local, _ in project_edges()
-             if not (local and (a, b) in ALLOWED_LAZY)]
+    """Every edge counts, function-local ones included: a lazy import only postpones a circle."""
+    edges = [(a, b) for a, b, local, _ in project_edges() if not (local and (a, b) in ALLOWED_CIRCLES)]
     cycle = find_cycle(edges)
-    assert not cycle, "import circle: " + " -> ".join(cycle)
+    assert not cycle, ("import circle (break it by the dependency direction, e.g. a registry the lower module "
+                       "owns, or data classes moved below both; a function-local import does not): "
+                       + " -> ".join(cycle))
+
+
+def _reaches(edges: list[tuple[str, str]], start: str, goal: str) -> bool:
+    graph: dict[str, list[str]] = defaultdict(list)
+    for a, b in edges:
+        graph[a].append(b)
+    seen, todo = {start}, [start]
+    while todo:
+        for nxt in graph[todo.pop()]:
+            if nxt == goal:
+                return True
+            if nxt not in seen:
+                seen.add(nxt)
+                todo.append(nxt)
+    return False
+
+
+def test_allow_lists_hold_only_live_entries() -> None:
+    """Each allowed lazy import exists; each allowed circle is still one (fixed: remove it)."""
+    edges = project_edges()
+    lazy = {(a, b) for a, b, local, _ in edges if local}
+    assert not set(ALLOWED_LAZY) - lazy, f"no longer function-local imports: {sorted(set(ALLOWED_LAZY) - lazy)}"
+    assert set(ALLOWED_CIRCLES) <= set(ALLOWED_LAZY)
+    others = [(a, b) for a, b, _, _ in edges]
+    closed = [(a, b) for a, b in ALLOWED_CIRCLES if not _reaches(others, b, a)]
+    assert not closed, f"ALLOWED_CIRCLES entries that close no circle any more: {closed}"

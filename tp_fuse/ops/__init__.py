@@ -2,7 +2,8 @@
 
 from . import basic, fused  # importing `fused` registers the built-in fusions
 from .basic import *  # noqa: F401,F403
-from .explain import Explanation, FuserExplanation, explain
+from .explain import explain
+from .explanation import Explanation, FuserExplanation
 from .fused import *  # noqa: F401,F403
 from .fuser import OperationFuser
 from .fusion import register_backward_fusion, register_forward_backward_fusion, register_forward_fusion

@@ -12,7 +12,7 @@ operations.
 from __future__ import annotations
 
 import abc
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Optional
 
 import torch
@@ -20,6 +20,28 @@ import torch
 from ..quantization.quantizer import Quantizer, is_backward_role
 from ..quantization.role import QuantizerRole
 from .channels import ExtraTensorChannels
+
+
+#: What runs an op called on its own (``op(x)``, outside a ``Sequential``): the fuser class,
+#: registered by ``tp_fuse.ops.fuser`` when it is imported. The fuser builds on this module,
+#: so this module names it only through the registration (``import tp_fuse.ops`` imports both).
+_STANDALONE_FUSER: Optional[Callable[[list["FusibleOperation"]], Any]] = None
+
+
+def register_standalone_fuser(fuser_type: Callable[[list["FusibleOperation"]], Any]) -> None:
+    """Make ``fuser_type([op])`` the runner of an op called on its own (set by ``tp_fuse.ops.fuser``)."""
+    global _STANDALONE_FUSER
+    if not callable(fuser_type):
+        raise ValueError(f"register_standalone_fuser: expected a fuser class, got {fuser_type!r}")
+    _STANDALONE_FUSER = fuser_type
+
+
+def standalone_fuser(ops: list["FusibleOperation"]) -> Any:
+    """A new fuser over ``ops``, of the registered fuser class."""
+    if _STANDALONE_FUSER is None:
+        raise RuntimeError("no fuser is registered to run a standalone op: tp_fuse.ops.fuser registers "
+                           "OperationFuser when it is imported (import tp_fuse.ops)")
+    return _STANDALONE_FUSER(ops)
 
 
 class OperationContext:
@@ -170,12 +192,9 @@ class FusibleOperation(torch.nn.Module, metaclass=abc.ABCMeta):
         )
 
     def forward(self, input_: torch.Tensor, *extra_inputs: torch.Tensor, **kwargs: Any):
-        # Imported here: the fuser module imports this one.
-        from .fuser import OperationFuser
-
         fuser = self.__dict__.get("_standalone_fuser")
         if fuser is None:
-            fuser = OperationFuser([self])
+            fuser = standalone_fuser([self])
             if not torch.compiler.is_compiling():  # see Sequential._make_module_groups
                 # Plain attribute on purpose: the fuser is not a submodule.
                 self.__dict__["_standalone_fuser"] = fuser

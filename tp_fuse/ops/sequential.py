@@ -15,7 +15,7 @@ from typing import Any, Optional, Union
 
 import torch
 
-from .explain import Explanation, FuserExplanation, explain
+from .explanation import Explanation, FuserExplanation
 from .fuser import OperationFuser
 from .op import FusibleOperation
 
@@ -218,8 +218,8 @@ class Sequential(torch.nn.Module):
         return out
 
     def explain(self) -> Explanation:
-        """Fusion decisions and reasons under the FP8 recipe in force."""
-        return explain(self)
+        """Fusion decisions and reasons under the FP8 recipe in force (``tp_fuse.ops.explain``)."""
+        return Explanation.from_groups(self.explain_groups())
 
     def fuser_explanations(self) -> list[FuserExplanation]:
         return [g for _, g in self.explain_groups() if isinstance(g, FuserExplanation)]

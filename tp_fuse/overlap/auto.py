@@ -61,8 +61,6 @@ from ..safe_files import read_regular_file, write_atomic
 from .method import LABEL_PATTERN, Method, candidate_labels
 
 __all__ = [
-    "AUTO",
-    "UNFUSED",
     "AutoDecision",
     "Clock",
     "OverlapAutoTuner",
@@ -70,9 +68,6 @@ __all__ = [
     "candidate_labels",
 ]
 
-#: ``method: auto`` and the candidate of "no overlap" (the collective, then the whole GEMM).
-AUTO = Method.AUTO
-UNFUSED = Method.UNFUSED
 CHOICE_FILE_FORMAT = "tp_fuse.overlap_choices"
 CHOICE_FILE_VERSION = 1
 _MAX_CHOICE_FILE_BYTES = 16 * 1024 * 1024
@@ -260,7 +255,7 @@ class OverlapAutoTuner:
         labels = tuple(candidates)
         assert labels and all(self.label_pattern.fullmatch(lb) for lb in labels), labels
         if default not in labels:
-            default = UNFUSED if UNFUSED in labels else labels[0]
+            default = Method.UNFUSED if Method.UNFUSED in labels else labels[0]
         key = (gemm, signature)
         known = self._decisions.get(key)
         if known is not None and known.choice not in candidates:

@@ -69,10 +69,8 @@ from .auto import OverlapAutoTuner
 from .method import CONFIG_METHODS, Method
 
 __all__ = [
-    "AUTO",
     "GEMM_LAYERS",
     "GEMM_STAGES",
-    "METHODS",
     "GemmOverlapConfig",
     "OverlapConfig",
     "TPOverlap",
@@ -82,11 +80,9 @@ __all__ = [
 GEMM_LAYERS = ("qkv", "proj", "fc1", "fc2")
 #: GEMM stages: forward, data gradient, weight gradient.
 GEMM_STAGES = ("fprop", "dgrad", "wgrad")
-#: The methods an entry may name besides ``auto`` (:data:`tp_fuse.overlap.method.CONFIG_METHODS`).
-METHODS = CONFIG_METHODS
-#: ``method: auto``: measured per GEMM stage and shape (see :mod:`tp_fuse.overlap.auto`).
-AUTO = Method.AUTO
-_ALLOWED = tuple(str(m) for m in (*METHODS, AUTO))
+#: What an entry's ``method`` may name: the methods of :data:`~tp_fuse.overlap.method.CONFIG_METHODS`,
+#: or ``auto`` (measured per GEMM stage and shape, see :mod:`tp_fuse.overlap.auto`).
+_ALLOWED = tuple(str(m) for m in (*CONFIG_METHODS, Method.AUTO))
 
 # Knobs of Megatron/TE userbuffers that only mean something for the CUDA kernels.
 _GPU_ONLY_FIELDS: dict[str, str] = {
@@ -152,7 +148,7 @@ class GemmOverlapConfig:
     def ignored(self) -> list[str]:
         """``"field=value (why)"`` for every setting that has no effect here."""
         out = [f"{k}={v!r} ({_GPU_ONLY_FIELDS[k]})" for k, v in self.gpu_only]
-        if "num_splits" in self.explicit and self.method not in (Method.PIPELINE, AUTO):
+        if "num_splits" in self.explicit and self.method not in (Method.PIPELINE, Method.AUTO):
             out.append(f"num_splits={self.num_splits} (only the pipeline method splits)")
         if self.aggregate:
             out.append(
@@ -214,7 +210,7 @@ def static_default(key: str) -> Optional[tuple[Method, int]]:
 
 def auto_defaults(layers: Iterable[str] = GEMM_LAYERS) -> dict[str, GemmOverlapConfig]:
     """``method: auto`` for every stage of ``layers``."""
-    return {f"{layer}_{stage}": GemmOverlapConfig(method=AUTO) for layer in layers for stage in GEMM_STAGES}
+    return {f"{layer}_{stage}": GemmOverlapConfig(method=Method.AUTO) for layer in layers for stage in GEMM_STAGES}
 
 
 @dataclasses.dataclass
@@ -355,7 +351,7 @@ class OverlapConfig:
             raise ValueError(f"role must be one of {tuple(_ROLE_DEFAULTS)}, got {role!r}")
         if comm_name is None:
             if self.auto:
-                return f"{role}_{stage}", GemmOverlapConfig(method=AUTO)
+                return f"{role}_{stage}", GemmOverlapConfig(method=Method.AUTO)
             method, splits = _ROLE_DEFAULTS[role][stage]
             return f"{role}_{stage}", GemmOverlapConfig(method=method, num_splits=splits)
         key = f"{comm_name}_{stage}"

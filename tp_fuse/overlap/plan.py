@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from .config import METHODS, GemmOverlapConfig, TPOverlap
-from .method import Method
+from .config import GemmOverlapConfig, TPOverlap
+from .method import CONFIG_METHODS, Method
 
 
 @dataclasses.dataclass
@@ -21,7 +21,7 @@ class OverlapPlan:
     entry: GemmOverlapConfig
     tp_size: int
     # The overlap methods this window can use (what ``auto`` measures, with "unfused").
-    methods: tuple[Method, ...] = METHODS
+    methods: tuple[Method, ...] = CONFIG_METHODS
 
     def describe(self) -> str:
         """``"fc1_fprop: ring_exchange"`` plus the settings without effect here."""

@@ -15,11 +15,11 @@ from typing import Optional
 
 import torch
 
-from tp_fuse.distributed import checkpoint
 from tp_fuse.quantization.autocast import active_autocast
 
-__all__ = ["CudaRNGStatesTracker", "activation_recompute_forward", "checkpoint",
-           "is_fp8_activation_recompute_enabled"]
+# Not ``checkpoint``: TE's path to it is ``tp_fuse.distributed`` itself, which serves these names
+# (importing it here would close a circle with that module's lazy import of this one).
+__all__ = ["CudaRNGStatesTracker", "activation_recompute_forward", "is_fp8_activation_recompute_enabled"]
 
 #: TE's default stream name for ``fork()`` (Megatron's model-parallel stream).
 _DEFAULT_NAME = "model-parallel-rng"

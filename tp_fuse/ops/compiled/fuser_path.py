@@ -32,11 +32,12 @@ from .overlap_plan import structural_windows
 
 if TYPE_CHECKING:
     from ..fuser import OperationFuser
+    from ..op_group import OpGroup
 
 __all__ = ["compiled_call", "describe_fp8_linears", "trace_plan"]
 
 
-def trace_plan(fuser: "OperationFuser", fp8: Optional[CompileKey]) -> Optional[str]:
+def trace_plan(fuser: "OpGroup", fp8: Optional[CompileKey]) -> Optional[str]:
     """None when the group can be traced under ``fp8``, else the reason it cannot."""
     for i, op in enumerate(fuser.basic_ops):
         reason = unsupported_reason(op, fp8)
@@ -45,7 +46,7 @@ def trace_plan(fuser: "OperationFuser", fp8: Optional[CompileKey]) -> Optional[s
     return None
 
 
-def describe_fp8_linears(fuser: "OperationFuser", fp8: Optional[CompileKey], device: torch.device) -> Optional[str]:
+def describe_fp8_linears(fuser: "OpGroup", fp8: Optional[CompileKey], device: torch.device) -> Optional[str]:
     """How a traced group's per-tensor FP8 Linears cast and multiply on ``device`` (for
     ``explain``), or None without any: the CPU's exact emulation; on the CUDA path ATen
     casts (inductor fuses them) and ``torch._scaled_mm`` with the bias epilogue -- or the
@@ -87,7 +88,7 @@ def _unshared(outputs: list[torch.Tensor], inputs: Sequence[Any]) -> list[torch.
 
 
 def _traced_forward(
-    fuser: "OperationFuser", input_: torch.Tensor, extra_inputs: Sequence[torch.Tensor], fp8: Optional[CompileKey]
+    fuser: "OpGroup", input_: torch.Tensor, extra_inputs: Sequence[torch.Tensor], fp8: Optional[CompileKey]
 ) -> list[torch.Tensor]:
     routing = fuser.routing
     external = routing.place_external_inputs(extra_inputs)
@@ -143,7 +144,7 @@ def _traced_forward(
 
 
 def _foldable_bias(
-    fuser: "OperationFuser", i: int, x: torch.Tensor, fp8: Optional[CompileKey], autocast_dtype: Optional[torch.dtype]
+    fuser: "OpGroup", i: int, x: torch.Tensor, fp8: Optional[CompileKey], autocast_dtype: Optional[torch.dtype]
 ) -> Optional[Bias]:
     """The ``Bias`` right after the ``BasicLinear`` at ``i`` when the traced GEMM takes it
     as its epilogue (``BasicLinear.compiled_folds_bias``: per-tensor FP8 on the CUDA

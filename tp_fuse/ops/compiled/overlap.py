@@ -49,8 +49,8 @@ from ..basic.basic_linear import BasicLinear
 from ..basic.bias import Bias
 from ..basic.reduce_scatter import ReduceScatter
 from ..fused.userbuffers_forward_linear import _regather
-from ..fuser import OperationFuser
 from ..op import FusibleOperation, OperationContext
+from ..op_group import OpGroup
 from .overlap_plan import compile_windows
 
 __all__ = [
@@ -106,9 +106,10 @@ def plan_windows(op_ids: tuple[int, ...]) -> tuple[tuple[int, int, str], ...]:
     the custom op can rebuild (the input and the weight: not ``save_gathered_input``).
     Records the fused ops in each BasicLinear's :class:`OverlapWindowState`.
     """
-    # A fuser of our own over the same ops: the one being traced may exist only in
-    # dynamo's trace (a Sequential builds its fusers at the first call), not as an object.
-    fuser = OperationFuser([_live_op(i) for i in op_ids], expand=False)
+    # A group of our own over the same ops (its decisions only: it never runs): the fuser
+    # being traced may exist only in dynamo's trace (a Sequential builds its fusers at the
+    # first call), not as an object.
+    fuser = OpGroup([_live_op(i) for i in op_ids], expand=False)
     fuser.maybe_fuse()
     # The same decision explain reports (overlap_plan.compile_windows): never one without
     # the other. Windows it does not overlap are traced op by op, and explain says why.

@@ -31,7 +31,7 @@ from ..op import op_display_name
 from ...quantization.compile_state import recipe_key
 
 if TYPE_CHECKING:
-    from ..fuser import OperationFuser
+    from ..op_group import OpGroup
 
 __all__ = ["CompileWindow", "compile_windows", "structural_windows"]
 
@@ -68,7 +68,7 @@ def structural_windows(ops: list[Any]) -> list[tuple[int, int, str]]:
     return found
 
 
-def _record_reason(fuser: "OperationFuser", direction: str, fusions: tuple[str, ...], first: str) -> Optional[str]:
+def _record_reason(fuser: "OpGroup", direction: str, fusions: tuple[str, ...], first: str) -> Optional[str]:
     """The eager fuser's rejection reason for a window starting at basic op ``first``."""
     for r in fuser.fusion_log.records:
         if r.direction == direction and not r.fused and r.fusion in fusions and r.window.split(" ")[0] == first:
@@ -77,7 +77,7 @@ def _record_reason(fuser: "OperationFuser", direction: str, fusions: tuple[str, 
 
 
 def compile_windows(
-    fuser: "OperationFuser", recipe: Any, graph_break: Optional[str] = None
+    fuser: "OpGroup", recipe: Any, graph_break: Optional[str] = None
 ) -> list[CompileWindow]:
     """The group's overlap windows and, for each, whether it runs overlapped under compile.
 

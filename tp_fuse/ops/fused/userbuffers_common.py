@@ -21,8 +21,8 @@ import torch.distributed as dist
 
 from tp_fuse.comm import GemmFn
 
-from ...overlap.config import METHODS, TPOverlap, static_default
-from ...overlap.method import Method, OverlapMethod, candidates
+from ...overlap.config import TPOverlap, static_default
+from ...overlap.method import CONFIG_METHODS, Method, OverlapMethod, candidates
 from ...overlap.plan import OverlapPlan
 from ...overlap.symm_mem import (
     WindowCall,
@@ -174,7 +174,7 @@ def plan_overlap(
         return f"overlap disabled for {key} by config"
     if entry.method in unsupported:
         return f"{key} method {entry.method}: {unsupported[entry.method]}"
-    return OverlapPlan(overlap, key, entry, tp, tuple(m for m in METHODS if m not in unsupported))
+    return OverlapPlan(overlap, key, entry, tp, tuple(m for m in CONFIG_METHODS if m not in unsupported))
 
 
 def precision_label(recipe: Any) -> str:
