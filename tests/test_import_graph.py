@@ -52,12 +52,7 @@ ALLOWED_LAZY: dict[tuple[str, str], str] = {
 
 #: Function-local imports (each also in ALLOWED_LAZY) that still close a circle, and why the
 #: circle is not broken yet. Nothing else may close one.
-ALLOWED_CIRCLES: dict[tuple[str, str], str] = {
-    # graph_breaks.checkpoint is torch.compiler.disable(distributed.checkpoint_eager), so
-    # graph_breaks imports distributed at the top. Breaking it needs distributed.py to hand
-    # checkpoint_eager to a generic graph break (graph_breaks importing nothing of tp_fuse).
-    ("tp_fuse.distributed", "tp_fuse.graph_breaks"): "graph_breaks wraps distributed.checkpoint_eager",
-}
+ALLOWED_CIRCLES: dict[tuple[str, str], str] = {}
 
 
 @functools.lru_cache(maxsize=1)

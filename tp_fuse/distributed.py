@@ -172,9 +172,9 @@ def checkpoint(
     """
     if torch.compiler.is_compiling():
         # Imported while dynamo traces: see tp_fuse/graph_breaks.py.
-        from .graph_breaks import checkpoint as checkpoint_graph_break
+        from .graph_breaks import eager_call
 
-        return checkpoint_graph_break(function, *args, **kwargs)
+        return eager_call(checkpoint_eager, function, *args, **kwargs)
     return checkpoint_eager(function, *args, **kwargs)
 
 

@@ -11,20 +11,18 @@ Each function here is a graph break: dynamo runs it eagerly and resumes tracing 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
-from .distributed import checkpoint_eager
-
 
 @torch.compiler.disable
-def eager_fuser_call(fuser: Any, input_: torch.Tensor, extra_inputs: Sequence[torch.Tensor], kwargs: Any) -> Any:
-    """The eager fuser, reached from compiled code (groups that cannot be traced)."""
-    return fuser._eager_call(input_, *extra_inputs, basic_op_kwargs=kwargs)
+def eager_call(function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """``function(*args, **kwargs)``, run eagerly: a graph break.
 
-
-#: :func:`tp_fuse.distributed.checkpoint` under compile: dynamo cannot trace
-#: ``torch.utils.checkpoint`` with a custom ``context_fn``.
-checkpoint = torch.compiler.disable(checkpoint_eager)
+    Used for the eager fuser reached from compiled code (groups that cannot be traced) and
+    for :func:`tp_fuse.distributed.checkpoint` (dynamo cannot trace
+    ``torch.utils.checkpoint`` with a custom ``context_fn``). The caller passes the function,
+    so this module imports nothing of tp_fuse and sits below every user.
+    """
+    return function(*args, **kwargs)

@@ -190,8 +190,8 @@ def compiled_call(
     with_kwargs = basic_op_kwargs is not None and any(basic_op_kwargs)
     if quantized or with_kwargs or trace_plan(fuser, fp8) is not None:
         # A graph break. Imported here, while dynamo traces: see tp_fuse/graph_breaks.py.
-        from ...graph_breaks import eager_fuser_call
+        from ...graph_breaks import eager_call
 
-        return eager_fuser_call(fuser, input_, extra_inputs, basic_op_kwargs)
+        return eager_call(fuser._eager_call, input_, *extra_inputs, basic_op_kwargs=basic_op_kwargs)
     outputs = _traced_forward(fuser, input_, extra_inputs, fp8)
     return outputs[0] if fuser.num_extra_outputs == 0 else tuple(outputs)
