@@ -34,9 +34,9 @@ from ..op import BasicOperation, OperationContext, require
 from ._checks import maybe_dequantize
 from . import linear_compiled
 from .linear_tp import LinearTensorParallelMixin
-from .linear_wgrad import DeferredWgrads, WgradSink, wgrad_gemm
+from .linear_wgrad import DeferredWgradMixin, DeferredWgrads, WgradSink, wgrad_gemm
 
-class BasicLinear(LinearTensorParallelMixin, QuantizerStateMixin, BasicOperation):
+class BasicLinear(LinearTensorParallelMixin, DeferredWgradMixin, QuantizerStateMixin, BasicOperation):
     """Matrix multiply with a weight: ``y = x W^T`` (no bias; see ``Bias``).
 
     Shapes: ``x [..., in_features]``, ``W [out_features, in_features]``,
@@ -453,15 +453,6 @@ class BasicLinear(LinearTensorParallelMixin, QuantizerStateMixin, BasicOperation
         w, sink = self.weight, self._wgrad_sink
         self._deferred_wgrads.put(lambda: sink.deliver(w, wgrad_gemm(dy2d, x2d, out_dtype, fp8=fp8, alpha=alpha)))
         return sink.placeholder(w)
-
-    @property
-    def delay_wgrad_compute(self) -> bool:
-        """Whether dW waits for :meth:`backward_dw` (see the class docs)."""
-        return self._deferred_wgrads.enabled
-
-    @delay_wgrad_compute.setter
-    def delay_wgrad_compute(self, value: bool) -> None:
-        self._deferred_wgrads.set_enabled("BasicLinear", value)
 
     def backward_dw(self) -> None:
         """Transformer Engine's ``backward_dw``: compute the weight gradient the oldest

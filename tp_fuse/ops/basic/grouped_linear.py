@@ -23,7 +23,7 @@ from ..extra_state import QuantizerStateMixin
 from ..op import BasicOperation, OperationContext, require
 from ._checks import compute_dtype, maybe_dequantize, param_dtype
 from .basic_linear import weight_in_dtype
-from .linear_wgrad import DeferredWgrads, WgradSink, wgrad_gemm
+from .linear_wgrad import DeferredWgradMixin, DeferredWgrads, WgradSink, wgrad_gemm
 
 __all__ = ["GroupedLinear", "GRAD_INPUT_BUFFER_KEY", "OUTPUT_BUFFER_KEY", "is_op_fuser_grouped_tensor_path_supported"]
 
@@ -86,7 +86,7 @@ def _caller_buffer(kwargs: dict[str, Any], key: str, shape: tuple[int, ...], dty
     return buf
 
 
-class GroupedLinear(QuantizerStateMixin, BasicOperation):
+class GroupedLinear(DeferredWgradMixin, QuantizerStateMixin, BasicOperation):
     r"""``num_groups`` linears over consecutive row groups: ``y_i = x_i W_i^T (+ b_i)``.
 
     Transformer Engine's op (experimental there too). Call ``y = op(x, split_sizes)``:
@@ -179,19 +179,6 @@ class GroupedLinear(QuantizerStateMixin, BasicOperation):
     @property
     def has_bias(self) -> bool:
         return self.use_bias
-
-    @property
-    def delay_wgrad_compute(self) -> bool:
-        """Whether the weight gradients wait for :meth:`backward_dw`."""
-        return self._deferred_wgrads.enabled
-
-    @delay_wgrad_compute.setter
-    def delay_wgrad_compute(self, value: bool) -> None:
-        self._deferred_wgrads.set_enabled("GroupedLinear", value)
-
-    def need_backward_dw(self) -> bool:
-        """Transformer Engine's: whether :meth:`backward_dw` must run to finish the weight gradients."""
-        return self._deferred_wgrads.enabled
 
     def backward_dw(self) -> None:
         """Transformer Engine's ``backward_dw``: every group's weight gradient of the oldest

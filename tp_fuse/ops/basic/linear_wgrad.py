@@ -166,3 +166,24 @@ class DeferredWgrads:
             raise ValueError(f"{owner}: no deferred weight gradient is waiting: with delay_wgrad_compute=True "
                              "call backward_dw() once after each backward pass through this op")
         self._pending.popleft()()
+
+
+class DeferredWgradMixin:
+    """Transformer Engine's ``delay_wgrad_compute`` switch for an op that owns a
+    :class:`DeferredWgrads` queue (``self._deferred_wgrads``). Each op keeps its own
+    ``backward_dw``: what one deferred backward pass computes differs per op."""
+
+    _deferred_wgrads: DeferredWgrads
+
+    @property
+    def delay_wgrad_compute(self) -> bool:
+        """Whether the weight gradients wait for ``backward_dw()`` (see the op's class docs)."""
+        return self._deferred_wgrads.enabled
+
+    @delay_wgrad_compute.setter
+    def delay_wgrad_compute(self, value: bool) -> None:
+        self._deferred_wgrads.set_enabled(type(self).__name__, value)
+
+    def need_backward_dw(self) -> bool:
+        """Transformer Engine's: whether ``backward_dw()`` must run to finish the weight gradients."""
+        return self._deferred_wgrads.enabled
