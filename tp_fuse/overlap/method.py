@@ -1,5 +1,6 @@
-"""The overlap method as a typed value: :class:`Method` (which algorithm) and
-:class:`OverlapMethod` (a method plus its chunk count).
+"""The overlap method as a typed value: :class:`Method` (which algorithm),
+:class:`OverlapMethod` (a method plus its chunk count) and :class:`Collective` (which
+collective a window runs next to its GEMM).
 
 Strings exist only at the edges: a Megatron YAML's ``method: pipeline`` / ``num_splits: 4``
 and the Hydra settings become a :class:`Method` once, in :mod:`tp_fuse.overlap.config`
@@ -18,7 +19,7 @@ import re
 from collections.abc import Iterable
 from typing import Union
 
-__all__ = ["CONFIG_METHODS", "LABEL_PATTERN", "Method", "OverlapMethod", "candidates", "candidate_labels", "effective_splits"]
+__all__ = ["CONFIG_METHODS", "LABEL_PATTERN", "Collective", "Method", "OverlapMethod", "candidates", "candidate_labels", "effective_splits"]
 
 
 class Method(enum.StrEnum):
@@ -31,6 +32,17 @@ class Method(enum.StrEnum):
     SYMM_MEM = "symm_mem"  # PyTorch's fused symmetric-memory ops (CUDA + NCCL only; auto only)
     UNFUSED = "unfused"  # no overlap: the collective and the whole GEMM one after the other
     AUTO = "auto"  # a config value, never dispatched: measure the candidates, run the fastest
+
+
+class Collective(enum.StrEnum):
+    """The collective of an overlap window: column-parallel ``[AllGather, BasicLinear]``,
+    row-parallel ``[BasicLinear, ReduceScatter]`` or ``[BasicLinear, AllReduce]``. Its value
+    is the fused ops' keyword for the comm op, and the spelling the compiled path's custom
+    ops receive (their schema takes a ``str``)."""
+
+    ALL_GATHER = "all_gather"
+    REDUCE_SCATTER = "reduce_scatter"
+    ALL_REDUCE = "all_reduce"
 
 
 #: The methods a config entry may name besides ``auto`` (Megatron's three).

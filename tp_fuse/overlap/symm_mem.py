@@ -57,7 +57,7 @@ from tp_fuse.comm.userbuffers import symmetric_memory_available
 
 from ..quantization import BlockScaledTensor, Float8Tensor, is_quantized_tensor
 from ..strict import STRICT_ENV, CudaConformanceError, strict_cuda_enabled
-from .method import Method
+from .method import Collective, Method
 from .symm_mem_rules import AG, AG_SCALED, OPS, RS, RS_SCALED, symm_mem_violations
 
 __all__ = [
@@ -192,10 +192,10 @@ def check_strict(call: SymmMemCall) -> None:
                                        + "; ".join(issues))
 
 
-def symm_op_for(mode: str, fp8: bool) -> str:
-    """The op of a window: ``mode`` ``"all_gather"`` / ``"reduce_scatter"``, scaled when ``fp8``."""
-    return {("all_gather", False): AG, ("all_gather", True): AG_SCALED,
-            ("reduce_scatter", False): RS, ("reduce_scatter", True): RS_SCALED}[(mode, fp8)]
+def symm_op_for(mode: Collective, fp8: bool) -> str:
+    """The op of a window: ``mode`` all-gather or reduce-scatter, scaled when ``fp8``."""
+    return {(Collective.ALL_GATHER, False): AG, (Collective.ALL_GATHER, True): AG_SCALED,
+            (Collective.REDUCE_SCATTER, False): RS, (Collective.REDUCE_SCATTER, True): RS_SCALED}[(mode, fp8)]
 
 
 # ---- building the calls of tp_fuse's windows ---------------------------------------------
@@ -261,7 +261,7 @@ class WindowCall:
 
     def run(self) -> tuple[Optional[torch.Tensor], torch.Tensor]:
         out = self.call.run()
-        gathered, y = (out[0], out[1][0]) if self.mode == "all_gather" else (None, out)
+        gathered, y = (out[0], out[1][0]) if self.mode == Collective.ALL_GATHER else (None, out)
         if self.bias_after is not None:
             # In fp32 (as the window's own GEMMs add a bias they cannot fuse), one rounding.
             y = (y.to(torch.float32) + self.bias_after.to(torch.float32)).to(self.out_dtype)
@@ -286,9 +286,9 @@ def window_call(mode: str, a: Any, w: Any, *, group_name: str, world_size: int, 
     (reduce-scatter: partial sums in ``out_dtype``, ``world_size * bias`` after).
     Equal to the unfused window up to the rounding of where the bias is added.
     """
-    if mode not in ("all_gather", "reduce_scatter"):
+    if mode not in (Collective.ALL_GATHER, Collective.REDUCE_SCATTER):
         raise ValueError(f"window_call: mode must be 'all_gather' or 'reduce_scatter', got {mode!r}")
-    rs = mode == "reduce_scatter"
+    rs = mode == Collective.REDUCE_SCATTER
     scale_after = float(world_size) if rs else 1.0
     if not is_quantized_tensor(a):
         if is_quantized_tensor(w):

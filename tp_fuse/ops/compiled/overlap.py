@@ -43,6 +43,7 @@ from typing import Any, Optional, Sequence
 
 import torch
 
+from ...overlap.method import Collective
 from ...quantization.compile_ref import CompileRef
 from ..basic.all_gather import AllGather
 from ..basic.basic_linear import BasicLinear
@@ -117,7 +118,7 @@ def plan_windows(op_ids: tuple[int, ...]) -> tuple[tuple[int, int, str], ...]:
     for w in compile_windows(fuser, fuser._fusion_recipe):
         if w.overlapped:
             fwd, span = next((op, tuple(idx)) for op, idx in fuser.forward_ops if idx[0] == w.start)
-            if w.mode == "all_reduce":
+            if w.mode == Collective.ALL_REDUCE:
                 # No fused backward op: the eager backward ops inside the window (compile_windows
                 # checked that none reaches outside it), in the fuser's order.
                 linear = fwd.basic_ops[0]
@@ -129,7 +130,8 @@ def plan_windows(op_ids: tuple[int, ...]) -> tuple[tuple[int, int, str], ...]:
                 bwd = next(op for op, idx in fuser.backward_ops if tuple(idx) == span)
                 linear = fwd.linear
             window_state(linear).window = (fwd, bwd)
-            found.append((w.start, w.length, w.mode))
+            # The custom ops' schema takes the collective as a str: the plain spelling.
+            found.append((w.start, w.length, w.mode.value))
     return tuple(found)
 
 
@@ -235,7 +237,7 @@ def window_backward(
     lin_ctx.fp8 = fp8 is not None
     if fp8 is not None:
         lin_ctx.grad_quantizer, lin_ctx.grad_tracker = fp8.grad_quantizer, fp8.grad_tracker
-    if mode == "all_gather":
+    if mode == Collective.ALL_GATHER:
         lin_ctx.input_shape = torch.Size((x_shape[0] * tp, *x_shape[1:]))
         lin_ctx.regather_input = functools.partial(_regather, _comm_group(bwd))
     else:
@@ -303,7 +305,7 @@ def ub_linear(
 
 @ub_linear.register_fake
 def ub_linear_fake(x, w, b, window, tp, mode):
-    rows = {"all_gather": x.shape[0] * tp, "reduce_scatter": x.shape[0] // tp}.get(mode, x.shape[0])
+    rows = {Collective.ALL_GATHER: x.shape[0] * tp, Collective.REDUCE_SCATTER: x.shape[0] // tp}.get(mode, x.shape[0])
     return x.new_empty((rows, *x.shape[1:-1], w.shape[0]))
 
 

@@ -28,6 +28,7 @@ from ..fused.userbuffers_backward_linear import UserbuffersBackwardLinear
 from ..fused.userbuffers_forward_linear import UserbuffersForwardLinear
 from ..fused.userbuffers_forward_linear_all_reduce import UserbuffersForwardLinearAllReduce
 from ..op import op_display_name
+from ...overlap.method import Collective
 from ...quantization.compile_state import recipe_key
 
 if TYPE_CHECKING:
@@ -41,7 +42,7 @@ class CompileWindow:
 
     start: int  # index of its first basic op
     length: int  # number of basic ops
-    mode: str  # "all_gather" | "reduce_scatter" | "all_reduce"
+    mode: Collective
     ops: str  # e.g. "AllGather[0]+BasicLinear[1]+Bias[2]"
     overlapped: bool  # comm and GEMM overlap in the compiled program
     how: str  # "ub_linear node", "eager fuser behind a graph break", "traced op by op"
@@ -52,19 +53,19 @@ class CompileWindow:
         return f"{self.ops} ({self.mode}): {state}, {self.how}: {self.reason}"
 
 
-def structural_windows(ops: list[Any]) -> list[tuple[int, int, str]]:
+def structural_windows(ops: list[Any]) -> list[tuple[int, int, Collective]]:
     """``(start, length, mode)`` of every comm-next-to-GEMM window in the basic ops."""
     found = []
     for i, op in enumerate(ops):
         if isinstance(op, AllGather) and i + 1 < len(ops) and isinstance(ops[i + 1], BasicLinear):
             n = 3 if i + 2 < len(ops) and isinstance(ops[i + 2], Bias) else 2
-            found.append((i, n, "all_gather"))
+            found.append((i, n, Collective.ALL_GATHER))
         elif isinstance(op, BasicLinear):
             k = i + 2 if i + 1 < len(ops) and isinstance(ops[i + 1], Bias) else i + 1
             if k < len(ops) and isinstance(ops[k], ReduceScatter):
-                found.append((i, k - i + 1, "reduce_scatter"))
+                found.append((i, k - i + 1, Collective.REDUCE_SCATTER))
             elif k < len(ops) and isinstance(ops[k], AllReduce):
-                found.append((i, k - i + 1, "all_reduce"))
+                found.append((i, k - i + 1, Collective.ALL_REDUCE))
     return found
 
 
@@ -141,7 +142,7 @@ def compile_windows(
                                  op_display_name(ops[start], start))
             out.append(window(False, traced, "its backward does not fuse into UserbuffersBackwardLinear over the "
                                              "same ops" + (f" ({why})" if why else "")))
-        elif mode == "all_gather" and fop.plan.overlap.save_gathered_input:
+        elif mode == Collective.ALL_GATHER and fop.plan.overlap.save_gathered_input:
             out.append(window(False, traced, "save_gathered_input: the forward keeps the gathered input, which "
                                              "ub_linear's backward does not rebuild"))
         else:

@@ -13,7 +13,7 @@ from tp_fuse import comm
 
 from ...overlap.algorithms import Window, WindowOperands, run_algorithm
 from ...overlap.plan import OverlapPlan
-from ...overlap.method import Method, OverlapMethod
+from ...overlap.method import Collective, Method, OverlapMethod
 from ...quantization import BlockScaledTensor, BlockScalingQuantizer, fp8_gemm
 from ..basic._checks import compute_dtype
 from ..basic._tp import check_first_dim_divisible
@@ -105,7 +105,7 @@ class UserbuffersBackwardLinear(UserbuffersLinearBase):
     def fusion_summary(self) -> str:
         linear, tp = self.linear, self.tp_label
         fp8 = "; FP8 GEMMs" if self.fp8 else ""
-        if self.mode == "reduce_scatter":
+        if self.mode == Collective.REDUCE_SCATTER:
             wire = f", {fp8_wire_note(self.recipe, 'dy')}" if self.fp8 else ""
             return f"AllGather(dy)+dgrad GEMM {gemm_label(linear)}, {self.plan.describe()}, {tp}{fp8}{wire}"
         # Whether the input is re-gathered depends on what the forward saved (its shard, by
@@ -137,7 +137,7 @@ class UserbuffersBackwardLinear(UserbuffersLinearBase):
         basic_op_grad_extra_outputs: list[tuple[torch.Tensor, ...]],
         **unused: Any,
     ):
-        if self.mode == "all_gather":
+        if self.mode == Collective.ALL_GATHER:
             return self._backward_all_gather(basic_op_ctxs, grad_output)
         return self._backward_reduce_scatter(basic_op_ctxs, grad_output)
 

@@ -22,7 +22,7 @@ import torch.distributed as dist
 from tp_fuse.comm import GemmFn
 
 from ...overlap.config import TPOverlap, static_default
-from ...overlap.method import CONFIG_METHODS, Method, OverlapMethod, candidates
+from ...overlap.method import CONFIG_METHODS, Collective, Method, OverlapMethod, candidates
 from ...overlap.plan import OverlapPlan
 from ...overlap.symm_mem import (
     WindowCall,
@@ -79,7 +79,8 @@ class UserbuffersLinearBase(FusedOperation):
         fp8: bool = False,
         recipe: Any = None,
     ) -> None:
-        given = {"all_gather": all_gather, "reduce_scatter": reduce_scatter, "all_reduce": all_reduce}
+        given = {Collective.ALL_GATHER: all_gather, Collective.REDUCE_SCATTER: reduce_scatter,
+                 Collective.ALL_REDUCE: all_reduce}
         modes = [mode for mode, op in given.items() if op is not None]
         if len(modes) != 1:
             raise ValueError(f"{type(self).__name__} needs exactly one of all_gather / reduce_scatter / all_reduce")
@@ -90,7 +91,7 @@ class UserbuffersLinearBase(FusedOperation):
         else:
             ops = [linear, *biases, given[modes[0]]]  # type: ignore[list-item]
         super().__init__(ops)
-        self.mode = modes[0]
+        self.mode: Collective = modes[0]
         self.plan = plan
         self.fp8 = fp8
         self.recipe = recipe  # the recipe the fusion was decided under (describes the wire)
@@ -229,7 +230,7 @@ def run_planned(
 
 def symm_mem_window(
     plan: OverlapPlan,
-    mode: str,
+    mode: Collective,
     group: Optional[dist.ProcessGroup],
     a: Any,
     w: Any,

@@ -14,7 +14,7 @@ import torch.distributed as dist
 from tp_fuse.comm import all_gather_dim0
 
 from ...overlap.algorithms import Window, WindowOperands, run_algorithm
-from ...overlap.method import Method, OverlapMethod
+from ...overlap.method import Collective, Method, OverlapMethod
 from ...quantization import BlockScaledTensor, active_autocast, is_quantized_tensor
 from ...quantization.block.quantizer import is_block_recipe
 from ..basic._checks import maybe_dequantize
@@ -105,7 +105,7 @@ class UserbuffersForwardLinear(UserbuffersLinearBase):
 
     def fusion_summary(self) -> str:
         linear, tp = self.linear, self.tp_label
-        if self.mode == "all_gather":
+        if self.mode == Collective.ALL_GATHER:
             keep = (
                 "gathered input kept for wgrad"
                 if self.plan.overlap.save_gathered_input and not is_block_recipe(self.recipe)
@@ -130,7 +130,7 @@ class UserbuffersForwardLinear(UserbuffersLinearBase):
             isinstance(input_, torch.Tensor) and input_.dim() >= 1,
             f"{type(self).__name__}: expected a tensor with a sequence dimension",
         )
-        if self.mode == "all_gather":
+        if self.mode == Collective.ALL_GATHER:
             y = self._forward_all_gather(basic_op_ctxs, input_)
         else:
             y = self._forward_reduce_scatter(basic_op_ctxs, input_)
@@ -195,7 +195,7 @@ class UserbuffersForwardLinear(UserbuffersLinearBase):
 
         # PyTorch's fused all-gather+matmul, where it can run (CUDA, NCCL, symmetric memory):
         # one more candidate for method: auto, on the same prepared operands.
-        symm = symm_mem_window(self.plan, "all_gather", group, x_fp8 if fp8 else x2d, w_saved,
+        symm = symm_mem_window(self.plan, Collective.ALL_GATHER, group, x_fp8 if fp8 else x2d, w_saved,
                                out_dtype=x.dtype, bias=bias, return_a=keep_gathered)
 
         operands = WindowOperands(
@@ -242,7 +242,7 @@ class UserbuffersForwardLinear(UserbuffersLinearBase):
 
         # PyTorch's fused matmul+reduce-scatter, where it can run (CUDA, NCCL, symmetric memory).
         bias = bias_op.bias.to(x.dtype) if bias_op is not None else None  # type: ignore[union-attr]
-        symm = symm_mem_window(self.plan, "reduce_scatter", group, saved[0], saved[1], out_dtype=x.dtype, bias=bias)
+        symm = symm_mem_window(self.plan, Collective.REDUCE_SCATTER, group, saved[0], saved[1], out_dtype=x.dtype, bias=bias)
         operands = WindowOperands(
             wire, gemm, group, overlap.pool, out_features=linear.out_features, out_dtype=x.dtype,
             name=self.plan.key, check_shapes=overlap.check_shapes, symm=symm,

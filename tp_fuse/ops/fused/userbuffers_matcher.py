@@ -32,7 +32,7 @@ import dataclasses
 from collections.abc import Mapping, Sequence
 from typing import Any, Optional, Union
 
-from ...overlap.method import Method
+from ...overlap.method import Collective, Method
 from ..basic._tp import TPCommOperation
 from ..basic.all_gather import AllGather
 from ..basic.all_reduce import AllReduce
@@ -118,7 +118,7 @@ _RULES: dict[tuple[str, type], _Rule] = {
 }
 
 # The fused ops' keyword (and ``mode``) for each collective.
-_MODE = {AllGather: "all_gather", ReduceScatter: "reduce_scatter", AllReduce: "all_reduce"}
+_MODE = {AllGather: Collective.ALL_GATHER, ReduceScatter: Collective.REDUCE_SCATTER, AllReduce: Collective.ALL_REDUCE}
 
 # Column-parallel bulk dgrad: the wgrad entry decides whether RS(dx) hides behind the wgrad GEMM.
 _WGRAD_UNSUPPORTED = {
