@@ -1,16 +1,21 @@
 """``examples/bench_gpu.py --smoke --json``: every (shape, variant) row runs at tiny sizes on
 CPU, and the JSON has the schema that ``make gpu-check`` and docs/gpu.md read (issue 35,
-point 5). One subprocess (about 15 s on one core); the numbers themselves are not checked,
-only that they are there and that the plain-torch references compute what tp_fuse does."""
+point 5). The script's ``main`` runs in this process (one interpreter start less than the
+subprocess it was: ~5 CPU-s), with one intra-op thread as that subprocess had
+(``OMP_NUM_THREADS=1``); the numbers themselves are not checked, only that they are there
+and that the plain-torch references compute what tp_fuse does."""
 
 from __future__ import annotations
 
+import contextlib
+import importlib
+import io
 import json
 import os
-import subprocess
 import sys
 
 import pytest
+import torch
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SHAPES = ("host_bound", "gemm_bound", "llama_layer", "gpt_default", "gpt_1b")
@@ -19,23 +24,36 @@ NUMBERS = ("wall_us", "host_us", "tflops", "ratio_vs_torch_bf16", "parity")
 INFO = ("device", "torch", "date", "dtype")
 
 
+def _bench_gpu():
+    """examples/bench_gpu.py as a module (it imports its examples/ neighbours by name)."""
+    examples = os.path.join(REPO, "examples")
+    if examples not in sys.path:
+        sys.path.insert(0, examples)
+    return importlib.import_module("bench_gpu")
+
+
 @pytest.fixture(scope="module")
-def smoke(tmp_path_factory) -> tuple[subprocess.CompletedProcess, list[dict]]:
+def smoke(tmp_path_factory) -> tuple[str, list[dict]]:
     path = tmp_path_factory.mktemp("bench_gpu") / "rows.json"
-    proc = subprocess.run([sys.executable, os.path.join(REPO, "examples", "bench_gpu.py"), "--smoke", "--json",
-                           str(path)], cwd=REPO, capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    threads = torch.get_num_threads()
+    out = io.StringIO()
+    torch.set_num_threads(1)
+    try:
+        with contextlib.redirect_stdout(out):
+            rc = _bench_gpu().main(["--smoke", "--json", str(path)])
+    finally:
+        torch.set_num_threads(threads)
+    assert rc == 0, out.getvalue()[-3000:]
     with open(path) as f:
-        return proc, json.load(f)
+        return out.getvalue(), json.load(f)
 
 
 def test_every_row_is_present_and_ran(smoke):
-    proc, rows = smoke
+    stdout, rows = smoke
     assert [(r["shape"], r["variant"]) for r in rows] == [(s, v) for s in SHAPES for v in VARIANTS]
     for r in rows:  # on CPU every recipe runs: nothing may be skipped
         assert r["status"] == "ok", r
-    assert "| shape | variant | wall us |" in proc.stdout
+    assert "| shape | variant | wall us |" in stdout
 
 
 def test_row_schema(smoke):

@@ -36,6 +36,7 @@ else:
     import tp_fuse as te
     from tp_fuse.kernels import record_kernel_paths
     from tp_fuse.quantization.block.cast import quantize_layouts
+    from tp_fuse.quantization.block.quantizer import block_layout
     from tp_fuse.quantization.block.scaling import BlockSpec, ScaleRule
     from tp_fuse.quantization.op_quantizers import make_quantizer
     from tp_fuse.recipe import Float8BlockScaling, Float8RowwiseScaling, MXFP8BlockScaling
@@ -52,8 +53,10 @@ else:
         "1x128-nopow2-eps": (BlockSpec(1, 128), ScaleRule("fp32", power_2=False, amax_epsilon=1e-3)),
         "rowwise-nopow2": (BlockSpec(1, None), ScaleRule("fp32", power_2=False)),
     }
-    # Tails in both directions, a single element, a single row / column, > 1 tile each way.
-    SHAPES = [(1, 1), (3, 200), (130, 70), (257, 33)]
+    # Tails in both directions, a single element, a single row / column, > 1 tile each way
+    # ((130, 70): 2 row tiles of 128, 3 x 2 of the 64 x 64 MXFP8 tiles, 70 = 2 x 32 + 6;
+    # (3, 200): 2 column tiles of 128, the last ragged).
+    SHAPES = [(1, 1), (3, 200), (130, 70)]
 
     def _bits(t):
         """Exact bytes of a tensor (NaN payloads included), in a comparable dtype."""
@@ -122,7 +125,8 @@ else:
         k = torch.arange(-20, 20, dtype=torch.float32)
         below = torch.nextafter(torch.exp2(k), torch.zeros(()))  # just below 2**k
         above_56 = torch.nextafter(448.0 / torch.exp2(k), torch.full((), float("inf")))
-        x = torch.zeros(130, 160)
+        # 8 columns: the values sit in columns 0, 1 and 5 (an all-zero block: the first case).
+        x = torch.zeros(130, 8)
         x[:40, 0], x[40:80, 0] = below, above_56
         x[80:120, 1] = torch.full((40,), 1e-40) * torch.arange(1, 41)
         x[120:, 5] = torch.tensor([448.5, 464.0, 1e30, -1e30, 57344.0, 61440.0, 3e38, -3e38, 0.5, 1.0])
@@ -154,11 +158,20 @@ else:
     # ---------------------------------------------------------------- the quantizers
 
     RECIPES = {"blockwise": Float8BlockScaling(), "mxfp8": MXFP8BlockScaling(), "rowwise": Float8RowwiseScaling()}
+    # The roles left out below, each with the layout of the one tested.
+    ROLES_LIKE = {("blockwise", "input"): ["grad_output"], ("blockwise", "weight"): [],
+                  ("mxfp8", "grad_output"): ["input", "weight"], ("rowwise", "grad_output"): ["input", "weight"]}
 
-    @pytest.mark.parametrize("name", list(RECIPES))
-    @pytest.mark.parametrize("role", ["input", "weight", "grad_output"])
+    # Every distinct (block shape, scale rule, FP8 dtype) of a role (block_layout): the
+    # Float8BlockScaling input's 1x128 (its grad_output's is the same), its weight's
+    # 128x128; MXFP8 and row-wise give every role the same layout (E4M3 by default).
+    @pytest.mark.parametrize("name,role", [("blockwise", "input"), ("blockwise", "weight"),
+                                           ("mxfp8", "grad_output"), ("rowwise", "grad_output")])
     def test_block_quantizer_triton_equals_torch(name, role):
-        x = _input((80, 260), torch.bfloat16, seed=3).reshape(2, 40, 260)
+        spec, rule, dtype = block_layout(RECIPES[name], role)
+        assert all(block_layout(RECIPES[name], r) == (spec, rule, dtype) for r in ROLES_LIKE[(name, role)])
+        # 2 x 140 columns: 2 blocks of 128 (ragged) / 5 MXFP8 blocks; 48 rows: ragged 128-row blocks.
+        x = _input((48, 140), torch.bfloat16, seed=3).reshape(2, 24, 140)
         torch_q, triton_q = (make_quantizer(RECIPES[name], role) for _ in range(2))
         triton_q.backend = "triton"
         for transpose in (False, True):

@@ -32,7 +32,7 @@ else:
     triton = pytest.importorskip("triton")
     import triton.language as tl
 
-    from test_kernels import CASES, FP8_PAIRS, gemm_check, gemm_operands
+    from test_kernels import FP8_PAIRS, gemm_check, gemm_operands
     from tp_fuse.kernels import (
         dgelu_dbias,
         dswiglu,
@@ -54,6 +54,12 @@ else:
     F32 = dict(rtol=1e-5, atol=1e-5)
     # numpy reports the inf/NaN arithmetic these tests feed in on purpose.
     pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning:triton.runtime.interpreter")
+    # test_kernels.CASES with (17, 33) for its (33, 65): the interpreter pays per program and
+    # per tile element, and (17, 33) is the smallest shape that is still ragged in both
+    # directions over 2 x 2 programs of the interpreter's 16 x 32 tiles (4-row norm programs:
+    # 5 of them, the last ragged; the dbias workspace still has 2 rows to sum).
+    CASES = [(s, "contiguous") for s in [(1, 1), (7, 13), (17, 33), (2, 3, 17)]] + [
+        ((17, 33), "transposed"), ((7, 13), "strided")]
 
     def _bytes(t):
         return t.view(torch.uint8)
@@ -157,15 +163,20 @@ else:
     @pytest.mark.parametrize("fp8_dtype", [E4M3, E5M2])
     def test_quantize_every_bf16_pattern(fp8_dtype):
         x = torch.arange(1 << 16, dtype=torch.int32).to(torch.int16).view(torch.bfloat16).reshape(256, 256)
-        for scale in (1.0, 2.0**-7):  # as is; and scaled into the subnormal range
+        # As is (NaN and inf included: the amax is NaN); then scaled into the subnormal range
+        # with the non-finite patterns zeroed, where the amax must be the largest finite |x|
+        # (the cost is per element: two passes over the 65536 patterns, not three).
+        finite = torch.where(x.isfinite(), x, torch.zeros((), dtype=x.dtype))
+        amaxes = []
+        for inp, scale in ((x, 1.0), (finite, 2.0**-7)):
             s = torch.tensor(scale)
-            got = quantize(x, s, fp8_dtype, backend="triton")
-            ref = quantize(x, s, fp8_dtype, backend="torch")
+            got = quantize(inp, s, fp8_dtype, backend="triton")
+            ref = quantize(inp, s, fp8_dtype, backend="torch")
             _assert_same(got[0], ref[0])
-            assert got[2].isnan() and ref[2].isnan()  # the patterns include NaN
-        finite = x[x.isfinite()]
-        got = quantize(finite, torch.tensor(1.0), fp8_dtype, backend="triton")[2]
-        assert got.item() == float(finite.float().abs().max())
+            amaxes.append((got[2], ref[2]))
+        (nan_got, nan_ref), (got_amax, ref_amax) = amaxes
+        assert nan_got.isnan() and nan_ref.isnan()  # the patterns include NaN
+        assert got_amax.item() == ref_amax.item() == float(x[x.isfinite()].float().abs().max())
 
     def test_quantize_empty():
         data, data_t, amax = quantize(torch.empty(0, 5), torch.tensor(1.0), E4M3, transpose=True, backend="triton")
@@ -336,8 +347,9 @@ else:
         dx, dbias, amax = dgelu_dbias(torch.empty(0, 6), torch.empty(0, 6), backend="triton")
         assert dx.shape == (0, 6) and torch.equal(dbias, torch.zeros(6)) and amax.item() == 0.0
 
-    GLU_CASES = [((1, 2), "contiguous"), ((7, 14), "contiguous"), ((33, 66), "contiguous"),
-                 ((2, 3, 18), "contiguous"), ((33, 66), "transposed"), ((7, 14), "strided")]
+    # (17, 66): the 33 output columns and 17 rows are ragged over 2 x 2 programs (as CASES).
+    GLU_CASES = [((1, 2), "contiguous"), ((7, 14), "contiguous"), ((17, 66), "contiguous"),
+                 ((2, 3, 18), "contiguous"), ((17, 66), "transposed"), ((7, 14), "strided")]
 
     @pytest.mark.parametrize("shape,layout", GLU_CASES)
     @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -357,8 +369,15 @@ else:
     # FP8 GEMM: pointer kernel everywhere, TMA kernel where K allows it
     # ------------------------------------------------------------------------------
 
-    @pytest.mark.parametrize("M,N,K", [(1, 1, 1), (7, 13, 5), (33, 65, 17), (7, 13, 48), (33, 40, 80)])
-    @pytest.mark.parametrize("fa,fb", FP8_PAIRS)
+    # Interpreter tiles are 16 x 16 x 32 (gemm_triton._INTERPRETER_META). (33, 20, 48): ragged
+    # M and N over 3 x 2 tiles (the last GROUP_M group has one row of tiles), 2 K steps, the
+    # last one ragged; every operand-format pair, pointer and TMA kernel. The small shapes
+    # take one pair each: one ragged tile with K < BLOCK_K (pointer only), and K % 16 == 0
+    # inside a single tile (TMA too).
+    GEMM_CASES = ([(1, 1, 1, E4M3, E4M3), (7, 13, 5, E5M2, E4M3), (7, 13, 48, E4M3, E5M2)]
+                  + [(33, 20, 48, fa, fb) for fa, fb in FP8_PAIRS])
+
+    @pytest.mark.parametrize("M,N,K,fa,fb", GEMM_CASES)
     def test_fp8_gemm_bias_gelu(M, N, K, fa, fb):
         a, b, sa, sb, bias = gemm_operands(M, N, K, fa, fb)
         bias = bias.to(torch.bfloat16)
@@ -375,7 +394,7 @@ else:
     @pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16, torch.float16])
     @pytest.mark.parametrize("epilogue", ["none", "bias"])
     def test_fp8_gemm_epilogues(out_dtype, epilogue):
-        a, b, sa, sb, bias = gemm_operands(33, 65, 48, E4M3, E5M2, seed=1)
+        a, b, sa, sb, bias = gemm_operands(17, 20, 48, E4M3, E5M2, seed=1)  # 2 x 2 ragged tiles, 2 K steps
         bias = bias if epilogue == "bias" else None
         with record_kernel_paths() as log:
             out, pre = fp8_gemm(a, b, sa, sb, out_dtype, bias=bias, backend="triton")

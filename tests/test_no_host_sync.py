@@ -142,14 +142,12 @@ def test_compiled_block_scaled_step_does_not_sync() -> None:
 @pytest.mark.parametrize("recipe", [DelayedScaling(), MXFP8BlockScaling()], ids=["delayed", "mxfp8"])
 def test_reduce_overhead_mode_traces_one_graph(recipe) -> None:
     """``mode="reduce-overhead"`` (CUDA graphs; on CPU inductor's default code, no graphs):
-    0 graph breaks, fullgraph compiles, compiled == eager (FP8: the recipe's tolerance),
-    and after the first step no host sync (the precondition of capturing it on a GPU)."""
+    one graph with 0 graph breaks (``fullgraph=True`` raises on a break), compiled == eager
+    (FP8: the recipe's tolerance), and after the first step no host sync (the precondition
+    of capturing it on a GPU)."""
     torch._dynamo.reset()
     ctx = (lambda: tp_fuse.autocast(recipe=recipe)) if recipe is not None else contextlib.nullcontext
     x = torch.randn(8, 2, 32)
-    with ctx():
-        explanation = torch._dynamo.explain(TransformerLayer(32, 64, 2, seed=1))(x)
-    assert explanation.graph_break_count == 0 and explanation.graph_count == 1, explanation.break_reasons
     eager = TransformerLayer(32, 64, 2, seed=1)
     compiled = torch.compile(copy.deepcopy(eager), mode="reduce-overhead", fullgraph=True)
     outs = []
