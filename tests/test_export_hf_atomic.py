@@ -2,7 +2,11 @@
 written into ``<target>.partial`` and renamed into place when complete; an interrupted or
 failed export removes the partial directory, says so in one line, and the same command
 (``checkpoint.resume=auto``) then exports the saved checkpoint. The target is checked
-before training and again before the export."""
+before training and again before the export.
+
+The SIGTERM at TP=2 is sent to a real torchrun job and the same command is run again; the
+SIGINT and the full disk (a file-size limit) run in this process and check the ExportError
+that launch/train.py prints as its one line."""
 
 from __future__ import annotations
 
@@ -10,16 +14,17 @@ import os
 import resource
 import signal
 import subprocess
-import sys
 import time
 
 import pytest
 
 pytest.importorskip("transformers", reason="transformers is not installed (pip install -e .[hf])")
 
+import transformers  # noqa: E402
 from transformers import modeling_utils  # noqa: E402 - binds safetensors' save_file as safe_save_file
 
 from tp_fuse.launch.api import train  # noqa: E402
+from tp_fuse.launch.checkpoint import hf_export  # noqa: E402
 from tp_fuse.launch.checkpoint.hf_export import ExportError, check_export_target, partial_path  # noqa: E402
 from tp_fuse.launch.checkpoint.manager import CheckpointError  # noqa: E402
 from tp_fuse.launch.config import CONFIG_DIR  # noqa: E402
@@ -124,26 +129,33 @@ def test_sigint_during_an_export_is_one_line_naming_the_checkpoint(tmp_path, mod
     assert not export.exists() and not os.path.exists(partial_path(str(export)))
 
 
-def test_a_full_disk_during_export_then_the_same_command_completes_it(tmp_path, model):
+def test_a_full_disk_during_export_then_the_same_command_completes_it(tmp_path, model, monkeypatch, capsys):
+    """In this process, the file-size limit set for the length of the export's write (capsys
+    keeps what Python prints in memory, off pytest's capture file): the ExportError is the
+    one line launch/train.py prints (the TP=2 test above runs that path as a command)."""
     export = tmp_path / "hf"
-    train([*_args(tmp_path, tmp_path / "unused"), "checkpoint.export_hf=null"], str(tmp_path / "run0"))
-    args = [*_args(tmp_path, export), f"hydra.run.dir={tmp_path / 'run'}"]
     limit = 16 << 10  # config.json fits; the ~150 kB model.safetensors does not
+    real = hf_export.save_pretrained
 
-    def small_files():
-        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+    def small_files(*args, **kwargs):
+        unlimited = resource.getrlimit(resource.RLIMIT_FSIZE)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, unlimited[1]))
+        try:
+            return real(*args, **kwargs)
+        finally:
+            resource.setrlimit(resource.RLIMIT_FSIZE, unlimited)
 
-    proc = subprocess.run([sys.executable, os.path.join(ROOT, "launch", "train.py"), *args], cwd=str(tmp_path),
-                          env={**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1"}, capture_output=True,
-                          text=True, timeout=240, preexec_fn=small_files)
-    assert proc.returncode == 1, proc.stderr[-3000:]
-    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
-    line = [ln for ln in proc.stderr.splitlines() if ln.startswith("[tp-fuse] error: ")]
-    assert len(line) == 1 and f"writing {export} failed: the file-size limit (ulimit -f) was reached" in line[0], \
-        proc.stderr[-3000:]
-    assert f"removed the partial {partial_path(str(export))}" in line[0], line
+    monkeypatch.setattr(hf_export, "save_pretrained", small_files)
+    with pytest.raises(ExportError) as info:
+        train(_args(tmp_path, export), str(tmp_path / "run"))
+    error = str(info.value)
+    assert "\n" not in error and info.value.exit_status == 1, error
+    assert f"writing {export} failed: the file-size limit (ulimit -f) was reached" in error, error
+    assert f"removed the partial {partial_path(str(export))}" in error, error
+    assert "Traceback" not in capsys.readouterr().err
     assert not export.exists() and not os.path.exists(partial_path(str(export)))
-    result = train([*_args(tmp_path, export)], str(tmp_path / "run2"))  # the same command, disk freed
+    monkeypatch.undo()
+    result = train(_args(tmp_path, export), str(tmp_path / "run2"))  # the same command, disk freed
     assert result.already_complete and _exported(export)
 
 
@@ -166,10 +178,6 @@ def test_export_target_is_checked_before_training(tmp_path, model):
 
 
 def test_a_target_created_during_the_export_is_not_replaced(tmp_path, monkeypatch):
-    import transformers
-
-    from tp_fuse.launch.checkpoint import hf_export
-
     model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
         vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
         num_key_value_heads=2, max_position_embeddings=16))
