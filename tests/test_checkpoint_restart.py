@@ -1,6 +1,8 @@
 """Checkpoints across processes: elastic restart after a rank dies, and resume at another TP size.
 
-A: `torchrun --nproc-per-node=2` (TP=2), 12 steps, checkpoints every 4 steps.
+A: 2 ranks (TP=2), 12 steps, checkpoints every 4 steps: ``tp_fuse.launch.api.train`` in
+   one start of 2 gloo ranks (the same launcher path as under torchrun, bit for bit; a
+   torchrun start costs ~20 CPU-s more). B and D are real torchrun jobs.
 B: the same with `--max-restarts=1` and `trainer.fail_at_step=10` (rank 1 exits on the
    first attempt): torchrun restarts both ranks, they resume from step 8 and end with
    exactly A's losses.
@@ -8,7 +10,7 @@ C: A's TP=2 checkpoint of step 4, resumed in one process at TP=1: DCP reshards t
    model and optimizer state; the losses follow A's up to TP round-off.
 D: the same run preempted: SIGTERM to torchrun's whole process group (what a scheduler
    sends) once step 2 is logged. Both ranks finish the step they are in, agree on it,
-   save a checkpoint and exit 0; the resumed run ends with exactly A's losses.
+   save a checkpoint and exit 0; the resumed run (2 gloo ranks) ends with exactly A's losses.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import pytest
 
 from tp_fuse.launch.api import train
 from tp_fuse.launch.logging.metrics import read_jsonl
+from dist_utils import run_distributed
 from test_launch_train import TINY, torchrun, torchrun_command
 
 RUN = [*TINY, "trainer.max_steps=12", "trainer.log_interval=1", "trainer.val_interval=0", "logger=none",
@@ -34,10 +37,16 @@ def _losses(run_dir: str) -> dict[int, float]:
     return {r["step"]: r["loss"] for r in read_jsonl(os.path.join(run_dir, "metrics.jsonl"))}
 
 
+def _train_on_two_ranks(rank: int, world_size: int, args: list[str], run_dir: str) -> dict[int, float]:
+    """One rank of a 2-rank launcher run (inside run_distributed)."""
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size))
+    return train(args, run_dir).losses
+
+
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("uninterrupted")
-    torchrun([*RUN, f"checkpoint.dir={tmp / 'ck'}", f"hydra.run.dir={tmp / 'run'}"], cwd=str(tmp))
+    run_distributed(2, _train_on_two_ranks, [*RUN, f"checkpoint.dir={tmp / 'ck'}"], str(tmp / "run"), timeout=300)
     return tmp
 
 
@@ -97,7 +106,8 @@ def test_sigterm_mid_run_saves_on_both_ranks_and_the_resume_is_bit_identical(uni
     assert m.group(2) == str(ck / f"step_{step:08d}") and step < 12
     assert not re.search(r"exitcode\s*:\s*[1-9]", err), err[-3000:]  # no worker failed
     assert "SignalException" in err and proc.returncode == 1  # torchrun's own report of the signal
-    torchrun([*args, "checkpoint.resume=auto"], cwd=str(tmp_path))
+    run_distributed(2, _train_on_two_ranks, [*RUN, f"checkpoint.dir={ck}", "checkpoint.resume=auto"], str(run),
+                    timeout=300)
     got = _losses(str(run))
     assert sorted(got) == list(range(1, 13))
     assert got == _losses(str(uninterrupted / "run"))  # bitwise

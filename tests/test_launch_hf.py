@@ -1,4 +1,4 @@
-"""``+model=hf model.path=<dir>`` end to end (torchrun, 2 ranks, TP=2, FP8, overlap), and the
+"""``+model=hf model.path=<dir>`` end to end (2 ranks, TP=2, FP8, overlap), and the
 model directory's handling: sizes from config.json, tokenizer.json, safetensors weights
 loaded, pickled weights refused, errors naming the file. Directories are written here
 (tiny Llama config, a BPE tokenizer trained on a few kB); nothing is downloaded.
@@ -7,7 +7,6 @@ loaded, pickled weights refused, errors naming the file. Directories are written
 from __future__ import annotations
 
 import contextlib
-import glob
 import io
 import json
 import math
@@ -31,7 +30,6 @@ from tp_fuse.launch.models import hf_config as hf_module  # noqa: E402
 from tp_fuse.launch.data import stdlib_corpus  # noqa: E402
 from tp_fuse.launch.models.hf import build_hf_model, load_tokenizer  # noqa: E402
 from tp_fuse.launch.logging.metrics import read_jsonl  # noqa: E402
-from test_launch_train import torchrun  # noqa: E402
 from dist_utils import run_distributed  # noqa: E402
 
 VOCAB = 320
@@ -77,44 +75,30 @@ def _model_dir(root, *, weights: bool, seed: int = 0, kv_heads: int = 2, family:
 
 
 @pytest.mark.multirank
-def test_torchrun_hf_llama_tp2_fp8_overlap(tmp_path):
-    model_dir = _model_dir(tmp_path / "model", weights=False)
-    os.makedirs(tmp_path / "run")
-    proc = torchrun(["+model=hf", f"model.path={model_dir}", "parallel.tp=2", "fp8=delayed", "overlap=on",
-                     "data.seq_len=32", "trainer.global_batch_size=4", "trainer.micro_batch_size=4",
-                     "trainer.max_steps=4", "trainer.log_interval=1", "trainer.val_interval=0", "logger=none",
-                     "trainer.progress=false", "optim.warmup_steps=1", "optim.lr=3e-3"],
-                    cwd=str(tmp_path / "run"), env={"HOME": str(tmp_path / "home")})
-    run_dirs = glob.glob(str(tmp_path / "run" / "outputs" / "*" / "*"))
-    assert len(run_dirs) == 1, (run_dirs, proc.stdout[-2000:])
-    metrics = read_jsonl(os.path.join(run_dirs[0], "metrics.jsonl"))
+def test_hf_llama_tp2_fp8_overlap(tp2_runs):
+    run_dir = _tp2_run(tp2_runs, "llama")
+    metrics = read_jsonl(os.path.join(run_dir, "metrics.jsonl"))
     assert [m["step"] for m in metrics] == [1, 2, 3, 4]
     assert all(math.isfinite(m["loss"]) for m in metrics)
     # Tokens come from the model's tokenizer (vocab 320): the first loss is about ln(320), not ln(256).
     assert abs(metrics[0]["loss"] - math.log(VOCAB)) < 0.5, metrics[0]["loss"]
-    assert os.path.exists(os.path.join(run_dirs[0], "fp8_stats.jsonl"))
+    assert os.path.exists(os.path.join(run_dir, "fp8_stats.jsonl"))
 
 
 @pytest.mark.multirank
-def test_torchrun_hf_phi3_tp2_checkpoint_resumes_at_tp1(tmp_path):
+def test_hf_phi3_tp2_checkpoint_resumes_at_tp1(tp2_runs, tmp_path):
     """Phi-3's fused unequal [q; k; v] (GQA) through the launcher: trained at TP=2 with its
     built-in plan, checkpointed (each part stored on its own, tp_fuse.layers.ShardSpec.sizes),
     resumed at TP=1 where the loss trajectory continues."""
-    # initializer_range 0.3: large enough weights that a mis-assembled qkv changes the loss visibly.
-    model_dir = _model_dir(tmp_path / "model", weights=True, seed=3, family="phi3", initializer_range=0.3)
-    args = ["+model=hf", f"model.path={model_dir}", "data.seq_len=32", "trainer.global_batch_size=4",
-            "trainer.micro_batch_size=4", "trainer.max_steps=4", "trainer.log_interval=1", "trainer.val_interval=0",
-            "logger=none", "trainer.progress=false", "optim.warmup_steps=1", "optim.lr=3e-3", "checkpoint.interval=2"]
-    os.makedirs(tmp_path / "run")
-    proc = torchrun([*args, "parallel.tp=2", f"checkpoint.dir={tmp_path / 'ck'}", f"hydra.run.dir={tmp_path / 'run'}",
-                     f"checkpoint.export_hf={tmp_path / 'hf_tp2'}"],
-                    cwd=str(tmp_path / "run"), env={"HOME": str(tmp_path / "home")})
-    assert "plan for model_type 'phi3'" in proc.stdout + proc.stderr
-    expected = {m["step"]: m["loss"] for m in read_jsonl(os.path.join(tmp_path / "run", "metrics.jsonl"))}
+    run_dir = _tp2_run(tp2_runs, "phi3")
+    assert "plan for model_type 'phi3'" in tp2_runs["ranks"][0]["phi3"]["printed"]
+    root = tp2_runs["root"] / "phi3"
+    args = _phi3_args(str(root / "model"))
+    expected = {m["step"]: m["loss"] for m in read_jsonl(os.path.join(run_dir, "metrics.jsonl"))}
     assert sorted(expected) == [1, 2, 3, 4]
     ck = tmp_path / "ck1"
     ck.mkdir()
-    shutil.copytree(tmp_path / "ck" / "step_00000002", ck / "step_00000002")
+    shutil.copytree(root / "ck" / "step_00000002", ck / "step_00000002")
     result = train([*args, "checkpoint.resume=true", f"checkpoint.dir={ck}", "parallel.tp=1"], str(tmp_path / "run1"))
     assert result.start_step == 2
     for step in (3, 4):  # TP=1 vs TP=2: float32 reduction order only
@@ -122,56 +106,53 @@ def test_torchrun_hf_phi3_tp2_checkpoint_resumes_at_tp1(tmp_path):
     # checkpoint.export_hf (issue 22: a Hugging Face directory from a launcher checkpoint):
     # the TP=2 run exported its step-4 model (gathered) at its end; resuming its step-4
     # checkpoint at TP=1 only to export gives the same tensors, bit for bit.
+    shutil.copytree(root / "ck", tmp_path / "ck")
     hf_tp1 = tmp_path / "hf_tp1"
     again = train([*args, "checkpoint.resume=true", f"checkpoint.dir={tmp_path / 'ck'}", "parallel.tp=1",
                    f"checkpoint.export_hf={hf_tp1}"], str(tmp_path / "run2"))
     assert again.start_step == 4 and again.already_complete
-    tp2_sd = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf_tp2").state_dict()
+    tp2_sd = transformers.AutoModelForCausalLM.from_pretrained(root / "hf_tp2").state_dict()
     tp1_sd = transformers.AutoModelForCausalLM.from_pretrained(hf_tp1).state_dict()
     assert tp2_sd.keys() == tp1_sd.keys() and all(torch.equal(tp2_sd[k], tp1_sd[k]) for k in tp2_sd)
-    initial = transformers.AutoModelForCausalLM.from_pretrained(model_dir).state_dict()
+    initial = transformers.AutoModelForCausalLM.from_pretrained(root / "model").state_dict()
     assert not torch.equal(initial["model.layers.0.self_attn.qkv_proj.weight"],
                            tp2_sd["model.layers.0.self_attn.qkv_proj.weight"])  # trained, and in the fused layout
 
 
 @pytest.mark.multirank
-def test_torchrun_hf_qwen3_tp2_matches_tp1(tmp_path):
+def test_hf_qwen3_tp2_matches_tp1(tp2_runs):
     """Issue 22: qwen3's q_norm/k_norm (shared by all heads, used per head) need their
     gradient summed over TP; without it TP=2 drifted from TP=1 (9.5e-4 after 12 steps) and
     exited 0. The start-up verify (model.verify, default true) is on in the TP=2 run."""
-    model_dir = _model_dir(tmp_path / "model", weights=True, seed=4, family="qwen3", initializer_range=0.3)
-    _torchrun_tp2_matches_tp1(tmp_path, model_dir, [
+    _tp2_matches_tp1(tp2_runs, "qwen3", [
         "q_norm.weight (x2): replicated, used on TP-sharded activations",
         "verified: outputs and every gradient match the original",
     ])
 
 
 @pytest.mark.multirank
-def test_torchrun_hf_olmo2_tp2_matches_tp1(tmp_path):
+def test_hf_olmo2_tp2_matches_tp1(tp2_runs):
     """OLMo2 through the launcher (issue 22): its q_norm/k_norm normalise the whole q/k
     projection (all heads), so its plan shards them with the heads ("sharded_norm": weight
     split, mean of squares summed over TP). TP=2 (start-up verify on) matches TP=1 over 12
     steps from the same safetensors weights."""
-    model_dir = _model_dir(tmp_path / "model", weights=True, seed=5, family="olmo2", initializer_range=0.3)
-    _torchrun_tp2_matches_tp1(tmp_path, model_dir, [
+    _tp2_matches_tp1(tp2_runs, "olmo2", [
         "plan for model_type 'olmo2'",
         "sharded norm (weight split with the features, statistics summed over TP)",
         "verified: outputs and every gradient match the original",
     ])
 
 
-def _torchrun_tp2_matches_tp1(tmp_path, model_dir: str, expected_lines: list[str], steps: int = 12) -> None:
-    """TP=2 under torchrun (start-up verify on) prints ``expected_lines`` and trains as TP=1
-    does in-process from the same weights: every step's loss at 1e-4 (float32 reduction order)."""
-    args = _family_args(model_dir, steps)
-    os.makedirs(tmp_path / "run")
-    proc = torchrun([*args, "parallel.tp=2", f"hydra.run.dir={tmp_path / 'run'}"], cwd=str(tmp_path / "run"),
-                    env={"HOME": str(tmp_path / "home")})
-    out = proc.stdout + proc.stderr
+def _tp2_matches_tp1(tp2_runs, name: str, expected_lines: list[str], steps: int = 12) -> None:
+    """The TP=2 run ``name`` (start-up verify on) printed ``expected_lines`` and trained as
+    TP=1 does in-process from the same weights: every step's loss at 1e-4 (float32 reduction order)."""
+    _tp2_run(tp2_runs, name)
+    out = tp2_runs["ranks"][0][name]["printed"]
     for line in expected_lines:
         assert line in out, (line, out[-3000:])
-    tp2 = {m["step"]: m["loss"] for m in read_jsonl(os.path.join(tmp_path / "run", "metrics.jsonl"))}
-    tp1 = train([*args, "parallel.tp=1"], str(tmp_path / "run1")).losses
+    tp2 = tp2_runs["ranks"][0][name]["losses"]
+    root = tp2_runs["root"] / name
+    tp1 = train([*_family_args(str(root / "model"), steps), "parallel.tp=1"], str(root / "run1")).losses
     assert sorted(tp2) == list(range(1, steps + 1))
     for step in range(1, steps + 1):
         assert tp2[step] == pytest.approx(tp1[step], rel=1e-4), (step, tp2, tp1)
@@ -333,38 +314,62 @@ def _family_args(model_dir: str, steps: int = 3) -> list[str]:
             "trainer.val_interval=0", "logger=none", "trainer.progress=false", "optim.warmup_steps=1", "optim.lr=3e-3"]
 
 
-def _families_tp2(rank: int, world_size: int, root: str) -> dict[str, Any]:
-    """Every family at TP=2 in ONE 2-rank start (a torchrun start per family cost ~15 s
-    each): ``tp_fuse.launch.api.train`` runs the launcher's whole path -- config check,
-    wrap with the family's plan, start-up verify -- inside these ranks."""
+def _phi3_args(model_dir: str) -> list[str]:
+    return [*_family_args(model_dir, 4), "checkpoint.interval=2"]
+
+
+def _tp2_all(rank: int, world_size: int, root: str, runs: dict[str, list[str]]) -> dict[str, Any]:
+    """Every TP=2 run of this module in ONE 2-rank start (a torchrun start per run cost
+    ~15-20 CPU-s each; torchrun's own start of +model=hf at TP=2 is in
+    test_export_hf_atomic.py): ``tp_fuse.launch.api.train`` runs the launcher's whole path
+    -- config check, wrap with the family's plan, start-up verify, checkpoints, export --
+    inside these ranks."""
     os.environ.update({"WORLD_SIZE": str(world_size), "RANK": str(rank)})
     out: dict[str, Any] = {}
-    for family in sorted(_NEW_FAMILIES):
+    for name, args in runs.items():
         printed = io.StringIO()
         try:
             with contextlib.redirect_stdout(printed), contextlib.redirect_stderr(printed):
-                losses = train([*_family_args(os.path.join(root, family, "model")), "parallel.tp=2"],
-                               os.path.join(root, family, "run")).losses
-            out[family] = {"losses": losses, "printed": printed.getvalue()}
+                losses = train([*args, "parallel.tp=2"], os.path.join(root, name, "run")).losses
+            out[name] = {"losses": losses, "printed": printed.getvalue()}
         except Exception:  # noqa: BLE001 - reported to the parent, with what it printed
-            out[family] = {"error": traceback.format_exc(), "printed": printed.getvalue()}
+            out[name] = {"error": traceback.format_exc(), "printed": printed.getvalue()}
     return out
 
 
 @pytest.fixture(scope="module")
-def families_tp2(tmp_path_factory) -> dict[str, Any]:
-    root = tmp_path_factory.mktemp("hf_families")
-    for family in _NEW_FAMILIES:
-        _family_dir(root / family / "model", family, seed=6)
-    return {"root": root, "ranks": run_distributed(2, _families_tp2, str(root), timeout=900)}
+def tp2_runs(tmp_path_factory) -> dict[str, Any]:
+    """The TP=2 runs: Llama with FP8 and overlap (4 steps); Phi-3 with checkpoints every 2
+    steps and an export; Qwen3 and OLMo2 (12 steps); every family of _NEW_FAMILIES (3 steps)."""
+    root = tmp_path_factory.mktemp("hf_tp2")
+    runs = {}
+    model = _model_dir(root / "llama" / "model", weights=False)
+    runs["llama"] = [*_family_args(model, 4), "fp8=delayed", "overlap=on"]
+    # initializer_range 0.3: large enough weights that a mis-assembled qkv changes the loss visibly.
+    model = _model_dir(root / "phi3" / "model", weights=True, seed=3, family="phi3", initializer_range=0.3)
+    runs["phi3"] = [*_phi3_args(model), f"checkpoint.dir={root / 'phi3' / 'ck'}",
+                    f"checkpoint.export_hf={root / 'phi3' / 'hf_tp2'}"]
+    for family, seed in (("qwen3", 4), ("olmo2", 5)):
+        model = _model_dir(root / family / "model", weights=True, seed=seed, family=family, initializer_range=0.3)
+        runs[family] = _family_args(model, 12)
+    for family in sorted(_NEW_FAMILIES):
+        runs[family] = _family_args(_family_dir(root / family / "model", family, seed=6))
+    return {"root": root, "ranks": run_distributed(2, _tp2_all, str(root), runs, timeout=900)}
+
+
+def _tp2_run(tp2_runs, name: str) -> str:
+    """The run directory of the TP=2 run ``name``, after checking that no rank failed."""
+    for rank, r in enumerate(tp2_runs["ranks"]):
+        assert "error" not in r[name], f"rank {rank}:\n{r[name]['error']}\n{r[name]['printed'][-3000:]}"
+    return str(tp2_runs["root"] / name / "run")
 
 
 @pytest.mark.multirank
 @pytest.mark.parametrize("family", sorted(_NEW_FAMILIES))
-def test_hf_family_tp2_matches_tp1(families_tp2, family):
+def test_hf_family_tp2_matches_tp1(tp2_runs, family):
     """Each family +model=hf accepts beyond the first eight: TP=2 (its built-in plan, start-up
     verify on) trains as TP=1 does from the same safetensors weights, 3 steps at 1e-4."""
-    ranks = [r[family] for r in families_tp2["ranks"]]
+    ranks = [r[family] for r in tp2_runs["ranks"]]
     for rank, r in enumerate(ranks):
         assert "error" not in r, f"rank {rank}:\n{r['error']}\n{r['printed'][-3000:]}"
     out = ranks[0]["printed"]
@@ -375,7 +380,7 @@ def test_hf_family_tp2_matches_tp1(families_tp2, family):
         assert "routed MoE experts: replicated on every TP rank" in out, out[-3000:]
     tp2 = ranks[0]["losses"]
     assert ranks[1]["losses"] == tp2  # every rank reports the same (all-reduced) losses
-    root = families_tp2["root"]
+    root = tp2_runs["root"]
     tp1 = train([*_family_args(str(root / family / "model")), "parallel.tp=1"], str(root / family / "run1")).losses
     assert sorted(tp2) == [1, 2, 3]
     for step in (1, 2, 3):  # float32 reduction order only

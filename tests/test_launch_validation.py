@@ -1,7 +1,9 @@
 """Validation is one fixed token set, whatever the TP/DP layout (issue: it counted per DP rank).
 
 Unit: the DP shards of the validation set are a partition of the same windows for dp = 1, 2, 4.
-End to end: one process vs. 2 ranks as DP=2 -- the same validation loss.
+End to end: one process vs. 2 ranks as DP=2 -- the same validation loss (the 2 ranks are
+``tp_fuse.launch.api.train`` in one start of 2 gloo ranks: the launcher's path without
+torchrun's start, which test_launch_train.py covers).
 """
 
 from __future__ import annotations
@@ -16,7 +18,8 @@ from tp_fuse.launch.api import train
 from tp_fuse.launch.config import DataConfig
 from tp_fuse.launch.data import BatchLoader, TokenData
 from tp_fuse.launch.logging.metrics import read_jsonl
-from test_launch_train import TINY, torchrun
+from dist_utils import run_distributed
+from test_launch_train import TINY
 from tolerances import tols
 
 
@@ -45,14 +48,19 @@ def test_validation_set_is_the_same_for_every_dp_size():
     assert loader.val_windows(1) == 1
 
 
+def _train_dp2(rank: int, world_size: int, args: list[str], run_dir: str) -> None:
+    """One rank of the DP=2 run (inside run_distributed)."""
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size))
+    train(args, run_dir)
+
+
 @pytest.mark.multirank
 def test_validation_loss_does_not_depend_on_the_layout(tmp_path):
     common = [*TINY, "trainer.max_steps=2", "trainer.log_interval=1", "trainer.val_interval=2",
               "trainer.val_tokens=1600", "logger=none"]
     single = train(common, run_dir=str(tmp_path / "one"))
-    torchrun([*common, "parallel.tp=1"], cwd=str(tmp_path))  # DP=2
-    (run_dir,) = [os.path.join(d, n) for d in (tmp_path / "outputs").glob("*") for n in os.listdir(d)]
-    metrics = read_jsonl(os.path.join(run_dir, "metrics.jsonl"))
+    run_distributed(2, _train_dp2, [*common, "parallel.tp=1"], str(tmp_path / "dp2"), timeout=300)  # DP=2
+    metrics = read_jsonl(str(tmp_path / "dp2" / "metrics.jsonl"))
     dp2_val = metrics[-1]["val_loss"]
     assert math.isfinite(dp2_val)
     assert dp2_val == pytest.approx(single.val_losses[2], rel=tols(torch.float32)["rtol"])

@@ -20,7 +20,11 @@ import pytest
 from tp_fuse.launch.api import train
 from tp_fuse.launch.logging.metrics import read_jsonl
 from tp_fuse.layers import GPT
-from test_checkpoint_resume import COMMON, straight  # noqa: F401 - the uninterrupted 12-step run (fixture)
+from test_checkpoint_resume import COMMON
+
+# 6 steps (COMMON has 12): a signal during step 4 leaves 2 resumed steps, the second of them
+# after a whole resumed optimizer step; fewer steps keep the 3 signals x 2 runs cheap.
+SHORT = [a for a in COMMON if not a.startswith("trainer.max_steps")] + ["trainer.max_steps=6"]
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -45,20 +49,26 @@ def _signal_during_step(step: int, sig: int):
     return factory
 
 
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory):
+    """The uninterrupted 6-step reference run."""
+    return train(SHORT, str(tmp_path_factory.mktemp("straight")))
+
+
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGUSR1, signal.SIGINT], ids=lambda s: s.name)
-def test_a_signal_mid_run_saves_and_the_resume_is_bit_identical(straight, tmp_path, capfd, sig):  # noqa: F811
+def test_a_signal_mid_run_saves_and_the_resume_is_bit_identical(straight, tmp_path, capfd, sig):
     ck, run = tmp_path / "ck", str(tmp_path / "run")
     before = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)}
-    first = train([*COMMON, f"checkpoint.dir={ck}"], run, model_factory=_signal_during_step(5, sig))
-    assert first.stopped_by == sig.name and first.last_step == 5
-    assert first.checkpoint == str(ck / "step_00000005")
-    assert f"[tp-fuse] {sig.name}: stopped after step 5 of 12; checkpoint saved: {ck}/step_00000005" in \
+    first = train([*SHORT, f"checkpoint.dir={ck}"], run, model_factory=_signal_during_step(4, sig))
+    assert first.stopped_by == sig.name and first.last_step == 4
+    assert first.checkpoint == str(ck / "step_00000004")
+    assert f"[tp-fuse] {sig.name}: stopped after step 4 of 6; checkpoint saved: {ck}/step_00000004" in \
         capfd.readouterr().err
     assert {s: signal.getsignal(s) for s in before} == before  # the handlers are given back
-    second = train([*COMMON, "checkpoint.resume=auto", f"checkpoint.dir={ck}"], run)
-    assert second.start_step == 5 and second.stopped_by is None
+    second = train([*SHORT, "checkpoint.resume=auto", f"checkpoint.dir={ck}"], run)
+    assert second.start_step == 4 and second.stopped_by is None
     assert {**first.losses, **second.losses} == straight.losses  # bitwise
-    assert [r["step"] for r in read_jsonl(os.path.join(run, "metrics.jsonl"))] == list(range(1, 13))
+    assert [r["step"] for r in read_jsonl(os.path.join(run, "metrics.jsonl"))] == list(range(1, 7))
 
 
 @pytest.mark.timeout(300)
