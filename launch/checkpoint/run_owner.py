@@ -29,7 +29,7 @@ from typing import Any, Optional
 from tp_fuse.safe_files import read_regular_file, write_atomic
 
 from .run_identity import IDENTITY_FILE, IDENTITY_LIMIT
-from .safe_dcp import CheckpointError
+from .errors import CheckpointError
 
 __all__ = ["live_owner_problem", "mark_ended"]
 
