@@ -1,10 +1,10 @@
 """Writing and reading a state dict with ``torch.distributed.checkpoint``, and one-line causes
 for its failures.
 
-The only module of the checkpoint package that imports DCP for saving and loading (DCP
-also loads DTensor and sympy: about a CPU-second). :class:`~tp_fuse.launch.checkpoint.manager.CheckpointManager`
-imports it at its first save or load, so a run that never checkpoints, and config
-validation, do not pay for it.
+This module and :mod:`~tp_fuse.launch.checkpoint.safe_dcp` (which it imports) are where the
+checkpoint package imports DCP. :class:`~tp_fuse.launch.checkpoint.manager.CheckpointManager`
+imports this one at its first save or load, so config validation (a CPU-second less: DCP
+also loads DTensor and sympy) and runs that never checkpoint do not import DCP.
 """
 
 from __future__ import annotations

@@ -212,7 +212,7 @@ class CheckpointManager:
             except OSError as exc:
                 problem = f"cannot create {tmp}: {exc.strerror or exc}"
         self._raise_if_any(problem, state.step)
-        # DCP (with DTensor and sympy) loads at the first save: runs that never save skip it.
+        # torch.distributed.checkpoint loads at the first save: runs that never save skip it.
         from . import dcp_io
 
         sd = build_state_dict(state, rt, fp8_rank=rt.rank, with_rng=True, for_load=False)
@@ -314,7 +314,7 @@ class CheckpointManager:
         Raises :class:`CheckpointError` for a missing, incomplete, corrupt or
         incompatible checkpoint (the same error on every rank).
         """
-        # DCP (with DTensor and sympy) loads at the first load: runs that start fresh skip it.
+        # torch.distributed.checkpoint loads at the first load: runs that start fresh skip it.
         from . import dcp_io
 
         rt = self.rt
