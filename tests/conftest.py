@@ -59,6 +59,7 @@ SLOW_MODULES = frozenset({
     "test_launch_cuda_graphs",
     "test_launch_grads",
     "test_launch_hf",
+    "test_launch_imports",
     "test_launch_observability",
     "test_launch_scripts",
     "test_launch_tokenizer",

@@ -45,11 +45,12 @@ DOCS = ["README.md", "docs/launcher-tour.md", "docs/launcher.md", "docs/debug.md
 MORE_DOCS = ("docs/launcher.md", "docs/debug.md", "docs/scale-out.md")
 SCALE = 50
 DEFAULT_STEPS = 4  # a command without trainer.max_steps (the launcher's default is 300)
-MAX_STEPS = 6  # trainer.max_steps=1000 would be 20 steps
+MAX_STEPS = 4  # trainer.max_steps=1000 would be 20 steps; 4 still logs (log_interval=1) and validates
 MAX_RUN_PROCESSES = 2  # the test box's cores: larger layouts are config-checked (module doc)
 STEP_KEYS = ("trainer.max_steps", "trainer.exit_at_step", "trainer.fail_at_step", "checkpoint.interval",
              "trainer.log_interval", "trainer.val_interval")
-EXTRA = ["trainer.val_tokens=2048", "trainer.progress=false"]
+# Validation runs at the last step: 2 windows of 128 tokens, one per rank at DP=2 (every rank validates).
+EXTRA = ["trainer.val_tokens=256", "trainer.progress=false"]
 PREPARE = "tp_fuse.launch.prepare_data"  # data preparation runs as written (before the training that reads it)
 
 

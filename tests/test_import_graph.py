@@ -6,7 +6,7 @@ is an edge ``importer -> imported`` (``from pkg import name`` points at ``pkg.na
 is a module, else at ``pkg``). ``if TYPE_CHECKING:`` imports never run and are left out.
 
 A function-local import is allowed only where it is listed in ``ALLOWED_LAZY`` with its
-reason: it defers an optional heavy dependency (Triton, dynamo) on purpose, or reaches the
+reason: it defers an optional heavy dependency (Triton, dynamo, DCP) on purpose, or reaches the
 TE room above through a package's lazy attribute. Everything else is imported at the top.
 A function-local import does not make a circle acceptable: with every edge counted, lazy
 ones included, the graph must have no circle, except through the edges of
@@ -29,6 +29,8 @@ FILE_PACKAGES = {"tp_fuse.comm", "tp_fuse.layers", "tp_fuse.launch"}
 
 _DYNAMO = "torch._dynamo is loaded only while compiling (tp_fuse/graph_breaks.py)"
 _TRITON = "Triton is optional and loaded only where a Triton kernel runs"
+_DCP = ("torch.distributed.checkpoint (with DTensor and sympy, about a CPU-second) is loaded at the first "
+        "checkpoint save or load, not by config validation or runs that never checkpoint")
 
 #: (importer, imported) -> why the import is inside a function.
 ALLOWED_LAZY: dict[tuple[str, str], str] = {
@@ -41,6 +43,7 @@ ALLOWED_LAZY: dict[tuple[str, str], str] = {
     ("tp_fuse.ops.compiled.fuser_path", "tp_fuse.ops.compiled.overlap"): _DYNAMO,
     ("tp_fuse.ops.compiled.fuser_path", "tp_fuse.ops.compiled.overlap_fp8"): _DYNAMO,
     ("tp_fuse.launch.trainer", "tp_fuse.launch.logging.compile_stats"): _DYNAMO,
+    ("tp_fuse.launch.checkpoint.manager", "tp_fuse.launch.checkpoint.dcp_io"): _DCP,
     ("tp_fuse.kernels.cast", "tp_fuse.kernels.cast_triton"): _TRITON,
     ("tp_fuse.kernels.gemm", "tp_fuse.kernels.gemm_triton"): _TRITON,
     ("tp_fuse.kernels.activations", "tp_fuse.kernels.activations_triton"): _TRITON,

@@ -15,7 +15,7 @@ import sys
 import pytest
 import torch
 
-from tp_fuse.launch.checkpoint import manager as ckpt_mod
+from tp_fuse.launch.checkpoint import dcp_io
 from tp_fuse.launch.api import compose, train
 from tp_fuse.launch.checkpoint.manager import CheckpointError
 from tp_fuse.launch.config_validate import validate
@@ -95,7 +95,7 @@ def test_non_finite_state_is_never_saved(tmp_path, monkeypatch):
 
 
 def test_write_failure_names_the_cause(tmp_path, monkeypatch):
-    real = ckpt_mod.FileSystemWriter
+    real = dcp_io.FileSystemWriter
 
     class FullDisk(real):
         def write_data(self, plan, planner):
@@ -103,7 +103,7 @@ def test_write_failure_names_the_cause(tmp_path, monkeypatch):
 
     ck = tmp_path / "ck"
     train([*SMALL, "trainer.max_steps=2", "checkpoint.interval=2", f"checkpoint.dir={ck}"], str(tmp_path / "run"))
-    monkeypatch.setattr(ckpt_mod, "FileSystemWriter", FullDisk)
+    monkeypatch.setattr(dcp_io, "FileSystemWriter", FullDisk)
     with pytest.raises(CheckpointError, match=rf"saving checkpoint step 4 in {ck} failed: no space left on the "
                                               rf"device of .*; the last good checkpoint .*step_00000002 is intact"):
         train([*SMALL, "trainer.max_steps=4", "checkpoint.interval=2", "checkpoint.resume=true",

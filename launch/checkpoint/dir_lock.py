@@ -45,7 +45,7 @@ from typing import Any, Callable, Optional
 
 from tp_fuse.safe_files import describe_kind, write_atomic
 
-from .safe_dcp import CheckpointError
+from .errors import CheckpointError
 
 __all__ = ["LOCK_FILE", "DirLock", "acquire", "check_record", "describe_holder"]
 

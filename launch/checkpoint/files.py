@@ -1,5 +1,8 @@
-"""Checkpoint files: the manifest (untrusted JSON), file hashes, atomic writes, and one-line
-causes for failed writes. Used by :mod:`tp_fuse.launch.checkpoint.manager`."""
+"""Checkpoint files: the names DCP writes, the manifest (untrusted JSON), file hashes, atomic
+writes, and one-line causes for failed writes. Used by :mod:`tp_fuse.launch.checkpoint.manager`.
+
+Nothing here imports ``torch.distributed.checkpoint``: what needs DCP's classes (its
+exceptions, ``.metadata``) is in :mod:`tp_fuse.launch.checkpoint.dcp_io`."""
 
 from __future__ import annotations
 
@@ -11,21 +14,20 @@ import resource
 import stat
 from typing import Any, Optional
 
-import torch
-from torch.distributed.checkpoint.api import CheckpointException as DCPCheckpointException
+import re
 
 from tp_fuse.safe_files import describe_kind, open_regular_file, read_regular_file
 from tp_fuse.safe_files import write_atomic as _write_atomic
 
+from .errors import CheckpointError
 from .run_identity import MANIFEST, MANIFEST_LIMIT
-from .safe_dcp import DATA_FILE, METADATA_FILE, CheckpointError, read_metadata
 
 __all__ = [
+    "DATA_FILE",
     "FORMAT_VERSION",
-    "chain",
-    "describe_dcp_failure",
+    "METADATA_FILE",
     "describe_os_error",
-    "describe_write_failure",
+    "file_size_limit",
     "file_table",
     "read_manifest",
     "verify_files",
@@ -33,6 +35,11 @@ __all__ = [
 ]
 
 FORMAT_VERSION = 1
+METADATA_FILE = ".metadata"
+#: The data files DCP's FileSystemWriter writes: ``__<rank>_<index>.distcp``.
+# Matched with fullmatch: `$` also matches before a trailing newline, so "__0_0.distcp\n"
+# passed; [0-9], not \d, which also matches non-ASCII digits.
+DATA_FILE = re.compile(r"__[0-9]+_[0-9]+\.distcp")
 
 
 def sha256(path: str) -> str:
@@ -59,41 +66,6 @@ def write_atomic(path: str, text: str) -> None:
     _write_atomic(path, text)
 
 
-def chain(exc: BaseException) -> list[BaseException]:
-    """``exc``, its causes/contexts and, for DCP's CheckpointException, every rank's failure."""
-    out, todo = [], [exc]
-    while todo:
-        e = todo.pop()
-        if e is None or any(e is seen for seen in out):
-            continue
-        out.append(e)
-        todo += [e.__cause__, e.__context__]
-        if isinstance(e, DCPCheckpointException):
-            todo += [pair[0] for pair in e.failures.values()]
-    return out
-
-
-def describe_dcp_failure(exc: BaseException) -> str:
-    """One line for a failure raised by ``dcp.load``/``dcp.save``.
-
-    DCP's ``CheckpointException`` prints ``CheckpointException ranks:dict_keys([0])``
-    followed by each rank's traceback; the real error (``Size mismatch between saved
-    torch.Size([64]) and current: torch.Size([128]) for model/...``) is at the end of it.
-    This gives each rank's own error, ranks with the same error named together.
-    """
-    if not isinstance(exc, DCPCheckpointException):
-        return " ".join(f"{type(exc).__name__}: {exc}".split())
-    by_text: dict[str, list[int]] = {}
-    for rank, failure in sorted(exc.failures.items()):
-        inner = failure[0] if isinstance(failure, tuple) else failure
-        text = describe_dcp_failure(inner) if isinstance(inner, BaseException) else repr(inner)
-        by_text.setdefault(text, []).append(rank)
-    if not by_text:
-        return "DCP failed without naming a rank's error"
-    return "; ".join(f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}: {text}"
-                     for text, ranks in by_text.items())
-
-
 def describe_os_error(exc: OSError, directory: str) -> str:
     if exc.errno == errno.ENOSPC:
         return f"no space left on the device of {directory}"
@@ -102,41 +74,15 @@ def describe_os_error(exc: OSError, directory: str) -> str:
     return f"{exc.strerror or exc} ({exc.filename or directory})"
 
 
-def _file_size_limit() -> Optional[int]:
+def file_size_limit() -> Optional[int]:
     """The process's ``RLIMIT_FSIZE`` soft limit in bytes (``ulimit -f``), None when unlimited."""
     soft, _ = resource.getrlimit(resource.RLIMIT_FSIZE)
     return None if soft == resource.RLIM_INFINITY else soft
 
 
 def _file_size_limit_text() -> str:
-    limit = _file_size_limit()
+    limit = file_size_limit()
     return "ulimit -f: unlimited" if limit is None else f"ulimit -f: {limit} bytes"
-
-
-def describe_write_failure(exc: BaseException, directory: str, sd: dict[str, Any]) -> str:
-    """One line naming the cause of a failed DCP write (DCP's own report is a traceback per rank)."""
-    errors = chain(exc)
-    for e in errors:
-        if isinstance(e, OSError) and e.errno is not None:
-            return describe_os_error(e, directory)
-    # torch.save reports a full disk, or a file cut short by the file-size limit (ulimit -f,
-    # which Python's ignored SIGXFSZ turns into a short write), as e.g. "unexpected pos 704
-    # vs 598": check the limit, then the space.
-    need = sum(t.numel() * t.element_size() for t in sd.values() if isinstance(t, torch.Tensor))
-    limit = _file_size_limit()
-    if limit is not None and limit < need:
-        return (f"this process's file-size limit (ulimit -f: {limit} bytes) is below this rank's part of the "
-                f"checkpoint (about {need} bytes) in {directory}; raise the limit")
-    try:
-        st = os.statvfs(directory if os.path.isdir(directory) else os.path.dirname(directory))
-        free = st.f_bavail * st.f_frsize
-    except OSError:
-        free = None
-    if free is not None and free < need:
-        return (f"no space left on the device of {directory} ({free} bytes free, this rank's part of the "
-                f"checkpoint needs about {need})")
-    inner = errors[-1] if len(errors) > 1 else exc
-    return f"{type(inner).__name__}: {str(inner).splitlines()[0] if str(inner) else ''}"
 
 
 _MANIFEST_FIELDS: dict[str, Any] = {
@@ -192,7 +138,8 @@ def read_manifest(path: str) -> dict[str, Any]:
     return manifest
 
 def verify_files(path: str, manifest: dict[str, Any], *, verify_hashes: bool) -> Optional[str]:
-    """What is wrong with the files of the checkpoint at ``path`` (None: nothing)."""
+    """What is wrong with the files the manifest of the checkpoint at ``path`` lists (None:
+    nothing); that ``.metadata`` names no other file is :func:`dcp_io.unlisted_file`'s check."""
     files = manifest["files"]
     for name, info in files.items():
         fpath = os.path.join(path, name)
@@ -209,10 +156,5 @@ def verify_files(path: str, manifest: dict[str, Any], *, verify_hashes: bool) ->
             return f"file {name} has {size} bytes, the manifest says {info['size']}"
         if verify_hashes and sha256(fpath) != info["sha256"]:
             return f"file {name} does not match its SHA-256 in the manifest (corrupt)"
-    # Every file DCP will open must be one the manifest vouches for.
-    metadata = read_metadata(path)
-    for info in metadata.storage_data.values():
-        if info.relative_path not in files:
-            return f"{METADATA_FILE} refers to {info.relative_path}, which the manifest does not list"
     return None
 

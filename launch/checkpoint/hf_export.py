@@ -38,7 +38,7 @@ import torch.distributed as dist
 from tp_fuse.layers.wrap.export import save_pretrained
 
 from ..preemption import STOP_SIGNALS, signal_name
-from .safe_dcp import CheckpointError
+from .errors import CheckpointError
 
 __all__ = ["ExportError", "ExportInterrupted", "check_export_target", "export_hf_directory", "partial_path"]
 

@@ -1,4 +1,5 @@
-"""Distributed checkpoints: save, find, verify and resume (``torch.distributed.checkpoint``).
+"""Distributed checkpoints: save, find, verify and resume (``torch.distributed.checkpoint``,
+through :mod:`tp_fuse.launch.checkpoint.dcp_io`, imported at the first save or load).
 
 Contents of ``<checkpoint.dir>/step_XXXXXXXX/``:
 
@@ -51,21 +52,17 @@ from typing import Any, Callable, Optional, Union
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import FileSystemWriter
-from torch.distributed.checkpoint.api import CheckpointException as DCPCheckpointException
 from torch.distributed.tensor import DTensor
 
 from ..runtime import Runtime
 from .dir_lock import DirLock
 from .dir_lock import acquire as acquire_dir_lock
-from .files import FORMAT_VERSION, chain, describe_dcp_failure, describe_os_error, describe_write_failure, file_table
-from .files import read_manifest, verify_files, write_atomic
+from .errors import CheckpointError
+from .files import FORMAT_VERSION, describe_os_error, file_table, read_manifest, verify_files, write_atomic
 from .run_identity import IDENTITY_FILE, MANIFEST, decide_start, decision_from_box, decision_to_box, list_step_dirs
 from .run_identity import read_manifest_run_id
 from .loaded_state import loaded_state_problem
 from .run_owner import live_owner_problem, mark_ended
-from .safe_dcp import CheckpointError, SafeFileSystemReader, SafeLoadPlanner
 from .training_state import TrainingState, apply_state_dict, build_state_dict, reseed_rng
 
 __all__ = ["CheckpointError", "CheckpointManager", "MANIFEST"]
@@ -215,12 +212,14 @@ class CheckpointManager:
             except OSError as exc:
                 problem = f"cannot create {tmp}: {exc.strerror or exc}"
         self._raise_if_any(problem, state.step)
+        # torch.distributed.checkpoint loads at the first save: runs that never save skip it.
+        from . import dcp_io
+
         sd = build_state_dict(state, rt, fp8_rank=rt.rank, with_rng=True, for_load=False)
         try:
-            writer = (self.writer_factory or FileSystemWriter)(tmp)
-            dcp.save(sd, storage_writer=writer, process_group=rt.topology.world_group)
-        except (Exception, DCPCheckpointException) as exc:  # DCP raises the same failure on every rank
-            cause = describe_write_failure(exc, tmp, sd)
+            dcp_io.write_state_dict(sd, tmp, self.writer_factory, rt.topology.world_group)
+        except dcp_io.FAILURES as exc:  # DCP raises the same failure on every rank
+            cause = dcp_io.describe_write_failure(exc, tmp, sd)
             if rt.is_rank0:
                 shutil.rmtree(tmp, ignore_errors=True)  # give the space back; the last good one stays
             raise CheckpointError(self._save_failed(state.step, cause)) from None
@@ -315,13 +314,17 @@ class CheckpointManager:
         Raises :class:`CheckpointError` for a missing, incomplete, corrupt or
         incompatible checkpoint (the same error on every rank).
         """
+        # torch.distributed.checkpoint loads at the first load: runs that start fresh skip it.
+        from . import dcp_io
+
         rt = self.rt
         problem: list[Optional[str]] = [None]
         manifest: dict[str, Any] = {}
         if rt.is_rank0:
             try:
                 manifest = read_manifest(path)
-                problem[0] = verify_files(path, manifest, verify_hashes=self.verify)
+                problem[0] = (verify_files(path, manifest, verify_hashes=self.verify)
+                              or dcp_io.unlisted_file(path, manifest["files"]))
                 if problem[0] is not None:
                     problem[0] = f"checkpoint {path} is corrupt: {problem[0]}"
                 elif not self.verify:
@@ -351,13 +354,12 @@ class CheckpointManager:
             state_for_load, rt, fp8_rank=rt.rank if same_layout else 0, with_rng=same_layout, for_load=True
         )
         try:
-            dcp.load(sd, storage_reader=SafeFileSystemReader(path), planner=SafeLoadPlanner(),
-                     process_group=rt.topology.world_group)
-        except (Exception, DCPCheckpointException) as exc:  # DCP's is a BaseException; name the checkpoint
-            ours = next((e for e in chain(exc) if isinstance(e, CheckpointError)), None)
+            dcp_io.read_state_dict(sd, path, rt.topology.world_group)
+        except dcp_io.FAILURES as exc:  # DCP's is a BaseException; name the checkpoint
+            ours = next((e for e in dcp_io.chain(exc) if isinstance(e, CheckpointError)), None)
             if ours is not None:
                 raise CheckpointError(f"checkpoint {path}: {ours}") from None
-            raise CheckpointError(f"checkpoint {path} could not be loaded: {describe_dcp_failure(exc)}") from exc
+            raise CheckpointError(f"checkpoint {path} could not be loaded: {dcp_io.describe_dcp_failure(exc)}") from exc
         self._refuse_out_of_range(path, sd)
         apply_state_dict(sd, state_for_load, rt, same_layout)
         state.step = int(sd["train/step"])

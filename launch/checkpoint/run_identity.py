@@ -34,7 +34,7 @@ from typing import Any, Optional, Union
 
 from tp_fuse.safe_files import read_regular_file, write_atomic
 
-from .safe_dcp import CheckpointError
+from .errors import CheckpointError
 
 __all__ = ["IDENTITY_FILE", "StartDecision", "decide_start", "list_step_dirs", "read_manifest_run_id"]
 

@@ -28,8 +28,8 @@ from typing import Any, Optional
 
 from tp_fuse.safe_files import read_regular_file, write_atomic
 
+from .errors import CheckpointError
 from .run_identity import IDENTITY_FILE, IDENTITY_LIMIT
-from .safe_dcp import CheckpointError
 
 __all__ = ["live_owner_problem", "mark_ended"]
 

@@ -25,7 +25,6 @@ from __future__ import annotations
 import io
 import os
 import pickle
-import re
 from collections.abc import Generator
 from contextlib import contextmanager
 from typing import Any
@@ -41,6 +40,8 @@ from tp_fuse.safe_files import open_regular_file, read_regular_file
 
 from .chunk_tiling import tiling_problem
 from .data_slices import SliceView, slice_limit, slice_problem
+from .errors import CheckpointError
+from .files import DATA_FILE, METADATA_FILE
 from .metadata_pickle import ALLOWED_GLOBALS, MetadataUnpickler, layout_by_name
 
 __all__ = [
@@ -52,17 +53,8 @@ __all__ = [
     "validate_metadata",
 ]
 
-METADATA_FILE = ".metadata"
 #: A few hundred bytes per tensor entry: even a 100B-parameter model stays far below this.
 MAX_METADATA_BYTES = 256 << 20
-#: The data files DCP's FileSystemWriter writes: ``__<rank>_<index>.distcp``.
-# Matched with fullmatch: `$` also matches before a trailing newline, so "__0_0.distcp\n"
-# passed; [0-9], not \d, which also matches non-ASCII digits.
-DATA_FILE = re.compile(r"__[0-9]+_[0-9]+\.distcp")
-
-
-class CheckpointError(ValueError):
-    """A checkpoint is missing, incomplete, corrupt, unsafe or incompatible with the config."""
 
 
 # The restricted unpickler lives in its own module; these names are part of this one's API.
