@@ -9,7 +9,7 @@ import pickle
 
 import pytest
 
-from tp_fuse.launch.checkpoint import manager as ckpt_mod
+from tp_fuse.launch.checkpoint import dcp_io
 from tp_fuse.launch.api import train
 from tp_fuse.launch.checkpoint.manager import MANIFEST, CheckpointError
 from tp_fuse.launch.checkpoint.files import read_manifest
@@ -47,7 +47,7 @@ def test_resume_repeats_the_exact_loss_trajectory(straight, tmp_path):
 
 def test_crash_during_save_keeps_the_last_good_checkpoint(straight, tmp_path, monkeypatch):
     ck = str(tmp_path / "ck")
-    real_save = ckpt_mod.dcp.save
+    real_save = dcp_io.dcp.save
     calls = []
 
     def save_then_crash(*args, **kwargs):
@@ -56,11 +56,11 @@ def test_crash_during_save_keeps_the_last_good_checkpoint(straight, tmp_path, mo
         if len(calls) == 2:
             raise RuntimeError("simulated crash in the middle of a save")  # ... but never completed
 
-    monkeypatch.setattr(ckpt_mod.dcp, "save", save_then_crash)
+    monkeypatch.setattr(dcp_io.dcp, "save", save_then_crash)
     with pytest.raises(CheckpointError, match=r"saving checkpoint step 8 .* failed: RuntimeError: simulated crash"
                        r".*the last good checkpoint .*step_00000004 is intact"):
         train([*COMMON, "checkpoint.interval=4", f"checkpoint.dir={ck}"], str(tmp_path / "run"))
-    monkeypatch.setattr(ckpt_mod.dcp, "save", real_save)
+    monkeypatch.setattr(dcp_io.dcp, "save", real_save)
     # The partial step 8 was removed (its space given back); step 4 and its pointer are untouched.
     assert sorted(os.listdir(ck)) == ["latest", "run.json", "step_00000004"]
     assert open(os.path.join(ck, "latest")).read().strip() == "step_00000004"
