@@ -9,6 +9,14 @@ from tp_fuse import settings
 # Tests import helpers such as `tolerances` and `dist_utils` as top-level modules.
 sys.path.insert(0, os.path.dirname(__file__))
 
+# The suite starts a few hundred Python processes (launcher runs, torchrun agents and ranks),
+# each importing tp_fuse's ~300 source files. Where the environment sets
+# PYTHONDONTWRITEBYTECODE (this project's CI image does), no bytecode is ever cached, and
+# every process compiled them again: ~0.4 CPU-s each. The suite's processes write it as
+# Python does by default (the gitignored __pycache__ folders); the variable's absence is
+# also what a user's shell has.
+os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
+
 
 # Test modules that start processes (torchrun / launcher subprocesses, 2-4 gloo ranks, the
 # Triton interpreter or a fresh venv in a subprocess) or compile with inductor. The process
