@@ -7,6 +7,7 @@ loaded, pickled weights refused, errors naming the file. Directories are written
 from __future__ import annotations
 
 import contextlib
+import functools
 import io
 import json
 import math
@@ -65,13 +66,21 @@ def _model_dir(root, *, weights: bool, seed: int = 0, kv_heads: int = 2, family:
         model_cls(cfg).save_pretrained(path, safe_serialization=True)
     else:
         cfg.save_pretrained(path)
+    with open(os.path.join(path, "tokenizer.json"), "w") as f:
+        f.write(_tokenizer_json())
+    return path
+
+
+@functools.cache
+def _tokenizer_json() -> str:
+    """A BPE tokenizer (vocabulary VOCAB) trained on a few kB, as tokenizer.json's text:
+    trained once per module, since every model directory here holds the same one."""
     tok = tokenizers.Tokenizer(tokenizers.models.BPE(unk_token="[UNK]"))
     tok.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
     trainer = tokenizers.trainers.BpeTrainer(vocab_size=VOCAB, special_tokens=["[UNK]"],
                                              initial_alphabet=tokenizers.pre_tokenizers.ByteLevel.alphabet())
     tok.train_from_iterator([stdlib_corpus()[:20000]], trainer=trainer)
-    tok.save(os.path.join(path, "tokenizer.json"))
-    return path
+    return tok.to_str()
 
 
 @pytest.mark.multirank
