@@ -65,9 +65,11 @@ def _runs(rank: int, world_size: int, root: str) -> dict[str, Any]:
     fp8 = ["parallel.sequence_parallel=true", "fp8=delayed", "fp8.amax_history_len=4", "trainer.max_steps=6"]
     out["fp8_fsdp_recompute"] = run("fp8a", *FSDP, *fp8, "trainer.activation_checkpointing=full")
     out["fp8_ddp"] = run("fp8b", *DDP, *fp8)
-    # The block-scaled and row-wise recipes (issue 12) under FSDP2 as well.
+    # The block-scaled and row-wise recipes (issue 12) under FSDP2 as well. 3 steps: step 3
+    # is the first computed from weights that Adam updated with its carried (sharded) state;
+    # these recipes keep no scaling history, so later steps repeat the same path.
     for recipe in ("current", "blockwise", "mxfp8", "rowwise"):
-        short = [f"fp8={recipe}", "trainer.max_steps=4"]
+        short = [f"fp8={recipe}", "trainer.max_steps=3"]
         out[f"{recipe}_fsdp"] = run(f"{recipe}a", *FSDP, *short)
         out[f"{recipe}_ddp"] = run(f"{recipe}b", *DDP, *short)
     out["groups"], out["threads"] = groups, threads
@@ -139,7 +141,7 @@ def test_every_fp8_recipe_under_fsdp_trains_like_ddp(runs, recipe) -> None:
 
     from tolerances import tols
 
-    assert sorted(runs[f"{recipe}_fsdp"]) == list(range(1, 5))
+    assert sorted(runs[f"{recipe}_fsdp"]) == list(range(1, 4))
     assert _max_diff(runs[f"{recipe}_fsdp"], runs[f"{recipe}_ddp"]) <= tols(torch.float32)["atol"]
 
 
