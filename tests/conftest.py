@@ -17,6 +17,13 @@ sys.path.insert(0, os.path.dirname(__file__))
 # also what a user's shell has.
 os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
 
+# Inductor compiles a graph's kernels in a pool of worker subprocesses (one per core), which
+# it starts and warms up in every process that compiles. On this suite's 2-core machine the
+# pool cost more than it saved (test_compile_tp_overlap, 2 compiling ranks: 94.6 CPU-s with
+# it, 80.2 without). One thread compiles in-process; set in the environment so that ranks and
+# launcher subprocesses the tests start inherit it (inductor's config reads it on import).
+os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
+
 
 # Test modules that start processes (torchrun / launcher subprocesses, 2-4 gloo ranks, the
 # Triton interpreter or a fresh venv in a subprocess) or compile with inductor. The process
