@@ -15,8 +15,10 @@ import gc
 # No garbage collection during start-up: imports (torch, sympy, hydra, wandb) create millions
 # of long-lived objects and little garbage, and each full collection walks all of them (seven
 # per run, 0.15-1 s each). run() freezes what the imports left, collects the start-up garbage
-# of the run once and re-enables the collector.
-gc.disable()
+# of the run once and re-enables the collector. Only when run as the program: importing this
+# file leaves the importer's collector alone.
+if __name__ == "__main__":
+    gc.disable()
 
 import os  # noqa: E402
 import sys  # noqa: E402
