@@ -54,7 +54,10 @@ def test_static_grads_persist_across_micro_batches_and_steps(tmp_path, monkeypat
         return real(micro)
 
     monkeypatch.setattr(tr.loader, "micro_batch", micro_batch)
-    result = tr.fit()
+    try:
+        result = tr.fit()
+    finally:
+        tr.rt.shutdown()  # the default group too: later tests in this worker check that none is left
     assert len(seen) == 6  # 3 steps x 2 micro-batches
     for i, now in enumerate(seen):
         assert now == ptrs, f"micro-batch call {i}: a .grad buffer was replaced"
@@ -70,6 +73,10 @@ def test_cuda_graphs_trains_like_eager(tmp_path, fp8):
     for graphs in (False, True):
         cfg = compose([*RUN, f"fp8={fp8}", "trainer.max_steps=10", "trainer.device=cuda",
                        f"trainer.cuda_graphs={str(graphs).lower()}", "optim.capturable=true"])
-        runs[graphs] = Trainer(cfg, start(cfg, validate(cfg, 1), str(tmp_path / f"run-{graphs}"))).fit()
+        tr = Trainer(cfg, start(cfg, validate(cfg, 1), str(tmp_path / f"run-{graphs}")))
+        try:
+            runs[graphs] = tr.fit()
+        finally:
+            tr.rt.shutdown()
     for step, loss in runs[False].losses.items():
         assert math.isclose(runs[True].losses[step], loss, rel_tol=3e-3), (step, runs[True].losses[step], loss)
