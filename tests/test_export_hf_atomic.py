@@ -4,8 +4,8 @@ failed export removes the partial directory, says so in one line, and the same c
 (``checkpoint.resume=auto``) then exports the saved checkpoint. The target is checked
 before training and again before the export.
 
-The SIGTERM at TP=2 is sent to a real torchrun job and the same command is run again; the
-SIGINT and the full disk (a file-size limit) run in this process and check the ExportError
+The SIGTERM at TP=2 is sent to a real torchrun job and the same command is run again (as
+``train()`` on 2 gloo ranks: the path launch/train.py runs, bit for bit); the SIGINT and the full disk (a file-size limit) run in this process and check the ExportError
 that launch/train.py prints as its one line."""
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ from tp_fuse.launch.checkpoint.hf_export import ExportError, check_export_target
 from tp_fuse.launch.checkpoint.manager import CheckpointError  # noqa: E402
 from tp_fuse.launch.config import CONFIG_DIR  # noqa: E402
 from tp_fuse.launch.config_errors import precheck  # noqa: E402
+from dist_utils import run_distributed  # noqa: E402
 from test_launch_hf import _model_dir  # noqa: E402
 from test_launch_train import ROOT, torchrun_command  # noqa: E402
 
@@ -71,8 +72,14 @@ def _exported(path) -> bool:
         os.path.getsize(os.path.join(path, "model.safetensors")) > 0
 
 
+def _train_on_two_ranks(rank: int, world_size: int, args: list[str], run_dir: str) -> bool:
+    """One rank of a 2-rank launcher run (inside run_distributed): is the run already complete?"""
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size))
+    return train(args, run_dir).already_complete
+
+
 @pytest.mark.multirank
-def test_sigterm_during_a_tp2_export_then_the_same_command_completes_it(tmp_path, model):
+def test_sigterm_during_a_tp2_export_then_the_same_command_completes_it(tmp_path, model, capfd):
     export = tmp_path / "hf"
     cmd, env = torchrun_command([*_args(tmp_path, export), "parallel.tp=2", f"hydra.run.dir={tmp_path / 'run'}"],
                                 env={"PYTHONPATH": f"{model}{os.pathsep}{ROOT}"})
@@ -93,9 +100,12 @@ def test_sigterm_during_a_tp2_export_then_the_same_command_completes_it(tmp_path
     assert "is kept: run the same command with checkpoint.resume=auto to export it" in err, err[-3000:]
     assert not export.exists() and not os.path.exists(partial_path(str(export)))
     assert "Traceback" not in err.split("[tp-fuse] error: checkpoint.export_hf")[0][-2000:], err[-3000:]
-    again = subprocess.run(cmd, env=env, cwd=str(tmp_path), capture_output=True, text=True, timeout=240)
-    assert again.returncode == 0, again.stderr[-3000:]
-    assert "the run is already complete" in again.stderr and _exported(export), again.stderr[-3000:]
+    capfd.readouterr()
+    # The same command again, as launch/train.py's train() on 2 gloo ranks (a torchrun start costs ~20 CPU-s more).
+    again = run_distributed(2, _train_on_two_ranks, [*_args(tmp_path, export), "parallel.tp=2"],
+                            str(tmp_path / "run"), timeout=300)
+    err = capfd.readouterr().err
+    assert again == [True, True] and "the run is already complete" in err and _exported(export), err[-3000:]
     assert not os.path.exists(partial_path(str(export)))
 
 
