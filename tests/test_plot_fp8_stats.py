@@ -98,11 +98,15 @@ def runs(tmp_path_factory):
 def test_plot_every_recipe(runs, recipe, tmp_path):
     stats = Fp8Stats(str(runs[recipe]))
     assert stats.gemm_names() == ["layers.0/fc1", "layers.0/fc2", "layers.1/fc1", "layers.1/fc2"]
-    out = tmp_path / "fp8.png"
-    assert plot(stats, str(out)) == "layers.0/fc1"
-    assert out.stat().st_size > 10_000
-    fig, _ = figure(stats, "layers.1/fc2")
     per_tensor = recipe in ("delayed", "current")
+    if recipe in ("delayed", "blockwise"):
+        # The image (plot() = figure() + savefig): one recipe of each kind of panels; the
+        # others draw the same panels through the same code (~1 CPU-s per image).
+        out = tmp_path / "fp8.png"
+        assert plot(stats, str(out)) == "layers.0/fc1"
+        assert out.stat().st_size > 10_000
+    fig, name = figure(stats, "layers.1/fc2")
+    assert name == "layers.1/fc2"
     panels = ["amax", "scale", "mse"] if per_tensor else ["amax", "block_scale_inv_min", "block_scale_inv_max", "mse"]
     titles = [ax.get_title() for ax in fig.axes if ax.get_visible()]
     assert len(titles) == len(panels) + 1 and titles[-1].startswith("underflow %")
