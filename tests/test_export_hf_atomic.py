@@ -5,8 +5,9 @@ failed export removes the partial directory, says so in one line, and the same c
 before training and again before the export.
 
 The SIGTERM at TP=2 is sent to a real torchrun job and the same command is run again (as
-``train()`` on 2 gloo ranks: the path launch/train.py runs, bit for bit); the SIGINT and the full disk (a file-size limit) run in this process and check the ExportError
-that launch/train.py prints as its one line."""
+``train()`` on 2 gloo ranks: the path launch/train.py runs, bit for bit); the SIGINT and
+the full disk (a file-size limit) run in this process and check the ExportError that
+launch/train.py prints as its one line."""
 
 from __future__ import annotations
 
