@@ -215,8 +215,9 @@ _FFN = {"opt": 64, "gptj": 64, "mixtral": 2 * 48, "qwen2_moe": 2 * 32 + 64, "qwe
 _GATED = ("gemma", "gemma2", "gemma3_text", "mixtral", "granite", "cohere", "stablelm", "qwen2_moe", "qwen3_moe")
 
 
-def _family_dir(root, family: str, seed: int) -> str:
-    """A model directory of ``family`` (tiny, random weights in safetensors, BPE tokenizer)."""
+def _family_dir(root, family: str, seed: int, weights: bool = True) -> str:
+    """A model directory of ``family`` (tiny, BPE tokenizer; random weights in safetensors, or
+    ``weights=False``: config.json only, for the tests that read sizes)."""
     config_cls, model_cls, fields = _NEW_FAMILIES[family]
     sizes = dict(_SIZES)
     if family in ("gptj", "bloom"):  # GPT-2's spellings; Bloom keeps hidden_size and has no position table
@@ -227,6 +228,9 @@ def _family_dir(root, family: str, seed: int) -> str:
     # initializer_range 0.3: large enough weights that a mis-sharded block changes the loss visibly.
     cfg = getattr(transformers, config_cls)(**sizes, **{"initializer_range": 0.3, **fields})
     path = _model_dir(root, weights=False)  # the tokenizer (and a llama config.json, replaced here)
+    if not weights:
+        cfg.save_pretrained(path)
+        return path
     torch.manual_seed(seed)
     getattr(transformers, model_cls)(cfg).save_pretrained(path, safe_serialization=True)
     return path
@@ -246,7 +250,7 @@ def test_new_families_sizes_read_as_transformers_reads_them(tmp_path):
     to them: Gemma's tie_word_embeddings=True), and the memory check's parameter count is
     the model's own (norms, biases and routers aside; every routed expert counted)."""
     for family in _NEW_FAMILIES:
-        path = _family_dir(tmp_path / family, family, seed=0)
+        path = _family_dir(tmp_path / family, family, seed=0, weights=False)
         cfg = transformers.AutoConfig.from_pretrained(path)
         f = hf_module.gpt_fields(path)
         assert (f["hidden_size"], f["num_heads"], f["num_layers"], f["vocab_size"], f["max_seq_len"]) == \
@@ -310,7 +314,7 @@ def test_flops_per_token_uses_config_head_dim(tmp_path):
     cfg = compose(["+model=hf", f"model.path={qwen3}", "data.seq_len=32"])
     assert model_flops_per_token(cfg) == expected(cfg, 128)
     assert model_flops_per_token(cfg) > flops_per_token(cfg.model.gpt, 32)  # hidden / heads = 8: too few
-    gptj = _family_dir(tmp_path / "gptj", "gptj", seed=0)
+    gptj = _family_dir(tmp_path / "gptj", "gptj", seed=0, weights=False)
     _edit_config(gptj, head_dim=64)
     cfg = compose(["+model=hf", f"model.path={gptj}", "data.seq_len=32"])
     assert model_flops_per_token(cfg) == expected(cfg, 8) == flops_per_token(cfg.model.gpt, 32)
