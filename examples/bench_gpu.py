@@ -92,7 +92,7 @@ SMOKE_BLOCKS = {"host_bound": dict(hidden=64, ffn=256, tokens=32),
 GPT_1B = ["model.hidden_size=2048", "model.num_layers=24", "model.num_heads=16", "model.max_seq_len=1024"]
 LAUNCHER = {"gpt_default": [], "gpt_1b": GPT_1B}
 SMOKE_LAUNCHER = {"gpt_default": ["model.num_layers=1", "model.hidden_size=64", "model.max_seq_len=32"],
-                  "gpt_1b": ["model.num_layers=2", "model.hidden_size=128", "model.max_seq_len=32"]}
+                  "gpt_1b": ["model.num_layers=2", "model.hidden_size=64", "model.max_seq_len=32"]}
 
 
 @dataclasses.dataclass

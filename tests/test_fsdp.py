@@ -1,7 +1,7 @@
 """FSDP2 x TP (gloo, 4 CPU ranks, one process start for the module).
 
 TP=2 x FSDP=2 trains like TP=2 x DP=2 (replicated data parallelism with the bucketed
-all-reduce): same losses within 1e-5 (fp32) for 10 SGD-momentum steps and the same final
+all-reduce): same losses within 1e-5 (fp32) for 6 SGD-momentum steps and the same final
 parameters, with and without sequence parallelism; HSDP (replicate 2 x shard 2) like
 DP=4; FP8 compute (delayed and current scaling) under FSDP2; meta-device init with only
 local shards materialized equals the eager model; FP8 weights are refused clearly.
@@ -23,7 +23,7 @@ pytestmark = pytest.mark.multirank
 SMALL = dict(vocab_size=64, max_seq_len=16, hidden_size=32, num_layers=2, num_heads=4)
 LLAMA = dict(SMALL, activation="swiglu", normalization="RMSNorm", position_embedding="rope",
              num_query_groups=2, tie_embeddings=False, bias=False)
-STEPS, SEQ, MICRO = 10, 16, 2
+STEPS, SEQ, MICRO = 6, 16, 2
 _CASES: dict[str, Callable[[int, int], Any]] = {}
 
 
@@ -68,7 +68,10 @@ def _train(model, *, tp_group, dp_group, dp_rank: int, dp_size: int, fsdp: bool,
     # partial sums that cancel) to steps of +-lr, so rounding-level differences of the
     # reduction order would show up as O(lr) parameter differences. SGD keeps parameter
     # differences proportional to gradient differences: a meaningful 1e-5 check.
-    opt = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9, foreach=False)
+    # lr 0.1: with lr 0.5 and momentum 0.9 the GPT's loss overshoots and is back below its
+    # first value only around step 10 (step 6: 4.21 > 4.18); at lr 0.1 it falls by step 6
+    # (4.18 -> 4.11) in every case here, so the "loss fell" check holds after 6 steps.
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, foreach=False)
     sp_params = sequence_parallel_params(model) if fsdp else []
     losses = []
     for step in range(steps):

@@ -32,6 +32,7 @@ from tp_fuse.launch.data import stdlib_corpus  # noqa: E402
 from tp_fuse.launch.models.hf import build_hf_model, load_tokenizer  # noqa: E402
 from tp_fuse.launch.logging.metrics import read_jsonl  # noqa: E402
 from dist_utils import run_distributed  # noqa: E402
+from frozen_heap import frozen_heap  # noqa: E402
 
 VOCAB = 320
 
@@ -102,7 +103,7 @@ def test_hf_phi3_tp2_checkpoint_resumes_at_tp1(tp2_runs, tmp_path):
     run_dir = _tp2_run(tp2_runs, "phi3")
     assert "plan for model_type 'phi3'" in tp2_runs["ranks"][0]["phi3"]["printed"]
     root = tp2_runs["root"] / "phi3"
-    args = _phi3_args(str(root / "model"))
+    args = _phi3_args(str(root / "model"), tp2_runs["corpus"])
     expected = {m["step"]: m["loss"] for m in read_jsonl(os.path.join(run_dir, "metrics.jsonl"))}
     assert sorted(expected) == [1, 2, 3, 4]
     ck = tmp_path / "ck1"
@@ -161,7 +162,8 @@ def _tp2_matches_tp1(tp2_runs, name: str, expected_lines: list[str], steps: int 
         assert line in out, (line, out[-3000:])
     tp2 = tp2_runs["ranks"][0][name]["losses"]
     root = tp2_runs["root"] / name
-    tp1 = train([*_family_args(str(root / "model"), steps), "parallel.tp=1"], str(root / "run1")).losses
+    tp1 = train([*_family_args(str(root / "model"), tp2_runs["corpus"], steps), "parallel.tp=1"],
+                str(root / "run1")).losses
     assert sorted(tp2) == list(range(1, steps + 1))
     for step in range(1, steps + 1):
         assert tp2[step] == pytest.approx(tp1[step], rel=1e-4), (step, tp2, tp1)
@@ -214,8 +216,9 @@ _FFN = {"opt": 64, "gptj": 64, "mixtral": 2 * 48, "qwen2_moe": 2 * 32 + 64, "qwe
 _GATED = ("gemma", "gemma2", "gemma3_text", "mixtral", "granite", "cohere", "stablelm", "qwen2_moe", "qwen3_moe")
 
 
-def _family_dir(root, family: str, seed: int) -> str:
-    """A model directory of ``family`` (tiny, random weights in safetensors, BPE tokenizer)."""
+def _family_dir(root, family: str, seed: int, weights: bool = True) -> str:
+    """A model directory of ``family`` (tiny, BPE tokenizer; random weights in safetensors, or
+    ``weights=False``: config.json only, for the tests that read sizes)."""
     config_cls, model_cls, fields = _NEW_FAMILIES[family]
     sizes = dict(_SIZES)
     if family in ("gptj", "bloom"):  # GPT-2's spellings; Bloom keeps hidden_size and has no position table
@@ -226,6 +229,9 @@ def _family_dir(root, family: str, seed: int) -> str:
     # initializer_range 0.3: large enough weights that a mis-sharded block changes the loss visibly.
     cfg = getattr(transformers, config_cls)(**sizes, **{"initializer_range": 0.3, **fields})
     path = _model_dir(root, weights=False)  # the tokenizer (and a llama config.json, replaced here)
+    if not weights:
+        cfg.save_pretrained(path)
+        return path
     torch.manual_seed(seed)
     getattr(transformers, model_cls)(cfg).save_pretrained(path, safe_serialization=True)
     return path
@@ -245,7 +251,7 @@ def test_new_families_sizes_read_as_transformers_reads_them(tmp_path):
     to them: Gemma's tie_word_embeddings=True), and the memory check's parameter count is
     the model's own (norms, biases and routers aside; every routed expert counted)."""
     for family in _NEW_FAMILIES:
-        path = _family_dir(tmp_path / family, family, seed=0)
+        path = _family_dir(tmp_path / family, family, seed=0, weights=False)
         cfg = transformers.AutoConfig.from_pretrained(path)
         f = hf_module.gpt_fields(path)
         assert (f["hidden_size"], f["num_heads"], f["num_layers"], f["vocab_size"], f["max_seq_len"]) == \
@@ -309,7 +315,7 @@ def test_flops_per_token_uses_config_head_dim(tmp_path):
     cfg = compose(["+model=hf", f"model.path={qwen3}", "data.seq_len=32"])
     assert model_flops_per_token(cfg) == expected(cfg, 128)
     assert model_flops_per_token(cfg) > flops_per_token(cfg.model.gpt, 32)  # hidden / heads = 8: too few
-    gptj = _family_dir(tmp_path / "gptj", "gptj", seed=0)
+    gptj = _family_dir(tmp_path / "gptj", "gptj", seed=0, weights=False)
     _edit_config(gptj, head_dim=64)
     cfg = compose(["+model=hf", f"model.path={gptj}", "data.seq_len=32"])
     assert model_flops_per_token(cfg) == expected(cfg, 8) == flops_per_token(cfg.model.gpt, 32)
@@ -317,14 +323,26 @@ def test_flops_per_token_uses_config_head_dim(tmp_path):
     assert model_flops_per_token(cfg) == flops_per_token(cfg.model.gpt, cfg.seq_len)
 
 
-def _family_args(model_dir: str, steps: int = 3) -> list[str]:
-    return ["+model=hf", f"model.path={model_dir}", "data.seq_len=32", "trainer.global_batch_size=4",
+def _family_args(model_dir: str, corpus: str, steps: int = 3) -> list[str]:
+    """A run of ``steps`` steps on ``corpus`` (:func:`_corpus`), tokenized by the model's tokenizer.json."""
+    return ["+model=hf", f"model.path={model_dir}", "data=text", f"data.paths=[{corpus}]", "data.seq_len=32", "trainer.global_batch_size=4",
             "trainer.micro_batch_size=4", f"trainer.max_steps={steps}", "trainer.log_interval=1",
             "trainer.val_interval=0", "logger=none", "trainer.progress=false", "optim.warmup_steps=1", "optim.lr=3e-3"]
 
 
-def _phi3_args(model_dir: str) -> list[str]:
-    return [*_family_args(model_dir, 4), "checkpoint.interval=2"]
+def _phi3_args(model_dir: str, corpus: str) -> list[str]:
+    return [*_family_args(model_dir, corpus, 4), "checkpoint.interval=2"]
+
+
+def _corpus(root) -> str:
+    """The training text of every run here: the 20 kB of the stdlib corpus the tokenizer was
+    trained on (13k tokens; the longest run reads 12 x 128). Each run tokenizes its corpus
+    (twice at TP=2, once per rank): the whole stdlib corpus (465 kB) cost 0.27 CPU-s a run,
+    ~15 CPU-s over this module's 54 tokenizations; which text it is does not matter here."""
+    path = os.path.join(str(root), "corpus.txt")
+    with open(path, "w", encoding="utf-8") as f:
+        f.write(stdlib_corpus()[:20000])
+    return path
 
 
 def _tp2_all(rank: int, world_size: int, root: str, runs: dict[str, list[str]]) -> dict[str, Any]:
@@ -335,15 +353,24 @@ def _tp2_all(rank: int, world_size: int, root: str, runs: dict[str, list[str]]) 
     inside these ranks."""
     os.environ.update({"WORLD_SIZE": str(world_size), "RANK": str(rank)})
     out: dict[str, Any] = {}
-    for name, args in runs.items():
-        printed = io.StringIO()
-        try:
-            with contextlib.redirect_stdout(printed), contextlib.redirect_stderr(printed):
-                losses = train([*args, "parallel.tp=2"], os.path.join(root, name, "run")).losses
-            out[name] = {"losses": losses, "printed": printed.getvalue()}
-        except Exception:  # noqa: BLE001 - reported to the parent, with what it printed
-            out[name] = {"error": traceback.format_exc(), "printed": printed.getvalue()}
+    with frozen_heap():  # the launcher's collection after each run skips the imports' objects
+        for name, args in runs.items():
+            printed = io.StringIO()
+            try:
+                with contextlib.redirect_stdout(printed), contextlib.redirect_stderr(printed):
+                    losses = train([*args, "parallel.tp=2"], os.path.join(root, name, "run")).losses
+                out[name] = {"losses": losses, "printed": printed.getvalue()}
+            except Exception:  # noqa: BLE001 - reported to the parent, with what it printed
+                out[name] = {"error": traceback.format_exc(), "printed": printed.getvalue()}
     return out
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _frozen_heap():
+    """The ~20 in-process train() runs of this module (TP=1 references, the Phi-3 resumes):
+    frozen_heap, ~0.25 CPU-s a run."""
+    with frozen_heap():
+        yield
 
 
 @pytest.fixture(scope="module")
@@ -351,19 +378,20 @@ def tp2_runs(tmp_path_factory) -> dict[str, Any]:
     """The TP=2 runs: Llama with FP8 and overlap (4 steps); Phi-3 with checkpoints every 2
     steps and an export; Qwen3 and OLMo2 (12 steps); every family of _NEW_FAMILIES (3 steps)."""
     root = tmp_path_factory.mktemp("hf_tp2")
+    corpus = _corpus(root)
     runs = {}
     model = _model_dir(root / "llama" / "model", weights=False)
-    runs["llama"] = [*_family_args(model, 4), "fp8=delayed", "overlap=on"]
+    runs["llama"] = [*_family_args(model, corpus, 4), "fp8=delayed", "overlap=on"]
     # initializer_range 0.3: large enough weights that a mis-assembled qkv changes the loss visibly.
     model = _model_dir(root / "phi3" / "model", weights=True, seed=3, family="phi3", initializer_range=0.3)
-    runs["phi3"] = [*_phi3_args(model), f"checkpoint.dir={root / 'phi3' / 'ck'}",
+    runs["phi3"] = [*_phi3_args(model, corpus), f"checkpoint.dir={root / 'phi3' / 'ck'}",
                     f"checkpoint.export_hf={root / 'phi3' / 'hf_tp2'}"]
     for family, seed in (("qwen3", 4), ("olmo2", 5)):
         model = _model_dir(root / family / "model", weights=True, seed=seed, family=family, initializer_range=0.3)
-        runs[family] = _family_args(model, 12)
+        runs[family] = _family_args(model, corpus, 12)
     for family in sorted(_NEW_FAMILIES):
-        runs[family] = _family_args(_family_dir(root / family / "model", family, seed=6))
-    return {"root": root, "ranks": run_distributed(2, _tp2_all, str(root), runs, timeout=900)}
+        runs[family] = _family_args(_family_dir(root / family / "model", family, seed=6), corpus)
+    return {"root": root, "corpus": corpus, "ranks": run_distributed(2, _tp2_all, str(root), runs, timeout=900)}
 
 
 def _tp2_run(tp2_runs, name: str) -> str:
@@ -390,7 +418,8 @@ def test_hf_family_tp2_matches_tp1(tp2_runs, family):
     tp2 = ranks[0]["losses"]
     assert ranks[1]["losses"] == tp2  # every rank reports the same (all-reduced) losses
     root = tp2_runs["root"]
-    tp1 = train([*_family_args(str(root / family / "model")), "parallel.tp=1"], str(root / family / "run1")).losses
+    tp1 = train([*_family_args(str(root / family / "model"), tp2_runs["corpus"]), "parallel.tp=1"],
+                str(root / family / "run1")).losses
     assert sorted(tp2) == [1, 2, 3]
     for step in (1, 2, 3):  # float32 reduction order only
         assert tp2[step] == pytest.approx(tp1[step], rel=1e-4), (step, tp2, tp1)

@@ -11,15 +11,19 @@ logits, loss, every gradient gathered, AdamW steps) or refused with one clear me
 * head counts stored on attention modules (OPT's ``-1`` reshape, StableLM, Bloom, GPT-2
   with an explicit plan) are localized; Bloom's ALiBi bias is sliced per rank;
 * every built-in family (the seven original ones too) trains like the unwrapped model;
+* the original families' state_dict keeps its keys, round-trips strictly into a freshly
+  wrapped copy and is saved in the unwrapped layout (GPT-2's Conv1D as [in, out/tp]);
 * refused: StableLM's per-head LayerNorm ModuleList, a tied ``lm_head`` in the plan, llama
-  with one KV head under an explicit plan, a bare ``LlamaModel``, megatron-core MoE
-  experts (one line, with the exclude that works -- and that exclude trains like
-  megatron-core's own TP);
+  with one KV head (built-in and explicit plan), a bare ``LlamaModel`` (one line each);
+  ``exclude=`` leaves a layer unconverted and says so in the report;
 * ``wrap(verify=...)`` compares the wrapped model with the original and names the first
   differing output and parameter (a fused ``[q; k; v]`` split as a plain column; the
   qwen3 bug with the fix switched off);
 * ``original_state_dict`` loads strictly into the unwrapped model (Conv1D layout, tied
   duplicates, persistent buffers) and ``save_pretrained`` writes a loadable directory.
+
+megatron-core models are in ``test_wrap_models.py``: this module's ranks import transformers
+only, that one's megatron-core only (each import is ~1.5-2 CPU-s a rank).
 """
 
 from __future__ import annotations
@@ -39,8 +43,6 @@ from dist_utils import case_values, run_cases, run_distributed
 
 pytestmark = pytest.mark.multirank
 
-# find_spec("megatron.core") raises (not None) when the megatron namespace is absent.
-HAVE_MEGATRON = importlib.util.find_spec("megatron") is not None and importlib.util.find_spec("megatron.core") is not None
 HAVE_TRANSFORMERS = importlib.util.find_spec("transformers") is not None
 _CASES: dict[str, Callable[[int, int], Any]] = {}
 V, S, B = 64, 8, 2
@@ -221,6 +223,8 @@ for _kind in ("qwen3", "gemma3", "phi", "stablelm", "opt", "bloom", "qwen3_moe")
     _user_plan_case(_kind)
 
 
+#: The families whose state_dict round trip is checked as well (one model more each).
+ROUND_TRIP = ("llama", "mistral", "qwen2", "gpt_neox", "gpt2")
 BUILTIN = ("gemma", "gemma2", "gemma3", "granite", "cohere", "starcoder2", "stablelm", "phi", "opt", "gptj", "bloom",
            "mixtral", "qwen2_moe", "qwen3_moe",
            # The seven original families (qwen3: train_qwen3), held to the same bar here --
@@ -237,9 +241,21 @@ def _builtin_case(kind: str) -> Callable[[int, int], Any]:
         group = _group()
         ref = _hf(kind)
         model = wrap(copy.deepcopy(ref), group, verbose=False)
+        keys_same = sorted(model.state_dict()) == sorted(ref.state_dict())
         out = _train_against_unwrapped(ref, model, group, steps=2)
         out["family"] = model.tp_fuse_wrap_report.family
         out["left"] = model.tp_fuse_wrap_report.left
+        if kind in ROUND_TRIP:
+            # The trained state_dict loads strictly into a freshly wrapped copy (GPT-2's Conv1D
+            # saved as [in, out/tp]), and wrap did not change its keys.
+            fresh = wrap(_hf(kind), group, verbose=False)
+            sd = model.state_dict()
+            fresh.load_state_dict(sd, strict=True)
+            mine = dict(model.named_parameters())
+            out["keys_same"] = keys_same
+            out["round_trip_equal"] = all(torch.equal(p, mine[n]) for n, p in fresh.named_parameters())
+            out["saved_shapes"] = {k: tuple(v.shape) for k, v in sd.items()
+                                   if k.endswith(("mlp.c_fc.weight", "mlp.up_proj.weight", "mlp.dense_h_to_4h.weight"))}
         return out
 
     run.__name__ = f"builtin_{kind}"
@@ -290,8 +306,22 @@ def refusals(rank: int, world: int) -> Any:
         "tied_lm_head": _error(lambda: wrap(_hf("llama", tie_word_embeddings=True), group,
                                             plan={**PLANS["llama"], "lm_head": "column"})),
         "mqa_explicit": _error(lambda: wrap(_hf("llama", num_key_value_heads=1), group, plan=PLANS["llama"])),
+        "mqa_builtin": _error(lambda: wrap(_hf("llama", num_key_value_heads=1), group)),
         "bare_llama": _error(lambda: wrap(_hf("llama").model, group)),
     }
+
+
+@hf_case
+def exclusion_reported(rank: int, world: int) -> Any:
+    """``exclude=`` leaves that layer's modules as they are, converts the rest, and says so."""
+    from tp_fuse.layers import wrap
+
+    group = _group()
+    ref = _hf("qwen3")
+    model = wrap(copy.deepcopy(ref), group, exclude=["model.layers.1.mlp"], verbose=False)
+    ids = _tokens(0)
+    return {"report": model.tp_fuse_wrap_report, "logits_rel": _rel(model(ids).logits, ref(ids).logits),
+            "layer1_untouched": type(model.model.layers[1].mlp.up_proj) is nn.Linear}
 
 
 # ---- a plain torch model without a probe: its first forward is traced --------------------
@@ -436,48 +466,6 @@ def export_original_layout(rank: int, world: int) -> Any:
     return out
 
 
-# ---- megatron-core MoE --------------------------------------------------------------------
-
-
-def _megatron_moe(world: int) -> nn.Module:
-    import megatron_cpu
-    from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-    from megatron.core.transformer.transformer_config import TransformerConfig
-
-    config = TransformerConfig(num_layers=2, hidden_size=16, num_attention_heads=4, use_cpu_initialization=True,
-                               tensor_model_parallel_size=world, params_dtype=torch.float32, attention_dropout=0.0,
-                               hidden_dropout=0.0, num_moe_experts=4, moe_router_topk=2, add_bias_linear=False,
-                               moe_token_dispatcher_type="allgather", moe_ffn_hidden_size=32, ffn_hidden_size=32)
-    megatron_cpu.install()
-    torch.manual_seed(7)
-    return GPTModel(config, get_gpt_layer_local_spec(num_experts=4), vocab_size=V, max_sequence_length=S)
-
-
-@case
-def megatron_moe(rank: int, world: int) -> Any:
-    if not HAVE_MEGATRON:
-        return {"skipped": "megatron.core is not installed"}
-    import megatron_cpu
-    from tp_fuse.layers import wrap
-
-    megatron_cpu.init_model_parallel(world)
-    group = _group()
-    out: dict[str, Any] = {"refused": _error(lambda: wrap(_megatron_moe(world), group, verbose=False))}
-    model, ref = _megatron_moe(world), _megatron_moe(world)
-    pos = torch.arange(S)[None].expand(B, S)
-    # verify= with a tuple probe: megatron's parameters are kept, compared shard to shard.
-    wrap(model, group, exclude=["decoder.layers.*.mlp.experts"], verify=(_tokens(2), pos, None), verbose=False)
-    out["verified"] = model.tp_fuse_wrap_report.verified
-    for m in (model, ref):
-        m.eval()  # megatron-core refuses MoE + TP without SP in training mode (a performance check)
-        m(_tokens(0), pos, None, labels=_tokens(1)).mean().backward()
-    grads = dict(model.named_parameters())
-    out["grad_rel"] = max(_rel(grads[n].grad, p.grad) for n, p in ref.named_parameters() if p.grad is not None)
-    out["converted"] = len(model.tp_fuse_wrap_report.converted)
-    return out
-
-
 def _run_all_cases(rank: int, world: int) -> dict[str, tuple[str, Any]]:
     return run_cases(_CASES, rank, world)
 
@@ -536,6 +524,12 @@ def test_builtin_family_plan_matches_unwrapped(results, kind: str) -> None:
             in v["left"], v["left"]
     if kind in ("gemma3", "qwen3_moe", "phi"):  # q/k norms shared by the heads
         assert v["synced"], kind
+    if kind in ROUND_TRIP:
+        assert f"plan for model_type {kind!r}" in v["report"], v["report"]
+        assert v["keys_same"], "state_dict keys changed by wrap"
+        assert v["round_trip_equal"]
+        want = {"gpt2": (32, 128 // 2)}.get(kind, (64 // 2, 32))  # Conv1D [in, out/tp]; Linear [out/tp, in]
+        assert set(v["saved_shapes"].values()) == {want}, v["saved_shapes"]
 
 
 def test_explicit_phi3_plan_keeps_local_head_counts(results) -> None:
@@ -550,10 +544,20 @@ def test_refusals_are_one_clear_message(results) -> None:
     assert "(2 modules)" in qk and "Exclude 'model.layers.*.self_attn'" in qk, qk
     tied = v["tied_lm_head"]
     assert "lm_head: its weight is tied to model.embed_tokens.weight" in tied and tied.count("\n  - ") == 1, tied
-    mqa = v["mqa_explicit"]
-    assert "llama: config.num_key_value_heads (1) is not divisible by the TP size (2)" in mqa, mqa
+    for mqa in (v["mqa_explicit"], v["mqa_builtin"]):
+        assert "llama: config.num_key_value_heads (1) is not divisible by the TP size (2)" in mqa, mqa
     bare = v["bare_llama"]
     assert "no module matches the built-in plan" in bare and "LlamaModel" in bare and bare.count("\n  - ") == 1, bare
+
+
+def test_exclusion_reported(results) -> None:
+    for v in case_values(results, "exclusion_reported"):
+        report = v["report"]
+        assert ("model.layers.1.mlp", "excluded by the caller") in report.left
+        converted = dict(report.converted)
+        assert "model.layers.0.mlp.up_proj" in converted and "model.layers.1.mlp.up_proj" not in converted
+        assert "model.layers.1.self_attn.q_proj" in converted
+        assert v["layer1_untouched"] and v["logits_rel"] < 1e-5
 
 
 def test_plain_model_traced_on_first_forward(results) -> None:
@@ -593,13 +597,3 @@ def test_export_original_state_dict_and_hf_directory(results) -> None:
         assert r["keys"] and r["rel"] < TOL and r["buffer"] == [0.0, 1.0, 2.0], r
         assert r["hf_keys"] and r["hf_rel"] < TOL, r
     assert v["tied_shared"]
-
-
-def test_megatron_moe_refusal_names_the_exclude_that_works(results) -> None:
-    v = case_values(results, "megatron_moe")[0]
-    refused = v["refused"]
-    assert refused.count("\n  - ") == 1, refused
-    assert "exclude=['decoder.layers.*.mlp.experts']" in refused and "16 megatron-core MoE expert layers" in refused
-    assert v["grad_rel"] == 0.0, v["grad_rel"]  # the excluded experts keep megatron-core's own TP
-    assert v["converted"] == 2 * 2 + 1, v["converted"]  # linear_qkv, linear_proj per layer + output layer
-    assert v["verified"]

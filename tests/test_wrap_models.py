@@ -6,9 +6,12 @@
   cross-entropy edits the logits in place: issue 10.1), FP8; state_dict keys/shapes,
   ``sharded_state_dict`` keys, ``grad_norm``/``full_grads``/``full_state_dict``,
   ``accumulate_into_main_grad``; megatron-core runs on CPU through ``megatron_cpu``'s shims;
-* transformers Llama / Qwen2 / GPT-NeoX / GPT-2 (Conv1D) with their built-in plans, TP=2
-  against the unwrapped model, including AdamW steps; MQA refused naming the KV heads;
-* a nanoGPT-style fused-QKV model with ``FusedColumn(3)``; exclusion and the report.
+* megatron-core MoE experts refused in one line naming the exclude that works, and with that
+  exclude the model trains like megatron-core's own TP;
+* a nanoGPT-style fused-QKV model with ``FusedColumn(3)``; in-place ops after the overlap fusions.
+
+transformers models are in ``test_wrap_correctness.py`` (every built-in family, refusals,
+exclusion, export): this module's ranks import megatron-core only, that one's transformers only.
 """
 
 from __future__ import annotations
@@ -29,7 +32,6 @@ pytestmark = pytest.mark.multirank
 
 # find_spec("megatron.core") raises (not None) when the megatron namespace is absent.
 HAVE_MEGATRON = importlib.util.find_spec("megatron") is not None and importlib.util.find_spec("megatron.core") is not None
-HAVE_TRANSFORMERS = importlib.util.find_spec("transformers") is not None
 _CASES: dict[str, Callable[[int, int], Any]] = {}
 V, S, B = 64, 8, 2
 
@@ -229,112 +231,6 @@ def launcher_megatron_gpt(rank: int, world: int) -> Any:
     return out
 
 
-# ---- Hugging Face ----------------------------------------------------------------------
-
-
-def _hf_model(kind: str, **over: Any) -> nn.Module:
-    import transformers as tf
-
-    common = dict(vocab_size=V, hidden_size=32, num_hidden_layers=2, num_attention_heads=4)
-    if kind == "gpt2":
-        cfg = tf.GPT2Config(vocab_size=V, n_embd=32, n_layer=2, n_head=4, n_positions=S, resid_pdrop=0.0,
-                            bos_token_id=0, eos_token_id=0,
-                            embd_pdrop=0.0, attn_pdrop=0.0, **over)
-        cls = tf.GPT2LMHeadModel
-    elif kind == "gpt_neox":
-        cfg = tf.GPTNeoXConfig(**common, intermediate_size=64, max_position_embeddings=S, **over)
-        cls = tf.GPTNeoXForCausalLM
-    else:
-        config_cls = {"llama": tf.LlamaConfig, "qwen2": tf.Qwen2Config, "qwen3": tf.Qwen3Config,
-                      "mistral": tf.MistralConfig}[kind]
-        cfg = config_cls(**{"num_key_value_heads": 2, **common, "intermediate_size": 64,
-                            "max_position_embeddings": S, **over})
-        cls = {"llama": tf.LlamaForCausalLM, "qwen2": tf.Qwen2ForCausalLM, "qwen3": tf.Qwen3ForCausalLM,
-               "mistral": tf.MistralForCausalLM}[kind]
-    torch.manual_seed(3)
-    model = cls(cfg)
-    with torch.no_grad():  # non-trivial biases and norms (zero/one inits hide layout bugs)
-        for n, p in model.named_parameters():
-            if n.endswith("bias") or "norm" in n or "ln" in n:
-                p.add_(0.1 * torch.randn(p.shape, generator=torch.Generator().manual_seed(len(n))))
-    return model
-
-
-def _hf_case(rank: int, world: int, kind: str) -> dict[str, Any]:
-    from tp_fuse.layers import full_grads, wrap
-
-    group = dist.new_group(list(range(world)))
-    ref = _hf_model(kind)
-    model = wrap(copy.deepcopy(ref), group)
-    out: dict[str, Any] = {"report": str(model.tp_fuse_wrap_report),
-                           "keys_same": sorted(model.state_dict()) == sorted(ref.state_dict())}
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    opt_ref = torch.optim.AdamW(ref.parameters(), lr=1e-2)
-    losses, losses_ref = [], []
-    for step in range(3):
-        ids = _tokens(step)
-        res, res_ref = model(ids, labels=ids), ref(ids, labels=ids)
-        res.loss.backward()
-        res_ref.loss.backward()
-        losses.append(res.loss.item())
-        losses_ref.append(res_ref.loss.item())
-        if step == 0:
-            out["logits_rel"] = _rel(res.logits.detach(), res_ref.logits.detach())
-            fg, g_ref = full_grads(model, group), _grads(ref)
-            # full_grads gathers Conv1D weights in the GEMM layout [out, in]: compare transposed.
-            conv1d = {f"{n}.weight" for n, m in ref.named_modules() if type(m).__name__ == "Conv1D"}
-            out["grad_rel"] = max(_rel(fg[n].t() if n in conv1d else fg[n], g) for n, g in g_ref.items())
-        for o in (opt, opt_ref):
-            o.step()
-            o.zero_grad()
-    out["losses"], out["losses_ref"] = losses, losses_ref
-    # state_dict round trip into a freshly wrapped copy (strict); GPT-2 Conv1D saved as [in, out/tp].
-    fresh = wrap(_hf_model(kind), group, verbose=False)
-    sd = model.state_dict()
-    fresh.load_state_dict(sd, strict=True)
-    mine = dict(model.named_parameters())
-    out["round_trip_equal"] = all(torch.equal(p, mine[n]) for n, p in fresh.named_parameters())
-    out["saved_shapes"] = {k: tuple(v.shape) for k, v in sd.items() if k.endswith(("mlp.c_fc.weight",
-                                                                                  "mlp.up_proj.weight", "mlp.dense_h_to_4h.weight"))}
-    return out
-
-
-def _hf(kind: str) -> Callable[[int, int], Any]:
-    def run(rank: int, world: int) -> Any:
-        if not HAVE_TRANSFORMERS:
-            return {"skipped": "transformers is not installed"}
-        return _hf_case(rank, world, kind)
-
-    run.__name__ = f"hf_{kind}"
-    return case(run)
-
-
-for _kind in ("llama", "mistral", "qwen2", "gpt_neox", "gpt2"):
-    _hf(_kind)
-
-
-@case
-def hf_mqa_refused_and_exclusion(rank: int, world: int) -> Any:
-    if not HAVE_TRANSFORMERS:
-        return {"skipped": "transformers is not installed"}
-    from tp_fuse.layers import wrap
-
-    group = dist.new_group(list(range(world)))
-    out = {}
-    try:
-        wrap(_hf_model("llama", num_key_value_heads=1), group)
-        out["mqa"] = "no error"
-    except ValueError as e:
-        out["mqa"] = str(e)
-    ref = _hf_model("qwen3")
-    model = wrap(copy.deepcopy(ref), group, exclude=["model.layers.1.mlp"])
-    out["report"] = model.tp_fuse_wrap_report
-    ids = _tokens()
-    out["logits_rel"] = _rel(model(ids).logits.detach(), ref(ids).logits.detach())
-    out["layer1_untouched"] = type(model.model.layers[1].mlp.up_proj) is nn.Linear
-    return out
-
-
 # ---- nanoGPT-style fused QKV -----------------------------------------------------------
 
 
@@ -405,6 +301,57 @@ def in_place_after_overlap_fusions(rank: int, world: int) -> Any:
     return out
 
 
+# ---- megatron-core MoE (here, not in test_wrap_correctness.py: this module's ranks import
+# megatron-core anyway, ~2 CPU-s a rank) -----------------------------------------------------
+
+
+def _error(fn: Callable[[], Any]) -> str:
+    try:
+        fn()
+    except ValueError as e:
+        return str(e)
+    return "no error"
+
+
+def _megatron_moe(world: int) -> nn.Module:
+    import megatron_cpu
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    config = TransformerConfig(num_layers=2, hidden_size=16, num_attention_heads=4, use_cpu_initialization=True,
+                               tensor_model_parallel_size=world, params_dtype=torch.float32, attention_dropout=0.0,
+                               hidden_dropout=0.0, num_moe_experts=4, moe_router_topk=2, add_bias_linear=False,
+                               moe_token_dispatcher_type="allgather", moe_ffn_hidden_size=32, ffn_hidden_size=32)
+    megatron_cpu.install()
+    torch.manual_seed(7)
+    return GPTModel(config, get_gpt_layer_local_spec(num_experts=4), vocab_size=V, max_sequence_length=S)
+
+
+@case
+def megatron_moe(rank: int, world: int) -> Any:
+    if not HAVE_MEGATRON:
+        return {"skipped": "megatron.core is not installed"}
+    import megatron_cpu
+    from tp_fuse.layers import wrap
+
+    megatron_cpu.init_model_parallel(world)
+    group = dist.new_group(list(range(world)))
+    out: dict[str, Any] = {"refused": _error(lambda: wrap(_megatron_moe(world), group, verbose=False))}
+    model, ref = _megatron_moe(world), _megatron_moe(world)
+    pos = torch.arange(S)[None].expand(B, S)
+    # verify= with a tuple probe: megatron's parameters are kept, compared shard to shard.
+    wrap(model, group, exclude=["decoder.layers.*.mlp.experts"], verify=(_tokens(2), pos, None), verbose=False)
+    out["verified"] = model.tp_fuse_wrap_report.verified
+    for m in (model, ref):
+        m.eval()  # megatron-core refuses MoE + TP without SP in training mode (a performance check)
+        m(_tokens(0), pos, None, labels=_tokens(1)).mean().backward()
+    grads = dict(model.named_parameters())
+    out["grad_rel"] = max(_rel(grads[n].grad, p.grad) for n, p in ref.named_parameters() if p.grad is not None)
+    out["converted"] = len(model.tp_fuse_wrap_report.converted)
+    return out
+
+
 def _run_all_cases(rank: int, world: int) -> dict[str, tuple[str, Any]]:
     return run_cases(_CASES, rank, world)
 
@@ -444,30 +391,6 @@ def test_megatron_fp8_and_main_grad(results) -> None:
         assert v["dummy_grads_zero"] and v["hooks_fired_for_fused"] and v["tied_main_grad_is_output_layer_part"]
 
 
-@pytest.mark.parametrize("kind", ["llama", "mistral", "qwen2", "gpt_neox", "gpt2"])
-def test_hf_family_plan_matches_unwrapped(results, kind: str) -> None:
-    for v in case_values(results, f"hf_{kind}"):
-        assert v["keys_same"], "state_dict keys changed by wrap"
-        assert v["logits_rel"] < 1e-5 and v["grad_rel"] < 1e-4, (v["logits_rel"], v["grad_rel"])
-        for a, b in zip(v["losses"], v["losses_ref"]):
-            assert abs(a - b) <= 1e-5 * abs(b), (v["losses"], v["losses_ref"])
-        assert f"plan for model_type {kind!r}" in v["report"]
-        assert v["round_trip_equal"]
-        want = {"gpt2": (32, 128 // 2)}.get(kind, (64 // 2, 32))  # Conv1D [in, out/tp]; Linear [out/tp, in]
-        assert set(v["saved_shapes"].values()) == {want}, v["saved_shapes"]
-
-
-def test_hf_mqa_refused_and_exclusion_reported(results) -> None:
-    for v in case_values(results, "hf_mqa_refused_and_exclusion"):
-        assert "config.num_key_value_heads (1) is not divisible by the TP size (2)" in v["mqa"], v["mqa"]
-        report = v["report"]
-        assert ("model.layers.1.mlp", "excluded by the caller") in report.left
-        converted = dict(report.converted)
-        assert "model.layers.0.mlp.up_proj" in converted and "model.layers.1.mlp.up_proj" not in converted
-        assert "model.layers.1.self_attn.q_proj" in converted
-        assert v["layer1_untouched"] and v["logits_rel"] < 1e-5
-
-
 def test_nanogpt_fused_qkv(results) -> None:
     for v in case_values(results, "nanogpt_fused_qkv"):
         assert v["fused"] < 1e-5, v
@@ -494,3 +417,13 @@ def test_launcher_megatron_gpt_builder(results) -> None:
             assert r["loss_vs_masked_mean"] < 1e-5 and r["sp_loss"] < 1e-5, r
             assert r["sp_grad_rel"] < 1e-5, r
             assert r["converted"] == 2 * 4 + 1, r  # qkv, proj, fc1, fc2 per layer + output layer
+
+
+def test_megatron_moe_refusal_names_the_exclude_that_works(results) -> None:
+    v = case_values(results, "megatron_moe")[0]
+    refused = v["refused"]
+    assert refused.count("\n  - ") == 1, refused
+    assert "exclude=['decoder.layers.*.mlp.experts']" in refused and "16 megatron-core MoE expert layers" in refused
+    assert v["grad_rel"] == 0.0, v["grad_rel"]  # the excluded experts keep megatron-core's own TP
+    assert v["converted"] == 2 * 2 + 1, v["converted"]  # linear_qkv, linear_proj per layer + output layer
+    assert v["verified"]
