@@ -16,7 +16,6 @@ from typing import Any
 import pytest
 
 from dist_utils import run_distributed
-from frozen_heap import frozen_heap
 
 TINY = [
     "+model=gpt", "model.num_layers=2", "model.hidden_size=64", "model.num_heads=2", "data.seq_len=32",
@@ -32,13 +31,6 @@ DDP = ["parallel.dp_shard=1"]
 
 
 def _runs(rank: int, world_size: int, root: str) -> dict[str, Any]:
-    # The launcher collects garbage after each of the 15 runs: over the imports' objects,
-    # 0.2 CPU-s a run and rank, unless they are frozen (frozen_heap).
-    with frozen_heap():
-        return _launcher_runs(rank, world_size, root)
-
-
-def _launcher_runs(rank: int, world_size: int, root: str) -> dict[str, Any]:
     import torch.distributed as dist
 
     from tp_fuse.launch.api import train

@@ -16,7 +16,6 @@ from typing import Any
 import pytest
 
 from dist_utils import run_distributed
-from frozen_heap import frozen_heap
 from tp_fuse.launch.api import compose
 from tp_fuse.launch.config_validate import validate
 from tp_fuse.launch.logging.metrics import read_jsonl
@@ -34,20 +33,12 @@ def _tp_runs(rank: int, world_size: int, root: str) -> dict[str, Any]:
     # An exception propagates: run_distributed reports its traceback and stops the other
     # rank at once (returned as a result, it left the other rank waiting in a collective).
     out: dict[str, Any] = {}
-    with frozen_heap():  # the launcher's collection after each run skips the imports' objects
-        for recipe in RECIPES:
-            train([*args, "trainer.max_steps=3", "trainer.log_interval=1", "trainer.val_interval=0", "logger=none",
-                   f"fp8={recipe}", "parallel.tp=2", "parallel.sequence_parallel=true", "overlap=on"],
-                  os.path.join(root, recipe))
-            out[recipe] = "done"
+    for recipe in RECIPES:
+        train([*args, "trainer.max_steps=3", "trainer.log_interval=1", "trainer.val_interval=0", "logger=none",
+               f"fp8={recipe}", "parallel.tp=2", "parallel.sequence_parallel=true", "overlap=on"],
+              os.path.join(root, recipe))
+        out[recipe] = "done"
     return out
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _frozen_heap():
-    """The in-process train() runs of this module (frozen_heap: ~0.25 CPU-s a run)."""
-    with frozen_heap():
-        yield
 
 
 @pytest.fixture(scope="module")

@@ -32,7 +32,6 @@ from tp_fuse.launch.data import stdlib_corpus  # noqa: E402
 from tp_fuse.launch.models.hf import build_hf_model, load_tokenizer  # noqa: E402
 from tp_fuse.launch.logging.metrics import read_jsonl  # noqa: E402
 from dist_utils import run_distributed  # noqa: E402
-from frozen_heap import frozen_heap  # noqa: E402
 
 VOCAB = 320
 
@@ -353,24 +352,15 @@ def _tp2_all(rank: int, world_size: int, root: str, runs: dict[str, list[str]]) 
     inside these ranks."""
     os.environ.update({"WORLD_SIZE": str(world_size), "RANK": str(rank)})
     out: dict[str, Any] = {}
-    with frozen_heap():  # the launcher's collection after each run skips the imports' objects
-        for name, args in runs.items():
-            printed = io.StringIO()
-            try:
-                with contextlib.redirect_stdout(printed), contextlib.redirect_stderr(printed):
-                    losses = train([*args, "parallel.tp=2"], os.path.join(root, name, "run")).losses
-                out[name] = {"losses": losses, "printed": printed.getvalue()}
-            except Exception:  # noqa: BLE001 - reported to the parent, with what it printed
-                out[name] = {"error": traceback.format_exc(), "printed": printed.getvalue()}
+    for name, args in runs.items():
+        printed = io.StringIO()
+        try:
+            with contextlib.redirect_stdout(printed), contextlib.redirect_stderr(printed):
+                losses = train([*args, "parallel.tp=2"], os.path.join(root, name, "run")).losses
+            out[name] = {"losses": losses, "printed": printed.getvalue()}
+        except Exception:  # noqa: BLE001 - reported to the parent, with what it printed
+            out[name] = {"error": traceback.format_exc(), "printed": printed.getvalue()}
     return out
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _frozen_heap():
-    """The ~20 in-process train() runs of this module (TP=1 references, the Phi-3 resumes):
-    frozen_heap, ~0.25 CPU-s a run."""
-    with frozen_heap():
-        yield
 
 
 @pytest.fixture(scope="module")
