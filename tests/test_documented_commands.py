@@ -37,6 +37,7 @@ import torch
 
 from tp_fuse.launch.config_errors import CONFIG_DIR, precheck
 from tp_fuse.launch.data import stdlib_corpus
+from preloaded_launcher import PreloadedLauncher, forkable
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DOCS = ["README.md", "docs/launcher-tour.md", "docs/launcher.md", "docs/debug.md", "docs/scale-out.md"]
@@ -179,26 +180,44 @@ def test_the_extraction_finds_the_documented_commands():
     assert len(skipped) <= 6, skipped  # only what needs GPUs, several nodes or the user's files
 
 
+@pytest.fixture(scope="module")
+def launcher(tmp_path_factory):
+    """The module's ``python launch/train.py`` commands run in forks of one process that has
+    imported the script's modules (tests/preloaded_launcher.py: what is the same, and why)."""
+    helper = PreloadedLauncher(_env(), str(tmp_path_factory.mktemp("launcher_home")))
+    yield helper
+    helper.close()
+
+
 @pytest.mark.slow
 @pytest.mark.multirank
 @pytest.mark.parametrize("commands", cases([d for d in DOCS if d not in MORE_DOCS]))
-def test_documented_commands_run_as_written(commands, tmp_path):
-    run_block(commands, tmp_path)
+def test_documented_commands_run_as_written(commands, tmp_path, launcher):
+    run_block(commands, tmp_path, launcher)
 
 
-def run_block(commands: list[str], tmp_path) -> None:
-    """Run one block's commands in order in ``tmp_path`` (see the module doc)."""
+def _env() -> dict[str, str]:
+    """The commands' environment (``HOME`` and ``PET_MASTER_PORT`` are set per command)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("WANDB_", "HYDRA_", "PET_"))}
+    env.update({"PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled"})
+    return env
+
+
+def run_block(commands: list[str], tmp_path, launcher: PreloadedLauncher) -> None:
+    """Run one block's commands in order in ``tmp_path`` (see the module doc); a plain
+    ``python launch/train.py ...`` in a fork of ``launcher``, the others as subprocesses."""
     # As from a clone: relative paths such as configs/debug/example_features.yaml resolve.
     os.symlink(os.path.join(ROOT, "configs"), tmp_path / "configs")
     corpus = stdlib_corpus()
     for name in ("book.txt", "book1.txt", "book2.txt"):
         (tmp_path / name).write_text(corpus[: 60_000], encoding="utf-8")
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("WANDB_", "HYDRA_", "PET_"))}
-    env.update({"PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled", "HOME": str(tmp_path / "home")})
     for cmd in commands:
         argv = _prepare(cmd, str(tmp_path))
-        proc = subprocess.run(argv, cwd=tmp_path, env={**env, "PET_MASTER_PORT": str(_free_port())},
-                              capture_output=True, text=True, timeout=400)
+        env = {**_env(), "HOME": str(tmp_path / "home"), "PET_MASTER_PORT": str(_free_port())}
+        if forkable(cmd):
+            proc = launcher.run(argv[2:], str(tmp_path), env, timeout=400)
+        else:
+            proc = subprocess.run(argv, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=400)
         out = proc.stdout + proc.stderr
         assert proc.returncode == 0, f"{cmd}\n-> {' '.join(argv)}\nfailed ({proc.returncode}):\n{out[-5000:]}"
         if "checkpoint.resume=true" in cmd:
