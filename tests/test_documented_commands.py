@@ -5,8 +5,9 @@ directory (a checkpoint sequence is one block). What the test changes, and only 
 
 * step counts are divided by ``SCALE`` (``trainer.max_steps``, ``exit_at_step``,
   ``fail_at_step``, ``checkpoint.interval``, ``log_interval``, ``val_interval``), a run is
-  at most ``MAX_STEPS`` steps long (``DEFAULT_STEPS`` for a command without
-  ``trainer.max_steps``: the suite's time is the commands' start-up and steps) and
+  at most ``MAX_STEPS`` steps long (also a command without ``trainer.max_steps`` that sets
+  another step: its checkpoint, exit or failure comes before the end; ``DEFAULT_STEPS`` for
+  a command that sets none: the suite's time is the commands' start-up and steps) and
   validation is shortened (``trainer.val_tokens``);
 * torchrun's rendezvous port comes from the environment (``PET_MASTER_PORT``, a free port:
   tests never use a fixed one), W&B runs with ``WANDB_MODE=disabled``, ``make`` targets use a
@@ -45,7 +46,9 @@ DOCS = ["README.md", "docs/launcher-tour.md", "docs/launcher.md", "docs/debug.md
 # about as long, and make test's two pytest-xdist workers (whole modules each) share them.
 MORE_DOCS = ("docs/launcher.md", "docs/debug.md", "docs/scale-out.md")
 SCALE = 50
-DEFAULT_STEPS = 4  # a command without trainer.max_steps (the launcher's default is 300)
+# A command that sets no step (the launcher's default is 300): 2 steps, the second with the
+# FP8 scales the first measured, and the last step logs and validates whatever the intervals.
+DEFAULT_STEPS = 2
 MAX_STEPS = 4  # trainer.max_steps=1000 would be 20 steps; 4 still logs (log_interval=1) and validates
 MAX_RUN_PROCESSES = 2  # the test box's cores: larger layouts are config-checked (module doc)
 STEP_KEYS = ("trainer.max_steps", "trainer.exit_at_step", "trainer.fail_at_step", "checkpoint.interval",
@@ -104,17 +107,17 @@ def _checked_only(cmd: str) -> bool:
 
 
 def _scale(args: list[str]) -> list[str]:
-    out, has_max = [], False
+    out, has_max, has_step = [], False, False
     for a in args:
         key, _, value = a.partition("=")
         if key in STEP_KEYS and value.isdigit():
-            steps = max(1, round(int(value) / SCALE))
+            steps, has_step = max(1, round(int(value) / SCALE)), True
             if key == "trainer.max_steps":
                 steps, has_max = min(steps, MAX_STEPS), True
             a = f"{key}={steps}"
         out.append(a)
     if not has_max:
-        out.append(f"trainer.max_steps={DEFAULT_STEPS}")
+        out.append(f"trainer.max_steps={MAX_STEPS if has_step else DEFAULT_STEPS}")
     return out + EXTRA
 
 
