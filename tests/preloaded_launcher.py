@@ -140,14 +140,15 @@ def _serve(script: str) -> dict:
     os.close(null)
     # As `python launch/train.py` has it: the script's folder first (the script takes it off).
     sys.path[0] = os.path.dirname(script)
-    gc.disable()  # as train.py imports (its run() collects and enables the collector)
+    # As train.py imports (its run() freezes the imports' objects, collects once and enables
+    # the collector): a child starts with the collector state of a fresh run's imports.
+    gc.disable()
     runpy.run_path(script, run_name="__preloaded__")
     # Every run imports it too, when it builds its optimizer (torch.optim's constructors call
     # functions wrapped by torch._compile.disable_dynamo, which imports it on the first call):
     # ~1 CPU-s of each run's start-up, here once.
     importlib.import_module("torch._dynamo")
     _assert_no_state_from({"HOME": os.environ["HOME"], "working directory": os.getcwd()})
-    gc.freeze()  # as train.py's run() does first: no child's collection walks (and copies) them
     answers.write(b'{"ready": true}\n')
     answers.flush()
     for line in requests:
