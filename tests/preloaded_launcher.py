@@ -4,7 +4,10 @@ imported what the script imports (torch, Hydra, tp_fuse.launch: ~4.5 of a run's 
 A command still runs its script as ``python launch/train.py`` does: the helper process
 (started once, with the commands' environment) executes the script once under another name,
 which imports exactly the script's modules and runs nothing else (train.py's ``__main__``
-parts, the collector switch included, are skipped). Per command it forks; the child sets the
+parts, the collector switch included, are skipped), and imports ``torch._dynamo``, which
+every run imports when it builds its optimizer (so a launcher module that used it before
+then, without importing it, would pass here: the launcher tests that start real processes
+would catch that). Per command it forks; the child sets the
 command's working directory, environment, argv and standard streams (``stdin`` from
 /dev/null, ``stdout``/``stderr`` to files), leaves the helper's loop and runs the script with
 ``runpy.run_path(script, run_name="__main__")`` at the top level of the program, so the
