@@ -5,8 +5,9 @@ directory (a checkpoint sequence is one block). What the test changes, and only 
 
 * step counts are divided by ``SCALE`` (``trainer.max_steps``, ``exit_at_step``,
   ``fail_at_step``, ``checkpoint.interval``, ``log_interval``, ``val_interval``), a run is
-  at most ``MAX_STEPS`` steps long (``DEFAULT_STEPS`` for a command without
-  ``trainer.max_steps``: the suite's time is the commands' start-up and steps) and
+  at most ``MAX_STEPS`` steps long (also a command without ``trainer.max_steps`` that sets
+  another step: its checkpoint, exit or failure comes before the end; ``DEFAULT_STEPS`` for
+  a command that sets none: the suite's time is the commands' start-up and steps) and
   validation is shortened (``trainer.val_tokens``);
 * torchrun's rendezvous port comes from the environment (``PET_MASTER_PORT``, a free port:
   tests never use a fixed one), W&B runs with ``WANDB_MODE=disabled``, ``make`` targets use a
@@ -37,6 +38,7 @@ import torch
 
 from tp_fuse.launch.config_errors import CONFIG_DIR, precheck
 from tp_fuse.launch.data import stdlib_corpus
+from preloaded_launcher import PreloadedLauncher, forkable
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DOCS = ["README.md", "docs/launcher-tour.md", "docs/launcher.md", "docs/debug.md", "docs/scale-out.md"]
@@ -44,7 +46,9 @@ DOCS = ["README.md", "docs/launcher-tour.md", "docs/launcher.md", "docs/debug.md
 # about as long, and make test's two pytest-xdist workers (whole modules each) share them.
 MORE_DOCS = ("docs/launcher.md", "docs/debug.md", "docs/scale-out.md")
 SCALE = 50
-DEFAULT_STEPS = 4  # a command without trainer.max_steps (the launcher's default is 300)
+# A command that sets no step (the launcher's default is 300): 2 steps, the second with the
+# FP8 scales the first measured, and the last step logs and validates whatever the intervals.
+DEFAULT_STEPS = 2
 MAX_STEPS = 4  # trainer.max_steps=1000 would be 20 steps; 4 still logs (log_interval=1) and validates
 MAX_RUN_PROCESSES = 2  # the test box's cores: larger layouts are config-checked (module doc)
 STEP_KEYS = ("trainer.max_steps", "trainer.exit_at_step", "trainer.fail_at_step", "checkpoint.interval",
@@ -103,17 +107,17 @@ def _checked_only(cmd: str) -> bool:
 
 
 def _scale(args: list[str]) -> list[str]:
-    out, has_max = [], False
+    out, has_max, has_step = [], False, False
     for a in args:
         key, _, value = a.partition("=")
         if key in STEP_KEYS and value.isdigit():
-            steps = max(1, round(int(value) / SCALE))
+            steps, has_step = max(1, round(int(value) / SCALE)), True
             if key == "trainer.max_steps":
                 steps, has_max = min(steps, MAX_STEPS), True
             a = f"{key}={steps}"
         out.append(a)
     if not has_max:
-        out.append(f"trainer.max_steps={DEFAULT_STEPS}")
+        out.append(f"trainer.max_steps={MAX_STEPS if has_step else DEFAULT_STEPS}")
     return out + EXTRA
 
 
@@ -179,26 +183,44 @@ def test_the_extraction_finds_the_documented_commands():
     assert len(skipped) <= 6, skipped  # only what needs GPUs, several nodes or the user's files
 
 
+@pytest.fixture(scope="module")
+def launcher(tmp_path_factory):
+    """The module's ``python launch/train.py`` commands run in forks of one process that has
+    imported the script's modules (tests/preloaded_launcher.py: what is the same, and why)."""
+    helper = PreloadedLauncher(_env(), str(tmp_path_factory.mktemp("launcher_home")))
+    yield helper
+    helper.close()
+
+
 @pytest.mark.slow
 @pytest.mark.multirank
 @pytest.mark.parametrize("commands", cases([d for d in DOCS if d not in MORE_DOCS]))
-def test_documented_commands_run_as_written(commands, tmp_path):
-    run_block(commands, tmp_path)
+def test_documented_commands_run_as_written(commands, tmp_path, launcher):
+    run_block(commands, tmp_path, launcher)
 
 
-def run_block(commands: list[str], tmp_path) -> None:
-    """Run one block's commands in order in ``tmp_path`` (see the module doc)."""
+def _env() -> dict[str, str]:
+    """The commands' environment (``HOME`` and ``PET_MASTER_PORT`` are set per command)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("WANDB_", "HYDRA_", "PET_"))}
+    env.update({"PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled"})
+    return env
+
+
+def run_block(commands: list[str], tmp_path, launcher: PreloadedLauncher) -> None:
+    """Run one block's commands in order in ``tmp_path`` (see the module doc); a plain
+    ``python launch/train.py ...`` in a fork of ``launcher``, the others as subprocesses."""
     # As from a clone: relative paths such as configs/debug/example_features.yaml resolve.
     os.symlink(os.path.join(ROOT, "configs"), tmp_path / "configs")
     corpus = stdlib_corpus()
     for name in ("book.txt", "book1.txt", "book2.txt"):
         (tmp_path / name).write_text(corpus[: 60_000], encoding="utf-8")
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("WANDB_", "HYDRA_", "PET_"))}
-    env.update({"PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled", "HOME": str(tmp_path / "home")})
     for cmd in commands:
         argv = _prepare(cmd, str(tmp_path))
-        proc = subprocess.run(argv, cwd=tmp_path, env={**env, "PET_MASTER_PORT": str(_free_port())},
-                              capture_output=True, text=True, timeout=400)
+        env = {**_env(), "HOME": str(tmp_path / "home"), "PET_MASTER_PORT": str(_free_port())}
+        if forkable(cmd):
+            proc = launcher.run(argv[2:], str(tmp_path), env, timeout=400)
+        else:
+            proc = subprocess.run(argv, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=400)
         out = proc.stdout + proc.stderr
         assert proc.returncode == 0, f"{cmd}\n-> {' '.join(argv)}\nfailed ({proc.returncode}):\n{out[-5000:]}"
         if "checkpoint.resume=true" in cmd:

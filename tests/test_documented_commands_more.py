@@ -7,11 +7,11 @@ suite's longest part.
 from __future__ import annotations
 
 import pytest
-from test_documented_commands import MORE_DOCS, cases, run_block
+from test_documented_commands import MORE_DOCS, cases, launcher, run_block  # noqa: F401 (launcher: a fixture)
 
 
 @pytest.mark.slow
 @pytest.mark.multirank
 @pytest.mark.parametrize("commands", cases(MORE_DOCS))
-def test_documented_commands_run_as_written(commands, tmp_path):
-    run_block(commands, tmp_path)
+def test_documented_commands_run_as_written(commands, tmp_path, launcher):
+    run_block(commands, tmp_path, launcher)
