@@ -15,7 +15,7 @@ inductor compile costs tens of seconds on 2 CPU cores):
   ``tp_fuse::fp8_cast`` nodes carry: one inductor case covers both. The layer's
   high-precision graph is this graph's LayerNorm, attention, GELU and bias ops with plain
   GEMMs: fp32 under inductor to 1e-5 is checked on the TP layer, whose graph holds the same
-  ops, in ``test_compile_tp.py``; the high-precision trace here, bf16 under ``aot_eager``.)
+  ops, in ``test_compile_tp_overlap.py`` (``inductor-default``); the high-precision trace here, bf16 under ``aot_eager``.)
 * ``aot_eager`` (the same graph, aten kernels): FP8 delayed state and outputs bit-identical
   to eager after 3 steps -- the recipe state is updated by the same code in the same order;
   no recompilation after the first step (delayed scaling rebinds its state buffers there);

@@ -6,12 +6,15 @@ graph with the GEMMs. Each rank compiles its layer and compares it with an eager
 from the same seed: 2 SGD steps, outputs, input gradients and parameters (fp32: 1e-5, as
 the other compiled==eager checks; FP8 delayed: equal amax histories and scales).
 
-Cases: sequence parallel (AllGather / ReduceScatter) and not (Copy / AllReduce), fp32 and
-FP8 delayed (amax group = the TP group). One inductor case (fp32 + SP); the rest use
-``aot_eager`` (the same traced graph run by aten: inductor compiles cost tens of seconds per
-rank on 2 shared cores). ``fullgraph=True`` everywhere, FP8 with sequence parallelism
-included: the layer's check that the amax group covers the TP group reads the mirrored
-autocast state, and still raises its ValueError under compile for a group that does not.
+One case here: sequence parallelism with FP8 delayed scaling (amax group = the TP group)
+under ``aot_eager``, on a layer built without ``overlap=`` (each comm op's own default
+``TPOverlap``). The other combinations -- fp32 + SP under inductor, fp32 and FP8 delayed
+without SP -- run in test_compile_tp_overlap.py on the same layer, sizes, seeds and steps
+(``inductor-default``, ``aot_eager-gemm_ar``, ``aot_eager-fp8-delayed-gemm_ar``), with an
+explicit ``TPOverlap`` and stricter checks (aot_eager bit-identical to eager, the number of
+overlap windows in the graph). ``fullgraph=True``: the layer's check that the amax group
+covers the TP group reads the mirrored autocast state, and still raises its ValueError
+under compile for a group that does not.
 """
 
 from __future__ import annotations
@@ -32,9 +35,6 @@ from dist_utils import run_distributed
 
 SEQ, BATCH, HIDDEN, FFN, HEADS = 8, 2, 32, 64, 2
 CASES = [  # (name, sequence_parallel, fp8, backend)
-    ("sp-fp32-inductor", True, False, "inductor"),
-    ("nosp-fp32", False, False, "aot_eager"),
-    ("nosp-delayed", False, True, "aot_eager"),
     ("sp-delayed", True, True, "aot_eager"),
 ]
 
