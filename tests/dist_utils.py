@@ -368,3 +368,13 @@ def case_values(results: list[dict[str, tuple[str, Any]]], name: str) -> list[An
             pytest.skip(value["skipped"])
         values.append(value)
     return values
+
+
+def value_error(fn: Callable[[], Any]) -> str:
+    """The message of the ValueError ``fn()`` raises, or ``"no error"``: a refusal checked
+    inside a rank, returned to the parent as a picklable string."""
+    try:
+        fn()
+    except ValueError as e:
+        return str(e)
+    return "no error"

@@ -39,7 +39,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from dist_utils import case_values, run_cases, run_distributed
+from dist_utils import case_values, run_cases, run_distributed, value_error
 
 pytestmark = pytest.mark.multirank
 
@@ -288,26 +288,18 @@ for _kind in ("gpt2", "phi3"):
     _explicit_case(_kind)
 
 
-def _error(fn: Callable[[], Any]) -> str:
-    try:
-        fn()
-    except ValueError as e:
-        return str(e)
-    return "no error"
-
-
 @hf_case
 def refusals(rank: int, world: int) -> Any:
     from tp_fuse.layers import wrap
 
     group = _group()
     return {
-        "stablelm_qk": _error(lambda: wrap(_hf("stablelm", qk_layernorm=True), group, plan=PLANS["stablelm"])),
-        "tied_lm_head": _error(lambda: wrap(_hf("llama", tie_word_embeddings=True), group,
+        "stablelm_qk": value_error(lambda: wrap(_hf("stablelm", qk_layernorm=True), group, plan=PLANS["stablelm"])),
+        "tied_lm_head": value_error(lambda: wrap(_hf("llama", tie_word_embeddings=True), group,
                                             plan={**PLANS["llama"], "lm_head": "column"})),
-        "mqa_explicit": _error(lambda: wrap(_hf("llama", num_key_value_heads=1), group, plan=PLANS["llama"])),
-        "mqa_builtin": _error(lambda: wrap(_hf("llama", num_key_value_heads=1), group)),
-        "bare_llama": _error(lambda: wrap(_hf("llama").model, group)),
+        "mqa_explicit": value_error(lambda: wrap(_hf("llama", num_key_value_heads=1), group, plan=PLANS["llama"])),
+        "mqa_builtin": value_error(lambda: wrap(_hf("llama", num_key_value_heads=1), group)),
+        "bare_llama": value_error(lambda: wrap(_hf("llama").model, group)),
     }
 
 
@@ -400,13 +392,13 @@ def verify_pass(rank: int, world: int) -> Any:
     block = FusedQKVBlock()
     out: dict[str, Any] = {
         # Refused by the trace before anything changes (issue 39): the model chunks c_attn in 3.
-        "plain_column": _error(lambda: wrap(copy.deepcopy(block), group, plan={"c_attn": "column", "c_proj": "row"},
+        "plain_column": value_error(lambda: wrap(copy.deepcopy(block), group, plan={"c_attn": "column", "c_proj": "row"},
                                             verify=x, verbose=False)),
         # Six parts where the model cuts three: no cut inside a part, so only verification
         # sees it; it names the first differing module output and the plan entries behind it.
-        "six_parts": _error(lambda: wrap(copy.deepcopy(block), group, plan={"c_attn": FusedColumn(6), "c_proj": "row"},
+        "six_parts": value_error(lambda: wrap(copy.deepcopy(block), group, plan={"c_attn": FusedColumn(6), "c_proj": "row"},
                                          verify=x, verbose=False)),
-        "not_hf": _error(lambda: wrap(copy.deepcopy(block), group, plan={"c_attn": FusedColumn(3)}, verify=True)),
+        "not_hf": value_error(lambda: wrap(copy.deepcopy(block), group, plan={"c_attn": FusedColumn(3)}, verify=True)),
     }
     model = wrap(copy.deepcopy(block), group, plan={"c_attn": FusedColumn(3), "c_proj": "row"}, verify=x,
                  verbose=False)
@@ -417,7 +409,7 @@ def verify_pass(rank: int, world: int) -> Any:
         saved = wrap_module.sync_traced
         wrap_module.sync_traced = lambda *a, **k: []
         try:
-            out["qwen3_unsynced"] = _error(lambda: wrap(_hf("qwen3"), group, verify=True, verbose=False))
+            out["qwen3_unsynced"] = value_error(lambda: wrap(_hf("qwen3"), group, verify=True, verbose=False))
         finally:
             wrap_module.sync_traced = saved
         out["qwen3_verified"] = wrap(_hf("qwen3"), group, verify=True, verbose=False).tp_fuse_wrap_report.verified

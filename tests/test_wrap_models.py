@@ -26,7 +26,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from dist_utils import case_values, run_cases, run_distributed
+from dist_utils import case_values, run_cases, run_distributed, value_error
 
 pytestmark = pytest.mark.multirank
 
@@ -305,14 +305,6 @@ def in_place_after_overlap_fusions(rank: int, world: int) -> Any:
 # megatron-core anyway, ~2 CPU-s a rank) -----------------------------------------------------
 
 
-def _error(fn: Callable[[], Any]) -> str:
-    try:
-        fn()
-    except ValueError as e:
-        return str(e)
-    return "no error"
-
-
 def _megatron_moe(world: int) -> nn.Module:
     import megatron_cpu
     from megatron.core.models.gpt import GPTModel
@@ -337,7 +329,7 @@ def megatron_moe(rank: int, world: int) -> Any:
 
     megatron_cpu.init_model_parallel(world)
     group = dist.new_group(list(range(world)))
-    out: dict[str, Any] = {"refused": _error(lambda: wrap(_megatron_moe(world), group, verbose=False))}
+    out: dict[str, Any] = {"refused": value_error(lambda: wrap(_megatron_moe(world), group, verbose=False))}
     model, ref = _megatron_moe(world), _megatron_moe(world)
     pos = torch.arange(S)[None].expand(B, S)
     # verify= with a tuple probe: megatron's parameters are kept, compared shard to shard.
