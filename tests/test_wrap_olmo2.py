@@ -33,8 +33,8 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from dist_utils import case_values, run_cases, run_distributed
-from test_wrap_correctness import V, _check_trained, _error, _train_against_unwrapped
+from dist_utils import case_values, run_cases, run_distributed, value_error
+from test_wrap_correctness import V, _check_trained, _train_against_unwrapped
 
 pytestmark = pytest.mark.multirank
 
@@ -101,9 +101,9 @@ def refusals(rank: int, world: int) -> Any:
 
     torch.manual_seed(0)
     return {
-        "llama_plan": _error(lambda: wrap(_olmo2(), group, plan=llama_plan, verbose=False)),
-        "not_sharded_input": _error(lambda: wrap(_olmo2(), group, plan=not_sharded, verbose=False)),
-        "layernorm": _error(lambda: wrap(LayerNormAfterColumn(), group, plan={"up": "column", "norm": "sharded_norm",
+        "llama_plan": value_error(lambda: wrap(_olmo2(), group, plan=llama_plan, verbose=False)),
+        "not_sharded_input": value_error(lambda: wrap(_olmo2(), group, plan=not_sharded, verbose=False)),
+        "layernorm": value_error(lambda: wrap(LayerNormAfterColumn(), group, plan={"up": "column", "norm": "sharded_norm",
                                                                                "down": "row"}, verbose=False)),
     }
 
@@ -145,18 +145,18 @@ def replicated_norms(rank: int, world: int) -> Any:
 
     def first_forward(norm: nn.Module) -> list[str]:
         model = wrap(plain(norm), group, plan=plan, verbose=False)  # no probe: traced at the first forward
-        return [_error(lambda: model(x)) for _ in range(2)]
+        return [value_error(lambda: model(x)) for _ in range(2)]
 
     out: dict[str, Any] = {
         "rmsnorm_first_forward": first_forward(nn.RMSNorm(16)),
         "weightless_first_forward": first_forward(WeightlessRMSNorm(16)),
         "layernorm_first_forward": first_forward(nn.LayerNorm(16)),
-        "rmsnorm_probe": _error(lambda: wrap(plain(nn.RMSNorm(16)), group, plan=plan, verify=x, verbose=False)),
+        "rmsnorm_probe": value_error(lambda: wrap(plain(nn.RMSNorm(16)), group, plan=plan, verify=x, verbose=False)),
     }
     # An OLMo2-like model of no built-in family (so no family check): only the trace sees it.
     olmo_like = _olmo2()
     olmo_like.config.model_type = "my_olmo2_fork"
-    out["olmo2_like_llama_plan"] = _error(lambda: wrap(olmo_like, group, plan=FAMILIES["llama"].plan_for(
+    out["olmo2_like_llama_plan"] = value_error(lambda: wrap(olmo_like, group, plan=FAMILIES["llama"].plan_for(
         olmo_like.config), verbose=False))
     # Accepted: the norm sharded with the features.
     ref = plain(nn.RMSNorm(16))
